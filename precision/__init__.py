@@ -1,0 +1,58 @@
+"""precision: mixed-precision training for JAX/Flax.
+
+Policies parsed from strings (``"params=f32,compute=f16"`` or a preset),
+applied to unmodified Flax modules with per-module rules; loss scales whose
+state lives in the train state; an optax wrapper that unscales, skips
+non-finite steps, keeps float32 master weights and adjusts the loss scale.
+The jmp API is a subset: ``import precision as jmp`` runs jmp code.
+"""
+
+from precision.policy import (
+    PRESETS,
+    Policy,
+    PolicyError,
+    cast_to_full,
+    cast_to_half,
+    get_policy,
+    half_dtype,
+    parse_dtype,
+)
+from precision.loss_scale import (
+    LOSS_SCALE_KINDS,
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    all_finite,
+    get_loss_scale,
+    select_tree,
+)
+from precision.rules import (
+    NORM_CLASSES,
+    SOFTMAX_PATTERNS,
+    Rule,
+    default_rules,
+    get_rules,
+    norm_rules,
+)
+from precision.modules import LinenWithPolicy, NNXWithPolicy, with_policy
+from precision.optim import (
+    MixedPrecisionState,
+    current_loss_scale,
+    find_mixed_precision_state,
+    mixed_precision,
+    needs_master_weights,
+)
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "PRESETS", "Policy", "PolicyError", "cast_to_full", "cast_to_half", "get_policy",
+    "half_dtype", "parse_dtype",
+    "LOSS_SCALE_KINDS", "DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale",
+    "all_finite", "get_loss_scale", "select_tree",
+    "NORM_CLASSES", "SOFTMAX_PATTERNS", "Rule", "default_rules", "get_rules", "norm_rules",
+    "LinenWithPolicy", "NNXWithPolicy", "with_policy",
+    "MixedPrecisionState", "current_loss_scale", "find_mixed_precision_state",
+    "mixed_precision", "needs_master_weights",
+)

@@ -1,0 +1,227 @@
+"""Applying a precision policy to unmodified Flax modules (Linen and NNX).
+
+``with_policy(module, policy, rules)`` returns an object with the module's own
+contract (``init`` / ``apply`` for Linen, a callable ``nnx.Module`` for NNX):
+params are stored in the param dtype, cast to the compute dtype on the way
+in, inputs are cast to the compute dtype, outputs to the output dtype. The
+casts sit inside the differentiated function, so gradients with respect to
+float32 params come back in float32. Module state other than params (BatchNorm
+statistics) stays in its own dtype (float32) whatever the compute dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import flax.linen as nn
+from flax import nnx
+
+from precision.policy import Policy, get_policy
+from precision.rules import Resolver, Rule, as_rules, class_names_of, get_rules
+
+__all__ = ["with_policy", "LinenWithPolicy", "NNXWithPolicy"]
+
+PathClasses = dict[tuple[str, ...], tuple[str, ...]]
+
+
+def with_policy(module: Any, policy: "str | Policy", rules: "Iterable[Any] | None" = None):
+    """Puts an unmodified Flax module under a precision policy.
+
+    Args:
+      module: a ``flax.linen.Module`` or a ``flax.nnx.Module``.
+      policy: a :class:`Policy`, a ``jmp.Policy`` or a spec string / preset.
+      rules: ordered ``(pattern, policy)`` pairs, first match wins (see
+        :mod:`precision.rules`). ``None`` means the preset's rules when
+        ``policy`` is a preset name (O1 adds softmax, O3 has none), otherwise
+        normalization layers in float32. Pass ``[]`` for no rules.
+
+    Returns:
+      A :class:`LinenWithPolicy` (``init`` / ``apply``) or an
+      :class:`NNXWithPolicy` (call it like the module).
+    """
+    resolved_policy = get_policy(policy)
+    resolved_rules = (get_rules(policy) if rules is None and isinstance(policy, str)
+                      else as_rules(rules))
+    if isinstance(module, nn.Module):
+        return LinenWithPolicy(module, resolved_policy, resolved_rules)
+    if isinstance(module, nnx.Module):
+        return NNXWithPolicy(module, resolved_policy, resolved_rules)
+    raise TypeError(f"with_policy expects a flax.linen.Module or flax.nnx.Module, got "
+                    f"{type(module).__name__}")
+
+
+def _cast_floating(tree: Any, dtype: np.dtype) -> Any:
+    return Policy(dtype, dtype, dtype).cast_to_compute(tree)
+
+
+def _cast_by_path(tree: Any, dtype_of: Callable[[tuple[str, ...]], np.dtype]) -> Any:
+    """Casts each floating leaf to ``dtype_of(path of its owning module)``."""
+
+    def cast(key_path, x):
+        if not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)):
+            return x
+        names = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in key_path
+                      if not isinstance(k, jax.tree_util.GetAttrKey))
+        dtype = dtype_of(names[:-1])
+        return x if x.dtype == dtype else x.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, tree)
+
+
+def _cast_like(new: Any, old: Any) -> Any:
+    """Casts floating leaves of ``new`` to the dtype of the same leaf in ``old``."""
+    old_dtypes = {path: x.dtype for path, x in jax.tree_util.tree_leaves_with_path(old)
+                  if hasattr(x, "dtype")}
+
+    def cast(path, x):
+        dtype = old_dtypes.get(path)
+        if dtype is None or not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        return x if x.dtype == dtype else x.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, new)
+
+
+def _intercepted(context: Any) -> bool:
+    name = context.method_name
+    return name == "__call__" or not (name.startswith("_") or name == "setup")
+
+
+class LinenWithPolicy:
+    """A Linen module under a policy, with the module's ``init`` / ``apply``."""
+
+    def __init__(self, module: nn.Module, policy: Policy, rules: Sequence[Rule]):
+        self.module = module
+        self.policy = policy
+        self.rules = tuple(rules)
+        self._classes: PathClasses | None = None  # module structure, recorded once
+
+    def __repr__(self) -> str:
+        return (f"LinenWithPolicy({type(self.module).__name__}, {str(self.policy)!r}, "
+                f"rules={[(r.pattern, str(r.policy)) for r in self.rules]})")
+
+    def _recording(self, classes: PathClasses):
+        def record(next_fun, args, kwargs, context):
+            classes.setdefault(tuple(context.module.path), class_names_of(context.module))
+            return next_fun(*args, **kwargs)
+        return nn.intercept_methods(record)
+
+    def _resolver(self) -> Resolver:
+        return Resolver(self.policy, self.rules, self._classes or {})
+
+    def init(self, rngs: Any, *args: Any, method: Any = None, **kwargs: Any) -> Any:
+        """Like ``module.init``; params come back in their (per-module) param dtype."""
+        classes: PathClasses = {}
+        with self._recording(classes):
+            variables = self.module.init(rngs, *args, method=method, **kwargs)
+        self._classes = classes
+        return self.cast_params(variables)
+
+    def cast_params(self, variables: Any) -> Any:
+        """Casts the ``params`` collection to each module's param dtype (for loading f32 weights)."""
+        resolve = self._resolver()
+        return _map_params(variables, lambda p: _cast_by_path(p, lambda path: resolve(path).param_dtype))
+
+    def apply(self, variables: Any, *args: Any, rngs: Any = None, method: Any = None,
+              mutable: Any = False, **kwargs: Any) -> Any:
+        """Like ``module.apply``, computing under the policy and its rules."""
+        if self._classes is None:
+            classes: PathClasses = {}
+            with self._recording(classes):
+                jax.eval_shape(functools.partial(self.module.apply, rngs=rngs, method=method,
+                                                 mutable=mutable, **kwargs), variables, *args)
+            self._classes = classes
+        resolve = self._resolver()
+        root = resolve(())
+        compute_vars = _map_params(
+            variables, lambda p: _cast_by_path(p, lambda path: resolve(path).compute_dtype))
+        callers: list[np.dtype] = [root.compute_dtype]
+
+        def cast_calls(next_fun, call_args, call_kwargs, context):
+            if not _intercepted(context):
+                return next_fun(*call_args, **call_kwargs)
+            compute = resolve(tuple(context.module.path)).compute_dtype
+            caller = callers[-1]
+            call_args, call_kwargs = _cast_floating((call_args, call_kwargs), compute)
+            callers.append(compute)
+            try:
+                out = next_fun(*call_args, **call_kwargs)
+            finally:
+                callers.pop()
+            return out if compute == caller else _cast_floating(out, caller)
+
+        args = _cast_floating(args, root.compute_dtype)
+        with nn.intercept_methods(cast_calls):
+            result = self.module.apply(compute_vars, *args, rngs=rngs, method=method,
+                                       mutable=mutable, **kwargs)
+        if mutable is False:
+            return self.policy.cast_to_output(result)
+        out, updated = result
+        return self.policy.cast_to_output(out), _cast_like(updated, variables)
+
+
+def _map_params(variables: Any, fn: Callable[[Any], Any]) -> Any:
+    if not hasattr(variables, "keys") or "params" not in variables:
+        return variables
+    return {**variables, "params": fn(variables["params"])}
+
+
+# ----------------------------------------------------------------------------- NNX
+
+
+@functools.cache
+def _casting_class(cls: type, compute: np.dtype, caller: np.dtype) -> type:
+    """A subclass of ``cls`` whose call computes in ``compute`` and returns ``caller``."""
+
+    def __call__(self, *args, **kwargs):
+        args, kwargs = _cast_floating((args, kwargs), compute)
+        return _cast_floating(cls.__call__(self, *args, **kwargs), caller)
+
+    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
+
+
+class NNXWithPolicy(nnx.Module):
+    """An NNX module under a policy: call it like the module.
+
+    Its params (``self.module``) are stored in the param dtype; each call casts
+    a copy to the compute dtype (per rule), runs it, writes back any state the
+    call changed (BatchNorm statistics) in its stored dtype, and casts the
+    output. Differentiate it with ``nnx.grad`` like any NNX module.
+    """
+
+    def __init__(self, module: nnx.Module, policy: Policy, rules: Sequence[Rule]):
+        self.policy = policy
+        self.rules = tuple(rules)
+        self.module = module
+        self._cast_stored_params()
+
+    def _resolver(self) -> Resolver:
+        classes = {tuple(str(p) for p in path): class_names_of(node)
+                   for path, node in nnx.iter_graph(self.module) if isinstance(node, nnx.Module)}
+        return Resolver(self.policy, self.rules, classes)
+
+    def _cast_stored_params(self) -> None:
+        resolve = self._resolver()
+        params = nnx.state(self.module, nnx.Param)
+        nnx.update(self.module, _cast_by_path(params, lambda path: resolve(path).param_dtype))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        resolve = self._resolver()
+        graphdef, params, rest = nnx.split(self.module, nnx.Param, ...)
+        params = _cast_by_path(params, lambda path: resolve(path).compute_dtype)
+        model = nnx.merge(graphdef, params, rest)
+        for path, node in nnx.iter_graph(model):
+            if isinstance(node, nnx.Module) and path:
+                compute = resolve(tuple(map(str, path))).compute_dtype
+                caller = resolve(tuple(map(str, path[:-1]))).compute_dtype
+                if compute != caller:
+                    node.__class__ = _casting_class(type(node), compute, caller)
+        root = resolve(())
+        out = model(*_cast_floating(args, root.compute_dtype), **_cast_floating(kwargs, root.compute_dtype))
+        new_rest = nnx.state(model, nnx.Not(nnx.Param))
+        nnx.update(self.module, _cast_like(new_rest, rest))
+        return self.policy.cast_to_output(out)

@@ -1,0 +1,148 @@
+"""The mixed-precision optax wrapper.
+
+``mixed_precision(inner, loss_scale)`` is an ``optax.GradientTransformation``
+that takes the gradients of the *scaled* loss and
+
+1. casts them to float32 and unscales them;
+2. checks all of them for finiteness, once;
+3. runs ``inner`` on the unscaled float32 gradients (so clipping, weight decay
+   and Adam's moments all see true gradients, in float32);
+4. keeps everything unchanged when a gradient was not finite: the updates are
+   ``-0.0`` (the exact additive identity, so params stay bit-identical) and the
+   inner state and master weights are selected unchanged;
+5. adjusts the loss scale.
+
+When params are stored in half precision (``p=f16``, ``p=bf16``, O2) it keeps a
+float32 master copy in its state, updates that, and returns updates that move
+the half params to the rounded master, so small updates accumulate instead of
+vanishing to rounding. All of it is traceable: no host sync, no Python branch
+on traced values.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from precision.loss_scale import DynamicLossScale, LossScale, all_finite, select_tree
+
+__all__ = ["MixedPrecisionState", "mixed_precision", "find_mixed_precision_state",
+           "current_loss_scale", "needs_master_weights"]
+
+
+class MixedPrecisionState(NamedTuple):
+    """Optimizer state of :func:`mixed_precision`; lives in the train state."""
+
+    inner_state: optax.OptState
+    loss_scale: LossScale
+    master_params: Any  # float32 copy of half params, or None
+    grads_finite: jax.Array  # whether the last step's gradients were finite
+    grad_norm: jax.Array  # global norm of the last step's unscaled gradients
+
+
+def needs_master_weights(params: Any) -> bool:
+    """True when any floating param is stored below float32."""
+    return any(jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32
+               for x in jax.tree_util.tree_leaves(params))
+
+
+def _to_f32(tree: Any) -> Any:
+    return jax.tree_util.tree_map(
+        lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def mixed_precision(inner: optax.GradientTransformation,
+                    loss_scale: LossScale | None = None,
+                    *,
+                    max_grad_norm: float | None = None) -> optax.GradientTransformationExtraArgs:
+    """Wraps ``inner`` for training with scaled half-precision gradients.
+
+    Args:
+      inner: any optax transformation; it sees unscaled float32 gradients and
+        float32 (master) params, and its state is float32.
+      loss_scale: the initial loss scale (``NoOpLossScale``, ``StaticLossScale``
+        or ``DynamicLossScale``); default ``DynamicLossScale(2**15)``.
+      max_grad_norm: if set, clips unscaled gradients to this global norm before
+        ``inner``: the right order (clipping scaled gradients would clip by a
+        threshold multiplied by the loss scale).
+
+    Returns:
+      A transformation whose ``update(scaled_grads, state, params)`` returns
+      updates for ``optax.apply_updates(params, updates)``.
+    """
+    if loss_scale is None:
+        loss_scale = DynamicLossScale(2.0 ** 15)
+    if not hasattr(loss_scale, "adjust") or not hasattr(loss_scale, "unscale"):
+        raise TypeError(f"loss_scale must be a NoOp/Static/DynamicLossScale, got {loss_scale!r}")
+    if max_grad_norm is not None:
+        if not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}")
+        inner = optax.chain(optax.clip_by_global_norm(max_grad_norm), inner)
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params):
+        master = _to_f32(params) if needs_master_weights(params) else None
+        return MixedPrecisionState(
+            inner_state=inner.init(master if master is not None else params),
+            loss_scale=loss_scale,
+            master_params=master,
+            grads_finite=jnp.array(True),
+            grad_norm=jnp.zeros([], jnp.float32))
+
+    def update_fn(scaled_grads, state, params=None, **extra_args):
+        if state.master_params is not None and params is None:
+            raise ValueError("mixed_precision with half-precision params needs `params` in update()")
+        grads = state.loss_scale.unscale(_to_f32(scaled_grads))
+        finite = all_finite(grads)
+        master = state.master_params
+        inner_params = master if master is not None else params
+        updates, new_inner = inner.update(grads, state.inner_state, inner_params, **extra_args)
+        if master is not None:
+            new_master = optax.apply_updates(master, updates)
+            # Updates that land the half params exactly on the rounded master.
+            updates = jax.tree_util.tree_map(
+                lambda m, p: m.astype(p.dtype).astype(jnp.float32) - p.astype(jnp.float32),
+                new_master, params)
+            master = select_tree(finite, new_master, master)
+        ref = params if params is not None else grads
+        updates = select_tree(finite, _cast_updates(updates, ref), _identity_updates_like(updates, ref))
+        return updates, MixedPrecisionState(
+            inner_state=select_tree(finite, new_inner, state.inner_state),
+            loss_scale=state.loss_scale.adjust(finite),
+            master_params=master,
+            grads_finite=finite,
+            grad_norm=optax.global_norm(grads))
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _cast_updates(updates: Any, ref: Any) -> Any:
+    # Half params get float32 updates (apply_updates adds in float32, then rounds once).
+    def cast(u, p):
+        half = jnp.issubdtype(p.dtype, jnp.floating) and jnp.finfo(p.dtype).bits < 32
+        return u if half else u.astype(p.dtype)
+    return jax.tree_util.tree_map(cast, updates, ref)
+
+
+def _identity_updates_like(updates: Any, ref: Any) -> Any:
+    return jax.tree_util.tree_map(lambda u: jnp.full_like(u, -0.0), _cast_updates(updates, ref))
+
+
+def find_mixed_precision_state(opt_state: Any) -> MixedPrecisionState:
+    """The :class:`MixedPrecisionState` inside an optimizer state (also when
+    wrapped by ``optax.MultiSteps``, ``optax.chain``...)."""
+    found = [s for s in jax.tree_util.tree_leaves(
+        opt_state, is_leaf=lambda x: isinstance(x, MixedPrecisionState))
+        if isinstance(s, MixedPrecisionState)]
+    if len(found) != 1:
+        raise ValueError(f"expected exactly one mixed_precision state in the optimizer state, "
+                         f"found {len(found)}; build the optimizer with precision.mixed_precision")
+    return found[0]
+
+
+def current_loss_scale(opt_state: Any) -> LossScale:
+    """The loss scale to multiply the next loss by, read from the optimizer state."""
+    return find_mixed_precision_state(opt_state).loss_scale

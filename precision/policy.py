@@ -1,0 +1,260 @@
+"""Precision policies: which dtype params are stored in, math runs in, outputs leave in.
+
+The grammar is a strict superset of ``jmp.get_policy``: every string jmp accepts
+(except duplicate keys, which jmp silently lets the last one win and we reject)
+gives the same three dtypes here. Beyond jmp we accept whitespace around tokens,
+``fp16``/``fp32`` spellings, case-insensitive names and named presets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any, Mapping, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+T = TypeVar("T")
+
+__all__ = [
+    "Policy",
+    "PolicyError",
+    "PRESETS",
+    "get_policy",
+    "parse_dtype",
+    "half_dtype",
+    "cast_to_full",
+    "cast_to_half",
+]
+
+
+class PolicyError(ValueError):
+    """A precision policy spec that cannot be parsed.
+
+    Carries the offending ``token`` and its character ``position`` in ``spec``.
+    """
+
+    def __init__(self, message: str, *, spec: str = "", token: str = "", position: int = -1):
+        super().__init__(message)
+        self.spec = spec
+        self.token = token
+        self.position = position
+
+
+def half_dtype() -> np.dtype:
+    """The half dtype for the default backend: bfloat16 on TPU, float16 elsewhere (as jmp)."""
+    return np.dtype(jnp.bfloat16) if jax.default_backend() == "tpu" else np.dtype(jnp.float16)
+
+
+# Canonical (first) name of each dtype is what str(Policy) prints.
+_DTYPE_NAMES: dict[np.dtype, tuple[str, ...]] = {
+    np.dtype(jnp.float32): ("f32", "float32", "full", "fp32"),
+    np.dtype(jnp.bfloat16): ("bf16", "bfloat16"),
+    np.dtype(jnp.float16): ("f16", "float16", "fp16"),
+    np.dtype(jnp.float64): ("f64", "float64", "fp64"),
+}
+_NAME_TO_DTYPE = {name: dt for dt, names in _DTYPE_NAMES.items() for name in names}
+_VALID_DTYPE_NAMES = tuple(_NAME_TO_DTYPE) + ("half",)
+_KEYS = {"p": "param", "params": "param", "c": "compute", "compute": "compute",
+         "o": "output", "output": "output"}
+
+
+def _canonical(dtype: Any) -> np.dtype:
+    if isinstance(dtype, str):
+        return parse_dtype(dtype)
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as e:
+        raise PolicyError(f"{dtype!r} is not a dtype; valid: {', '.join(_VALID_DTYPE_NAMES)}") from e
+    if dt not in _DTYPE_NAMES:
+        raise PolicyError(
+            f"dtype {dt} is not a floating dtype a policy can use; valid: "
+            f"{', '.join(str(d) for d in _DTYPE_NAMES)}")
+    return dt
+
+
+def _cast_floating(tree: T, dtype: np.dtype) -> T:
+    def cast(x):
+        if hasattr(x, "dtype") and hasattr(x, "astype") and jnp.issubdtype(x.dtype, jnp.floating):
+            return x if x.dtype == dtype else x.astype(dtype)
+        return x
+    return jax.tree_util.tree_map(cast, tree)
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class Policy:
+    """Immutable, hashable triple of dtypes: params (storage), compute, output.
+
+    Usable as a static ``jax.jit`` argument. ``str(policy)`` parses back to an
+    equal policy through :func:`get_policy`.
+    """
+
+    param_dtype: np.dtype
+    compute_dtype: np.dtype
+    output_dtype: np.dtype
+
+    def __init__(self, param_dtype: Any, compute_dtype: Any, output_dtype: Any):
+        object.__setattr__(self, "param_dtype", _canonical(param_dtype))
+        object.__setattr__(self, "compute_dtype", _canonical(compute_dtype))
+        object.__setattr__(self, "output_dtype", _canonical(output_dtype))
+
+    def cast_to_param(self, tree: T) -> T:
+        """Casts floating leaves to the param dtype; integer and bool leaves are untouched."""
+        return _cast_floating(tree, self.param_dtype)
+
+    def cast_to_compute(self, tree: T) -> T:
+        """Casts floating leaves to the compute dtype; integer and bool leaves are untouched."""
+        return _cast_floating(tree, self.compute_dtype)
+
+    def cast_to_output(self, tree: T) -> T:
+        """Casts floating leaves to the output dtype; integer and bool leaves are untouched."""
+        return _cast_floating(tree, self.output_dtype)
+
+    def with_output_dtype(self, output_dtype: Any) -> "Policy":
+        """The same policy with another output dtype."""
+        return Policy(self.param_dtype, self.compute_dtype, output_dtype)
+
+    def with_compute_dtype(self, compute_dtype: Any) -> "Policy":
+        """The same policy with another compute dtype."""
+        return Policy(self.param_dtype, compute_dtype, self.output_dtype)
+
+    @property
+    def is_mixed(self) -> bool:
+        """True when any of the three dtypes is not float32."""
+        f32 = np.dtype(jnp.float32)
+        return any(d != f32 for d in (self.param_dtype, self.compute_dtype, self.output_dtype))
+
+    def __str__(self) -> str:
+        n = lambda d: _DTYPE_NAMES[d][0]
+        return f"p={n(self.param_dtype)},c={n(self.compute_dtype)},o={n(self.output_dtype)}"
+
+    def __repr__(self) -> str:
+        return f"Policy({str(self)!r})"
+
+
+_F32, _BF16, _F16 = "f32", "bf16", "f16"
+
+#: Named presets: name -> (params, compute, output, description).
+PRESETS: Mapping[str, tuple[str, str, str, str]] = {
+    "fp32": (_F32, _F32, _F32, "full precision everywhere (Apex/Paddle O0)"),
+    "mixed_bf16": (_F32, _BF16, _F32, "f32 params, bf16 math, f32 outputs"),
+    "mixed_bfloat16": (_F32, _BF16, _F32, "alias of mixed_bf16"),
+    "mixed_f16": (_F32, _F16, _F32, "f32 params, f16 math, f32 outputs; use loss scaling"),
+    "mixed_float16": (_F32, _F16, _F32, "alias of mixed_f16"),
+    "pure_bf16": (_BF16, _BF16, _BF16, "bf16 params, math and outputs"),
+    "pure_f16": (_F16, _F16, _F16, "f16 params, math and outputs; use loss scaling"),
+    "O1": (_F32, _F16, _F32, "Apex/Paddle O1: f16 math, f32 params; norms, softmax, losses in f32"),
+    "O2": (_F16, _F16, _F32, "Apex/Paddle O2: f16 params with f32 master weights, f32 norms"),
+    "O3": (_F16, _F16, _F16, "Apex O3: pure f16, no f32 rules"),
+}
+_PRESET_LOOKUP = {name.lower(): name for name in PRESETS}
+
+
+def _suggest(token: str, choices) -> str:
+    close = difflib.get_close_matches(token, list(choices), n=1, cutoff=0.5)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def _error(spec: str, token: str, position: int, what: str, choices=()) -> PolicyError:
+    where = f"at position {position}" if position >= 0 else ""
+    msg = (f"Invalid precision policy {spec!r}: {what} {token!r} {where}.".replace("  ", " ")
+           + _suggest(token.lower(), choices)
+           + f" Valid keys: p|params, c|compute, o|output; valid dtypes: "
+           f"{', '.join(_VALID_DTYPE_NAMES)}; presets: {', '.join(PRESETS)}."
+           " Example: 'params=f32,compute=f16,output=f32'.")
+    return PolicyError(msg, spec=spec, token=token, position=position)
+
+
+def parse_dtype(name: str) -> np.dtype:
+    """Parses a dtype name (``f16``, ``bfloat16``, ``full``, ``half``...) into a numpy dtype."""
+    if not isinstance(name, str):
+        raise PolicyError(f"dtype name must be a string, got {type(name).__name__}")
+    token = name.strip()
+    return _parse_dtype_token(token, name, 0)
+
+
+def _parse_dtype_token(token: str, spec: str, position: int) -> np.dtype:
+    low = token.lower()
+    if low == "half":
+        return half_dtype()
+    if low in _NAME_TO_DTYPE:
+        return _NAME_TO_DTYPE[low]
+    what = "empty dtype" if not token else "unknown dtype"
+    raise _error(spec, token, position, what, _VALID_DTYPE_NAMES)
+
+
+def get_policy(spec: "str | Policy | Any") -> Policy:
+    """Parses ``"params=f32,compute=f16"``, a bare dtype or a preset name into a Policy.
+
+    A missing params is f32, a missing compute follows params, a missing output
+    follows compute, a bare dtype sets all three. A ``Policy`` or ``jmp.Policy``
+    is returned as an equal :class:`Policy`. Raises :class:`PolicyError`.
+    """
+    if isinstance(spec, Policy):
+        return spec
+    if _looks_like_jmp_policy(spec):
+        return Policy(spec.param_dtype, spec.compute_dtype, spec.output_dtype)
+    if not isinstance(spec, str):
+        raise PolicyError(
+            f"A precision policy must be a string like 'params=f32,compute=f16', a preset "
+            f"({', '.join(PRESETS)}) or a Policy; got {type(spec).__name__} {spec!r}.")
+    stripped = spec.strip()
+    if not stripped:
+        raise _error(spec, spec, 0, "empty policy")
+    if stripped.lower() in _PRESET_LOOKUP:
+        p, c, o, _ = PRESETS[_PRESET_LOOKUP[stripped.lower()]]
+        return Policy(_NAME_TO_DTYPE[p], _NAME_TO_DTYPE[c], _NAME_TO_DTYPE[o])
+    if "=" not in spec and "," not in spec:
+        start = spec.index(stripped)
+        low = stripped.lower()
+        if low != "half" and low not in _NAME_TO_DTYPE:
+            raise _error(spec, stripped, start, "unknown dtype or preset",
+                         _VALID_DTYPE_NAMES + tuple(_PRESET_LOOKUP))
+        dt = _parse_dtype_token(stripped, spec, start)
+        return Policy(dt, dt, dt)
+    return _parse_assignments(spec)
+
+
+def _parse_assignments(spec: str) -> Policy:
+    found: dict[str, np.dtype] = {}
+    offset = 0
+    for part in spec.split(","):
+        part_start = offset
+        offset += len(part) + 1
+        if not part.strip():
+            raise _error(spec, part, part_start, "empty part (stray or trailing comma)")
+        if part.count("=") != 1:
+            raise _error(spec, part.strip(), part_start + part.index(part.strip()),
+                         "expected exactly one 'key=dtype' in part")
+        key_raw, value_raw = part.split("=")
+        key, value = key_raw.strip(), value_raw.strip()
+        key_pos = part_start + (key_raw.index(key) if key else 0)
+        value_pos = part_start + len(key_raw) + 1 + (value_raw.index(value) if value else 0)
+        field = _KEYS.get(key.lower())
+        if field is None:
+            raise _error(spec, key, key_pos, "empty key" if not key else "unknown key", _KEYS)
+        if field in found:
+            raise _error(spec, key, key_pos, f"duplicate key for {field} dtype")
+        found[field] = _parse_dtype_token(value, spec, value_pos)
+    param = found.get("param", np.dtype(jnp.float32))
+    compute = found.get("compute", param)
+    output = found.get("output", compute)
+    return Policy(param, compute, output)
+
+
+def _looks_like_jmp_policy(obj: Any) -> bool:
+    return (not isinstance(obj, str)
+            and all(hasattr(obj, a) for a in ("param_dtype", "compute_dtype", "output_dtype"))
+            and hasattr(obj, "cast_to_compute"))
+
+
+def cast_to_full(tree: T) -> T:
+    """Casts floating leaves to float32 (as ``jmp.cast_to_full``)."""
+    return _cast_floating(tree, np.dtype(jnp.float32))
+
+
+def cast_to_half(tree: T) -> T:
+    """Casts floating leaves to the backend's half dtype (as ``jmp.cast_to_half``)."""
+    return _cast_floating(tree, half_dtype())
