@@ -1,0 +1,189 @@
+"""The mixed-precision optax wrapper: unscale, skip, master weights, clipping, accumulation."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import precision
+from precision import DynamicLossScale, NoOpLossScale, StaticLossScale, mixed_precision
+
+
+def params_f32():
+    return {"w": jnp.array([1.0, -0.0, 0.0, -2.5]), "b": jnp.array([0.5, -1.0])}
+
+
+def bits(tree):
+    return jax.tree_util.tree_map(lambda x: np.asarray(x).view(np.uint8 if x.dtype.itemsize == 1 else
+                                                              {2: np.uint16, 4: np.uint32, 8: np.uint64}[x.dtype.itemsize]),
+                                  tree)
+
+
+def step(tx, params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+
+class SkipTest(chex.TestCase):
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_non_finite_step_leaves_params_and_inner_state_bit_identical(self):
+        tx = mixed_precision(optax.adam(1e-2), DynamicLossScale(2.0 ** 10, period=3))
+        params = params_f32()
+        state = tx.init(params)
+        run = self.variant(lambda p, s, g: step(tx, p, s, g))
+        good = jax.tree_util.tree_map(lambda x: jnp.full_like(x, 2.0 ** 10 * 1e-3), params)
+        params, state = run(params, state, good)  # a real step first, so the adam state is non-trivial
+        for poison in (jnp.inf, -jnp.inf, jnp.nan):
+            bad = {"w": good["w"].at[2].set(poison), "b": good["b"]}
+            new_params, new_state = run(params, state, bad)
+            chex.assert_trees_all_equal(bits(new_params), bits(params))
+            chex.assert_trees_all_equal(bits(new_state.inner_state), bits(state.inner_state))
+            assert not bool(new_state.grads_finite)
+            assert float(new_state.loss_scale.loss_scale) == float(state.loss_scale.loss_scale) / 2
+            assert int(new_state.loss_scale.skipped_steps) == int(state.loss_scale.skipped_steps) + 1
+            state = new_state
+        assert np.signbit(params["w"][1])  # -0.0 survived three skipped steps
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_finite_step_matches_plain_optax_on_unscaled_grads(self):
+        scale = 2.0 ** 12
+        tx = mixed_precision(optax.adam(1e-2), StaticLossScale(scale))
+        ref = optax.adam(1e-2)
+        params = params_f32()
+        grads = {"w": jnp.array([0.1, -0.2, 0.3, 0.4]), "b": jnp.array([1e-3, -5.0])}
+        scaled = jax.tree_util.tree_map(lambda g: g * scale, grads)
+        p1, s1 = self.variant(lambda p, s, g: step(tx, p, s, g))(params, tx.init(params), scaled)
+        p2, _ = step(ref, params, ref.init(params), grads)
+        chex.assert_trees_all_close(p1, p2, rtol=1e-6)
+        assert bool(s1.grads_finite)
+        np.testing.assert_allclose(s1.grad_norm, optax.global_norm(grads), rtol=1e-6)
+
+
+class MasterWeightTest(chex.TestCase):
+
+    def test_seed_004_rounding_small_updates_vanish_in_f16_but_accumulate_with_master(self):
+        """Updates of 1e-4 on a weight of 1.0: below half an f16 ulp at 1.0 (2**-11)."""
+        lr, grad, steps = 1e-4, 1.0, 200
+        half = {"w": jnp.ones(3, jnp.float16)}
+        grads = {"w": jnp.full(3, grad, jnp.float16)}
+
+        plain = optax.sgd(lr)
+        p, s = half, plain.init(half)
+        for _ in range(steps):
+            p, s = step(plain, p, s, grads)
+        assert float(p["w"][0]) == 1.0  # every update rounded away
+
+        tx = mixed_precision(optax.sgd(lr), NoOpLossScale())
+        p, s = half, tx.init(half)
+        run = jax.jit(lambda p, s: step(tx, p, s, grads))
+        for _ in range(steps):
+            p, s = run(p, s)
+        assert p["w"].dtype == jnp.float16
+        expected = 1.0 - steps * lr * grad
+        np.testing.assert_allclose(np.asarray(s.master_params["w"]), expected, rtol=1e-5)
+        assert float(p["w"][0]) == float(jnp.float16(expected))  # the rounded master
+
+    def test_half_params_land_exactly_on_rounded_master(self):
+        key = jax.random.key(0)
+        for dtype in (jnp.float16, jnp.bfloat16):
+            params = {"w": jax.random.normal(key, (512,)).astype(dtype) * 3}
+            tx = mixed_precision(optax.adam(3e-3), NoOpLossScale())
+            state = tx.init(params)
+            for i in range(5):
+                grads = {"w": jax.random.normal(jax.random.fold_in(key, i), (512,)).astype(dtype)}
+                params, state = step(tx, params, state, grads)
+                np.testing.assert_array_equal(np.asarray(params["w"]),
+                                              np.asarray(state.master_params["w"].astype(dtype)))
+
+    def test_optimizer_state_is_f32_with_half_params_and_tiny_grads_do_not_break_adam(self):
+        params = {"w": jnp.ones(4, jnp.float16)}
+        tx = mixed_precision(optax.adam(1e-3), NoOpLossScale())
+        state = tx.init(params)
+        assert all(x.dtype != jnp.float16 for x in jax.tree_util.tree_leaves(state.inner_state))
+        grads = {"w": jnp.full(4, 1e-5, jnp.float16)}  # squared: 1e-10, zero in f16 (optax#1754)
+        new_params, state = step(tx, params, state, grads)
+        assert bool(state.grads_finite)
+        assert np.isfinite(np.asarray(new_params["w"], np.float32)).all()
+        np.testing.assert_allclose(np.asarray(state.master_params["w"]), 1 - 1e-3, rtol=1e-4)
+        # plain optax on f16 params keeps f16 moments: nu underflows to 0.
+        plain = optax.adam(1e-3)
+        plain_state = plain.init(params)
+        _, plain_state = plain.update(grads, plain_state, params)
+        assert float(plain_state[0].nu["w"][0]) == 0.0
+
+    def test_master_weights_only_when_needed(self):
+        assert mixed_precision(optax.sgd(1.0)).init(params_f32()).master_params is None
+        mixed = {"w": jnp.ones(2, jnp.float16), "norm": jnp.ones(2)}
+        state = mixed_precision(optax.sgd(1.0)).init(mixed)
+        assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(state.master_params))
+        with pytest.raises(ValueError, match="needs `params`"):
+            mixed_precision(optax.sgd(1.0)).update(mixed, state)
+
+
+class ClippingTest(chex.TestCase):
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_clipping_sees_unscaled_gradients(self):
+        scale = 2.0 ** 10
+        grads = {"w": jnp.array([3.0, 4.0, 0.0, 0.0]), "b": jnp.zeros(2)}  # norm 5
+        scaled = jax.tree_util.tree_map(lambda g: g * scale, grads)
+        params = params_f32()
+        reference = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0))
+        expected, _ = step(reference, params, reference.init(params), grads)
+
+        for tx in (mixed_precision(optax.sgd(1.0), StaticLossScale(scale), max_grad_norm=1.0),
+                   mixed_precision(optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0)),
+                                   StaticLossScale(scale))):
+            got, _ = self.variant(lambda p, s, g: step(tx, p, s, g))(params, tx.init(params), scaled)
+            chex.assert_trees_all_close(got, expected, rtol=1e-6)
+
+        # The wrong composition clips the *scaled* gradients, i.e. by norm 1 / scale.
+        wrong = optax.chain(optax.clip_by_global_norm(1.0), mixed_precision(optax.sgd(1.0), StaticLossScale(scale)))
+        got, _ = step(wrong, params, wrong.init(params), scaled)
+        moved = float(jnp.linalg.norm(got["w"] - params["w"]))
+        assert moved == pytest.approx(1.0 / scale, rel=1e-3)  # vs 1.0 when clipping unscaled
+
+    def test_bad_max_grad_norm(self):
+        with pytest.raises(ValueError, match="max_grad_norm"):
+            mixed_precision(optax.sgd(1.0), max_grad_norm=0)
+        with pytest.raises(TypeError, match="loss_scale"):
+            mixed_precision(optax.sgd(1.0), loss_scale=2.0)
+
+
+class AccumulationTest(chex.TestCase):
+
+    def test_multisteps_scale_fixed_and_one_finiteness_check_per_effective_batch(self):
+        scale = 2.0 ** 8
+        tx = optax.MultiSteps(mixed_precision(optax.sgd(1.0), DynamicLossScale(scale, period=1000)), every_k_schedule=3)
+        params = params_f32()
+        state = tx.init(params)
+        run = jax.jit(lambda p, s, g: step(tx, p, s, g))
+        micro = [jax.tree_util.tree_map(lambda x: jnp.full_like(x, v * scale), params) for v in (0.1, 0.2, 0.3)]
+
+        # finite effective batch: one update by the mean gradient
+        p = params
+        for i, g in enumerate(micro):
+            assert float(precision.current_loss_scale(state).loss_scale) == scale  # fixed across micro-steps
+            p, state = run(p, state, g)
+            if i < 2:
+                chex.assert_trees_all_equal(p, params)
+        chex.assert_trees_all_close(p, jax.tree_util.tree_map(lambda x: x - 0.2, params), rtol=1e-6)
+
+        # one overflowing micro-batch: the whole effective batch is skipped, the scale backs off once
+        bad = {"w": micro[1]["w"].at[0].set(jnp.inf), "b": micro[1]["b"]}
+        q = p
+        for g in (micro[0], bad):
+            q, state = run(q, state, g)
+            assert float(precision.current_loss_scale(state).loss_scale) == scale
+        q, state = run(q, state, micro[2])
+        chex.assert_trees_all_equal(bits(q), bits(p))
+        mp_state = precision.find_mixed_precision_state(state)
+        assert float(mp_state.loss_scale.loss_scale) == scale / 2
+        assert int(mp_state.loss_scale.skipped_steps) == 1  # one check per effective batch
+
+    def test_find_state_errors_clearly(self):
+        with pytest.raises(ValueError, match="found 0"):
+            precision.find_mixed_precision_state(optax.adam(1e-3).init(params_f32()))
