@@ -4,7 +4,8 @@
 that takes the gradients of the *scaled* loss and
 
 1. casts them to float32 and unscales them;
-2. checks all of them for finiteness, once;
+2. checks all of them for finiteness, once (through their global norm, which it
+   also reports);
 3. runs ``inner`` on the unscaled float32 gradients (so clipping, weight decay
    and Adam's moments all see true gradients, in float32);
 4. keeps everything unchanged when a gradient was not finite: the updates are
@@ -27,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from precision.loss_scale import DynamicLossScale, LossScale, all_finite, select_tree
+from precision.loss_scale import DynamicLossScale, LossScale, select_tree
 
 __all__ = ["MixedPrecisionState", "mixed_precision", "find_mixed_precision_state",
            "current_loss_scale", "needs_master_weights"]
@@ -96,7 +97,11 @@ def mixed_precision(inner: optax.GradientTransformation,
         if state.master_params is not None and params is None:
             raise ValueError("mixed_precision with half-precision params needs `params` in update()")
         grads = state.loss_scale.unscale(_to_f32(scaled_grads))
-        finite = all_finite(grads)
+        # One reduction gives both the metric and the check: the norm is finite iff every
+        # element is, except for finite gradients whose squares overflow float32 (norm > 1.8e19),
+        # which Adam's second moment could not hold either, so they count as non-finite too.
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(grad_norm)
         master = state.master_params
         inner_params = master if master is not None else params
         updates, new_inner = inner.update(grads, state.inner_state, inner_params, **extra_args)
@@ -114,7 +119,7 @@ def mixed_precision(inner: optax.GradientTransformation,
             loss_scale=state.loss_scale.adjust(finite),
             master_params=master,
             grads_finite=finite,
-            grad_norm=optax.global_norm(grads))
+            grad_norm=grad_norm)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

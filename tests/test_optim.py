@@ -187,3 +187,12 @@ class AccumulationTest(chex.TestCase):
     def test_find_state_errors_clearly(self):
         with pytest.raises(ValueError, match="found 0"):
             precision.find_mixed_precision_state(optax.adam(1e-3).init(params_f32()))
+
+
+def test_gradients_whose_norm_overflows_float32_count_as_non_finite():
+    tx = mixed_precision(optax.adam(1e-3), NoOpLossScale())
+    params = params_f32()
+    grads = jax.tree_util.tree_map(lambda x: jnp.full_like(x, 1e20), params)  # finite, norm**2 overflows
+    new_params, state = step(tx, params, tx.init(params), grads)
+    assert not bool(state.grads_finite)
+    chex.assert_trees_all_equal(bits(new_params), bits(params))

@@ -1,0 +1,130 @@
+"""Cost of the mixed-precision optax wrapper with dynamic loss scaling.
+
+Times a jitted MLP train step two ways, alternately in one process:
+  plain:   grad of the loss, ``optax.adam`` update, apply;
+  wrapped: grad of the *scaled* loss, ``precision.mixed_precision(adam,
+           DynamicLossScale)`` update (unscale, finiteness check, select,
+           loss-scale adjust), apply.
+Both run the same model under the same policy, so the ratio is the wrapper's
+cost alone. Prints a table and writes it to ``benchmarks/results/``.
+
+    python -m benchmarks.wrapper_overhead [--steps 60] [--batch 256] [--width 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import statistics
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+import precision
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+
+
+class MLP(nn.Module):
+    width: int
+    depth: int = 3
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(self.depth):
+            x = nn.relu(nn.Dense(self.width)(x))
+        return nn.Dense(10)(x)
+
+
+def make_steps(policy: str, width: int, batch: int):
+    model = precision.with_policy(MLP(width), policy)
+    x = jax.random.normal(jax.random.key(0), (batch, 784))
+    y = jax.random.randint(jax.random.key(1), (batch,), 0, 10)
+    params = model.init(jax.random.key(2), x)["params"]
+
+    def loss_fn(params):
+        logits = model.apply({"params": params}, x).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    plain_tx = optax.adam(1e-3)
+
+    @jax.jit
+    def plain_step(params, opt_state):
+        grads = jax.grad(loss_fn)(params)
+        updates, opt_state = plain_tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    wrapped_tx = precision.mixed_precision(optax.adam(1e-3), precision.DynamicLossScale(2.0 ** 15))
+
+    @jax.jit
+    def wrapped_step(params, opt_state):
+        scale = precision.current_loss_scale(opt_state)
+        grads = jax.grad(lambda p: scale.scale(loss_fn(p)))(params)
+        updates, opt_state = wrapped_tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return (plain_step, (params, plain_tx.init(params))), (wrapped_step, (params, wrapped_tx.init(params)))
+
+
+def _time(step, carry):
+    start = time.perf_counter()
+    carry = step(*carry)
+    jax.block_until_ready(carry)
+    return time.perf_counter() - start, carry
+
+
+def measure(policy: str, width: int, batch: int, steps: int) -> dict:
+    (plain, plain_carry), (wrapped, wrapped_carry) = make_steps(policy, width, batch)
+    for _ in range(3):  # compile and warm up
+        _, plain_carry = _time(plain, plain_carry)
+        _, wrapped_carry = _time(wrapped, wrapped_carry)
+    ratios, plain_times, wrapped_times = [], [], []
+    for i in range(steps):  # alternate (and alternate which goes first) so drift hits both alike
+        if i % 2:
+            t_w, wrapped_carry = _time(wrapped, wrapped_carry)
+            t_p, plain_carry = _time(plain, plain_carry)
+        else:
+            t_p, plain_carry = _time(plain, plain_carry)
+            t_w, wrapped_carry = _time(wrapped, wrapped_carry)
+        plain_times.append(t_p)
+        wrapped_times.append(t_w)
+        ratios.append(t_w / t_p)
+    return {"policy": policy, "width": width, "batch": batch, "steps": steps,
+            "plain_ms": 1e3 * statistics.median(plain_times),
+            "wrapped_ms": 1e3 * statistics.median(wrapped_times),
+            "overhead_ratio": statistics.median(ratios)}
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--policies", default="fp32,mixed_f16")
+    parser.add_argument("--out", default=str(RESULTS / f"wrapper_overhead_{jax.default_backend()}.md"))
+    args = parser.parse_args(argv)
+    rows = [measure(p, args.width, args.batch, args.steps) for p in args.policies.split(",")]
+    header = "| policy | MLP | batch | plain optax (ms) | wrapper + dynamic scale (ms) | median ratio |"
+    lines = [f"Wrapper overhead on {jax.devices()[0].device_kind} ({platform.processor() or platform.machine()}), "
+             f"jax {jax.__version__}, {args.steps} alternating steps; 3x{args.width} MLP.", "", header,
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['policy']} | 784-{r['width']}x3-10 | {r['batch']} | {r['plain_ms']:.2f} | "
+                     f"{r['wrapped_ms']:.2f} | {r['overhead_ratio']:.3f} |")
+    table = "\n".join(lines)
+    print(table)
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(table + "\n")
+    out.with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n")
+    print(json.dumps({r["policy"]: round(r["overhead_ratio"], 4) for r in rows}))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
