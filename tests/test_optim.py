@@ -30,8 +30,15 @@ class SkipTest(chex.TestCase):
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_non_finite_step_leaves_params_and_inner_state_bit_identical(self):
-        tx = mixed_precision(optax.adam(1e-2), DynamicLossScale(2.0 ** 10, period=3))
+        for skip_with in precision.optim.SKIP_STRATEGIES:
+            self._check_skip(skip_with)
+            self._check_skip(skip_with, half=True)
+
+    def _check_skip(self, skip_with, half=False):
+        tx = mixed_precision(optax.adam(1e-2), DynamicLossScale(2.0 ** 10, period=3), skip_with=skip_with)
         params = params_f32()
+        if half:
+            params = jax.tree_util.tree_map(lambda x: x.astype(jnp.float16), params)
         state = tx.init(params)
         run = self.variant(lambda p, s, g: step(tx, p, s, g))
         good = jax.tree_util.tree_map(lambda x: jnp.full_like(x, 2.0 ** 10 * 1e-3), params)
@@ -41,6 +48,7 @@ class SkipTest(chex.TestCase):
             new_params, new_state = run(params, state, bad)
             chex.assert_trees_all_equal(bits(new_params), bits(params))
             chex.assert_trees_all_equal(bits(new_state.inner_state), bits(state.inner_state))
+            chex.assert_trees_all_equal(bits(new_state.master_params), bits(state.master_params))
             assert not bool(new_state.grads_finite)
             assert float(new_state.loss_scale.loss_scale) == float(state.loss_scale.loss_scale) / 2
             assert int(new_state.loss_scale.skipped_steps) == int(state.loss_scale.skipped_steps) + 1
@@ -151,6 +159,8 @@ class ClippingTest(chex.TestCase):
             mixed_precision(optax.sgd(1.0), max_grad_norm=0)
         with pytest.raises(TypeError, match="loss_scale"):
             mixed_precision(optax.sgd(1.0), loss_scale=2.0)
+        with pytest.raises(ValueError, match="skip_with must be one of auto, select, cond"):
+            mixed_precision(optax.sgd(1.0), skip_with="where")
 
 
 class AccumulationTest(chex.TestCase):
