@@ -20,7 +20,7 @@ import numpy as np
 import flax.linen as nn
 from flax import nnx
 
-from precision.policy import Policy, get_policy
+from precision.policy import Policy, _cast_floating, get_policy
 from precision.rules import Resolver, Rule, as_rules, class_names_of, get_rules
 
 __all__ = ["with_policy", "LinenWithPolicy", "NNXWithPolicy"]
@@ -52,10 +52,6 @@ def with_policy(module: Any, policy: "str | Policy", rules: "Iterable[Any] | Non
         return NNXWithPolicy(module, resolved_policy, resolved_rules)
     raise TypeError(f"with_policy expects a flax.linen.Module or flax.nnx.Module, got "
                     f"{type(module).__name__}")
-
-
-def _cast_floating(tree: Any, dtype: np.dtype) -> Any:
-    return Policy(dtype, dtype, dtype).cast_to_compute(tree)
 
 
 def _cast_by_path(tree: Any, dtype_of: Callable[[tuple[str, ...]], np.dtype]) -> Any:

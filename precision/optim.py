@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import optax
 
 from precision.loss_scale import DynamicLossScale, LossScale, select_tree
+from precision.policy import cast_to_full
 
 __all__ = ["MixedPrecisionState", "SKIP_STRATEGIES", "mixed_precision", "find_mixed_precision_state",
            "current_loss_scale", "needs_master_weights"]
@@ -48,11 +49,6 @@ def needs_master_weights(params: Any) -> bool:
     """True when any floating param is stored below float32."""
     return any(jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32
                for x in jax.tree_util.tree_leaves(params))
-
-
-def _to_f32(tree: Any) -> Any:
-    return jax.tree_util.tree_map(
-        lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
 SKIP_STRATEGIES = ("auto", "select", "cond")
@@ -98,7 +94,7 @@ def mixed_precision(inner: optax.GradientTransformation,
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params):
-        master = _to_f32(params) if needs_master_weights(params) else None
+        master = cast_to_full(params) if needs_master_weights(params) else None
         return MixedPrecisionState(
             inner_state=inner.init(master if master is not None else params),
             loss_scale=loss_scale,
@@ -109,7 +105,7 @@ def mixed_precision(inner: optax.GradientTransformation,
     def update_fn(scaled_grads, state, params=None, **extra_args):
         if state.master_params is not None and params is None:
             raise ValueError("mixed_precision with half-precision params needs `params` in update()")
-        grads = state.loss_scale.unscale(_to_f32(scaled_grads))
+        grads = state.loss_scale.unscale(cast_to_full(scaled_grads))
         # One reduction gives both the metric and the check: the norm is finite iff every
         # element is, except for finite gradients whose squares overflow float32 (norm > 1.8e19),
         # which Adam's second moment could not hold either, so they count as non-finite too.
