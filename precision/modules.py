@@ -117,8 +117,32 @@ class LinenWithPolicy:
         self._classes = classes
         return self.cast_params(variables)
 
-    def cast_params(self, variables: Any) -> Any:
-        """Casts the ``params`` collection to each module's param dtype (for loading f32 weights)."""
+    def _record_structure(self, variables: Any, *args: Any, **kwargs: Any) -> None:
+        classes: PathClasses = {}
+        with self._recording(classes):
+            jax.eval_shape(functools.partial(self.module.apply, **kwargs), variables, *args)
+        self._classes = classes
+
+    def with_policy(self, policy: "str | Policy", rules: "Iterable[Any] | None" = None) -> "LinenWithPolicy":
+        """The same module under another policy (e.g. float16 for inference), keeping
+        the module structure already recorded, so :meth:`cast_params` works at once."""
+        other = with_policy(self.module, policy, rules)
+        other._classes = self._classes
+        return other
+
+    def cast_params(self, variables: Any, *sample_args: Any, **sample_kwargs: Any) -> Any:
+        """Casts the ``params`` collection to each module's param dtype (for loading f32 weights).
+
+        Rules matching class names need the module structure: a wrapper that has
+        not run ``init`` or ``apply`` yet needs sample inputs here (traced
+        abstractly, nothing is computed).
+        """
+        if self._classes is None and sample_args:
+            self._record_structure(variables, *sample_args, **sample_kwargs)
+        if self._classes is None and self.rules:
+            raise ValueError("cast_params needs the module structure to match rules by class name: pass "
+                             "sample inputs (cast_params(variables, x)), call init or apply once first, or "
+                             "derive this wrapper with .with_policy() from one that has run")
         resolve = self._resolver()
         return _map_params(variables, lambda p: _cast_by_path(p, lambda path: resolve(path).param_dtype))
 
@@ -126,11 +150,7 @@ class LinenWithPolicy:
               mutable: Any = False, **kwargs: Any) -> Any:
         """Like ``module.apply``, computing under the policy and its rules."""
         if self._classes is None:
-            classes: PathClasses = {}
-            with self._recording(classes):
-                jax.eval_shape(functools.partial(self.module.apply, rngs=rngs, method=method,
-                                                 mutable=mutable, **kwargs), variables, *args)
-            self._classes = classes
+            self._record_structure(variables, *args, rngs=rngs, method=method, mutable=mutable, **kwargs)
         resolve = self._resolver()
         root = resolve(())
         compute_vars = _map_params(

@@ -134,8 +134,11 @@ class LinenTest(chex.TestCase):
     def test_apply_on_a_fresh_wrapper_and_cast_params(self):
         variables = Net().init(jax.random.key(0), X)  # plain f32 weights, e.g. loaded from disk
         model = precision.with_policy(Net(), "O2")
-        stored = model.cast_params(variables)
+        with pytest.raises(ValueError, match="pass sample inputs"):
+            model.cast_params(variables)  # class-name rules (BatchNorm in f32) need the structure
+        stored = model.cast_params(variables, X, mutable=["batch_stats"])
         assert dtype_tree(stored["params"])["Dense_0"]["kernel"] == jnp.float16
+        assert dtype_tree(stored["params"])["BatchNorm_0"]["scale"] == jnp.float32
         out, _ = jax.jit(lambda v: model.apply(v, X, mutable=["batch_stats"]))(stored)
         assert out.dtype == jnp.float32 and np.isfinite(out).all()
 

@@ -1,0 +1,120 @@
+"""The jitted train and eval steps: accumulation, donation, f32 loss, skipping, eval sums."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import precision
+from train import (create_train_state, cross_entropy, evaluate, make_eval_step, make_train_step,
+                   summarize_eval)
+from train.data import load_dataset
+from train.models import MLP, ResNet
+from train.step import _first_nonfinite_leaf
+
+DIGITS = load_dataset("digits")
+
+
+def _state(policy="fp32", model=None, loss_scale="auto", lr=1e-2):
+    model = model or MLP(hidden=(32,), num_classes=10)
+    return create_train_state(model, policy, optax.sgd(lr, momentum=0.9), jax.random.PRNGKey(0),
+                              DIGITS.sample_input(1), loss_scale=loss_scale)
+
+
+def _batch(n=32, index=0):
+    return DIGITS.train_batch(index, n, seed=0)
+
+
+def _leaves(state):
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(state.params)]
+
+
+@pytest.mark.parametrize("policy,atol", [("fp32", 1e-6), ("mixed_f16", 1e-5)])  # f16 rounds per micro-batch
+def test_accumulation_matches_one_large_batch(policy, atol):
+    one = make_train_step(accum_steps=1, donate=False)
+    four = make_train_step(accum_steps=4, donate=False)
+    a, b = _state(policy), _state(policy)
+    for i in range(3):
+        a, ma = one(a, _batch(32, i))
+        b, mb = four(b, _batch(32, i))
+        np.testing.assert_allclose(float(ma["loss"]), float(mb["loss"]), rtol=1e-4)
+        np.testing.assert_allclose(float(ma["grad_norm"]), float(mb["grad_norm"]), rtol=1e-3)
+    for x, y in zip(_leaves(a), _leaves(b)):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=atol)
+
+
+def test_accumulation_checks_finiteness_once_per_effective_batch():
+    step = make_train_step(accum_steps=4, donate=False)
+    state = _state("mixed_f16")
+    batch = _batch(32)
+    batch["inputs"] = batch["inputs"].copy()
+    batch["inputs"][9] = 1e30  # one example of the second micro-batch overflows f16
+    new, metrics = step(state, batch)
+    assert not bool(metrics["grads_finite"]) and int(metrics["skipped_steps"]) == 1
+    for x, y in zip(_leaves(state), _leaves(new)):
+        np.testing.assert_array_equal(x, y)
+    assert float(new.loss_scale.loss_scale) == float(state.loss_scale.loss_scale) / 2
+
+
+def test_accumulation_rejects_an_indivisible_batch():
+    with pytest.raises(ValueError, match="not divisible by accum_steps=3"):
+        make_train_step(accum_steps=3)(_state(), _batch(32))
+
+
+def test_train_step_donates_the_state_and_reports_metrics():
+    step = make_train_step(learning_rate_fn=optax.constant_schedule(1e-2))
+    state = _state("mixed_f16")
+    old_leaf = jax.tree_util.tree_leaves(state.params)[0]
+    state, metrics = step(state, _batch())
+    assert old_leaf.is_deleted()
+    assert set(metrics) >= {"loss", "loss_scale", "grads_finite", "grad_norm", "skipped_steps", "learning_rate"}
+    assert metrics["loss"].dtype == jnp.float32 and int(state.step) == 1
+    assert float(metrics["loss_scale"]) == 2.0 ** 15
+    np.testing.assert_allclose(float(metrics["learning_rate"]), 1e-2)
+
+
+def test_learning_rate_metric_does_not_advance_on_skipped_steps():
+    step = make_train_step(learning_rate_fn=lambda count: 1.0 / (1.0 + count), donate=False)
+    state = _state("mixed_f16")
+    bad = _batch()
+    bad["inputs"] = np.full_like(bad["inputs"], 1e30)
+    state, m1 = step(state, bad)  # skipped
+    state, m2 = step(state, _batch())
+    assert float(m1["learning_rate"]) == float(m2["learning_rate"]) == 1.0
+
+
+def test_loss_is_computed_in_float32_even_from_float16_logits():
+    logits = jnp.array([[60000.0, -60000.0, 0.0]], jnp.float16)
+    loss, correct = cross_entropy(logits, jnp.array([1]))
+    assert loss.dtype == jnp.float32 and np.isfinite(float(loss[0]))
+    np.testing.assert_allclose(float(loss[0]), 120000.0, rtol=1e-3)
+    naive = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.array([1]))
+    assert not np.isfinite(float(naive[0]))  # why the step casts first
+
+
+def test_first_nonfinite_leaf_names_the_first_bad_gradient():
+    grads = {"a": jnp.ones(3), "b": jnp.array([1.0, jnp.nan]), "c": jnp.array([jnp.inf])}
+    assert int(_first_nonfinite_leaf(grads, jnp.array(False))) == 1
+    assert int(_first_nonfinite_leaf(grads, jnp.array(True))) == -1
+
+
+def test_eval_sums_ignore_padding():
+    state = _state()
+    eval_step = make_eval_step()
+    padded = evaluate(eval_step, state, DIGITS.eval_batches(64), "classification")  # 297 = 4*64 + 41
+    whole = evaluate(eval_step, state, DIGITS.eval_batches(297), "classification")
+    np.testing.assert_allclose(padded["loss"], whole["loss"], rtol=1e-5)
+    assert padded["accuracy"] == whole["accuracy"]
+    assert summarize_eval({"loss_sum": 2.0, "correct": 1.0, "count": 2.0}, "language_model")["perplexity"] == \
+        pytest.approx(np.e)
+
+
+def test_batchnorm_state_updates_and_stays_float32():
+    step = make_train_step(donate=False)
+    state = _state("pure_f16", model=ResNet(stage_sizes=(1,), width=4))
+    before = jax.tree_util.tree_leaves(state.model_state)
+    state, _ = step(state, _batch(16))
+    after = jax.tree_util.tree_leaves(state.model_state)
+    assert all(x.dtype == jnp.float32 for x in after)
+    assert any(not np.array_equal(x, y) for x, y in zip(before, after))

@@ -1,0 +1,67 @@
+"""The command line: ``python -m train CONFIG [key=value ...]`` (also ``mp-train``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+
+import yaml
+
+from train.config import ConfigError, help_text, load_config, to_dict
+from train.data import DataError
+
+USAGE = "python -m train CONFIG [key=value ...]"
+DESCRIPTION = """\
+Train the experiment a YAML config describes, with dotted key=value overrides, e.g.
+
+  python -m train configs/default.yaml
+  python -m train configs/fmnist_resnet_mixed_f16.yaml steps=200 workdir=runs/try optimizer.lr=3e-4
+
+Outputs go to WORKDIR: metrics.jsonl, config.yaml (the resolved config), summary.json,
+checkpoints/ and tensorboard/. Rerunning the same command resumes from the newest
+checkpoint; a larger steps= continues a finished run."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m train", usage=USAGE, description=DESCRIPTION, epilog=help_text(),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", help="the experiment's YAML file (see configs/)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides of config fields")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config and exit without training")
+    return parser
+
+
+def _fail(message: str, code: int) -> int:
+    print(textwrap.fill(f"error: {message}", width=100, break_long_words=False, break_on_hyphens=False),
+          file=sys.stderr)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parses the command line, runs the experiment, returns the exit status.
+
+    Exit status: 0 done, 2 bad config or data (nothing was computed), 1
+    training stopped on non-finite gradients, 130 interrupted (checkpoint saved).
+    """
+    args = _parser().parse_intermixed_args(argv)
+    try:
+        config = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        return _fail(str(e), 2)
+    if args.print_config:
+        print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+        return 0
+    from train.loop import NonFiniteError, run  # heavy imports (jax, orbax) only when training
+
+    try:
+        run(config)
+    except (ConfigError, DataError) as e:
+        return _fail(f"{args.config}: {e}", 2)
+    except NonFiniteError as e:
+        return _fail(str(e), 1)
+    except KeyboardInterrupt as e:
+        return _fail(str(e) or "interrupted", 130)
+    return 0

@@ -1,0 +1,158 @@
+"""In-memory datasets with deterministic, resumable batching.
+
+A train batch is a pure function of ``(seed, index)``: batch ``index`` of the
+run is the same whether the run was interrupted and resumed or not, so the data
+position saved in a checkpoint is just the step.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Iterator
+
+import jax
+import numpy as np
+
+Batch = dict[str, np.ndarray]
+
+
+class DataError(ValueError):
+    """A dataset could not be found or read; the message says how to get it."""
+
+
+@dataclasses.dataclass
+class ClassificationData:
+    """Examples and integer labels held in memory; reshuffled every epoch."""
+
+    name: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int
+    task: str = "classification"
+
+    def __post_init__(self):
+        self._perm_epoch: tuple[int, int] | None = None
+        self._perm: np.ndarray | None = None
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.x_train.shape[1:])
+
+    def describe(self) -> str:
+        return (f"{self.name}: {len(self.x_train)} train / {len(self.x_test)} test examples of shape "
+                f"{self.input_shape}, {self.num_classes} classes")
+
+    def sample_input(self, batch_size: int = 1) -> np.ndarray:
+        return self.x_train[:batch_size]
+
+    def _permutation(self, seed: int, epoch: int) -> np.ndarray:
+        if self._perm_epoch != (seed, epoch):
+            self._perm = np.random.default_rng([seed, epoch]).permutation(len(self.x_train))
+            self._perm_epoch = (seed, epoch)
+        return self._perm
+
+    def train_batch(self, index: int, batch_size: int, seed: int) -> Batch:
+        """Batch ``index`` of an endless sequence of epochs, each a fresh permutation."""
+        per_epoch = len(self.x_train) // batch_size
+        if per_epoch == 0:
+            raise DataError(f"{self.name}: batch size {batch_size} exceeds the {len(self.x_train)} "
+                            f"training examples")
+        epoch, within = divmod(index, per_epoch)
+        idx = self._permutation(seed, epoch)[within * batch_size:(within + 1) * batch_size]
+        return {"inputs": self.x_train[idx], "labels": self.y_train[idx]}
+
+    def eval_batches(self, batch_size: int, max_batches: int | None = None) -> Iterator[Batch]:
+        """The test set in order, the last batch padded (``mask`` marks real examples)."""
+        yield from _padded_batches(self.x_test, self.y_test, batch_size, max_batches)
+
+
+@dataclasses.dataclass
+class TextData:
+    """A character-level corpus: windows of ``seq_len`` tokens predict the next token."""
+
+    name: str
+    train_ids: np.ndarray
+    val_ids: np.ndarray
+    vocab: str
+    seq_len: int
+    task: str = "language_model"
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.vocab)
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return (self.seq_len,)
+
+    def describe(self) -> str:
+        return (f"{self.name}: {len(self.train_ids):,} train / {len(self.val_ids):,} validation "
+                f"characters, vocabulary {len(self.vocab)}, windows of {self.seq_len}")
+
+    def sample_input(self, batch_size: int = 1) -> np.ndarray:
+        return np.zeros((batch_size, self.seq_len), np.int32)
+
+    def decode(self, ids: Any) -> str:
+        return "".join(self.vocab[i] for i in np.asarray(ids).ravel())
+
+    def train_batch(self, index: int, batch_size: int, seed: int) -> Batch:
+        """Random windows drawn from a generator seeded by ``(seed, index)``."""
+        starts = np.random.default_rng([seed, index]).integers(
+            0, len(self.train_ids) - self.seq_len - 1, batch_size)
+        return _windows(self.train_ids, starts, self.seq_len)
+
+    def eval_batches(self, batch_size: int, max_batches: int | None = None) -> Iterator[Batch]:
+        """Consecutive non-overlapping windows of the validation text."""
+        count = (len(self.val_ids) - 1) // self.seq_len
+        starts = np.arange(count) * self.seq_len
+        windows = _windows(self.val_ids, starts, self.seq_len)
+        yield from _padded_batches(windows["inputs"], windows["labels"], batch_size, max_batches)
+
+
+def _windows(ids: np.ndarray, starts: np.ndarray, seq_len: int) -> Batch:
+    offsets = starts[:, None] + np.arange(seq_len + 1)[None]
+    tokens = ids[offsets]
+    return {"inputs": tokens[:, :-1], "labels": tokens[:, 1:]}
+
+
+def _padded_batches(x: np.ndarray, y: np.ndarray, batch_size: int,
+                    max_batches: int | None) -> Iterator[Batch]:
+    total = len(x) if max_batches is None else min(len(x), max_batches * batch_size)
+    for start in range(0, total, batch_size):
+        stop = min(start + batch_size, total)
+        pad = batch_size - (stop - start)
+        mask = np.concatenate([np.ones(stop - start, bool), np.zeros(pad, bool)])
+        xb, yb = x[start:stop], y[start:stop]
+        if pad:
+            xb = np.concatenate([xb, np.zeros((pad,) + xb.shape[1:], xb.dtype)])
+            yb = np.concatenate([yb, np.zeros((pad,) + yb.shape[1:], yb.dtype)])
+        yield {"inputs": xb, "labels": yb, "mask": mask}
+
+
+def train_batches(data: Any, batch_size: int, seed: int, start: int = 0) -> Iterator[tuple[int, Batch]]:
+    """``(index, batch)`` pairs from batch ``start`` on, forever."""
+    index = start
+    while True:
+        yield index, data.train_batch(index, batch_size, seed)
+        index += 1
+
+
+def prefetch_to_device(iterator: Iterator[Any], size: int = 2) -> Iterator[Any]:
+    """Keeps ``size`` batches in flight to the device while the current one computes.
+
+    ``jax.device_put`` is asynchronous, so the host-to-device copies of the next
+    batches overlap the step running on the current one.
+    """
+    if size < 1:
+        yield from iterator
+        return
+    queue: collections.deque = collections.deque()
+    for item in iterator:
+        queue.append(jax.device_put(item))
+        if len(queue) > size:
+            yield queue.popleft()
+    while queue:
+        yield queue.popleft()

@@ -1,0 +1,46 @@
+"""Half-precision inference: serve a trained state in float16 or bfloat16 and
+measure what it costs in accuracy against float32."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import jax.numpy as jnp
+
+import precision
+from train.state import TrainState
+from train.step import evaluate, make_eval_step
+
+
+def full_precision_params(state: TrainState) -> Any:
+    """The float32 params of a state: the master copy when params are stored in half."""
+    mp = precision.find_mixed_precision_state(state.opt_state)
+    return mp.master_params if mp.master_params is not None else state.params
+
+
+def cast_for_inference(state: TrainState, dtype: Any, rules: Any = None) -> TrainState:
+    """The state with params stored and computed in ``dtype`` (outputs float32).
+
+    ``rules`` default to the training model's rules, so normalization layers
+    stay float32 (and BatchNorm statistics always do).
+    """
+    policy = precision.Policy(dtype, dtype, jnp.float32)
+    model = state.model.with_policy(policy, state.model.rules if rules is None else rules)
+    params = model.cast_params({"params": full_precision_params(state)})["params"]
+    return state.replace(model=model, params=params)
+
+
+def inference_report(state: TrainState, batches: Callable[[], Iterable[dict]], task: str = "classification",
+                     dtypes: Iterable[str] = ("float16", "bfloat16")) -> dict[str, dict[str, float]]:
+    """Eval metrics of the trained params served in float32 and in each half ``dtype``.
+
+    Returns ``{dtype: {"loss", "accuracy", ["perplexity"], "accuracy_delta"}}``
+    where ``accuracy_delta`` is the half-precision accuracy minus float32's.
+    """
+    eval_step = make_eval_step()
+    report = {}
+    for dtype in ("float32", *dtypes):
+        report[dtype] = evaluate(eval_step, cast_for_inference(state, dtype), batches(), task)
+    for dtype in dtypes:
+        report[dtype]["accuracy_delta"] = report[dtype]["accuracy"] - report["float32"]["accuracy"]
+    return report

@@ -1,0 +1,88 @@
+"""The train state: everything that changes while training, as one pytree."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+import precision
+from precision.loss_scale import LossScale
+
+
+class TrainState(struct.PyTreeNode):
+    """Step, params (float32 masters unless the policy stores half params, whose
+    float32 masters then live in the optimizer state), optimizer state (holding
+    the loss-scale state), model state (BatchNorm statistics) and the RNG key.
+
+    ``model`` (the module under its policy) and ``tx`` (the mixed-precision
+    optimizer) are static: they are not saved in checkpoints and define how the
+    arrays are used.
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    model_state: Any
+    rng: jax.Array
+    model: precision.LinenWithPolicy = struct.field(pytree_node=False)
+    tx: optax.GradientTransformation = struct.field(pytree_node=False)
+
+    @property
+    def policy(self) -> precision.Policy:
+        """The model's precision policy."""
+        return self.model.policy
+
+    @property
+    def loss_scale(self) -> LossScale:
+        """The loss scale the next step multiplies the loss by."""
+        return precision.current_loss_scale(self.opt_state)
+
+
+def create_train_state(model: Any, policy: "str | precision.Policy", optimizer: optax.GradientTransformation,
+                       rng: jax.Array, sample_input: Any, *, rules: Any = None,
+                       loss_scale: "str | LossScale" = "auto", max_grad_norm: float | None = None,
+                       skip_with: str = "auto") -> TrainState:
+    """Initialises a model under ``policy`` and a mixed-precision optimizer around ``optimizer``.
+
+    Args:
+      model: an unmodified Flax Linen module taking ``(inputs, train=...)``, or
+        one already wrapped by :func:`precision.with_policy` (then ``policy``
+        and ``rules`` must match it or be ``None``).
+      policy: a policy spec, preset name or :class:`precision.Policy`.
+      optimizer: the inner optax optimizer; it is wrapped by
+        :func:`precision.mixed_precision` unless it already is.
+      rng: a PRNG key; split into init keys and the state's key (dropout).
+      sample_input: a batch of inputs (any batch size) to initialise shapes.
+      rules: per-module precision rules (see :mod:`precision.rules`).
+      loss_scale: ``"auto"``, ``"none"``, ``"static"``, ``"dynamic"`` or a loss
+        scale object such as ``precision.DynamicLossScale(2.0 ** 15)``.
+      max_grad_norm, skip_with: passed to :func:`precision.mixed_precision`.
+    """
+    if isinstance(model, precision.LinenWithPolicy):
+        wrapped = model
+    else:
+        wrapped = precision.with_policy(model, policy, rules)
+    if jax.dtypes.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key):
+        rng = jax.random.key_data(rng)
+    rng, params_key, dropout_key = jax.random.split(rng, 3)
+    init = jax.jit(lambda keys, x: wrapped.init(keys, x, train=False))
+    variables = init({"params": params_key, "dropout": dropout_key}, sample_input)
+    params = variables["params"]
+    model_state = {k: v for k, v in variables.items() if k != "params"}
+    tx = _mixed_precision_optimizer(optimizer, params, wrapped.policy, loss_scale, max_grad_norm, skip_with)
+    return TrainState(step=jnp.zeros([], jnp.int32), params=params, opt_state=jax.jit(tx.init)(params),
+                      model_state=model_state, rng=rng, model=wrapped, tx=tx)
+
+
+def _mixed_precision_optimizer(optimizer, params, policy, loss_scale, max_grad_norm, skip_with):
+    try:
+        precision.find_mixed_precision_state(jax.eval_shape(optimizer.init, params))
+        return optimizer  # already wrapped
+    except ValueError:
+        pass
+    scale = precision.get_loss_scale(loss_scale, policy) if isinstance(loss_scale, str) else loss_scale
+    return precision.mixed_precision(optimizer, scale, max_grad_norm=max_grad_norm, skip_with=skip_with)
