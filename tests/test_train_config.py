@@ -120,3 +120,8 @@ def test_cli_errors_are_one_paragraph_without_traceback_and_before_compute(tmp_p
         assert message in " ".join(proc.stderr.split())
         assert proc.stdout == ""
     assert not os.path.exists(workdir)
+
+
+def test_the_config_reference_page_matches_the_code():
+    page = (ROOT / "docs" / "config.md").read_text()
+    assert help_text() in page, "docs/config.md is stale: regenerate it from train.config.help_text()"

@@ -118,3 +118,17 @@ def test_batchnorm_state_updates_and_stays_float32():
     after = jax.tree_util.tree_leaves(state.model_state)
     assert all(x.dtype == jnp.float32 for x in after)
     assert any(not np.array_equal(x, y) for x, y in zip(before, after))
+
+
+def test_create_train_state_rejects_what_it_cannot_train():
+    from flax import nnx
+
+    with pytest.raises(TypeError, match="takes a flax.linen.Module, got Linear"):
+        create_train_state(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), "fp32", optax.sgd(0.1), jax.random.PRNGKey(0),
+                           np.zeros((1, 2), np.float32))
+    wrapped = precision.with_policy(MLP(hidden=(4,)), "mixed_bf16")
+    with pytest.raises(ValueError, match="differs from the wrapped model"):
+        create_train_state(wrapped, "mixed_f16", optax.sgd(0.1), jax.random.PRNGKey(0), DIGITS.sample_input(1))
+    state = create_train_state(wrapped, None, optax.sgd(0.1), jax.random.PRNGKey(0), DIGITS.sample_input(1))
+    assert str(state.policy) == "p=f32,c=bf16,o=f32"
+    assert isinstance(state.loss_scale, precision.NoOpLossScale)  # auto: bf16 needs no scaling

@@ -6,6 +6,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import flax.linen as nn
 import optax
 from flax import struct
 
@@ -42,7 +43,7 @@ class TrainState(struct.PyTreeNode):
         return precision.current_loss_scale(self.opt_state)
 
 
-def create_train_state(model: Any, policy: "str | precision.Policy", optimizer: optax.GradientTransformation,
+def create_train_state(model: Any, policy: "str | precision.Policy | None", optimizer: optax.GradientTransformation,
                        rng: jax.Array, sample_input: Any, *, rules: Any = None,
                        loss_scale: "str | LossScale" = "auto", max_grad_norm: float | None = None,
                        skip_with: str = "auto") -> TrainState:
@@ -63,9 +64,15 @@ def create_train_state(model: Any, policy: "str | precision.Policy", optimizer: 
       max_grad_norm, skip_with: passed to :func:`precision.mixed_precision`.
     """
     if isinstance(model, precision.LinenWithPolicy):
+        if policy is not None and precision.get_policy(policy) != model.policy:
+            raise ValueError(f"create_train_state: policy {policy!r} differs from the wrapped model's "
+                             f"{model.policy}; pass policy=None or an unwrapped module")
         wrapped = model
-    else:
+    elif isinstance(model, nn.Module):
         wrapped = precision.with_policy(model, policy, rules)
+    else:
+        raise TypeError(f"create_train_state takes a flax.linen.Module, got {type(model).__name__}; an NNX "
+                        f"module trains with precision.with_policy and nnx.Optimizer (see the README)")
     if jax.dtypes.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key):
         rng = jax.random.key_data(rng)
     rng, params_key, dropout_key = jax.random.split(rng, 3)
