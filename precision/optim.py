@@ -43,6 +43,7 @@ class MixedPrecisionState(NamedTuple):
     master_params: Any  # float32 copy of half params, or None
     grads_finite: jax.Array  # whether the last step's gradients were finite
     grad_norm: jax.Array  # global norm of the last step's unscaled gradients
+    nonfinite_leaf: jax.Array  # index (tree_leaves order) of the first non-finite gradient, -1 if none
 
 
 def needs_master_weights(params: Any) -> bool:
@@ -99,16 +100,18 @@ def mixed_precision(inner: optax.GradientTransformation,
             loss_scale=loss_scale,
             master_params=master,
             grads_finite=jnp.array(True),
-            grad_norm=jnp.zeros([], jnp.float32))
+            grad_norm=jnp.zeros([], jnp.float32),
+            nonfinite_leaf=jnp.array(-1, jnp.int32))
 
     def update_fn(scaled_grads, state, params=None, **extra_args):
         if state.master_params is not None and params is None:
             raise ValueError("mixed_precision with half-precision params needs `params` in update()")
         grads = state.loss_scale.unscale(cast_to_full(scaled_grads))
-        # One reduction gives both the metric and the check: the norm is finite iff every
-        # element is, except for finite gradients whose squares overflow float32 (norm > 1.8e19),
-        # which Adam's second moment could not hold either, so they count as non-finite too.
-        grad_norm = optax.global_norm(grads)
+        # One reduction per leaf gives the metric, the check and the culprit: the norm is finite
+        # iff every element is, except for finite gradients whose squares overflow float32 (norm >
+        # 1.8e19), which Adam's second moment could not hold either, so they count as non-finite too.
+        squares = _leaf_squared_norms(grads)
+        grad_norm = jnp.sqrt(sum(squares))
         finite = jnp.isfinite(grad_norm)
         ref = params if params is not None else grads
 
@@ -136,9 +139,24 @@ def mixed_precision(inner: optax.GradientTransformation,
             loss_scale=state.loss_scale.adjust(finite),
             master_params=master,
             grads_finite=finite,
-            grad_norm=grad_norm)
+            grad_norm=grad_norm,
+            nonfinite_leaf=_first_nonfinite(squares, finite))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _leaf_squared_norms(grads: Any) -> list[jax.Array]:
+    return [jnp.sum(jnp.square(g)) for g in jax.tree_util.tree_leaves(grads)] or [jnp.zeros([], jnp.float32)]
+
+
+def _first_nonfinite(squares: list[jax.Array], finite: jax.Array) -> jax.Array:
+    return jnp.where(finite, -1, jnp.argmin(jnp.isfinite(jnp.stack(squares)))).astype(jnp.int32)
+
+
+def _first_nonfinite_leaf(grads: Any, finite: jax.Array) -> jax.Array:
+    """Index of the first leaf of ``grads`` that is not finite (or whose squared norm
+    overflows), -1 when ``finite``; the wrapper reports it as ``nonfinite_leaf``."""
+    return _first_nonfinite(_leaf_squared_norms(cast_to_full(grads)), finite)
 
 
 def _is_half(x: Any) -> bool:

@@ -11,7 +11,7 @@ from train import (create_train_state, cross_entropy, evaluate, make_eval_step, 
                    summarize_eval)
 from train.data import load_dataset
 from train.models import MLP, ResNet
-from train.step import _first_nonfinite_leaf
+from precision.optim import _first_nonfinite_leaf
 
 DIGITS = load_dataset("digits")
 

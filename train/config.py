@@ -8,9 +8,11 @@ only says what differs. ``python -m train --help`` lists every field.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import difflib
 import os
+import types
 import typing
 from typing import Any
 
@@ -124,12 +126,16 @@ _SECTIONS = {"model": ModelConfig, "data": DataConfig, "optimizer": OptimizerCon
 # ----------------------------------------------------------------------------- types
 
 
+_UNIONS = (typing.Union, types.UnionType)
+_SEQUENCES = (list, tuple, typing.Sequence, collections.abc.Sequence)
+
+
 def _type_name(tp: Any) -> str:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in _UNIONS:
         names = [_type_name(a) for a in args if a is not type(None)]
         return " or ".join(names) + (" or null" if type(None) in args else "")
-    if origin in (list, tuple, typing.Sequence, __import__("collections.abc").abc.Sequence):
+    if origin in _SEQUENCES:
         return f"list of {_type_name(args[0])}" if args else "list"
     return {int: "integer", float: "number", str: "string", bool: "true/false", dict: "mapping",
             list: "list"}.get(tp, getattr(tp, "__name__", str(tp)))
@@ -144,7 +150,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         article = "" if name.startswith(("true", "list")) else ("an " if name[0] in "aeiou" else "a ")
         raise ConfigError(f"{key} must be {article}{name}, got {value!r}")
 
-    if origin in (typing.Union, __import__("types").UnionType):
+    if origin in _UNIONS:
         if value is None and type(None) in args:
             return None
         for arg in args:
@@ -155,7 +161,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             except ConfigError:
                 pass
         fail()
-    if origin in (list, tuple, typing.Sequence, __import__("collections.abc").abc.Sequence):
+    if origin in _SEQUENCES:
         if not isinstance(value, (list, tuple)):
             fail()
         return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)] if args else list(value)
@@ -273,8 +279,7 @@ def _set_dotted(raw: dict, key: str, value: Any) -> None:
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     """Applies ``key=value`` overrides (dotted keys, YAML values) to a raw config dict."""
-    raw = dict(raw)
-    raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+    raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}  # overrides never edit the caller's
     for item in overrides:
         key, sep, text = item.partition("=")
         key = key.strip()

@@ -11,6 +11,7 @@ params, as an uninterrupted one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -133,7 +134,8 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
         print(f"resuming from the checkpoint at step {start} in {checkpoints.directory}", file=out)
 
     writer = MetricsWriter(workdir)
-    tracker = _Tracker(config, state, data, writer, on_record)
+    progress = Progress(config.steps, start, config.progress and start < config.steps)
+    tracker = _Tracker(config, state, data, writer, progress, on_record)
     print(f"{config.model.name} on {data.describe()}; policy {state.policy} ({config.precision.policy}), "
           f"loss scale {type(state.loss_scale).__name__}; steps {start} -> {config.steps}; workdir {workdir}",
           file=out)
@@ -154,12 +156,9 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
         with tracker.paused():
             checkpoints.save(state, {"data_position": int(state.step), "config": resolved})
 
-    progress = Progress(config.steps, start, config.progress and start < config.steps)
-    tracker.progress = progress
     batch_size = config.data.batch_size * config.accum_steps
     batches = prefetch_to_device(
         (b for _, b in train_batches(data, batch_size, config.seed, start)), config.data.prefetch)
-    eval_metrics = None
     try:
         pending = None
         for step in range(start + 1, config.steps + 1):
@@ -175,20 +174,19 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
             if due_checkpoint:
                 checkpoint_now(state)
             if due_eval:
-                eval_metrics = evaluate_now(state)
+                evaluate_now(state)
         if pending is not None:
             tracker.observe(*pending)
     except KeyboardInterrupt:
-        progress.close()
         saved = _save_on_interrupt(checkpoints, state, resolved, tracker)
         writer.close()
         raise KeyboardInterrupt(saved) from None
     except NonFiniteError:
-        progress.close()
         checkpoints.close()
         writer.close()
         raise
-    progress.close()
+    finally:
+        progress.close()
     checkpoint_now(state)
     checkpoints.close()
     eval_metrics = evaluate_now(state)
@@ -222,7 +220,7 @@ def _check_same_experiment(workdir: str, resolved: dict) -> None:
 def _flat_keys(tree: dict, prefix: str = "") -> set[str]:
     keys = set()
     for k, v in tree.items():
-        if isinstance(v, dict) and k in ("model", "data", "optimizer", "precision"):
+        if isinstance(v, dict):  # a section (no field's value is a mapping)
             keys |= _flat_keys(v, f"{prefix}{k}.")
         else:
             keys.add(prefix + k)
@@ -255,9 +253,9 @@ class _Tracker:
     non-finite stop rule, and records to the metrics writer."""
 
     def __init__(self, config: ExperimentConfig, state: TrainState, data: Any, writer: MetricsWriter,
-                 on_record: Callable[[dict], None] | None):
+                 progress: Progress, on_record: Callable[[dict], None] | None):
         self.config, self.data, self.writer, self.on_record = config, data, writer, on_record
-        self.progress: Progress | None = None
+        self.progress = progress
         self.leaf_paths = ["params/" + "/".join(str(getattr(k, "key", k)) for k in path)
                            for path, _ in jax.tree_util.tree_leaves_with_path(state.params)]
         scale = jax.device_get(state.loss_scale)
@@ -280,19 +278,14 @@ class _Tracker:
         self._interval_seconds = 0.0
         self._interval_steps = 0
 
-    class _Pause:
-        def __init__(self, tracker):
-            self.tracker = tracker
-
-        def __enter__(self):
-            self.start = time.perf_counter()
-
-        def __exit__(self, *exc):
-            self.tracker._paused += time.perf_counter() - self.start
-
-    def paused(self) -> "_Tracker._Pause":
+    @contextlib.contextmanager
+    def paused(self):
         """A context whose time does not count as training time."""
-        return self._Pause(self)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._paused += time.perf_counter() - start
 
     def record(self, record: dict) -> None:
         self.writer.write(record)
@@ -320,8 +313,7 @@ class _Tracker:
         self.skipped = int(m["skipped_steps"])
         self.interval.append(m)
         self._check_finite(step, m)
-        if self.progress is not None:
-            self.progress.update(1)
+        self.progress.update(1)
         if step % self.config.log_every == 0 or step == self.config.steps:
             self._log(step, m)
 
@@ -348,7 +340,10 @@ class _Tracker:
 
     def _log(self, step: int, m: dict) -> None:
         finite = [x for x in self.interval if x["grads_finite"]]
-        mean = (lambda key: float(np.mean([x[key] for x in finite]))) if finite else (lambda key: float("nan"))
+
+        def mean(key: str) -> float:
+            return float(np.mean([x[key] for x in finite])) if finite else float("nan")
+
         rate = self._interval_steps / self._interval_seconds if self._interval_seconds > 0 else float("nan")
         record = {"kind": "train", "step": step, "loss": mean("loss"), "accuracy": mean("accuracy"),
                   "loss_scale": m["loss_scale"], "grads_finite": bool(m["grads_finite"]),
@@ -361,8 +356,7 @@ class _Tracker:
         self.last_train = record
         self.record(record)
         self.interval, self._interval_seconds, self._interval_steps = [], 0.0, 0
-        if self.progress is not None:
-            self.progress.update(0, loss=record["loss"], scale=record["loss_scale"], steps_s=rate)
+        self.progress.update(0, loss=record["loss"], scale=record["loss_scale"], steps_s=rate)
 
     def summary(self, state: TrainState, eval_metrics: dict | None, report: dict, start: int,
                 workdir: str) -> dict:

@@ -43,9 +43,7 @@ class MetricsWriter:
         if self._tb is not None:
             kind, step = record.get("kind", "train"), record.get("step", 0)
             for key, value in record.items():
-                if key not in ("kind", "step") and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(f"{kind}/{key}", value, step)
-                elif isinstance(value, bool):
+                if key not in ("kind", "step") and isinstance(value, (int, float)):  # bools too
                     self._tb.add_scalar(f"{kind}/{key}", float(value), step)
 
     def close(self) -> None:

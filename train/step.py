@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+import precision
 from train.state import TrainState
 
 Metrics = dict[str, jax.Array]
@@ -52,7 +53,6 @@ def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], A
     """
     if not isinstance(accum_steps, int) or accum_steps < 1:
         raise ValueError(f"accum_steps must be an integer >= 1, got {accum_steps!r}")
-    import precision
 
     def loss_fn(params, model_state, batch, rng, state, loss_scale):
         variables = {"params": params, **model_state}
@@ -109,7 +109,7 @@ def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], A
             "skipped_steps": new_scale.skipped_steps,
             "nonfinite_streak": new_scale.nonfinite_streak,
             "at_min_scale": _at_min_scale(new_scale),
-            "nonfinite_leaf": _first_nonfinite_leaf(grads, mp.grads_finite),
+            "nonfinite_leaf": mp.nonfinite_leaf,
         }
         if learning_rate_fn is not None:
             applied = state.step - loss_scale.skipped_steps
@@ -126,12 +126,6 @@ def _at_min_scale(loss_scale: Any) -> jax.Array:
     if minimum is None:  # none / static: the scale never moves, so it is its own minimum
         return jnp.array(True)
     return loss_scale.loss_scale <= minimum
-
-
-def _first_nonfinite_leaf(grads: Any, finite: jax.Array) -> jax.Array:
-    leaves = jax.tree_util.tree_leaves(grads)
-    flags = jnp.stack([jnp.isfinite(jnp.sum(g.astype(jnp.float32))) for g in leaves])
-    return jnp.where(finite, -1, jnp.argmin(flags)).astype(jnp.int32)
 
 
 def make_eval_step(*, train_kwarg: str | None = "train") -> Callable[[TrainState, dict], Metrics]:
