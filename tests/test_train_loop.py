@@ -37,16 +37,19 @@ def _config(workdir, **changes):
     return from_dict(raw)
 
 
-def _final_arrays(workdir):
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
-    step = ckpt.latest_step()
-    path = os.path.join(workdir, "checkpoints", str(step), "state")
+def _saved(workdir, step):
+    """The raw array tree of the checkpoint at ``step``, read without a template."""
     import orbax.checkpoint as ocp
 
     with ocp.StandardCheckpointer() as c:
-        tree = c.restore(path)
+        return c.restore(os.path.join(workdir, "checkpoints", str(step), "state"))
+
+
+def _final_arrays(workdir):
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
+    step = ckpt.latest_step()
     ckpt.close()
-    return step, jax.tree_util.tree_leaves(tree)
+    return step, jax.tree_util.tree_leaves(_saved(workdir, step))
 
 
 def _assert_bitwise_equal(a, b):
@@ -120,7 +123,12 @@ def test_nonfinite_gradients_at_the_minimum_scale_stop_with_the_param_path(tmp_p
     error = [r for r in read_metrics(str(tmp_path / "run")) if r["kind"] == "error"]
     assert error and error[0]["param"].startswith("params/") and error[0]["first_nonfinite_step"] == 1
     ckpt = Checkpointer(tmp_path / "run" / "checkpoints")
-    assert ckpt.latest_step() == 2  # the last checkpoint before the stop is kept; nothing saved after
+    # The state at the stop is checkpointed; every step was skipped, so its
+    # params are the initial ones, bit for bit.
+    assert ckpt.all_steps() == [2, 4] and "checkpointed at step 4" in message
+    ckpt.close()
+    _assert_bitwise_equal(jax.tree_util.tree_leaves(_saved(tmp_path / "run", 2)["params"]),
+                          jax.tree_util.tree_leaves(_saved(tmp_path / "run", 4)["params"]))
 
 
 def test_cli_runs_a_config_with_overrides(tmp_path, capsys):

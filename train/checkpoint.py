@@ -1,20 +1,45 @@
-"""Checkpoints with orbax: the whole train state plus the data position.
+"""Checkpoints with orbax: the whole train state, the data position, and a
+fingerprint that proves what comes back is what went in.
 
 A checkpoint holds the arrays of the :class:`~train.state.TrainState` (params,
 optimizer and loss-scale state, model state, RNG, step) and a small JSON record
-(the data position and what produced it). Restoring needs a state of the same
-structure, which the run builds anyway, so restored arrays come back with their
-dtypes and shardings.
+(the data position, what produced it, and a fingerprint of every array).
+Restoring needs a state of the same structure, which the run builds anyway, so
+restored arrays come back with their dtypes and the template's shardings, on
+any number of devices and processes.
+
+Faults, and what they cost:
+
+* a process killed mid-write leaves an unfinished temporary directory that is
+  never taken for a checkpoint (orbax renames a step into place only when every
+  process has finished writing it);
+* a truncated or corrupted checkpoint fails to read or fails its fingerprint:
+  it is moved aside to ``checkpoints.corrupt/`` (kept, never deleted) and the
+  previous one is used;
+* a failed write (disk full, permissions) raises :class:`CheckpointError` naming
+  the directory and the steps still intact; the unfinished write is removed.
 """
 
 from __future__ import annotations
 
+import glob
 import os
-from typing import Any
+import shutil
+import time
+from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
+from train.distributed import to_host
 from train.state import TrainState
+
+__all__ = ["CheckpointError", "Checkpointer", "fingerprint"]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message says which, where, and what is intact."""
 
 
 def _arrays(state: TrainState) -> dict[str, Any]:
@@ -22,50 +47,225 @@ def _arrays(state: TrainState) -> dict[str, Any]:
             "model_state": state.model_state, "rng": state.rng}
 
 
+def _leaf_names(tree: Any) -> list[str]:
+    return ["/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+            for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def _words(x: jax.Array) -> jax.Array:
+    """The array's bits as uint32 words (16-bit and narrower values widened, 64-bit split)."""
+    x = jnp.asarray(x)
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32).ravel()
+    bits = x.dtype.itemsize * 8
+    if bits == 64:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32).ravel()
+    unsigned = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32}[bits]
+    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32).ravel()
+
+
+@jax.jit
+def _fingerprint_leaves(leaves: list[jax.Array]) -> list[jax.Array]:
+    out = []
+    for leaf in leaves:
+        words = _words(leaf)
+        position = jnp.arange(1, words.size + 1, dtype=jnp.uint32) * jnp.uint32(2654435761)
+        out.append(jnp.sum(words * position + (words ^ position), dtype=jnp.uint32))  # wraps mod 2**32
+    return out
+
+
+def fingerprint(tree: Any) -> dict[str, int]:
+    """A position-weighted checksum (mod 2**32) of every array's bits, by leaf name.
+
+    Any change to one word of an array changes its value; computed on the
+    devices, sharded or not, so it costs one pass over the state.
+    """
+    leaves = jax.tree_util.tree_leaves(tree)
+    sums = to_host(_fingerprint_leaves(leaves))
+    return {name: int(v) for name, v in zip(_leaf_names(tree), sums)}
+
+
 class Checkpointer:
-    """Saves and restores train states under ``directory`` (one subdirectory per step)."""
+    """Saves and restores train states under ``directory`` (one subdirectory per step).
+
+    Saves are asynchronous: the write of one checkpoint overlaps the training
+    steps after it, and its errors are raised by the next :meth:`save`,
+    :meth:`wait` or :meth:`close`.
+    """
 
     def __init__(self, directory: str | os.PathLike, max_to_keep: int = 3):
         import orbax.checkpoint as ocp
 
         self._ocp = ocp
         self.directory = os.path.abspath(os.fspath(directory))
-        self._manager = ocp.CheckpointManager(
-            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
-            item_names=("state", "meta"))
+        self.quarantine = self.directory.rstrip(os.sep) + ".corrupt"
+        self._pending: int | None = None
+        try:
+            self._manager = ocp.CheckpointManager(
+                self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+                item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+        except OSError as e:
+            raise CheckpointError(f"cannot use checkpoint directory {self.directory}: {e}") from None
 
     def latest_step(self) -> int | None:
         """The step of the newest complete checkpoint, or None."""
         return self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
-        return list(self._manager.all_steps())
+        """Steps of the complete checkpoints, oldest first."""
+        return sorted(self._manager.all_steps())
 
     def save(self, state: TrainState, meta: dict[str, Any]) -> int:
-        """Saves ``state`` at its step (no-op if that step is already saved); returns the step."""
-        step = int(jax.device_get(state.step))
+        """Starts saving ``state`` at its step (no-op if that step is saved); returns the step.
+
+        Raises:
+          CheckpointError: this or the previous write failed (e.g. disk full).
+        """
+        step = int(to_host(state.step))
+        self.wait()
         if step in self._manager.all_steps():
             return step
         ocp = self._ocp
-        self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_arrays(state)),
-                                                         meta=ocp.args.JsonSave(dict(meta, step=step))))
+        arrays = _arrays(state)
+        record = dict(meta, step=step, fingerprint=fingerprint(arrays))
+        self._pending = step
+        try:
+            self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(arrays),
+                                                             meta=ocp.args.JsonSave(record)))
+        except Exception as e:  # noqa: BLE001 - any failure to write is reported the same way
+            self._write_failed(step, e)
         return step
 
+    def wait(self) -> None:
+        """Blocks until pending saves are on disk.
+
+        Raises:
+          CheckpointError: the pending write failed.
+        """
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            self._write_failed(self._pending, e)
+        self._pending = None
+
+    def _write_failed(self, step: int | None, error: Exception) -> None:
+        self._pending = None
+        for partial in glob.glob(os.path.join(self.directory, f"{step}.orbax-checkpoint-tmp*")):
+            if jax.process_index() == 0:
+                shutil.rmtree(partial, ignore_errors=True)
+        self._manager.reload()
+        free = shutil.disk_usage(self.directory).free if os.path.isdir(self.directory) else 0
+        intact = self.all_steps()
+        raise CheckpointError(
+            f"could not write the checkpoint at step {step} to {self.directory}: {_short(error)}. "
+            f"{free / 2 ** 20:,.1f} MiB free there. Checkpoints still intact: "
+            f"{', '.join(map(str, intact)) or 'none'}; the unfinished write was removed. Free some space "
+            f"(or set workdir=...) and rerun the same command to resume"
+            + (f" from step {intact[-1]}." if intact else "."))
+
     def restore(self, template: TrainState, step: int | None = None) -> tuple[TrainState, dict[str, Any]]:
-        """The state saved at ``step`` (default: the latest), in the structure of ``template``."""
+        """The state saved at ``step`` (default: the latest), in the structure of ``template``.
+
+        Raises:
+          FileNotFoundError: there is no checkpoint.
+          CheckpointError: the checkpoint cannot be read, fails its fingerprint, or
+            holds arrays of other shapes than ``template``.
+        """
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        where = os.path.join(self.directory, str(step))
         ocp = self._ocp
         abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, _arrays(template))
-        restored = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
-        return template.replace(**restored["state"]), dict(restored["meta"])
+        try:
+            saved = self._manager.item_metadata(step)["state"]
+            saved = getattr(saved, "tree", saved)
+        except Exception as e:  # noqa: BLE001
+            raise _Corrupt(f"checkpoint {where} has unreadable metadata: {_short(e)}") from None
+        _check_matches(saved, abstract, where)
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+            state, meta = restored["state"], dict(restored["meta"])
+        except Exception as e:  # noqa: BLE001
+            raise _Corrupt(f"checkpoint {where} cannot be read: {_short(e)}") from None
+        expected = meta.get("fingerprint")
+        if expected is not None:
+            actual = fingerprint(state)
+            bad = [name for name in actual if expected.get(name) != actual[name]]
+            if bad:
+                raise _Corrupt(f"checkpoint {where} is corrupted: {len(bad)} of {len(actual)} arrays differ from "
+                               f"what was saved ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
+        return template.replace(**state), meta
 
-    def wait(self) -> None:
-        """Blocks until pending (asynchronous) saves are on disk."""
-        self._manager.wait_until_finished()
+    def restore_latest_good(self, template: TrainState, on_corrupt: Callable[[int, str], None] | None = None
+                            ) -> tuple[TrainState, dict[str, Any]] | None:
+        """The newest checkpoint that reads back intact, or None if there is none.
+
+        Each corrupted checkpoint met on the way is moved to
+        ``<directory>.corrupt/`` and reported through ``on_corrupt(step, reason)``.
+
+        Raises:
+          CheckpointError: checkpoints exist but none is intact, or they do not
+            fit ``template`` (another model).
+        """
+        tried = []
+        for step in reversed(self.all_steps()):
+            try:
+                return self.restore(template, step)
+            except _Corrupt as e:
+                moved = self._quarantine(step)
+                tried.append(step)
+                if on_corrupt is not None:
+                    on_corrupt(step, f"{e}; moved to {moved}")
+        if tried:
+            raise CheckpointError(f"no intact checkpoint in {self.directory}: steps {tried} are corrupted and were "
+                                  f"moved to {self.quarantine}. Delete {self.directory} to start over.")
+        return None
+
+    def _quarantine(self, step: int) -> str:
+        target = os.path.join(self.quarantine, f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
+        if jax.process_index() == 0:
+            os.makedirs(self.quarantine, exist_ok=True)
+            shutil.move(os.path.join(self.directory, str(step)), target)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"quarantine checkpoint {step}")
+        self._manager.reload()
+        return target
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        """Waits for pending saves (raising :class:`CheckpointError` if one failed) and releases the manager."""
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
+
+
+class _Corrupt(CheckpointError):
+    """One checkpoint is unreadable or does not match its fingerprint."""
+
+
+def _check_matches(saved: Any, abstract: Any, where: str) -> None:
+    def shape(x):
+        return tuple(getattr(x, "shape", ()) or ())
+
+    try:
+        saved_shapes = {name: shape(x) for name, x in zip(_leaf_names(saved), jax.tree_util.tree_leaves(saved))}
+    except Exception as e:  # noqa: BLE001
+        raise _Corrupt(f"checkpoint {where} has unreadable metadata: {_short(e)}") from None
+    wanted = {name: tuple(x.shape) for name, x in zip(_leaf_names(abstract), jax.tree_util.tree_leaves(abstract))}
+    if saved_shapes != wanted:
+        missing = sorted(set(wanted) - set(saved_shapes))
+        extra = sorted(set(saved_shapes) - set(wanted))
+        differ = sorted(k for k in set(wanted) & set(saved_shapes) if wanted[k] != saved_shapes[k])
+        parts = ([f"missing {missing[:3]}"] if missing else []) + ([f"unexpected {extra[:3]}"] if extra else []) + \
+                [f"{k}: saved {saved_shapes[k]}, expected {wanted[k]}" for k in differ[:3]]
+        raise CheckpointError(f"checkpoint {where} holds a different model or optimizer than this run "
+                              f"({'; '.join(parts)}); use another workdir for a different experiment")
+
+
+def _short(error: Exception) -> str:
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return text if len(text) <= 300 else text[:300] + " ..."

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import textwrap
 
 import yaml
 
-from train.config import ConfigError, help_text, load_config, to_dict
+from train.config import ConfigError, distributed_settings, help_text, load_config, to_dict
 from train.data import DataError
 
 USAGE = "python -m train CONFIG [key=value ...]"
@@ -44,9 +45,18 @@ def main(argv: list[str] | None = None) -> int:
     """Parses the command line, runs the experiment, returns the exit status.
 
     Exit status: 0 done, 2 bad config or data (nothing was computed), 1
-    training stopped on non-finite gradients, 130 interrupted (checkpoint saved).
+    training stopped on non-finite gradients (last good state saved), 3 a
+    checkpoint could not be written or no intact one could be read (earlier ones
+    kept), 130 interrupted (checkpoint saved).
     """
     args = _parser().parse_intermixed_args(argv)
+    if not args.print_config:
+        from train.distributed import MeshError, initialize_distributed
+
+        try:  # before anything touches a device, as JAX's multi-process runtime requires
+            initialize_distributed(**dataclasses.asdict(distributed_settings(args.config, args.overrides)))
+        except MeshError as e:
+            return _fail(f"{args.config}: {e}", 2)
     try:
         config = load_config(args.config, args.overrides)
     except ConfigError as e:
@@ -54,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
         return 0
+    from train.checkpoint import CheckpointError
     from train.loop import NonFiniteError, run  # heavy imports (jax, orbax) only when training
 
     try:
@@ -62,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"{args.config}: {e}", 2)
     except NonFiniteError as e:
         return _fail(str(e), 1)
+    except CheckpointError as e:
+        return _fail(str(e), 3)
     except KeyboardInterrupt as e:
         return _fail(str(e) or "interrupted", 130)
     return 0

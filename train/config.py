@@ -23,7 +23,7 @@ from train.data import DATASETS
 from train.models import MODELS
 
 __all__ = ["ConfigError", "ExperimentConfig", "ModelConfig", "DataConfig", "OptimizerConfig",
-           "PrecisionConfig", "OPTIMIZERS", "SCHEDULES", "INFERENCE_DTYPES", "load_config", "from_dict",
+           "PrecisionConfig", "MeshConfig", "DistributedConfig", "OPTIMIZERS", "SCHEDULES", "INFERENCE_DTYPES", "load_config", "from_dict",
            "to_dict", "apply_overrides", "help_text"]
 
 OPTIMIZERS = ("adam", "adamw", "sgd", "lion")
@@ -99,6 +99,24 @@ class PrecisionConfig:
 
 
 @dataclasses.dataclass
+class MeshConfig:
+    data: int = _field(-1, "devices the batch is split over (-1: all devices that fsdp leaves)")
+    fsdp: int = _field(1, "devices params and optimizer state are split over (FSDP); the batch is split "
+                          "over them too")
+    fsdp_min_size: int = _field(1024, "arrays with fewer elements stay replicated under fsdp")
+
+
+@dataclasses.dataclass
+class DistributedConfig:
+    coordinator_address: str | None = _field(None, "host:port of process 0 for a multi-process run (or env "
+                                                   "JAX_COORDINATOR_ADDRESS); null: single process")
+    num_processes: int | None = _field(None, "processes in the run (or env JAX_NUM_PROCESSES)")
+    process_id: int | None = _field(None, "this process's index, 0 .. num_processes-1 (or env JAX_PROCESS_ID)")
+    cluster_detect: bool = _field(False, "let JAX detect the cluster (SLURM, Open MPI, Kubernetes, TPU)")
+    timeout_seconds: int = _field(300, "how long processes wait for each other to start")
+
+
+@dataclasses.dataclass
 class ExperimentConfig:
     seed: int = _field(0, "seed of params, dropout and data order")
     workdir: str = _field("runs/default", "where metrics, config, checkpoints and TensorBoard files go")
@@ -117,10 +135,12 @@ class ExperimentConfig:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
 
 _SECTIONS = {"model": ModelConfig, "data": DataConfig, "optimizer": OptimizerConfig,
-             "precision": PrecisionConfig}
+             "precision": PrecisionConfig, "mesh": MeshConfig, "distributed": DistributedConfig}
 
 
 # ----------------------------------------------------------------------------- types
@@ -334,6 +354,22 @@ def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> Experimen
         raise ConfigError(f"{path}: {e}") from None
 
 
+def distributed_settings(path: str | os.PathLike, overrides: list[str] = ()) -> DistributedConfig:
+    """Only the ``distributed`` section of a config, read without touching JAX.
+
+    JAX's multi-process runtime must start before anything initialises a
+    device, and validating a whole config does; the CLI reads this first.
+    Errors are left to :func:`load_config`.
+    """
+    try:
+        with open(os.fspath(path), encoding="utf-8") as f:
+            raw = yaml.safe_load(f) or {}
+        raw = apply_overrides(raw if isinstance(raw, dict) else {}, list(overrides))
+        return _section(DistributedConfig, raw.get("distributed"), "distributed")
+    except (OSError, yaml.YAMLError, ConfigError):
+        return DistributedConfig()
+
+
 # ----------------------------------------------------------------------------- validation
 
 
@@ -368,6 +404,22 @@ def _validate(c: ExperimentConfig) -> None:
         if dtype not in INFERENCE_DTYPES:
             raise ConfigError(f"inference_dtypes: unknown dtype {dtype!r}; valid: {', '.join(INFERENCE_DTYPES)}")
     _validate_precision(c.precision)
+    if c.mesh.data < 1 and c.mesh.data != -1:
+        raise ConfigError(f"mesh.data must be >= 1, or -1 for all devices, got {c.mesh.data}")
+    positive("mesh.fsdp", c.mesh.fsdp)
+    positive("mesh.fsdp_min_size", c.mesh.fsdp_min_size, 0)
+    d = c.distributed
+    if d.num_processes is not None:
+        positive("distributed.num_processes", d.num_processes)
+    if d.process_id is not None:
+        positive("distributed.process_id", d.process_id, 0)
+        if d.num_processes is not None and d.process_id >= d.num_processes:
+            raise ConfigError(f"distributed.process_id must be < distributed.num_processes={d.num_processes}, "
+                              f"got {d.process_id}")
+    positive("distributed.timeout_seconds", d.timeout_seconds)
+    if d.coordinator_address is not None and not _is_host_port(d.coordinator_address):
+        raise ConfigError(f"distributed.coordinator_address must be host:port (e.g. 10.0.0.1:1234), got "
+                          f"{d.coordinator_address!r}")
 
 
 def _validate_precision(p: PrecisionConfig) -> None:
@@ -385,6 +437,11 @@ def _validate_precision(p: PrecisionConfig) -> None:
         raise ConfigError(f"precision.skip_with: unknown value {p.skip_with!r}; valid: "
                           f"{', '.join(precision.optim.SKIP_STRATEGIES)}")
     build_loss_scale(p)
+
+
+def _is_host_port(address: str) -> bool:
+    host, sep, port = address.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
 
 
 def build_loss_scale(p: PrecisionConfig) -> precision.LossScale:
@@ -427,7 +484,7 @@ def help_text() -> str:
             if cls is ModelConfig and f.name == "options":
                 continue
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            lines.append(f"  {prefix}{f.name:<{26 - len(prefix)}} {_type_name(hints[f.name]):<16} "
+            lines.append(f"  {prefix}{f.name:<{33 - len(prefix)}} {_type_name(hints[f.name]):<16} "
                          f"default {yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...').strip():<12} "
                          f"{f.metadata.get('help', '')}")
 

@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterable
 import jax.numpy as jnp
 
 import precision
+from train.distributed import Layout
 from train.state import TrainState
 from train.step import evaluate, make_eval_step
 
@@ -31,13 +32,15 @@ def cast_for_inference(state: TrainState, dtype: Any, rules: Any = None) -> Trai
 
 
 def inference_report(state: TrainState, batches: Callable[[], Iterable[dict]], task: str = "classification",
-                     dtypes: Iterable[str] = ("float16", "bfloat16")) -> dict[str, dict[str, float]]:
+                     dtypes: Iterable[str] = ("float16", "bfloat16"), layout: Layout | None = None
+                     ) -> dict[str, dict[str, float]]:
     """Eval metrics of the trained params served in float32 and in each half ``dtype``.
 
     Returns ``{dtype: {"loss", "accuracy", ["perplexity"], "accuracy_delta"}}``
     where ``accuracy_delta`` is the half-precision accuracy minus float32's.
+    ``layout``: the mesh the state and batches are on (see :mod:`train.distributed`).
     """
-    eval_step = make_eval_step()
+    eval_step = make_eval_step(layout=layout)
     report = {}
     for dtype in ("float32", *dtypes):
         report[dtype] = evaluate(eval_step, cast_for_inference(state, dtype), batches(), task)

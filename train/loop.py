@@ -26,21 +26,24 @@ import yaml
 
 import precision
 from train import config as config_lib
-from train.checkpoint import Checkpointer
+from train.checkpoint import CheckpointError, Checkpointer
 from train.config import ConfigError, ExperimentConfig
 from train.data import load_dataset, prefetch_to_device, train_batches
+from train.distributed import Layout, MeshError, host_rows, initialize_distributed, make_mesh, to_host
 from train.inference import inference_report
-from train.metrics import MetricsWriter, Progress
+from train.metrics import MetricsWriter, NullWriter, Progress
 from train.models import MODELS
 from train.state import TrainState, create_train_state
 from train.step import evaluate, make_eval_step, make_train_step
 
-__all__ = ["NonFiniteError", "build_model", "build_optimizer", "run"]
+__all__ = ["NonFiniteError", "build_model", "build_optimizer", "check_model_fits_data", "run"]
 
 #: Config keys that may change between a run and its resumption.
 RESUMABLE_CHANGES = ("steps", "workdir", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
                      "max_nonfinite_steps", "inference_dtypes", "progress", "data.eval_batch_size",
-                     "data.eval_batches", "data.prefetch", "data.path")
+                     "data.eval_batches", "data.prefetch", "data.path", "mesh.data", "mesh.fsdp",
+                     "mesh.fsdp_min_size", "distributed.coordinator_address", "distributed.num_processes",
+                     "distributed.process_id", "distributed.cluster_detect", "distributed.timeout_seconds")
 
 
 class NonFiniteError(RuntimeError):
@@ -93,17 +96,32 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
     """Runs (or resumes) the experiment ``config`` describes and returns its summary.
 
     Writes ``WORKDIR/config.yaml``, ``metrics.jsonl``, ``tensorboard/``,
-    ``checkpoints/`` and ``summary.json``. ``on_record`` sees every metrics record.
+    ``checkpoints/`` and ``summary.json`` (process 0 of a multi-process run
+    writes all but the checkpoints, which every process writes its shards of).
+    ``on_record`` sees every metrics record.
 
     Raises:
       ConfigError, DataError: before any compute, for a config that cannot run.
       NonFiniteError: gradients non-finite for ``max_nonfinite_steps`` consecutive
-        steps at the minimum loss scale (the last good checkpoint is kept).
+        steps at the minimum loss scale (the last good state is checkpointed).
+      CheckpointError: a checkpoint could not be written (earlier ones are kept)
+        or none of the existing ones is intact.
     """
     out = sys.stdout if out is None else out
+    try:
+        initialize_distributed(**dataclasses.asdict(config.distributed))
+        layout = Layout(make_mesh(config.mesh.data, config.mesh.fsdp), config.mesh.fsdp_min_size)
+        layout.check_batch_size(config.data.batch_size)
+        layout.check_batch_size(config.data.eval_batch_size, "data.eval_batch_size")
+    except MeshError as e:
+        raise ConfigError(str(e)) from None
+    primary = jax.process_index() == 0
+    if not primary:
+        out = open(os.devnull, "w", encoding="utf-8")
     options = {k: v for k, v in dataclasses.asdict(config.data).items() if k != "name"}
     data = load_dataset(config.data.name, **options, seed=config.seed)
     model = build_model(config.model, data)
+    check_model_fits_data(model, data, config.model.name)
     resolved = config_lib.to_dict(config)
     resolved["model"].update({k: list(v) if isinstance(v, tuple) else v for k, v in
                               ((f, getattr(model, f)) for f in config_lib.model_fields(config.model.name))})
@@ -115,50 +133,61 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
         state = create_train_state(
             model, config.precision.policy, tx, jax.random.PRNGKey(config.seed), data.sample_input(1),
             rules=config.precision.rules, loss_scale=config_lib.build_loss_scale(config.precision),
-            max_grad_norm=config.optimizer.max_grad_norm, skip_with=config.precision.skip_with)
+            max_grad_norm=config.optimizer.max_grad_norm, skip_with=config.precision.skip_with, layout=layout)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"model '{config.model.name}' with {config.model.options or 'its defaults'} "
                           f"cannot be built: {e}") from None
     os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.yaml"), "w", encoding="utf-8") as f:
-        yaml.safe_dump(resolved, f, sort_keys=False)
+    if primary:
+        with open(os.path.join(workdir, "config.yaml"), "w", encoding="utf-8") as f:
+            yaml.safe_dump(resolved, f, sort_keys=False)
 
+    writer = MetricsWriter(workdir) if primary else NullWriter()
     checkpoints = Checkpointer(os.path.join(workdir, "checkpoints"), config.keep_checkpoints)
+
+    def corrupt(step: int, reason: str) -> None:
+        print(f"warning: {reason}; falling back to the previous checkpoint", file=out)
+        writer.write({"kind": "checkpoint_corrupt", "step": step, "message": reason})
+
     start = 0
-    if checkpoints.latest_step() is not None:
-        state, meta = checkpoints.restore(state)
-        start = int(state.step)
+    restored = checkpoints.restore_latest_good(state, on_corrupt=corrupt)
+    if restored is not None:
+        state, meta = restored
+        start = int(to_host(state.step))
         if meta.get("data_position") != start:
             raise ConfigError(f"checkpoint at step {start} in {checkpoints.directory} records data position "
                               f"{meta.get('data_position')}, expected {start}: it was not written by this run")
         print(f"resuming from the checkpoint at step {start} in {checkpoints.directory}", file=out)
 
-    writer = MetricsWriter(workdir)
-    progress = Progress(config.steps, start, config.progress and start < config.steps)
+    progress = Progress(config.steps, start, primary and config.progress and start < config.steps)
     tracker = _Tracker(config, state, data, writer, progress, on_record)
     print(f"{config.model.name} on {data.describe()}; policy {state.policy} ({config.precision.policy}), "
-          f"loss scale {type(state.loss_scale).__name__}; steps {start} -> {config.steps}; workdir {workdir}",
-          file=out)
-    train_step = make_train_step(accum_steps=config.accum_steps, learning_rate_fn=schedule)
-    eval_step = make_eval_step()
+          f"loss scale {type(state.loss_scale).__name__}; steps {start} -> {config.steps}; "
+          f"{_describe_layout(layout)}; workdir {workdir}", file=out)
+    train_step = make_train_step(accum_steps=config.accum_steps, learning_rate_fn=schedule, layout=layout)
+    eval_step = make_eval_step(layout=layout)
+    eval_size = config.data.eval_batch_size
 
     def eval_batches():
-        return prefetch_to_device(data.eval_batches(config.data.eval_batch_size, config.data.eval_batches),
-                                  config.data.prefetch)
+        rows = host_rows(eval_size)
+        local = ({k: v[rows] for k, v in b.items()}
+                 for b in data.eval_batches(eval_size, config.data.eval_batches))
+        return prefetch_to_device(local, config.data.prefetch, lambda b: layout.global_batch(b, eval_size))
 
     def evaluate_now(state):
         with tracker.paused():
             metrics = evaluate(eval_step, state, eval_batches(), data.task)
-            tracker.record({"kind": "eval", "step": int(state.step), **metrics})
+            tracker.record({"kind": "eval", "step": int(to_host(state.step)), **metrics})
         return metrics
 
     def checkpoint_now(state):
         with tracker.paused():
-            checkpoints.save(state, {"data_position": int(state.step), "config": resolved})
+            checkpoints.save(state, {"data_position": int(to_host(state.step)), "config": resolved})
 
     batch_size = config.data.batch_size * config.accum_steps
     batches = prefetch_to_device(
-        (b for _, b in train_batches(data, batch_size, config.seed, start)), config.data.prefetch)
+        (b for _, b in train_batches(data, batch_size, config.seed, start, host_rows(batch_size))),
+        config.data.prefetch, lambda b: layout.global_batch(b, batch_size))
     try:
         pending = None
         for step in range(start + 1, config.steps + 1):
@@ -181,8 +210,19 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
         saved = _save_on_interrupt(checkpoints, state, resolved, tracker)
         writer.close()
         raise KeyboardInterrupt(saved) from None
-    except NonFiniteError:
-        checkpoints.close()
+    except NonFiniteError as e:
+        # Skipped steps leave params and optimizer state untouched, so the
+        # current state holds the params of the last finite step.
+        try:
+            checkpoint_now(state)
+            checkpoints.close()
+            note = (f" Skipped steps leave params unchanged: the last good state is checkpointed at step "
+                    f"{int(to_host(state.step))} in {checkpoints.directory}.")
+        except CheckpointError as save_error:
+            note = f" Saving the last good state failed: {save_error}"
+        writer.close()
+        raise NonFiniteError(str(e) + note) from None
+    except CheckpointError:
         writer.close()
         raise
     finally:
@@ -192,15 +232,44 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
     eval_metrics = evaluate_now(state)
     report = {}
     if config.inference_dtypes:
-        report = inference_report(state, eval_batches, data.task, config.inference_dtypes)
+        report = inference_report(state, eval_batches, data.task, config.inference_dtypes, layout=layout)
         for dtype, metrics in report.items():
-            tracker.record({"kind": "inference", "step": int(state.step), "dtype": dtype, **metrics})
+            tracker.record({"kind": "inference", "step": int(to_host(state.step)), "dtype": dtype, **metrics})
     writer.close()
     summary = tracker.summary(state, eval_metrics, report, start, workdir)
-    with open(os.path.join(workdir, "summary.json"), "w", encoding="utf-8") as f:
-        json.dump(summary, f, indent=2)
+    if primary:
+        with open(os.path.join(workdir, "summary.json"), "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=2)
     print(format_summary(summary), file=out)
     return summary
+
+
+def check_model_fits_data(model: Any, data: Any, name: str = "model") -> None:
+    """Raises :class:`ConfigError` unless ``model`` maps the data's inputs to one
+    logit per class (per token for language models), checked abstractly (no compute)."""
+    sample = data.sample_input(2)
+    try:
+        variables = jax.eval_shape(lambda x: model.init(jax.random.PRNGKey(0), x, train=False), sample)
+        logits = jax.eval_shape(lambda v, x: model.apply(v, x, train=False), variables, sample)
+    except Exception as e:  # noqa: BLE001 - any failure here is a model/data mismatch
+        raise ConfigError(f"model '{name}' cannot take {data.name} inputs of shape {tuple(np.shape(sample))[1:]} "
+                          f"({type(e).__name__}: {str(e).strip().splitlines()[0][:300]})") from None
+    expected = (2,) + ((data.input_shape[0],) if data.task == "language_model" else ()) + (data.num_classes,)
+    if tuple(logits.shape) != expected:
+        what = "per token " if data.task == "language_model" else ""
+        raise ConfigError(f"model '{name}' outputs logits of shape {tuple(logits.shape)[1:]} for {data.name}, whose "
+                          f"{data.task} needs {expected[1:]} ({data.num_classes} classes {what}); set the model's "
+                          f"num_classes / vocab_size / block_size to the data's or leave them unset")
+
+
+def _describe_layout(layout: Layout) -> str:
+    shape = dict(layout.mesh.shape)
+    devices = layout.mesh.devices.size
+    processes = jax.process_count()
+    where = f"{devices} {jax.devices()[0].platform} device{'s' if devices > 1 else ''}"
+    if processes > 1:
+        where += f" in {processes} processes"
+    return f"{where}, mesh data={shape['data']} fsdp={shape['fsdp']}"
 
 
 def _check_same_experiment(workdir: str, resolved: dict) -> None:
@@ -237,7 +306,7 @@ def _get(tree: dict, dotted: str) -> Any:
 
 def _save_on_interrupt(checkpoints: Checkpointer, state: TrainState, resolved: dict, tracker: "_Tracker") -> str:
     try:
-        step = checkpoints.save(state, {"data_position": int(state.step), "config": resolved})
+        step = checkpoints.save(state, {"data_position": int(to_host(state.step)), "config": resolved})
         checkpoints.close()
         message = f"interrupted; saved a checkpoint at step {step}"
     except Exception as e:  # a buffer donated to a step that never returned cannot be saved
@@ -258,7 +327,7 @@ class _Tracker:
         self.progress = progress
         self.leaf_paths = ["params/" + "/".join(str(getattr(k, "key", k)) for k in path)
                            for path, _ in jax.tree_util.tree_leaves_with_path(state.params)]
-        scale = jax.device_get(state.loss_scale)
+        scale = to_host(state.loss_scale)
         self.initial_scale = float(np.asarray(getattr(scale, "loss_scale", 1.0)))
         self.last_scale = self.initial_scale
         self.increases = self.decreases = 0
@@ -266,7 +335,7 @@ class _Tracker:
         self.skipped = self.skipped_start
         self.streak_start: tuple[int, int] | None = None
         self.interval: list[dict] = []
-        self.last_step = int(state.step)
+        self.last_step = int(to_host(state.step))
         self.last_train: dict = {}
         self.examples_per_step = config.data.batch_size * config.accum_steps
         self.tokens_per_example = data.input_shape[0] if data.task == "language_model" else 1
@@ -293,7 +362,7 @@ class _Tracker:
             self.on_record(record)
 
     def observe(self, step: int, metrics: dict) -> None:
-        m = {k: np.asarray(v).item() for k, v in jax.device_get(metrics).items()}
+        m = {k: np.asarray(v).item() for k, v in to_host(metrics).items()}
         now = time.perf_counter()
         elapsed, self._mark, self._paused = now - self._mark - self._paused, now, 0.0
         if self.first_step_seconds is None:
@@ -327,12 +396,10 @@ class _Tracker:
         if m["nonfinite_streak"] >= k and m["at_min_scale"]:
             first_step, leaf = self.streak_start
             path = self.leaf_paths[leaf] if 0 <= leaf < len(self.leaf_paths) else "an unknown parameter"
-            ckpt = os.path.join(os.path.abspath(self.config.workdir), "checkpoints")
             message = (f"training stopped at step {step}: gradients were non-finite for {int(m['nonfinite_streak'])} "
                        f"consecutive steps (since step {first_step}) at the minimum loss scale {m['loss_scale']:g} "
                        f"(max_nonfinite_steps={k}). The first non-finite gradient, at step {first_step}, was in "
-                       f"{path}. Skipped steps leave params unchanged; the last good checkpoint is kept in "
-                       f"{ckpt}. Try a lower optimizer.lr, optimizer.max_grad_norm, or precision.policy=mixed_bf16.")
+                       f"{path}. Try a lower optimizer.lr, optimizer.max_grad_norm, or precision.policy=mixed_bf16.")
             self._log(step, m)
             self.record({"kind": "error", "step": step, "message": message, "param": path,
                          "first_nonfinite_step": first_step})
@@ -360,7 +427,7 @@ class _Tracker:
 
     def summary(self, state: TrainState, eval_metrics: dict | None, report: dict, start: int,
                 workdir: str) -> dict:
-        final_scale = float(np.asarray(getattr(jax.device_get(state.loss_scale), "loss_scale", 1.0)))
+        final_scale = float(np.asarray(getattr(to_host(state.loss_scale), "loss_scale", 1.0)))
         self.increases += final_scale > self.last_scale  # the last step may have moved the scale
         self.decreases += final_scale < self.last_scale
         self.last_scale = final_scale
@@ -372,7 +439,7 @@ class _Tracker:
             "policy": str(state.policy),
             "policy_spec": self.config.precision.policy,
             "loss_scale_type": type(state.loss_scale).__name__,
-            "steps": int(state.step),
+            "steps": int(to_host(state.step)),
             "start_step": start,
             "first_step_seconds": self.first_step_seconds,
             "train_seconds": self.train_seconds,

@@ -52,6 +52,16 @@ class MetricsWriter:
             self._tb.close()
 
 
+class NullWriter:
+    """A writer that keeps nothing: processes other than 0 of a multi-process run."""
+
+    def write(self, record: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
     """All records of ``WORKDIR/metrics.jsonl``, in order."""
     with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:

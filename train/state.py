@@ -12,6 +12,7 @@ from flax import struct
 
 import precision
 from precision.loss_scale import LossScale
+from train.distributed import Layout
 
 
 class TrainState(struct.PyTreeNode):
@@ -46,7 +47,7 @@ class TrainState(struct.PyTreeNode):
 def create_train_state(model: Any, policy: "str | precision.Policy | None", optimizer: optax.GradientTransformation,
                        rng: jax.Array, sample_input: Any, *, rules: Any = None,
                        loss_scale: "str | LossScale" = "auto", max_grad_norm: float | None = None,
-                       skip_with: str = "auto") -> TrainState:
+                       skip_with: str = "auto", layout: Layout | None = None) -> TrainState:
     """Initialises a model under ``policy`` and a mixed-precision optimizer around ``optimizer``.
 
     Args:
@@ -62,6 +63,9 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
       loss_scale: ``"auto"``, ``"none"``, ``"static"``, ``"dynamic"`` or a loss
         scale object such as ``precision.DynamicLossScale(2.0 ** 15)``.
       max_grad_norm, skip_with: passed to :func:`precision.mixed_precision`.
+      layout: when given, params and optimizer state are created directly in
+        their sharding on its mesh (never whole on one device), the rest
+        replicated.
     """
     if isinstance(model, precision.LinenWithPolicy):
         if policy is not None and precision.get_policy(policy) != model.policy:
@@ -76,13 +80,26 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
     if jax.dtypes.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key):
         rng = jax.random.key_data(rng)
     rng, params_key, dropout_key = jax.random.split(rng, 3)
-    init = jax.jit(lambda keys, x: wrapped.init(keys, x, train=False))
-    variables = init({"params": params_key, "dropout": dropout_key}, sample_input)
+    keys = {"params": params_key, "dropout": dropout_key}
+    variables = _sharded_jit(lambda k, x: wrapped.init(k, x, train=False), layout)(keys, sample_input)
     params = variables["params"]
     model_state = {k: v for k, v in variables.items() if k != "params"}
     tx = _mixed_precision_optimizer(optimizer, params, wrapped.policy, loss_scale, max_grad_norm, skip_with)
-    return TrainState(step=jnp.zeros([], jnp.int32), params=params, opt_state=jax.jit(tx.init)(params),
-                      model_state=model_state, rng=rng, model=wrapped, tx=tx)
+    state = TrainState(step=jnp.zeros([], jnp.int32), params=params, opt_state=_sharded_jit(tx.init, layout)(params),
+                       model_state=model_state, rng=rng, model=wrapped, tx=tx)
+    return state if layout is None else layout.put_state(state)
+
+
+def _sharded_jit(fn, layout: Layout | None):
+    """``jax.jit(fn)``, with outputs born in their layout's sharding."""
+    if layout is None:
+        return jax.jit(fn)
+
+    def call(*args):
+        shardings = layout.state(jax.eval_shape(fn, *args))
+        return jax.jit(fn, out_shardings=shardings)(*args)
+
+    return call
 
 
 def _mixed_precision_optimizer(optimizer, params, policy, loss_scale, max_grad_norm, skip_with):

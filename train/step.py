@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 
 import precision
+from train.distributed import Layout, to_host
 from train.state import TrainState
 
 Metrics = dict[str, jax.Array]
@@ -30,7 +31,7 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.
 
 
 def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], Any] | None = None,
-                    donate: bool = True, train_kwarg: str | None = "train"
+                    donate: bool = True, train_kwarg: str | None = "train", layout: Layout | None = None
                     ) -> Callable[[TrainState, dict], tuple[TrainState, Metrics]]:
     """Builds the jitted ``train_step(state, batch) -> (state, metrics)``.
 
@@ -44,6 +45,10 @@ def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], A
       donate: donate the state's buffers to the step (update in place).
       train_kwarg: the keyword telling the model it is training (``None`` if it
         takes none).
+      layout: the device mesh and sharding of state and batch (see
+        :mod:`train.distributed`); ``None`` runs where the arrays are. Under a
+        layout, each micro-batch is spread over every device, gradients take the
+        params' sharding, and the finiteness check and the loss scale are global.
 
     Metrics: ``loss`` (unscaled, mean over the batch), ``accuracy``,
     ``loss_scale`` (the scale this step used), ``grads_finite``, ``grad_norm``
@@ -55,6 +60,8 @@ def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], A
         raise ValueError(f"accum_steps must be an integer >= 1, got {accum_steps!r}")
 
     def loss_fn(params, model_state, batch, rng, state, loss_scale):
+        if layout is not None:
+            params = layout.gather(params)
         variables = {"params": params, **model_state}
         kwargs = {train_kwarg: True} if train_kwarg else {}
         mutable = list(model_state)
@@ -71,8 +78,10 @@ def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], A
         leading = jax.tree_util.tree_leaves(batch)[0].shape[0]
         if leading % accum_steps:
             raise ValueError(f"batch size {leading} is not divisible by accum_steps={accum_steps}")
+        # Micro-batch i takes rows i, i + accum_steps, ...: a strided split keeps
+        # every micro-batch spread over all the devices the batch is split over.
         micro = jax.tree_util.tree_map(
-            lambda x: x.reshape((accum_steps, leading // accum_steps) + x.shape[1:]), batch)
+            lambda x: jnp.swapaxes(x.reshape((leading // accum_steps, accum_steps) + x.shape[1:]), 0, 1), batch)
 
         def body(carry, xs):
             grads_sum, model_state, loss_sum, acc_sum = carry
@@ -89,6 +98,8 @@ def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], A
         return grads, loss / accum_steps, acc / accum_steps, model_state
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, Metrics]:
+        if layout is not None:
+            batch = layout.constrain_batch(batch)
         loss_scale = precision.current_loss_scale(state.opt_state)
         rng = jax.random.fold_in(state.rng, state.step)
         if accum_steps == 1:
@@ -96,6 +107,8 @@ def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], A
                                                       loss_scale)
         else:
             grads, loss, acc, model_state = accumulate(state, batch, rng, loss_scale)
+        if layout is not None:
+            grads = layout.constrain_state(grads)
         updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         mp = precision.find_mixed_precision_state(opt_state)
@@ -116,6 +129,9 @@ def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], A
             metrics["learning_rate"] = jnp.asarray(learning_rate_fn(applied), jnp.float32)
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                                   model_state=model_state)
+        if layout is not None:
+            new_state = layout.constrain_state(new_state)
+            metrics = jax.lax.with_sharding_constraint(metrics, layout.replicated())
         return new_state, metrics
 
     return jax.jit(train_step, donate_argnums=(0,) if donate else ())
@@ -128,9 +144,10 @@ def _at_min_scale(loss_scale: Any) -> jax.Array:
     return loss_scale.loss_scale <= minimum
 
 
-def make_eval_step(*, train_kwarg: str | None = "train") -> Callable[[TrainState, dict], Metrics]:
+def make_eval_step(*, train_kwarg: str | None = "train", layout: Layout | None = None
+                   ) -> Callable[[TrainState, dict], Metrics]:
     """Builds the jitted ``eval_step(state, batch) -> sums``, computing in the
-    policy of ``state.model``.
+    policy of ``state.model`` (over the devices of ``layout``, when given).
 
     Returns sums over the real (``mask``) examples, so batches add up exactly:
     ``loss_sum``, ``correct`` and ``count`` (examples, or tokens for sequences).
@@ -138,7 +155,11 @@ def make_eval_step(*, train_kwarg: str | None = "train") -> Callable[[TrainState
     """
 
     def eval_step(state: TrainState, batch: dict) -> Metrics:
-        variables = {"params": state.params, **state.model_state}
+        params = state.params
+        if layout is not None:
+            batch = layout.constrain_batch(batch)
+            params = layout.gather(params)
+        variables = {"params": params, **state.model_state}
         kwargs = {train_kwarg: False} if train_kwarg else {}
         logits = state.model.apply(variables, batch["inputs"], **kwargs)
         loss, correct = cross_entropy(logits, batch["labels"])
@@ -146,8 +167,9 @@ def make_eval_step(*, train_kwarg: str | None = "train") -> Callable[[TrainState
         mask = jnp.ones(loss.shape[:1], bool) if mask is None else mask
         weights = jnp.broadcast_to(mask.reshape(mask.shape + (1,) * (loss.ndim - 1)), loss.shape)
         weights = weights.astype(jnp.float32)
-        return {"loss_sum": jnp.sum(loss * weights), "correct": jnp.sum(correct * weights),
+        sums = {"loss_sum": jnp.sum(loss * weights), "correct": jnp.sum(correct * weights),
                 "count": jnp.sum(weights)}
+        return sums if layout is None else jax.lax.with_sharding_constraint(sums, layout.replicated())
 
     return jax.jit(eval_step)
 
@@ -171,4 +193,4 @@ def evaluate(eval_step: Callable, state: TrainState, batches: Any, task: str = "
         total = sums if total is None else jax.tree_util.tree_map(jnp.add, total, sums)
     if total is None:
         raise ValueError("evaluate: no eval batches")
-    return summarize_eval(jax.device_get(total), task)
+    return summarize_eval(to_host(total), task)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
@@ -54,14 +54,18 @@ class ClassificationData:
             self._perm_epoch = (seed, epoch)
         return self._perm
 
-    def train_batch(self, index: int, batch_size: int, seed: int) -> Batch:
-        """Batch ``index`` of an endless sequence of epochs, each a fresh permutation."""
+    def train_batch(self, index: int, batch_size: int, seed: int, rows: slice = slice(None)) -> Batch:
+        """Batch ``index`` of an endless sequence of epochs, each a fresh permutation.
+
+        ``rows`` selects part of the batch (a process's share in a multi-process
+        run) without reading the other examples.
+        """
         per_epoch = len(self.x_train) // batch_size
         if per_epoch == 0:
             raise DataError(f"{self.name}: batch size {batch_size} exceeds the {len(self.x_train)} "
                             f"training examples")
         epoch, within = divmod(index, per_epoch)
-        idx = self._permutation(seed, epoch)[within * batch_size:(within + 1) * batch_size]
+        idx = self._permutation(seed, epoch)[within * batch_size:(within + 1) * batch_size][rows]
         return {"inputs": self.x_train[idx], "labels": self.y_train[idx]}
 
     def eval_batches(self, batch_size: int, max_batches: int | None = None) -> Iterator[Batch]:
@@ -98,10 +102,11 @@ class TextData:
     def decode(self, ids: Any) -> str:
         return "".join(self.vocab[i] for i in np.asarray(ids).ravel())
 
-    def train_batch(self, index: int, batch_size: int, seed: int) -> Batch:
-        """Random windows drawn from a generator seeded by ``(seed, index)``."""
+    def train_batch(self, index: int, batch_size: int, seed: int, rows: slice = slice(None)) -> Batch:
+        """Random windows drawn from a generator seeded by ``(seed, index)``; ``rows``
+        selects part of the batch."""
         starts = np.random.default_rng([seed, index]).integers(
-            0, len(self.train_ids) - self.seq_len - 1, batch_size)
+            0, len(self.train_ids) - self.seq_len - 1, batch_size)[rows]
         return _windows(self.train_ids, starts, self.seq_len)
 
     def eval_batches(self, batch_size: int, max_batches: int | None = None) -> Iterator[Batch]:
@@ -132,26 +137,29 @@ def _padded_batches(x: np.ndarray, y: np.ndarray, batch_size: int,
         yield {"inputs": xb, "labels": yb, "mask": mask}
 
 
-def train_batches(data: Any, batch_size: int, seed: int, start: int = 0) -> Iterator[tuple[int, Batch]]:
-    """``(index, batch)`` pairs from batch ``start`` on, forever."""
+def train_batches(data: Any, batch_size: int, seed: int, start: int = 0, rows: slice = slice(None)
+                  ) -> Iterator[tuple[int, Batch]]:
+    """``(index, batch)`` pairs from batch ``start`` on, forever (``rows`` of each)."""
     index = start
     while True:
-        yield index, data.train_batch(index, batch_size, seed)
+        yield index, data.train_batch(index, batch_size, seed, rows)
         index += 1
 
 
-def prefetch_to_device(iterator: Iterator[Any], size: int = 2) -> Iterator[Any]:
+def prefetch_to_device(iterator: Iterator[Any], size: int = 2,
+                       put: Callable[[Any], Any] = jax.device_put) -> Iterator[Any]:
     """Keeps ``size`` batches in flight to the device while the current one computes.
 
-    ``jax.device_put`` is asynchronous, so the host-to-device copies of the next
-    batches overlap the step running on the current one.
+    ``put`` (``jax.device_put``, or one that builds sharded global arrays) is
+    asynchronous, so the host-to-device copies of the next batches overlap the
+    step running on the current one.
     """
     if size < 1:
-        yield from iterator
+        yield from map(put, iterator)
         return
     queue: collections.deque = collections.deque()
     for item in iterator:
-        queue.append(jax.device_put(item))
+        queue.append(put(item))
         if len(queue) > size:
             yield queue.popleft()
     while queue:

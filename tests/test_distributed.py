@@ -1,0 +1,310 @@
+"""Data parallel and FSDP over a device mesh, and JAX's multi-process runtime.
+
+The tests named ``test_multidevice_*`` need 8 devices. The ordinary (1-device)
+test session runs them in a subprocess with 8 forced CPU host devices
+(``XLA_FLAGS=--xla_force_host_platform_device_count=8``), see
+``test_the_multidevice_tests_pass_on_8_forced_host_devices``; the 2-process
+test starts real ``jax.distributed`` processes with CPU (gloo) collectives.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import precision
+from train import create_train_state, make_eval_step, make_train_step
+from train.checkpoint import Checkpointer
+from train.config import ConfigError, from_dict
+from train.data import load_synthetic
+from train.distributed import Layout, MeshError, host_rows, initialize_distributed, make_mesh, to_host
+from train.models import MLP
+
+ROOT = Path(__file__).resolve().parent.parent
+needs8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices: runs in the 8-device subprocess")
+
+
+def _python_env(devices: int) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               PYTHONPATH=str(ROOT))
+    return env
+
+
+# ----------------------------------------------------------------------------- one device
+
+
+def test_mesh_takes_all_devices_and_rejects_what_does_not_fit():
+    mesh = make_mesh()
+    assert mesh.shape == {"data": jax.device_count(), "fsdp": 1}
+    n = jax.device_count()
+    with pytest.raises(MeshError, match=r"mesh.data \* mesh.fsdp = 3 \* 1 = 3, but there are"):
+        make_mesh(3 * n, 1) if n != 3 else make_mesh(2, 1)
+    with pytest.raises(MeshError, match="mesh.fsdp=5 does not divide"):
+        make_mesh(-1, 5 * n)
+    with pytest.raises(MeshError, match="must be >= 1 or -1"):
+        make_mesh(0, 1)
+
+
+def test_fsdp_splits_large_arrays_along_their_last_divisible_dimension():
+    class FakeMesh:  # param_spec reads only the fsdp size
+        shape = {"data": 2, "fsdp": 4}
+
+    layout = Layout(FakeMesh(), fsdp_min_size=64)
+    P = jax.sharding.PartitionSpec
+    assert layout.param_spec((64, 256)) == P(None, "fsdp")
+    assert layout.param_spec((256, 64)) == P(None, "fsdp")  # output features, not the contracted input
+    assert layout.param_spec((6, 20, 30)) == P(None, "fsdp")  # 30 % 4 != 0
+    assert layout.param_spec((30, 30)) == P()  # nothing divisible: replicated
+    assert layout.param_spec((8,)) == P()  # small: replicated
+    assert layout.param_spec(()) == P()
+
+
+def test_batch_sizes_must_split_over_the_data_shards():
+    layout = Layout(make_mesh())
+    layout.check_batch_size(jax.device_count() * 3)
+    if jax.device_count() > 1:
+        with pytest.raises(MeshError, match="data.batch_size=1 does not split"):
+            layout.check_batch_size(1)
+
+
+def test_a_single_process_reads_every_row():
+    assert host_rows(12) == slice(0, 12)
+
+
+def test_distributed_settings_are_validated():
+    for raw, message in [
+        ({"mesh": {"data": 0}}, "mesh.data must be >= 1, or -1"),
+        ({"mesh": {"fsdp": 0}}, "mesh.fsdp must be >= 1"),
+        ({"mesh": {"fsdp_min_size": -1}}, "mesh.fsdp_min_size must be >= 0"),
+        ({"distributed": {"num_processes": 0}}, "distributed.num_processes must be >= 1"),
+        ({"distributed": {"num_processes": 2, "process_id": 2}}, "process_id must be < distributed.num_processes=2"),
+        ({"distributed": {"coordinator_address": "localhost"}}, "must be host:port"),
+        ({"distributed": {"coordinator": "x:1"}}, "Did you mean 'distributed.coordinator_address'"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            from_dict(raw)
+
+
+def test_partial_distributed_settings_name_what_is_missing(monkeypatch):
+    for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(var, raising=False)
+    assert initialize_distributed() is False  # single process: nothing to do
+    with pytest.raises(MeshError, match="num_processes, process_id missing"):
+        initialize_distributed("localhost:1234")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "two")
+    with pytest.raises(MeshError, match="JAX_NUM_PROCESSES must be an integer"):
+        initialize_distributed("localhost:1234")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    monkeypatch.setenv("JAX_PROCESS_ID", "0")
+    jnp.zeros(1).block_until_ready()  # the backend is up: too late to join a multi-process run
+    with pytest.raises(MeshError, match="must start before anything uses a device"):
+        initialize_distributed("localhost:1234")
+
+
+def test_a_mesh_that_does_not_fit_fails_before_compute(tmp_path):
+    from train import run
+
+    config = from_dict({"workdir": str(tmp_path / "run"), "mesh": {"data": jax.device_count() + 1},
+                        "progress": False})
+    with pytest.raises(ConfigError, match="mesh.data \\* mesh.fsdp"):
+        run(config)
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_multidevice_tests_pass_on_8_forced_host_devices():
+    """Runs this file's ``test_multidevice_*`` tests in a process with 8 CPU devices."""
+    if jax.device_count() >= 8:
+        pytest.skip("already on 8 devices: the multidevice tests run in this session")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "multidevice",
+                           str(Path(__file__))], env=_python_env(8), cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
+    tail = proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, tail
+    count = sum(1 for name in globals() if name.startswith("test_multidevice_"))
+    assert f"{count} passed" in proc.stdout and "skipped" not in proc.stdout, tail
+
+
+# ----------------------------------------------------------------------------- 8 devices
+
+DATA = load_synthetic(num_train=512, num_test=64, input_shape=(16,), num_classes=4, seed=0)
+BATCH = 32
+
+
+def _train(layout, policy="mixed_f16", steps=5, accum_steps=2, poison=None, optimizer=None):
+    """Trains a LayerNorm MLP ``steps`` steps on ``layout``; returns the state and last metrics."""
+    model = MLP(hidden=(64, 64), num_classes=4)
+    state = create_train_state(model, policy, optimizer or optax.adam(1e-2), jax.random.PRNGKey(0), DATA.sample_input(1),
+                               loss_scale=precision.DynamicLossScale(2.0 ** 15, period=2), layout=layout)
+    step_fn = make_train_step(accum_steps=accum_steps, layout=layout, donate=False)
+    metrics = None
+    for i in range(steps):
+        batch = DATA.train_batch(i, BATCH, seed=0)
+        if poison is not None and i == poison[0]:
+            batch["inputs"] = batch["inputs"].copy()
+            batch["inputs"][poison[1]] = np.inf
+        batch = layout.global_batch(batch, BATCH) if layout is not None else jax.device_put(batch)
+        state, metrics = step_fn(state, batch)
+    return state, to_host(metrics)
+
+
+def _layout(data, fsdp, devices=None):
+    return Layout(make_mesh(data, fsdp, devices if devices is not None else jax.devices()[:data * fsdp]),
+                  fsdp_min_size=256)
+
+
+def _assert_close(a, b, atol, rtol=0.0):
+    for x, y in zip(jax.tree_util.tree_leaves(to_host(a)), jax.tree_util.tree_leaves(to_host(b))):
+        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=rtol, atol=atol)
+
+
+# Adam turns rounding differences in near-zero gradients into lr-sized steps, so
+# float16's rounding (the all-reduce of half-precision partial gradients) is
+# compared under SGD; float32 under Adam.
+@needs8
+@pytest.mark.parametrize("policy,optimizer,atol,rtol", [
+    ("fp32", optax.adam(1e-2), 2e-6, 0.0),
+    ("mixed_f16", optax.sgd(0.1, 0.9), 5e-4, 2 * 2.0 ** -10),  # 2 float16 ulps of values and gradients
+])
+def test_multidevice_data_parallel_and_fsdp_match_one_device(policy, optimizer, atol, rtol):
+    reference, ref_metrics = _train(None, policy, optimizer=optimizer)
+    one_step_less, _ = _train(None, policy, steps=4, optimizer=optimizer)
+    with pytest.raises(AssertionError):  # the tolerance tells one step apart
+        _assert_close(one_step_less.params, reference.params, 10 * atol, 10 * rtol)
+    for data, fsdp in [(4, 1), (8, 1), (1, 8), (2, 4), (2, 2)]:
+        state, metrics = _train(_layout(data, fsdp), policy, optimizer=optimizer)
+        _assert_close(state.params, reference.params, atol, rtol)
+        _assert_close(state.opt_state, reference.opt_state, atol, rtol)
+        assert metrics["loss_scale"] == ref_metrics["loss_scale"] and metrics["grads_finite"]
+        np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-4)
+
+
+@needs8
+def test_multidevice_fsdp_really_splits_params_and_optimizer_state():
+    state, _ = _train(_layout(2, 4), steps=1)
+    kernel = state.params["Dense_1"]["kernel"]  # 64 x 64
+    split = jax.sharding.PartitionSpec(None, "fsdp")
+    assert kernel.sharding.spec == split
+    assert {s.data.shape for s in kernel.addressable_shards} == {(64, 16)}
+    mp = precision.find_mixed_precision_state(state.opt_state)
+    mu = jax.tree_util.tree_leaves(mp.inner_state[0].mu)
+    assert any(getattr(m.sharding, "spec", None) == split for m in mu)
+    bias = state.params["Dense_1"]["bias"]  # 64 < fsdp_min_size: replicated
+    assert bias.sharding.is_fully_replicated
+
+
+@needs8
+@pytest.mark.parametrize("data,fsdp", [(8, 1), (2, 4)])
+def test_multidevice_one_poisoned_shard_skips_the_step_on_every_device(data, fsdp):
+    layout = _layout(data, fsdp)
+    before, _ = _train(layout, steps=3)
+    # Row 13 of the batch lives on one device only (rows 12-15 of 32 over 8 shards).
+    after, metrics = _train(layout, steps=4, poison=(3, 13))
+    assert not metrics["grads_finite"]
+    for x, y in zip(jax.tree_util.tree_leaves(before.params), jax.tree_util.tree_leaves(after.params)):
+        for sx, sy in zip(x.addressable_shards, y.addressable_shards):
+            np.testing.assert_array_equal(np.asarray(sx.data), np.asarray(sy.data))
+    scale = precision.current_loss_scale(after.opt_state).loss_scale
+    assert len(scale.addressable_shards) == 8
+    expected = float(precision.current_loss_scale(before.opt_state).loss_scale) / 2
+    assert all(float(s.data) == expected for s in scale.addressable_shards)
+
+
+@needs8
+def test_multidevice_checkpoints_restore_onto_another_mesh(tmp_path):
+    saved, _ = _train(_layout(8, 1), steps=2)
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    ckpt.save(saved, {"data_position": 2})
+    ckpt.wait()
+    template, _ = _train(_layout(2, 4), steps=0)
+    restored, meta = ckpt.restore(template)
+    ckpt.close()
+    assert meta["data_position"] == 2
+    _assert_close(restored.params, saved.params, 0)
+    _assert_close(restored.opt_state, saved.opt_state, 0)
+    assert restored.params["Dense_1"]["kernel"].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
+
+
+@needs8
+def test_multidevice_eval_counts_every_example_once():
+    layout = _layout(8, 1)
+    state, _ = _train(layout, steps=1)
+    eval_step = make_eval_step(layout=layout)
+    batch = next(DATA.eval_batches(40))  # 40 of 64: a padded, masked last batch is 24 real rows
+    sharded = eval_step(state, layout.global_batch(batch, 40))
+    single = make_eval_step()(jax.device_put(to_host(state)), jax.device_put(batch))
+    assert float(to_host(sharded)["count"]) == 40
+    np.testing.assert_allclose(to_host(sharded)["loss_sum"], to_host(single)["loss_sum"], rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- two processes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _cli(*args) -> list[str]:
+    return [sys.executable, "-m", "train", *args]
+
+
+def _two_processes(overrides: list[str]) -> list[subprocess.CompletedProcess]:
+    port = _free_port()
+    procs = [subprocess.Popen(
+        _cli(*overrides, f"distributed.coordinator_address=localhost:{port}", "distributed.num_processes=2",
+             f"distributed.process_id={i}"), env=_python_env(2), cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True) for i in range(2)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return results
+
+
+def test_two_processes_train_checkpoint_resume_and_match_one_process(tmp_path):
+    """Two jax.distributed processes (2 CPU devices each, FSDP over the 4) train
+    6 steps, checkpoint, then resume to 10; one process with 4 devices trains 10
+    straight. The final params agree up to float32 rounding."""
+    # float32 and SGD: what is compared is the distributed runtime, not half-precision rounding or Adam's
+    # amplification of it (the 8-device tests cover mixed precision).
+    common = [str(ROOT / "configs" / "default.yaml"), "progress=false", "inference_dtypes=[]", "log_every=2",
+              "checkpoint_every=3", "data.batch_size=32", "mesh.fsdp=2", "mesh.fsdp_min_size=64",
+              "precision.policy=fp32", "optimizer.name=sgd", "optimizer.lr=0.05", "optimizer.warmup_steps=0",
+              "optimizer.schedule=constant"]  # a schedule spanning `steps` would change when steps grows
+    multi = str(tmp_path / "multi")
+    for steps in (6, 10):
+        results = _two_processes(common + [f"workdir={multi}", f"steps={steps}"])
+        for r in results:
+            assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        assert "4 cpu devices in 2 processes, mesh data=2 fsdp=2" in results[0].stdout
+        assert "summary" not in results[1].stdout and "mesh data" not in results[1].stdout  # process 0 reports
+    assert "resuming from the checkpoint at step 6" in results[0].stdout
+    single = str(tmp_path / "single")
+    r = subprocess.run(_cli(*common, f"workdir={single}", "steps=10"), env=_python_env(4), cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "4 cpu devices, mesh data=2 fsdp=2" in r.stdout
+
+    import orbax.checkpoint as ocp
+
+    def params(workdir):  # read on this process's one device, whatever topology wrote it
+        path = os.path.join(workdir, "checkpoints", "10", "state")
+        with ocp.StandardCheckpointer() as c:
+            meta = c.metadata(path)
+            meta = getattr(meta, "item_metadata", meta)
+            meta = getattr(meta, "tree", meta)
+            device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            target = jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), meta)
+            return c.restore(path, target)["params"]
+
+    _assert_close(params(multi), params(single), 1e-5)
+    lines = (Path(multi) / "metrics.jsonl").read_text().splitlines()
+    assert len([line for line in lines if '"kind": "train"' in line]) == 5  # one writer, no duplicates
