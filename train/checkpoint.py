@@ -182,6 +182,8 @@ class Checkpointer:
             saved = getattr(saved, "tree", saved)
         except Exception as e:  # noqa: BLE001
             raise _Corrupt(f"checkpoint {where} has unreadable metadata: {_short(e)}") from None
+        if not jax.tree_util.tree_leaves(saved):
+            raise _Corrupt(f"checkpoint {where} has lost its array metadata")
         _check_matches(saved, abstract, where)
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(
@@ -220,7 +222,8 @@ class Checkpointer:
                     on_corrupt(step, f"{e}; moved to {moved}")
         if tried:
             raise CheckpointError(f"no intact checkpoint in {self.directory}: steps {tried} are corrupted and were "
-                                  f"moved to {self.quarantine}. Delete {self.directory} to start over.")
+                                  f"moved to {self.quarantine}. Rerun to start over from step 0, or put an intact "
+                                  f"copy back into {self.directory} to resume from it.")
         return None
 
     def _quarantine(self, step: int) -> str:
@@ -268,4 +271,5 @@ def _check_matches(saved: Any, abstract: Any, where: str) -> None:
 
 def _short(error: Exception) -> str:
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    text = text.split(" See full TensorStore details")[0]
     return text if len(text) <= 300 else text[:300] + " ..."

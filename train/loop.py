@@ -147,10 +147,18 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
 
     def corrupt(step: int, reason: str) -> None:
         print(f"warning: {reason}; falling back to the previous checkpoint", file=out)
-        writer.write({"kind": "checkpoint_corrupt", "step": step, "message": reason})
+        record = {"kind": "checkpoint_corrupt", "step": step, "message": reason}
+        writer.write(record)
+        if on_record is not None:
+            on_record(record)
 
     start = 0
-    restored = checkpoints.restore_latest_good(state, on_corrupt=corrupt)
+    try:
+        restored = checkpoints.restore_latest_good(state, on_corrupt=corrupt)
+    except CheckpointError:
+        checkpoints.close()
+        writer.close()
+        raise
     if restored is not None:
         state, meta = restored
         start = int(to_host(state.step))

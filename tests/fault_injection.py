@@ -1,0 +1,79 @@
+"""Runs ``python -m train`` with one fault injected (used by tests/test_faults.py).
+
+    python tests/fault_injection.py FAULT STEP -- CONFIG [key=value ...]
+
+FAULT is one of:
+  kill-in-step        SIGKILL right after dispatching the step that makes STEP,
+                      while it computes
+  kill-in-checkpoint  SIGKILL after the checkpoint of STEP is written but before
+                      orbax commits it (renames it into place)
+  file-size-limit     once the checkpoint of STEP is on disk, limit the size of
+                      any file this process writes to 16 KiB (RLIMIT_FSIZE), so
+                      the next checkpoint write fails as on a full disk
+"""
+
+import os
+import resource
+import signal
+import sys
+
+
+def _kill():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> int:
+    fault, step, sep, *args = sys.argv[1:]
+    step = int(step)
+    assert sep == "--", __doc__
+    import train.loop
+    from train import checkpoint
+
+    if fault == "kill-in-step":
+        make = train.loop.make_train_step
+
+        def make_killing(**kwargs):
+            step_fn = make(**kwargs)
+
+            def killing(state, batch):
+                target = int(state.step) + 1
+                out = step_fn(state, batch)
+                if target == step:
+                    _kill()
+                return out
+
+            return killing
+
+        train.loop.make_train_step = make_killing
+    elif fault == "kill-in-checkpoint":
+        from orbax.checkpoint._src.path import atomicity
+
+        finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+        async def killing_finalize(self, *a, **k):  # the rename of the step directory into place
+            if os.path.basename(os.fspath(self._final_path)) == str(step):
+                _kill()
+            return await finalize(self, *a, **k)
+
+        atomicity.AtomicRenameTemporaryPath.finalize = killing_finalize
+    elif fault == "file-size-limit":
+        save = checkpoint.Checkpointer.save
+
+        def limiting_save(self, state, meta):
+            out = save(self, state, meta)
+            if out == step:
+                self.wait()
+                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes fail with EFBIG instead of killing us
+                resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+            return out
+
+        checkpoint.Checkpointer.save = limiting_save
+    else:
+        raise SystemExit(f"unknown fault {fault!r}\n{__doc__}")
+    from train.cli import main as cli
+
+    return cli(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,315 @@
+"""Faults survived: non-finite gradients, SIGKILL mid-step and mid-checkpoint,
+corrupted checkpoints, a full disk. After each, the run ends with params
+identical, bit for bit, to a run that met no fault."""
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import precision
+from train import create_train_state, make_train_step, run
+from train.checkpoint import CheckpointError, Checkpointer, fingerprint
+from train.config import from_dict
+from train.data import load_digits_data
+
+ROOT = Path(__file__).resolve().parent.parent
+
+RUN = {
+    "steps": 12, "log_every": 1, "checkpoint_every": 4, "keep_checkpoints": 5, "progress": False,
+    "inference_dtypes": [], "accum_steps": 2,
+    "model": {"name": "mlp", "hidden": [256, 256]},
+    "data": {"name": "digits", "batch_size": 32, "eval_batch_size": 300, "prefetch": 2},
+    "optimizer": {"name": "adamw", "lr": 3e-3, "schedule": "constant"},
+    "precision": {"policy": "mixed_f16", "loss_scale": "dynamic", "growth_interval": 3},
+}
+
+
+def _raw(workdir, **changes):
+    raw = yaml.safe_load(yaml.safe_dump(RUN))
+    raw.update(workdir=str(workdir), **changes)
+    return raw
+
+
+def _arrays(workdir, step=None):
+    """The leaves of a checkpoint (default: the latest), read with no template."""
+    import orbax.checkpoint as ocp
+
+    ckpt = Checkpointer(Path(workdir) / "checkpoints")
+    step = ckpt.latest_step() if step is None else step
+    ckpt.close()
+    with ocp.StandardCheckpointer() as c:
+        return step, jax.tree_util.tree_leaves(c.restore(os.path.join(workdir, "checkpoints", str(step), "state")))
+
+
+def _assert_bitwise_equal(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(x).reshape(-1).view(np.uint8), np.asarray(y).reshape(-1).view(np.uint8))
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The fault-free run every faulty one must reproduce."""
+    workdir = tmp_path_factory.mktemp("straight")
+    run(from_dict(_raw(workdir)), out=open(os.devnull, "w"))
+    step, arrays = _arrays(workdir)
+    assert step == 12
+    return arrays
+
+
+# ----------------------------------------------------------------------------- non-finite gradients
+
+DIGITS = load_digits_data()
+
+
+@pytest.fixture(scope="module")
+def digits_training():
+    from train.models import MLP
+
+    def fresh():
+        return create_train_state(MLP(hidden=(64,)), "mixed_f16", optax.adam(3e-3), jax.random.PRNGKey(0),
+                                  DIGITS.sample_input(1), loss_scale=precision.DynamicLossScale(2.0 ** 15, period=50))
+
+    return fresh, make_train_step(donate=False)
+
+
+def _accuracy(state):
+    logits = state.model.apply({"params": state.params}, jnp.asarray(DIGITS.x_test), train=False)
+    return float(jnp.mean(jnp.argmax(logits, -1) == DIGITS.y_test))
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.lists(st.integers(0, 99), min_size=1, max_size=10, unique=True),
+       st.sampled_from([np.inf, -np.inf, np.nan]), st.integers(0, 63))
+def test_injected_nonfinite_gradients_are_skipped_exactly_and_training_still_converges(digits_training, bad_steps,
+                                                                                      value, row):
+    fresh, step_fn = digits_training
+    state = fresh()
+    for i in range(100):
+        batch = DIGITS.train_batch(i, 64, seed=0)
+        if i in bad_steps:
+            batch["inputs"] = batch["inputs"].copy()
+            batch["inputs"][row, 3] = value
+        new_state, metrics = step_fn(state, batch)
+        if i in bad_steps:
+            assert not bool(metrics["grads_finite"])
+            old_mp = precision.find_mixed_precision_state(state.opt_state)
+            new_mp = precision.find_mixed_precision_state(new_state.opt_state)
+            _assert_bitwise_equal(jax.tree_util.tree_leaves((state.params, old_mp.inner_state)),
+                                  jax.tree_util.tree_leaves((new_state.params, new_mp.inner_state)))
+            assert float(new_mp.loss_scale.loss_scale) == float(old_mp.loss_scale.loss_scale) / 2
+        else:
+            assert bool(metrics["grads_finite"])
+        state = new_state
+    assert int(precision.current_loss_scale(state.opt_state).skipped_steps) == len(bad_steps)
+    assert _accuracy(state) >= 0.9
+
+
+# ----------------------------------------------------------------------------- SIGKILL
+
+
+def _config_file(tmp_path, workdir, **changes) -> str:
+    path = tmp_path / f"{Path(workdir).name}.yaml"
+    path.write_text(yaml.safe_dump(_raw(workdir, **changes)))
+    return str(path)
+
+
+def _cli(args, fault=None, timeout=300) -> subprocess.CompletedProcess:
+    prefix = [sys.executable, str(ROOT / "tests" / "fault_injection.py"), *fault, "--"] if fault else \
+        [sys.executable, "-m", "train"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    return subprocess.run(prefix + list(args), env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def _unfinished(workdir) -> list[str]:
+    return [n for n in os.listdir(Path(workdir) / "checkpoints") if "tmp" in n]
+
+
+# Saves are asynchronous: a kill soon after a checkpoint started may lose it, never an earlier one.
+@pytest.mark.parametrize("fault,complete", [(("kill-in-step", "11"), (4, 8)), (("kill-in-checkpoint", "8"), (4,))])
+def test_a_sigkilled_run_resumes_from_its_last_complete_checkpoint_to_the_same_params(tmp_path, straight, fault,
+                                                                                    complete):
+    workdir = tmp_path / "killed"
+    config = _config_file(tmp_path, workdir)
+    killed = _cli([config], fault)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    ckpt = Checkpointer(workdir / "checkpoints")
+    latest = ckpt.latest_step()
+    assert latest in complete
+    ckpt.close()
+    if fault[0] == "kill-in-checkpoint":
+        assert _unfinished(workdir), "the kill should leave an unfinished checkpoint write behind"
+    resumed = _cli([config])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resuming from the checkpoint at step {latest}" in resumed.stdout
+    step, arrays = _arrays(workdir)
+    assert step == 12
+    _assert_bitwise_equal(arrays, straight)
+
+
+def test_a_run_sigkilled_at_random_moments_still_ends_identical(tmp_path, straight):
+    """Killed at a random moment (seeded) three times in a row, then let finish."""
+    workdir = tmp_path / "random"
+    config = _config_file(tmp_path, workdir)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    rng = random.Random(4)
+    for _ in range(3):
+        proc = subprocess.Popen([sys.executable, "-m", "train", config], env=env, cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(rng.uniform(4.0, 9.0))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    final = _cli([config])
+    assert final.returncode == 0, final.stderr[-2000:]
+    _assert_bitwise_equal(_arrays(workdir)[1], straight)
+
+
+# ----------------------------------------------------------------------------- corrupted checkpoints
+
+
+def _largest_file(directory: Path) -> Path:
+    return max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def _truncate(ckpt: Path) -> None:
+    target = _largest_file(ckpt / "state")
+    target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
+
+
+def _flip_bytes(ckpt: Path) -> None:
+    target = _largest_file(ckpt / "state")
+    data = bytearray(target.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 8] = bytes(b ^ 0xFF for b in data[middle:middle + 8])
+    target.write_bytes(bytes(data))
+
+
+def _garble_meta(ckpt: Path) -> None:
+    (ckpt / "meta" / "metadata").write_text("{not json")
+
+
+def _delete_metadata(ckpt: Path) -> None:
+    (ckpt / "state" / "_METADATA").unlink()
+
+
+@pytest.mark.parametrize("corrupt", [_truncate, _flip_bytes, _garble_meta, _delete_metadata])
+def test_a_corrupted_latest_checkpoint_is_reported_set_aside_and_the_previous_one_used(tmp_path, straight, corrupt):
+    workdir = tmp_path / "run"
+    run(from_dict(_raw(workdir, steps=8)), out=open(os.devnull, "w"))
+    corrupt(workdir / "checkpoints" / "8")
+    records, out = [], tmp_path / "out.txt"
+    with open(out, "w") as f:
+        run(from_dict(_raw(workdir)), out=f, on_record=records.append)
+    text = out.read_text()
+    assert "warning: checkpoint" in text and "falling back to the previous checkpoint" in text
+    assert "resuming from the checkpoint at step 4" in text
+    assert [r["step"] for r in records if r["kind"] == "checkpoint_corrupt"] == [8]
+    assert [p.name.split("-")[0] for p in (workdir / "checkpoints.corrupt").iterdir()] == ["8"]  # kept, not deleted
+    _assert_bitwise_equal(_arrays(workdir)[1], straight)
+
+
+def test_no_intact_checkpoint_is_a_clear_error(tmp_path):
+    workdir = tmp_path / "run"
+    run(from_dict(_raw(workdir, steps=4)), out=open(os.devnull, "w"))
+    _truncate(workdir / "checkpoints" / "4")
+    result = _cli([_config_file(tmp_path, workdir)])
+    # (tensorstore may log "Event loop is closed" for reads cut short by the corruption; no trace of ours)
+    assert result.returncode == 3 and str(ROOT / "train") not in result.stderr
+    assert "error: no intact checkpoint" in result.stderr and "checkpoints.corrupt" in result.stderr
+    assert _cli([_config_file(tmp_path, workdir)]).returncode == 0  # set aside: a rerun starts over
+
+
+def test_a_checkpoint_of_another_model_is_refused_not_taken_for_corruption(tmp_path):
+    from train.models import MLP
+
+    def state(hidden):
+        return create_train_state(MLP(hidden=hidden), "fp32", optax.sgd(0.1), jax.random.PRNGKey(0),
+                                  DIGITS.sample_input(1))
+
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    ckpt.save(state((32,)), {"data_position": 0})
+    ckpt.wait()
+    with pytest.raises(CheckpointError, match=r"different model or optimizer.*Dense_0/kernel: saved \(64, 32\), "
+                                              r"expected \(64, 16\)"):
+        ckpt.restore_latest_good(state((16,)))
+    assert ckpt.all_steps() == [0] and not (tmp_path / "ckpt.corrupt").exists()
+    ckpt.close()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from(["float32", "bfloat16", "float16", "int32", "uint32", "bool"]), st.integers(1, 300),
+       st.data())
+def test_the_fingerprint_changes_with_any_single_bit_flip(dtype, size, data):
+    x = np.random.default_rng(size).normal(size=size).astype(np.float32)
+    x = (x > 0) if dtype == "bool" else np.asarray(jnp.asarray(x * 1000).astype(dtype))
+    position = data.draw(st.integers(0, size - 1))
+    bits = 1 if dtype == "bool" else x.dtype.itemsize * 8
+    bit = data.draw(st.integers(0, bits - 1))
+    flipped = x.copy()
+    if dtype == "bool":
+        flipped[position] = not flipped[position]
+    else:
+        view = flipped.view(np.dtype(f"uint{bits}"))
+        view[position] ^= np.array(1 << bit, view.dtype)
+    assert fingerprint({"x": jnp.asarray(x)}) != fingerprint({"x": jnp.asarray(flipped)})
+
+
+# ----------------------------------------------------------------------------- a full disk
+
+
+def test_a_failed_checkpoint_write_stops_clearly_and_keeps_the_earlier_ones(tmp_path, straight):
+    """Files limited to 16 KiB after the checkpoint at step 4: the next one fails to write, as on a full disk."""
+    workdir = tmp_path / "full"
+    config = _config_file(tmp_path, workdir)
+    result = _cli([config], ("file-size-limit", "4"))
+    assert result.returncode == 3, result.stderr[-3000:]
+    message = " ".join(result.stderr.split())  # the CLI wraps its paragraph
+    assert "error: could not write the checkpoint at step 8" in message and "Checkpoints still intact: 4" in message
+    assert "File too large" in message and str(ROOT / "train") not in message
+    assert not _unfinished(workdir)  # the partial write is cleaned up
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["4"]
+    resumed = _cli([config])  # space is back: resume and finish
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    _assert_bitwise_equal(_arrays(workdir)[1], straight)
+
+
+def _can_mount_tmpfs(where: Path) -> bool:
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    where.mkdir()
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(where)],
+                          capture_output=True).returncode == 0
+
+
+def test_a_really_full_disk(tmp_path):
+    """On a 4 MiB tmpfs (needs root): the first checkpoints fit, a later one does not."""
+    disk = tmp_path / "disk"
+    if not _can_mount_tmpfs(disk):
+        pytest.skip("needs root to mount a small tmpfs; the file-size-limit test covers the same path")
+    try:
+        workdir = disk / "run"
+        result = _cli([_config_file(tmp_path, workdir, steps=40)])
+        assert result.returncode == 3, result.stdout[-1000:] + result.stderr[-2000:]
+        assert "No space left on device" in result.stderr or "RESOURCE_EXHAUSTED" in result.stderr
+        assert "Checkpoints still intact: 4" in " ".join(result.stderr.split()) and not _unfinished(workdir)
+        kept = Checkpointer(workdir / "checkpoints")
+        steps = kept.all_steps()
+        kept.close()
+        for step in steps:
+            assert _arrays(workdir, step)[0] == step  # each kept checkpoint reads back
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
