@@ -264,9 +264,9 @@ def check_model_fits_data(model: Any, data: Any, name: str = "model") -> None:
                           f"({type(e).__name__}: {str(e).strip().splitlines()[0][:300]})") from None
     expected = (2,) + ((data.input_shape[0],) if data.task == "language_model" else ()) + (data.num_classes,)
     if tuple(logits.shape) != expected:
-        what = "per token " if data.task == "language_model" else ""
+        what = " per token" if data.task == "language_model" else ""
         raise ConfigError(f"model '{name}' outputs logits of shape {tuple(logits.shape)[1:]} for {data.name}, whose "
-                          f"{data.task} needs {expected[1:]} ({data.num_classes} classes {what}); set the model's "
+                          f"{data.task} needs {expected[1:]} ({data.num_classes} classes{what}); set the model's "
                           f"num_classes / vocab_size / block_size to the data's or leave them unset")
 
 

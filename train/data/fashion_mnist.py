@@ -21,8 +21,11 @@ HOW_TO_GET = ("Install them with `apt-get install dataset-fashion-mnist` (Debian
 def read_idx(path: str) -> np.ndarray:
     """Reads an IDX file (optionally gzipped) into an array."""
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rb") as f:
-        data = f.read()
+    try:
+        with opener(path, "rb") as f:
+            data = f.read()
+    except (OSError, EOFError) as e:  # unreadable, truncated, or not gzip at all (BadGzipFile is an OSError)
+        raise DataError(f"{path} cannot be read: {e}") from None
     if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 0x08:
         raise DataError(f"{path} is not an unsigned-byte IDX file")
     ndim = data[3]

@@ -56,6 +56,8 @@ def load_text(path: str | None = None, seq_len: int = 128, val_fraction: float =
                 text = f.read()
         except UnicodeDecodeError as e:
             raise DataError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        except OSError as e:
+            raise DataError(f"{path} cannot be read: {e.strerror or e}") from None
         name = os.path.basename(path)
     else:
         parts = []
@@ -67,6 +69,6 @@ def load_text(path: str | None = None, seq_len: int = 128, val_fraction: float =
     ids = encode(text, vocab)
     n_val = int(len(ids) * val_fraction)
     if len(ids) - n_val <= seq_len + 1 or n_val <= seq_len + 1:
-        raise DataError(f"{name} has {len(ids)} characters: too short for windows of seq_len={seq_len} "
+        raise DataError(f"{path or name} has {len(ids)} characters: too short for windows of seq_len={seq_len} "
                         f"with val_fraction={val_fraction} (each split needs more than seq_len + 1)")
     return TextData(name, ids[:len(ids) - n_val], ids[len(ids) - n_val:], vocab, seq_len)
