@@ -125,7 +125,7 @@ def test_any_overrides_are_valid_or_a_config_error(pairs):
     (["model.name=gpt"], "model 'gpt' cannot take digits inputs of shape (8, 8)"),
     (["model.name=gpt", "data.name=synthetic_text", "model.block_size=16", "data.seq_len=32"],
      "model 'gpt' cannot take synthetic_text inputs of shape (32,)"),
-    (["model.name=gpt", "data.name=synthetic_text", "model.vocab_size=8"], "needs (32, 64) (64 classes per token)"),
+    (["model.name=gpt", "data.name=synthetic_text", "model.vocab_size=8"], "needs (128, 64) (64 classes per token)"),
     (["data.name=fashion_mnist", "data.path=/nonexistent/dir"], "/nonexistent/dir"),
     (["data.name=shakespeare", "data.path=/nonexistent/plays.txt"], "/nonexistent/plays.txt"),
 ])
