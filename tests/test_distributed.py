@@ -20,6 +20,7 @@ import optax
 import pytest
 
 import precision
+from helpers import saved_state
 from train import create_train_state, make_eval_step, make_train_step
 from train.checkpoint import Checkpointer
 from train.config import ConfigError, from_dict
@@ -294,18 +295,6 @@ def test_two_processes_train_checkpoint_resume_and_match_one_process(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "4 cpu devices, mesh data=2 fsdp=2" in r.stdout
 
-    import orbax.checkpoint as ocp
-
-    def params(workdir):  # read on this process's one device, whatever topology wrote it
-        path = os.path.join(workdir, "checkpoints", "10", "state")
-        with ocp.StandardCheckpointer() as c:
-            meta = c.metadata(path)
-            meta = getattr(meta, "item_metadata", meta)
-            meta = getattr(meta, "tree", meta)
-            device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-            target = jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), meta)
-            return c.restore(path, target)["params"]
-
-    _assert_close(params(multi), params(single), 1e-5)
+    _assert_close(saved_state(multi, 10)[1]["params"], saved_state(single, 10)[1]["params"], 1e-5)
     lines = (Path(multi) / "metrics.jsonl").read_text().splitlines()
     assert len([line for line in lines if '"kind": "train"' in line]) == 5  # one writer, no duplicates

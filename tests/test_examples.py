@@ -5,7 +5,6 @@ import runpy
 import subprocess
 import sys
 
-import pytest
 
 EXAMPLE = pathlib.Path(__file__).parents[1] / "examples" / "mixed_f16_digits.py"
 

@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import precision
+from helpers import assert_bitwise_equal, saved_leaves
 from train import create_train_state, make_train_step, run
 from train.checkpoint import CheckpointError, Checkpointer, fingerprint
 from train.config import from_dict
@@ -44,29 +45,12 @@ def _raw(workdir, **changes):
     return raw
 
 
-def _arrays(workdir, step=None):
-    """The leaves of a checkpoint (default: the latest), read with no template."""
-    import orbax.checkpoint as ocp
-
-    ckpt = Checkpointer(Path(workdir) / "checkpoints")
-    step = ckpt.latest_step() if step is None else step
-    ckpt.close()
-    with ocp.StandardCheckpointer() as c:
-        return step, jax.tree_util.tree_leaves(c.restore(os.path.join(workdir, "checkpoints", str(step), "state")))
-
-
-def _assert_bitwise_equal(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        np.testing.assert_array_equal(np.asarray(x).reshape(-1).view(np.uint8), np.asarray(y).reshape(-1).view(np.uint8))
-
-
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     """The fault-free run every faulty one must reproduce."""
     workdir = tmp_path_factory.mktemp("straight")
     run(from_dict(_raw(workdir)), out=open(os.devnull, "w"))
-    step, arrays = _arrays(workdir)
+    step, arrays = saved_leaves(workdir)
     assert step == 12
     return arrays
 
@@ -109,7 +93,7 @@ def test_injected_nonfinite_gradients_are_skipped_exactly_and_training_still_con
             assert not bool(metrics["grads_finite"])
             old_mp = precision.find_mixed_precision_state(state.opt_state)
             new_mp = precision.find_mixed_precision_state(new_state.opt_state)
-            _assert_bitwise_equal(jax.tree_util.tree_leaves((state.params, old_mp.inner_state)),
+            assert_bitwise_equal(jax.tree_util.tree_leaves((state.params, old_mp.inner_state)),
                                   jax.tree_util.tree_leaves((new_state.params, new_mp.inner_state)))
             assert float(new_mp.loss_scale.loss_scale) == float(old_mp.loss_scale.loss_scale) / 2
         else:
@@ -156,9 +140,9 @@ def test_a_sigkilled_run_resumes_from_its_last_complete_checkpoint_to_the_same_p
     resumed = _cli([config])
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"resuming from the checkpoint at step {latest}" in resumed.stdout
-    step, arrays = _arrays(workdir)
+    step, arrays = saved_leaves(workdir)
     assert step == 12
-    _assert_bitwise_equal(arrays, straight)
+    assert_bitwise_equal(arrays, straight)
 
 
 def test_a_run_sigkilled_at_random_moments_still_ends_identical(tmp_path, straight):
@@ -175,7 +159,7 @@ def test_a_run_sigkilled_at_random_moments_still_ends_identical(tmp_path, straig
         proc.wait()
     final = _cli([config])
     assert final.returncode == 0, final.stderr[-2000:]
-    _assert_bitwise_equal(_arrays(workdir)[1], straight)
+    assert_bitwise_equal(saved_leaves(workdir)[1], straight)
 
 
 # ----------------------------------------------------------------------------- corrupted checkpoints
@@ -219,7 +203,7 @@ def test_a_corrupted_latest_checkpoint_is_reported_set_aside_and_the_previous_on
     assert "resuming from the checkpoint at step 4" in text
     assert [r["step"] for r in records if r["kind"] == "checkpoint_corrupt"] == [8]
     assert [p.name.split("-")[0] for p in (workdir / "checkpoints.corrupt").iterdir()] == ["8"]  # kept, not deleted
-    _assert_bitwise_equal(_arrays(workdir)[1], straight)
+    assert_bitwise_equal(saved_leaves(workdir)[1], straight)
 
 
 def test_no_intact_checkpoint_is_a_clear_error(tmp_path):
@@ -284,7 +268,7 @@ def test_a_failed_checkpoint_write_stops_clearly_and_keeps_the_earlier_ones(tmp_
     assert sorted(os.listdir(workdir / "checkpoints")) == ["4"]
     resumed = _cli([config])  # space is back: resume and finish
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    _assert_bitwise_equal(_arrays(workdir)[1], straight)
+    assert_bitwise_equal(saved_leaves(workdir)[1], straight)
 
 
 def _can_mount_tmpfs(where: Path) -> bool:
@@ -310,6 +294,6 @@ def test_a_really_full_disk(tmp_path):
         steps = kept.all_steps()
         kept.close()
         for step in steps:
-            assert _arrays(workdir, step)[0] == step  # each kept checkpoint reads back
+            assert saved_leaves(workdir, step)[0] == step  # each kept checkpoint reads back
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)

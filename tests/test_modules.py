@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import precision
-from precision.rules import Resolver, Rule, as_rules, match_rule
+from precision.rules import Resolver, as_rules, match_rule
 
 X = jnp.linspace(-1.0, 1.0, 4 * 5).reshape(4, 5)
 dtype_tree = lambda tree: jax.tree_util.tree_map(lambda x: x.dtype, tree)

@@ -92,10 +92,6 @@ def test_policy_is_immutable_hashable_and_a_static_jit_argument():
         policy.param_dtype = np.float16
     assert {policy: 1}[get_policy("p=f32,c=f16,o=f32")] == 1
 
-    @jax.jit
-    def f(x, policy):
-        return policy.cast_to_compute(x)
-
     f = jax.jit(lambda x, policy: policy.cast_to_compute(x), static_argnums=1)
     assert f(jnp.ones(2), policy).dtype == jnp.float16
     assert f(jnp.ones(2), get_policy("mixed_bf16")).dtype == jnp.bfloat16

@@ -6,10 +6,10 @@ import subprocess
 import sys
 
 import jax
-import numpy as np
 import pytest
 import yaml
 
+from helpers import assert_bitwise_equal, saved_leaves, saved_state
 from train import Checkpointer, ConfigError, NonFiniteError, read_metrics, run
 from train.cli import main
 from train.config import from_dict
@@ -35,29 +35,6 @@ def _config(workdir, **changes):
             node = node[part]
         node[last] = value
     return from_dict(raw)
-
-
-def _saved(workdir, step):
-    """The raw array tree of the checkpoint at ``step``, read without a template."""
-    import orbax.checkpoint as ocp
-
-    with ocp.StandardCheckpointer() as c:
-        return c.restore(os.path.join(workdir, "checkpoints", str(step), "state"))
-
-
-def _final_arrays(workdir):
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
-    step = ckpt.latest_step()
-    ckpt.close()
-    return step, jax.tree_util.tree_leaves(_saved(workdir, step))
-
-
-def _assert_bitwise_equal(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        x, y = np.asarray(x), np.asarray(y)
-        assert x.dtype == y.dtype
-        np.testing.assert_array_equal(x.reshape(-1).view(np.uint8), y.reshape(-1).view(np.uint8))
 
 
 def test_run_writes_metrics_config_checkpoints_and_summary(tmp_path, capsys):
@@ -91,17 +68,17 @@ def test_an_interrupted_run_resumes_to_the_same_params_bit_for_bit(tmp_path):
         run(_config(tmp_path / "resumed"), on_record=interrupt)
     assert Checkpointer(tmp_path / "resumed" / "checkpoints").latest_step() == 7
     run(_config(tmp_path / "resumed"))
-    step_a, a = _final_arrays(tmp_path / "straight")
-    step_b, b = _final_arrays(tmp_path / "resumed")
+    step_a, a = saved_leaves(tmp_path / "straight")
+    step_b, b = saved_leaves(tmp_path / "resumed")
     assert step_a == step_b == 8
-    _assert_bitwise_equal(a, b)
+    assert_bitwise_equal(a, b)
 
 
 def test_a_larger_steps_continues_a_finished_run(tmp_path):
     run(_config(tmp_path / "straight"))
     run(_config(tmp_path / "extended", steps=4))
     run(_config(tmp_path / "extended", steps=8))
-    _assert_bitwise_equal(_final_arrays(tmp_path / "straight")[1], _final_arrays(tmp_path / "extended")[1])
+    assert_bitwise_equal(saved_leaves(tmp_path / "straight")[1], saved_leaves(tmp_path / "extended")[1])
     steps = [r["step"] for r in read_metrics(str(tmp_path / "extended")) if r["kind"] == "train"]
     assert steps == [2, 4, 6, 8]
 
@@ -127,8 +104,8 @@ def test_nonfinite_gradients_at_the_minimum_scale_stop_with_the_param_path(tmp_p
     # params are the initial ones, bit for bit.
     assert ckpt.all_steps() == [2, 4] and "checkpointed at step 4" in message
     ckpt.close()
-    _assert_bitwise_equal(jax.tree_util.tree_leaves(_saved(tmp_path / "run", 2)["params"]),
-                          jax.tree_util.tree_leaves(_saved(tmp_path / "run", 4)["params"]))
+    assert_bitwise_equal(jax.tree_util.tree_leaves(saved_state(tmp_path / "run", 2)[1]["params"]),
+                          jax.tree_util.tree_leaves(saved_state(tmp_path / "run", 4)[1]["params"]))
 
 
 def test_cli_runs_a_config_with_overrides(tmp_path, capsys):

@@ -30,7 +30,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from train.distributed import to_host
 from train.state import TrainState
@@ -47,8 +46,9 @@ def _arrays(state: TrainState) -> dict[str, Any]:
             "model_state": state.model_state, "rng": state.rng}
 
 
-def _leaf_names(tree: Any) -> list[str]:
-    return ["/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+def leaf_names(tree: Any) -> list[str]:
+    """``a/b/0``-style paths of a tree's leaves, in leaf order."""
+    return [jax.tree_util.keystr(path, simple=True, separator="/")
             for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
 
 
@@ -82,7 +82,7 @@ def fingerprint(tree: Any) -> dict[str, int]:
     """
     leaves = jax.tree_util.tree_leaves(tree)
     sums = to_host(_fingerprint_leaves(leaves))
-    return {name: int(v) for name, v in zip(_leaf_names(tree), sums)}
+    return {name: int(v) for name, v in zip(leaf_names(tree), sums)}
 
 
 class Checkpointer:
@@ -255,10 +255,10 @@ def _check_matches(saved: Any, abstract: Any, where: str) -> None:
         return tuple(getattr(x, "shape", ()) or ())
 
     try:
-        saved_shapes = {name: shape(x) for name, x in zip(_leaf_names(saved), jax.tree_util.tree_leaves(saved))}
+        saved_shapes = {name: shape(x) for name, x in zip(leaf_names(saved), jax.tree_util.tree_leaves(saved))}
     except Exception as e:  # noqa: BLE001
         raise _Corrupt(f"checkpoint {where} has unreadable metadata: {_short(e)}") from None
-    wanted = {name: tuple(x.shape) for name, x in zip(_leaf_names(abstract), jax.tree_util.tree_leaves(abstract))}
+    wanted = {name: tuple(x.shape) for name, x in zip(leaf_names(abstract), jax.tree_util.tree_leaves(abstract))}
     if saved_shapes != wanted:
         missing = sorted(set(wanted) - set(saved_shapes))
         extra = sorted(set(saved_shapes) - set(wanted))

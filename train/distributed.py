@@ -217,17 +217,18 @@ def host_rows(global_size: int) -> slice:
 
 
 def to_host(tree: Any) -> Any:
-    """Numpy copies of (replicated or fully addressable) arrays, on every process.
+    """Numpy copies of (replicated or fully addressable) arrays, on every process,
+    in one transfer.
 
     Metrics, loss scales and eval sums are replicated, so each process reads its
     own copy; no cross-process traffic.
     """
 
-    def get(x):
+    def local(x):
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
             if not x.is_fully_replicated:
                 raise ValueError(f"to_host: array of shape {x.shape} is split across processes; gather it first")
-            return np.asarray(x.addressable_shards[0].data)
-        return np.asarray(jax.device_get(x))
+            return x.addressable_shards[0].data
+        return x
 
-    return jax.tree_util.tree_map(get, tree)
+    return jax.device_get(jax.tree_util.tree_map(local, tree))

@@ -12,6 +12,7 @@ params, as an uninterrupted one.
 from __future__ import annotations
 
 import contextlib
+import io
 import dataclasses
 import json
 import os
@@ -24,9 +25,8 @@ import numpy as np
 import optax
 import yaml
 
-import precision
 from train import config as config_lib
-from train.checkpoint import CheckpointError, Checkpointer
+from train.checkpoint import CheckpointError, Checkpointer, leaf_names
 from train.config import ConfigError, ExperimentConfig
 from train.data import load_dataset, prefetch_to_device, train_batches
 from train.distributed import Layout, MeshError, host_rows, initialize_distributed, make_mesh, to_host
@@ -117,7 +117,7 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
         raise ConfigError(str(e)) from None
     primary = jax.process_index() == 0
     if not primary:
-        out = open(os.devnull, "w", encoding="utf-8")
+        out = io.StringIO()  # only process 0 reports
     options = {k: v for k, v in dataclasses.asdict(config.data).items() if k != "name"}
     data = load_dataset(config.data.name, **options, seed=config.seed)
     model = build_model(config.model, data)
@@ -333,8 +333,7 @@ class _Tracker:
                  progress: Progress, on_record: Callable[[dict], None] | None):
         self.config, self.data, self.writer, self.on_record = config, data, writer, on_record
         self.progress = progress
-        self.leaf_paths = ["params/" + "/".join(str(getattr(k, "key", k)) for k in path)
-                           for path, _ in jax.tree_util.tree_leaves_with_path(state.params)]
+        self.leaf_paths = ["params/" + name for name in leaf_names(state.params)]
         scale = to_host(state.loss_scale)
         self.initial_scale = float(np.asarray(getattr(scale, "loss_scale", 1.0)))
         self.last_scale = self.initial_scale
