@@ -106,16 +106,19 @@ def mixed_precision(inner: optax.GradientTransformation,
     def update_fn(scaled_grads, state, params=None, **extra_args):
         if state.master_params is not None and params is None:
             raise ValueError("mixed_precision with half-precision params needs `params` in update()")
-        grads = state.loss_scale.unscale(cast_to_full(scaled_grads))
+        scaled = cast_to_full(scaled_grads)
         # One reduction per leaf gives the metric, the check and the culprit: the norm is finite
         # iff every element is, except for finite gradients whose squares overflow float32 (norm >
-        # 1.8e19), which Adam's second moment could not hold either, so they count as non-finite too.
-        squares = _leaf_squared_norms(grads)
-        grad_norm = jnp.sqrt(sum(squares))
+        # 1.8e19 before unscaling), which count as an overflow too. The norm is taken of the scaled
+        # gradients and unscaled as a scalar; the gradients themselves are unscaled inside the
+        # update, where the multiply fuses into the optimizer's own elementwise pass.
+        squares = _leaf_squared_norms(scaled)
+        grad_norm = state.loss_scale.unscale(jnp.sqrt(sum(squares)))
         finite = jnp.isfinite(grad_norm)
-        ref = params if params is not None else grads
+        ref = params if params is not None else scaled
 
         def step(inner_state, master):
+            grads = state.loss_scale.unscale(scaled)
             updates, new_inner = inner.update(grads, inner_state,
                                               master if master is not None else params, **extra_args)
             if master is not None:

@@ -206,3 +206,16 @@ def test_gradients_whose_norm_overflows_float32_count_as_non_finite():
     new_params, state = step(tx, params, tx.init(params), grads)
     assert not bool(state.grads_finite)
     chex.assert_trees_all_equal(bits(new_params), bits(params))
+
+
+def test_gradients_are_unscaled_inside_the_skipped_update_not_before_it():
+    # Unscaling every gradient before the skip decision materialises a second copy of
+    # the gradients ahead of lax.cond: it measured 1.2x the step time of a small MLP
+    # on CPU (benchmarks, loss_scale_overhead_ratio). Only scalars may be scaled outside.
+    params = {"w": jnp.ones((64, 32)), "b": jnp.ones((32,))}
+    tx = mixed_precision(optax.adam(1e-3), DynamicLossScale(2.0 ** 15), skip_with="cond")
+    jaxpr = jax.make_jaxpr(tx.update)(params, tx.init(params), params).jaxpr
+    outside = [e for e in jaxpr.eqns if e.primitive.name in ("mul", "div")
+               and any(getattr(v.aval, "shape", ()) != () for v in e.outvars)]
+    assert not outside, [str(e) for e in outside]
+    assert any(e.primitive.name == "cond" for e in jaxpr.eqns)

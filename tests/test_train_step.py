@@ -132,3 +132,18 @@ def test_create_train_state_rejects_what_it_cannot_train():
     state = create_train_state(wrapped, None, optax.sgd(0.1), jax.random.PRNGKey(0), DIGITS.sample_input(1))
     assert str(state.policy) == "p=f32,c=bf16,o=f32"
     assert isinstance(state.loss_scale, precision.NoOpLossScale)  # auto: bf16 needs no scaling
+
+
+def test_create_train_state_starts_from_given_variables_under_any_policy():
+    model, x = ResNet(stage_sizes=(1,), width=4), DIGITS.sample_input(2)
+    trained = create_train_state(model, "fp32", optax.sgd(0.1), jax.random.PRNGKey(0), x)
+    variables = {"params": trained.params, **trained.model_state}
+    o2 = create_train_state(model, "O2", optax.sgd(0.1), jax.random.PRNGKey(1), x, variables=variables)
+    conv = o2.params["Conv_0"]["kernel"]
+    assert conv.dtype == jnp.float16 and o2.params["BatchNorm_0"]["scale"].dtype == jnp.float32  # norms f32
+    np.testing.assert_array_equal(conv, trained.params["Conv_0"]["kernel"].astype(jnp.float16))
+    master = precision.find_mixed_precision_state(o2.opt_state).master_params["Conv_0"]["kernel"]
+    np.testing.assert_array_equal(master, trained.params["Conv_0"]["kernel"].astype(jnp.float16).astype(jnp.float32))
+    with pytest.raises(ValueError, match="do not match the model at batch_stats/BatchNorm_0/mean"):
+        create_train_state(model, "O2", optax.sgd(0.1), jax.random.PRNGKey(1), x,
+                           variables={"params": trained.params})

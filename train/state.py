@@ -47,7 +47,8 @@ class TrainState(struct.PyTreeNode):
 def create_train_state(model: Any, policy: "str | precision.Policy | None", optimizer: optax.GradientTransformation,
                        rng: jax.Array, sample_input: Any, *, rules: Any = None,
                        loss_scale: "str | LossScale" = "auto", max_grad_norm: float | None = None,
-                       skip_with: str = "auto", layout: Layout | None = None) -> TrainState:
+                       skip_with: str = "auto", layout: Layout | None = None, variables: Any = None
+                       ) -> TrainState:
     """Initialises a model under ``policy`` and a mixed-precision optimizer around ``optimizer``.
 
     Args:
@@ -66,6 +67,10 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
       layout: when given, params and optimizer state are created directly in
         their sharding on its mesh (never whole on one device), the rest
         replicated.
+      variables: start from these (float32) variables, ``{"params": ...,
+        "batch_stats": ...}``, instead of initialising: to fine-tune trained
+        weights under another policy, or to compare policies from one init.
+        Their params are cast to the policy's param dtypes.
     """
     if isinstance(model, precision.LinenWithPolicy):
         if policy is not None and precision.get_policy(policy) != model.policy:
@@ -81,13 +86,31 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
         rng = jax.random.key_data(rng)
     rng, params_key, dropout_key = jax.random.split(rng, 3)
     keys = {"params": params_key, "dropout": dropout_key}
-    variables = _sharded_jit(lambda k, x: wrapped.init(k, x, train=False), layout)(keys, sample_input)
+    if variables is None:
+        variables = _sharded_jit(lambda k, x: wrapped.init(k, x, train=False), layout)(keys, sample_input)
+    else:
+        _check_variables(variables, jax.eval_shape(lambda k, x: wrapped.module.init(k, x, train=False),
+                                                   keys, sample_input))
+        variables = wrapped.cast_params(dict(variables), sample_input, train=False)
     params = variables["params"]
     model_state = {k: v for k, v in variables.items() if k != "params"}
     tx = _mixed_precision_optimizer(optimizer, params, wrapped.policy, loss_scale, max_grad_norm, skip_with)
     state = TrainState(step=jnp.zeros([], jnp.int32), params=params, opt_state=_sharded_jit(tx.init, layout)(params),
                        model_state=model_state, rng=rng, model=wrapped, tx=tx)
     return state if layout is None else layout.put_state(state)
+
+
+def _check_variables(given: Any, expected: Any) -> None:
+    """Given variables must have the paths and shapes the model creates."""
+    def shapes(tree):
+        leaves = jax.tree_util.tree_leaves_with_path(dict(tree))
+        return {jax.tree_util.keystr(path, simple=True, separator="/"): tuple(x.shape) for path, x in leaves}
+
+    want, got = shapes(expected), shapes(given)
+    for path in sorted(set(want) | set(got)):
+        if want.get(path) != got.get(path):
+            raise ValueError(f"create_train_state: `variables` do not match the model at {path}: the model has "
+                             f"{want.get(path, 'nothing')}, the variables have {got.get(path, 'nothing')}")
 
 
 def _sharded_jit(fn, layout: Layout | None):

@@ -1,0 +1,63 @@
+"""``python -m benchmarks [--quick]``: speed, memory and FLOPs of every policy on
+every model, and the three headline ratios.
+
+Prints a table, writes ``benchmarks/results/<device>[-quick].{json,md}`` and
+prints as its last line one JSON object with ``overhead_ratio``,
+``loss_scale_overhead_ratio`` and ``memory_ratio``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import shlex
+import sys
+import time
+
+import jax
+
+from benchmarks import report, suite
+from benchmarks.workloads import MODELS, POLICY_NAMES, SIZES, workload
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="small models and short timings (minutes on 2 CPU cores)")
+    p.add_argument("--size", choices=SIZES, help="model sizes (default: full, gpu on a GPU, quick with --quick)")
+    p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    p.add_argument("--policies", nargs="+", choices=POLICY_NAMES, default=list(POLICY_NAMES))
+    p.add_argument("--steps", type=int, help="timed steps per median (default 20; at least 20)")
+    p.add_argument("--rounds", type=int, help="alternating rounds per ratio (default 10; 20 on a GPU)")
+    p.add_argument("--out", default=str(report.RESULTS), help="results directory")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser().parse_args(argv)
+    if args.steps is not None and args.steps < 20:
+        _parser().error(f"--steps must be at least 20 (medians over fewer steps are noise), got {args.steps}")
+    if "fp32" not in args.policies:
+        args.policies.insert(0, "fp32")  # the baseline every ratio is against
+    size = args.size or ("quick" if args.quick else ("gpu" if jax.default_backend() == "gpu" else "full"))
+    rounds, per_round = {"quick": (10, 3), "full": (10, 2), "gpu": (20, 5)}[size]
+    settings = suite.Settings(size=size, steps=args.steps or 20, rounds=args.rounds or rounds,
+                              steps_per_round=per_round, models=tuple(args.models), policies=tuple(args.policies))
+    start = time.perf_counter()
+    results = suite.run(settings, log=lambda line: print(line, flush=True))
+    results.update(
+        environment=report.environment(), settings=vars(settings) | {"models": list(settings.models),
+                                                                      "policies": list(settings.policies)},
+        models={m: workload(m, size).describe() for m in settings.models},
+        command="python -m benchmarks " + shlex.join(argv), wall_seconds=time.perf_counter() - start)
+    json_path, md_path = report.save(results, pathlib.Path(args.out))
+    print()
+    print(report.table(results))
+    print(f"\nwrote {json_path} and {md_path} ({results['wall_seconds']:.0f} s)")
+    print(json.dumps(report.headline(results)))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Benchmark results as a printed table, markdown and JSON under ``benchmarks/results/``."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pathlib
+import platform
+import re
+from typing import Any
+
+import flax
+import jax
+import optax
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+
+GOALS = {"overhead_ratio": 1.03, "loss_scale_overhead_ratio": 1.05, "memory_ratio": 0.6}
+
+
+def environment() -> dict[str, Any]:
+    """Where and when the numbers were taken."""
+    device = jax.devices()[0]
+    return {
+        "device": device.device_kind if device.platform != "cpu" else f"cpu ({platform.processor() or platform.machine()})",
+        "platform": device.platform, "device_count": jax.device_count(), "cpu_count": os.cpu_count(),
+        "jax": jax.__version__, "jaxlib": getattr(jax.lib, "__version__", None) or _jaxlib_version(),
+        "flax": flax.__version__, "optax": optax.__version__, "python": platform.python_version(),
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+def _jaxlib_version() -> str | None:
+    try:
+        import jaxlib
+        return jaxlib.__version__
+    except (ImportError, AttributeError):
+        return None
+
+
+def device_slug(env: dict[str, Any]) -> str:
+    """``cpu`` or the accelerator's name as a file name (``nvidia-h100-80gb-hbm3``)."""
+    if env["platform"] == "cpu":
+        return "cpu"
+    return re.sub(r"[^a-z0-9]+", "-", env["device"].lower()).strip("-")
+
+
+def _mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2 ** 20:.1f}"
+
+
+def _x(v: float | None, digits: int = 2) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None or v != v else f"{100 * v:.0f}%"
+
+
+def table(results: dict[str, Any]) -> str:
+    """The per-model, per-policy table in markdown."""
+    head = ("| model | policy | step ms | fwd ms | bwd+update ms | throughput/s | speedup vs fp32 "
+            "| activations MiB (vs fp32) | XLA memory MiB: args / out / temp / total | XLA GFLOP "
+            "| half matmul share: program / compiled | MFU |")
+    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    for r in results["rows"]:
+        m = r["memory"]
+        lines.append(
+            f"| {r['model']} | {r['policy']} | {r['step_seconds'] * 1e3:.2f} | {r['forward_seconds'] * 1e3:.2f} "
+            f"| {r['backward_seconds'] * 1e3:.2f} | {r['items_per_second']:,.0f} {r['items']} "
+            f"| {_x(r['speedup_vs_fp32'])}x | {_mib(r['activations']['bytes'])} ({_x(r['activations_vs_fp32'])}x) "
+            f"| {_mib(m.get('arguments'))} / {_mib(m.get('outputs'))} / {_mib(m.get('temps'))} / "
+            f"{_mib(m.get('total'))} | {_x((r['xla_flops'] or 0) / 1e9, 1)} "
+            f"| {_pct(r['half_matmul_share_program'])} / {_pct(r['half_matmul_share_compiled'])} "
+            f"| {_pct(r['mfu'])} |")
+    return "\n".join(lines)
+
+
+def headline(results: dict[str, Any]) -> dict[str, float]:
+    """The three ratios the suite is judged by."""
+    return {k: round(results[k], 4) for k in GOALS}
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The whole report: environment, table, headline ratios with their goals and details."""
+    env, s = results["environment"], results["settings"]
+    out = [f"# Benchmarks on {env['device']} ({s['size']} sizes)", "",
+           f"{env['date']}; jax {env['jax']}, flax {env['flax']}, optax {env['optax']}, Python {env['python']}; "
+           f"{env['device_count']} {env['platform']} device(s), {env['cpu_count']} CPU cores. "
+           f"Reproduce: `{results['command']}` ({results['wall_seconds']:.0f} s).", "",
+           f"Medians over {s['steps']} steps after {s['warmup']} warm-up steps; ratios are medians over "
+           f"{s['rounds']} alternating rounds of {s['steps_per_round']} steps. Optimizer AdamW.",
+           "", "## Headline ratios", "", "| ratio | value | goal |", "|---|---|---|"]
+    for k, goal in GOALS.items():
+        out.append(f"| `{k}` | {results[k]:.3f} | {'<=' if goal >= 1 else '<='} {goal} |")
+    out += ["", "- `overhead_ratio`: our `train.make_train_step` / a hand-written JAX + optax step with the same "
+            "model, bf16 casts and AdamW, per model: "
+            + ", ".join(f"{o['model']} {o['ratio']:.3f} (first-step loss difference {o['first_step_loss_difference']:.1e})"
+                        for o in results["overhead"]) + "; the worst is reported.",
+            "- `loss_scale_overhead_ratio`: mixed_f16 with dynamic loss scaling / mixed_f16 without, per model: "
+            + ", ".join(f"{o['model']} {o['ratio']:.3f}" for o in results["loss_scale_overhead"])
+            + "; the worst is reported.",
+            f"- `memory_ratio`: activation bytes saved for the backward pass by the GPT at batch "
+            f"{results['memory']['batch']} x {results['memory']['seq_len']} tokens, mixed_bf16 / fp32: "
+            f"{_mib(results['memory']['mixed_bf16']['bytes'])} / {_mib(results['memory']['fp32']['bytes'])} MiB "
+            f"= {results['memory']['ratio']:.3f}; with the shipped config's float32 softmax "
+            f"{results['memory']['ratio_f32_softmax']:.3f}. From the traced program "
+            f"(`jax.ad_checkpoint.print_saved_residuals`), so the same on every backend.",
+            "", "## Per model and policy", "", table(results), "",
+            "Models: " + "; ".join(f"`{k}`: {v}" for k, v in results["models"].items()) + ".", "",
+            "Columns: *fwd* is the forward pass and float32 loss alone; *bwd+update* the rest of the step. "
+            "*Activations*: residuals saved for the backward pass, without the params and their "
+            "compute-dtype copies. *XLA memory*: `compiled.memory_analysis()` of the train step (total = "
+            "args + out + temp - donated). *Half matmul share*: the share of dot/convolution FLOPs with half "
+            "inputs, in the program as written and after XLA compiled it. *MFU*: matmul FLOPs of the program "
+            "per second over the device's dense peak for the precision the matmuls run in (GPU only)."]
+    if env["platform"] == "cpu":
+        out += ["", "On CPU only ratios mean anything, and half precision is not faster: XLA's CPU backend "
+                "widens bfloat16/float16 dots to float32 (compiled half share 0%) and adds the conversions, "
+                "and its memory plan barely moves with precision. The activation bytes are the "
+                "backend-independent memory measure."]
+    return "\n".join(out) + "\n"
+
+
+def save(results: dict[str, Any], directory: pathlib.Path = RESULTS) -> tuple[pathlib.Path, pathlib.Path]:
+    """Writes ``<device>[-quick].json`` and ``.md``; returns their paths."""
+    directory.mkdir(parents=True, exist_ok=True)
+    stem = device_slug(results["environment"]) + ("-quick" if results["settings"]["size"] == "quick" else "")
+    json_path, md_path = directory / f"{stem}.json", directory / f"{stem}.md"
+    json_path.write_text(json.dumps(results, indent=1, default=float) + "\n")
+    md_path.write_text(markdown(results))
+    return json_path, md_path

@@ -1,0 +1,101 @@
+"""The benchmark suite's own measurements: HLO FLOP counting, saved-residual
+bytes, timing ratios, reports and the parity comparison. The suite itself is
+run by hand (`python -m benchmarks --quick`), not in tests."""
+
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from benchmarks import hlo, measure, parity, report
+from benchmarks.__main__ import main as benchmarks_main
+
+
+def test_matmul_flops_counts_dots_and_convolutions_by_input_dtype():
+    def f(x, w, k):
+        y = jnp.dot(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))          # 2*8*16*4 = 1024, bf16
+        z = jax.lax.conv_general_dilated(k, jnp.ones((3, 3, 2, 5)), (1, 1), "SAME",
+                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))  # 2*(1*6*6*5)*(3*3*2) f32
+        return y.sum() + z.sum()
+
+    lowered = jax.jit(f).lower(jnp.ones((8, 16)), jnp.ones((16, 4)), jnp.ones((1, 6, 6, 2)))
+    flops = hlo.matmul_flops(lowered.as_text(dialect="hlo"))
+    assert flops.by_dtype["bf16"] == 1024
+    assert flops.by_dtype["f32"] == 2 * (6 * 6 * 5) * (3 * 3 * 2)
+    assert flops.half_share == pytest.approx(1024 / (1024 + 2 * 180 * 18))
+
+
+def test_matmul_flops_reads_gpu_library_calls():
+    text = """
+ENTRY %main (p0: f16[64,128], p1: f16[128,32], x: bf16[2,8,8,4], k: bf16[3,3,4,6]) -> f16[64,32] {
+  %p0 = f16[64,128]{1,0} parameter(0)
+  %p1 = f16[128,32]{1,0} parameter(1)
+  %gemm = (f16[64,32]{1,0}, s8[4194304]{0}) custom-call(f16[64,128]{1,0} %p0, f16[128,32]{1,0} %p1), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  %conv = (bf16[2,8,8,6]{3,2,1,0}, u8[0]{0}) custom-call(%x, %k), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f, custom_call_target="__cudnn$convForward"
+  ROOT %t = f16[64,32]{1,0} get-tuple-element(%gemm), index=0
+}
+"""
+    flops = hlo.matmul_flops(text)
+    assert flops.by_dtype["f16"] == 2 * 64 * 32 * 128
+    assert flops.by_dtype["bf16"] == 2 * (2 * 8 * 8 * 6) * (3 * 3 * 4)
+    assert flops.half_share == 1.0
+
+
+def test_saved_residual_bytes_follow_the_compute_dtype():
+    def loss(w, x):
+        h = jnp.tanh(x @ w)  # tanh saves h and 1 - h**2: 2 x 16x32 values
+        return (h @ w).astype(jnp.float32).sum()
+
+    for dtype, itemsize in ((jnp.float32, 4), (jnp.bfloat16, 2)):
+        w, x = jnp.ones((32, 32), dtype), jnp.ones((16, 32), dtype)
+        got = measure.activation_bytes(measure.saved_residuals(loss, w, x))
+        assert got["by_dtype"] == {jnp.dtype(dtype).name.replace("float", "f"): 2 * 16 * 32 * itemsize}
+        assert got["argument_bytes"] == (32 * 32 + 16 * 32) * itemsize  # w, x kept as they are: not activations
+        assert got["param_copy_bytes"] == 0
+
+
+def test_alternating_ratio_measures_the_slower_call():
+    slow = jax.jit(lambda x: jnp.sin(x) @ x.T @ x)
+    fast = jax.jit(lambda x: x + 1)
+    x = jnp.ones((256, 256))
+    r = measure.alternating_ratio(lambda c: fast(c) * 0 + c, x, lambda c: slow(c) * 0 + c, x, rounds=4,
+                                  steps_per_round=2)
+    assert r["ratio"] > 1.5 and len(r["ratios"]) == 4
+
+
+def test_peak_flops_is_known_for_datacenter_gpus_only():
+    class Device:
+        platform, device_kind = "gpu", "NVIDIA H100 80GB HBM3"
+    assert measure.peak_flops(Device(), "half") == 989e12
+    assert measure.peak_flops(jax.devices("cpu")[0], "half") is None
+
+
+def test_benchmarks_cli_refuses_fewer_than_20_timed_steps(capsys):
+    with pytest.raises(SystemExit):
+        benchmarks_main(["--quick", "--steps", "5"])
+    assert "at least 20" in capsys.readouterr().err
+
+
+def _run(steps, accuracies, losses, scales=(1.0,)):
+    records = [{"kind": "train", "step": s, "loss": 1.0 / s, "loss_scale": scales[min(i, len(scales) - 1)]}
+               for i, s in enumerate(steps)]
+    records += [{"kind": "eval", "step": steps[-1], "loss": losses, "accuracy": accuracies}]
+    summary = {"eval": {"loss": losses, "accuracy": accuracies}, "steps": steps[-1], "train_seconds": 60.0,
+               "steps_per_sec": 1.0, "policy": "p", "inference": {"float32": {"accuracy": accuracies, "loss": losses}},
+               "loss_scale": {"initial": scales[0], "final": scales[-1], "decreases": 0, "skipped_steps": 0}}
+    return {"summary": summary, "records": records}
+
+
+def test_parity_compares_against_fp32_with_the_goals():
+    runs = {"exp": {"fp32": _run([50, 100], 0.900, 0.300),
+                    "mixed_bf16": _run([50, 100], 0.896, 0.305),      # -0.4 pp, +1.7%: within
+                    "mixed_f16": _run([50, 100], 0.890, 0.300, (2.0 ** 15, 2.0 ** 14))}}  # -1.0 pp: not
+    table = parity.compare(runs)["exp"]
+    assert table["mixed_bf16"]["within_goals"] and not table["mixed_f16"]["within_goals"]
+    assert table["mixed_f16"]["accuracy_delta_pp"] == pytest.approx(-1.0)
+    assert table["mixed_f16"]["loss_scale_history"] == [(50, 2.0 ** 15), (100, 2.0 ** 14)]
+
+
+def test_report_names_result_files_by_device():
+    assert report.device_slug({"platform": "cpu", "device": "cpu (x86_64)"}) == "cpu"
+    assert report.device_slug({"platform": "gpu", "device": "NVIDIA H100 80GB HBM3"}) == "nvidia-h100-80gb-hbm3"
