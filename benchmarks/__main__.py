@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> dict:
         environment=report.environment(), settings=vars(settings) | {"models": list(settings.models),
                                                                       "policies": list(settings.policies)},
         models={m: workload(m, size).describe() for m in settings.models},
-        command="python -m benchmarks " + shlex.join(argv), wall_seconds=time.perf_counter() - start)
+        command=shlex.join(["python", "-m", "benchmarks", *argv]), wall_seconds=time.perf_counter() - start)
     json_path, md_path = report.save(results, pathlib.Path(args.out))
     print()
     print(report.table(results))

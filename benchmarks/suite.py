@@ -18,8 +18,8 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import os
 import functools
+import os
 import time
 from typing import Any, Callable
 

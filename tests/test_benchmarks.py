@@ -99,3 +99,17 @@ def test_parity_compares_against_fp32_with_the_goals():
 def test_report_names_result_files_by_device():
     assert report.device_slug({"platform": "cpu", "device": "cpu (x86_64)"}) == "cpu"
     assert report.device_slug({"platform": "gpu", "device": "NVIDIA H100 80GB HBM3"}) == "nvidia-h100-80gb-hbm3"
+
+
+def test_underflow_fraction_counts_gradients_float16_flushes_to_zero():
+    from benchmarks.underflow import Autoencoder, underflow_fraction
+    import precision
+
+    model = Autoencoder(widths=(16, 4, 16))
+    m32, m16 = precision.with_policy(model, "fp32"), precision.with_policy(model, "pure_f16")
+    images = jax.random.uniform(jax.random.key(0), (16384, 28, 28))
+    params = m32.init(jax.random.key(1), images[:1])["params"]
+    large = underflow_fraction(m32, m16, params, images)          # mean over 16384 x 784 pixels
+    small = underflow_fraction(m32, m16, params, images[:16])     # mean over 16 x 784
+    assert large["zero_in_f16"] > 0.95 and small["zero_in_f16"] < 0.2
+    assert 0 <= large["below_f16_min"] < large["zero_in_f16"]  # activation gradients underflow first
