@@ -86,17 +86,13 @@ def underflow_fraction(model32: Any, model16: Any, params: Any, x: jax.Array) ->
             "median_abs_grad_f32": float(np.median(np.abs(a[nonzero])))}
 
 
-def _f32_params(params: Any, opt_state: Any) -> Any:
-    master = precision.find_mixed_precision_state(opt_state).master_params
-    return jax.tree_util.tree_map(lambda v: v.astype(jnp.float32), params if master is None else master)
-
-
 def train_case(name: str, x_train: np.ndarray, x_test: np.ndarray, steps: int, batch: int, probe_every: int,
                seed: int = 0) -> dict[str, Any]:
     """Trains one case; returns its loss curve, underflow fractions and test error."""
     policy, scale = CASES[name]
     model = precision.with_policy(Autoencoder(), policy)
     model32 = precision.with_policy(Autoencoder(), "fp32")
+    model16 = precision.with_policy(Autoencoder(), "pure_f16")
     sample = jnp.asarray(x_train[:batch])
     params = model.init(jax.random.key(seed), sample)["params"]
     tx = precision.mixed_precision(optax.adamw(1e-3, weight_decay=1e-4), scale)
@@ -114,10 +110,9 @@ def train_case(name: str, x_train: np.ndarray, x_test: np.ndarray, steps: int, b
     curve, probes, start = [], [], time.perf_counter()
     for i in range(steps + 1):
         if i % probe_every == 0:
-            p32 = _f32_params(params, opt_state)
+            p32 = precision.full_precision_params(params, opt_state)
             probes.append({"step": i, "test_mse": float(test_error(p32, jnp.asarray(x_test[:2000]))),
-                           **underflow_fraction(model32, precision.with_policy(Autoencoder(), "pure_f16"), p32,
-                                                jnp.asarray(x_train[:batch]))})
+                           **underflow_fraction(model32, model16, p32, jnp.asarray(x_train[:batch]))})
         if i == steps:
             break
         idx = rng.choice(len(x_train), batch, replace=False)
@@ -125,8 +120,9 @@ def train_case(name: str, x_train: np.ndarray, x_test: np.ndarray, steps: int, b
         if i % 10 == 0:
             curve.append((i, float(loss), float(precision.current_loss_scale(opt_state).loss_scale)))
     mp = precision.find_mixed_precision_state(opt_state)
+    final = precision.full_precision_params(params, opt_state)
     return {"case": name, "policy": policy, "loss_scale": type(scale).__name__, "curve": curve, "probes": probes,
-            "final_test_mse": float(test_error(_f32_params(params, opt_state), jnp.asarray(x_test))),
+            "final_test_mse": float(test_error(final, jnp.asarray(x_test))),
             "skipped_steps": int(mp.loss_scale.skipped_steps), "seconds": time.perf_counter() - start}
 
 

@@ -40,6 +40,7 @@ from precision.optim import (
     MixedPrecisionState,
     current_loss_scale,
     find_mixed_precision_state,
+    full_precision_params,
     mixed_precision,
     needs_master_weights,
 )
@@ -54,5 +55,5 @@ __all__ = (
     "NORM_CLASSES", "SOFTMAX_PATTERNS", "Rule", "default_rules", "get_rules", "norm_rules",
     "LinenWithPolicy", "NNXWithPolicy", "with_policy",
     "MixedPrecisionState", "current_loss_scale", "find_mixed_precision_state",
-    "mixed_precision", "needs_master_weights",
+    "full_precision_params", "mixed_precision", "needs_master_weights",
 )

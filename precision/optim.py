@@ -193,3 +193,11 @@ def find_mixed_precision_state(opt_state: Any) -> MixedPrecisionState:
 def current_loss_scale(opt_state: Any) -> LossScale:
     """The loss scale to multiply the next loss by, read from the optimizer state."""
     return find_mixed_precision_state(opt_state).loss_scale
+
+
+def full_precision_params(params: Any, opt_state: Any) -> Any:
+    """The float32 params behind ``params``: the master copy that ``mixed_precision``
+    keeps when params are stored in half precision, else ``params`` themselves.
+    What to evaluate, export or re-cast after training."""
+    master = find_mixed_precision_state(opt_state).master_params
+    return params if master is None else master

@@ -219,3 +219,14 @@ def test_gradients_are_unscaled_inside_the_skipped_update_not_before_it():
                and any(getattr(v.aval, "shape", ()) != () for v in e.outvars)]
     assert not outside, [str(e) for e in outside]
     assert any(e.primitive.name == "cond" for e in jaxpr.eqns)
+
+
+def test_full_precision_params_are_the_master_copy_when_params_are_half():
+    params = {"w": jnp.full((3,), 1.0)}
+    half = jax.tree_util.tree_map(lambda x: x.astype(jnp.float16), params)
+    tx = mixed_precision(optax.sgd(1.0), NoOpLossScale())
+    new_half, state = step(tx, half, tx.init(half), {"w": jnp.full((3,), 2.0 ** -12, jnp.float16)})
+    full = precision.full_precision_params(new_half, state)
+    assert full["w"].dtype == jnp.float32 and new_half["w"].dtype == jnp.float16
+    np.testing.assert_array_equal(full["w"], jnp.full((3,), 1.0 - 2.0 ** -12))  # not representable in f16
+    assert precision.full_precision_params(params, tx.init(params)) is params  # float32: no copy

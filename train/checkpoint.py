@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from train.distributed import to_host
 from train.state import TrainState
+from train.tree_paths import leaf_names, leaf_shapes
 
 __all__ = ["CheckpointError", "Checkpointer", "fingerprint"]
 
@@ -44,12 +45,6 @@ class CheckpointError(RuntimeError):
 def _arrays(state: TrainState) -> dict[str, Any]:
     return {"step": state.step, "params": state.params, "opt_state": state.opt_state,
             "model_state": state.model_state, "rng": state.rng}
-
-
-def leaf_names(tree: Any) -> list[str]:
-    """``a/b/0``-style paths of a tree's leaves, in leaf order."""
-    return [jax.tree_util.keystr(path, simple=True, separator="/")
-            for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
 
 
 def _words(x: jax.Array) -> jax.Array:
@@ -251,14 +246,11 @@ class _Corrupt(CheckpointError):
 
 
 def _check_matches(saved: Any, abstract: Any, where: str) -> None:
-    def shape(x):
-        return tuple(getattr(x, "shape", ()) or ())
-
     try:
-        saved_shapes = {name: shape(x) for name, x in zip(leaf_names(saved), jax.tree_util.tree_leaves(saved))}
+        saved_shapes = leaf_shapes(saved)
     except Exception as e:  # noqa: BLE001
         raise _Corrupt(f"checkpoint {where} has unreadable metadata: {_short(e)}") from None
-    wanted = {name: tuple(x.shape) for name, x in zip(leaf_names(abstract), jax.tree_util.tree_leaves(abstract))}
+    wanted = leaf_shapes(abstract)
     if saved_shapes != wanted:
         missing = sorted(set(wanted) - set(saved_shapes))
         extra = sorted(set(saved_shapes) - set(wanted))

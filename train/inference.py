@@ -15,8 +15,7 @@ from train.step import evaluate, make_eval_step
 
 def full_precision_params(state: TrainState) -> Any:
     """The float32 params of a state: the master copy when params are stored in half."""
-    mp = precision.find_mixed_precision_state(state.opt_state)
-    return mp.master_params if mp.master_params is not None else state.params
+    return precision.full_precision_params(state.params, state.opt_state)
 
 
 def cast_for_inference(state: TrainState, dtype: Any, rules: Any = None) -> TrainState:

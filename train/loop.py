@@ -26,7 +26,7 @@ import optax
 import yaml
 
 from train import config as config_lib
-from train.checkpoint import CheckpointError, Checkpointer, leaf_names
+from train.checkpoint import CheckpointError, Checkpointer
 from train.config import ConfigError, ExperimentConfig
 from train.data import load_dataset, prefetch_to_device, train_batches
 from train.distributed import Layout, MeshError, host_rows, initialize_distributed, make_mesh, to_host
@@ -35,6 +35,7 @@ from train.metrics import MetricsWriter, NullWriter, Progress
 from train.models import MODELS
 from train.state import TrainState, create_train_state
 from train.step import evaluate, make_eval_step, make_train_step
+from train.tree_paths import leaf_names
 
 __all__ = ["NonFiniteError", "build_model", "build_optimizer", "check_model_fits_data", "run"]
 

@@ -13,6 +13,7 @@ from flax import struct
 import precision
 from precision.loss_scale import LossScale
 from train.distributed import Layout
+from train.tree_paths import leaf_shapes
 
 
 class TrainState(struct.PyTreeNode):
@@ -102,11 +103,7 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
 
 def _check_variables(given: Any, expected: Any) -> None:
     """Given variables must have the paths and shapes the model creates."""
-    def shapes(tree):
-        leaves = jax.tree_util.tree_leaves_with_path(dict(tree))
-        return {jax.tree_util.keystr(path, simple=True, separator="/"): tuple(x.shape) for path, x in leaves}
-
-    want, got = shapes(expected), shapes(given)
+    want, got = leaf_shapes(dict(expected)), leaf_shapes(dict(given))
     for path in sorted(set(want) | set(got)):
         if want.get(path) != got.get(path):
             raise ValueError(f"create_train_state: `variables` do not match the model at {path}: the model has "
