@@ -7,7 +7,7 @@ accuracy and validation loss against fp32 (goals: within 0.5 percentage points
 and 2%), the loss-scale history and skipped steps, half-precision inference of
 the fp32-trained model, and plots the curves.
 
-    python -m benchmarks.parity [--steps 1000] [--runs runs/parity] [--report-only]
+    python -m benchmarks.parity [--steps 1000] [--runs runs/parity] [--report-only] [--out DIR] [--docs DIR]
 
 Writes ``benchmarks/results/parity.{json,md}`` and ``docs/parity_<experiment>.png``.
 A run whose ``summary.json`` already shows the budget is not repeated.
@@ -179,7 +179,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--steps", type=int, default=1000, help="training steps per run (default 1000)")
     p.add_argument("--runs", default=str(ROOT / "runs" / "parity"), help="where the runs' workdirs go")
     p.add_argument("--report-only", action="store_true", help="only report runs already trained")
-    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--out", default=str(RESULTS), help="where the tables go")
+    p.add_argument("--docs", default=str(DOCS), help="where the plots go")
     args = p.parse_args(argv)
     runs_dir = pathlib.Path(args.runs)
     if not args.report_only:
@@ -188,7 +189,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {"environment": environment(), "overrides": run_overrides(args.steps),
               "command": "python -m benchmarks.parity" + (f" --steps {args.steps}" if args.steps != 1000 else ""),
               "table": compare(runs), "budget": budget(runs)}
-    result["plots"] = [os.path.relpath(path, ROOT) for path in plot(runs)]
+    pathlib.Path(args.docs).mkdir(parents=True, exist_ok=True)
+    result["plots"] = [os.path.relpath(path, ROOT) for path in plot(runs, pathlib.Path(args.docs))]
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "parity.json").write_text(json.dumps(result, indent=1) + "\n")

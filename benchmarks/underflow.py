@@ -17,7 +17,7 @@ Reports the fraction of gradient values that underflow (nonzero in float32,
 zero in float16), at init and along training, the test reconstruction error, and
 plots both (``docs/underflow.png``).
 
-    python -m benchmarks.underflow [--steps 150] [--batch 16384] [--data DIR]
+    python -m benchmarks.underflow [--steps 150] [--batch 16384] [--data DIR] [--out DIR] [--docs DIR]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import pathlib
 import time
 from typing import Any
@@ -39,7 +40,8 @@ import precision
 from benchmarks.report import RESULTS, environment
 from train.data import load_fashion_mnist
 
-DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
 F16_TINY = 2.0 ** -24  # smallest positive float16 (subnormal)
 CASES = {"fp32": ("fp32", precision.NoOpLossScale()),
          "pure_f16": ("pure_f16", precision.NoOpLossScale()),
@@ -189,7 +191,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--batch", type=int, default=16384)
     p.add_argument("--probe-every", type=int, default=25)
     p.add_argument("--data", default=None, help="directory of the Fashion-MNIST IDX files")
-    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--out", default=str(RESULTS), help="where the tables go")
+    p.add_argument("--docs", default=str(DOCS), help="where the plot goes")
     args = p.parse_args(argv)
     x_train, x_test = _images(args.data)
     results = {}
@@ -199,13 +202,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{name:13s} test MSE {r['final_test_mse']:.5f}  skipped {r['skipped_steps']}  "
               f"loss scale {r['curve'][-1][2]:g}  underflow at init {100 * r['probes'][0]['zero_in_f16']:.1f}%  "
               f"({r['seconds']:.0f} s)", flush=True)
-    out = pathlib.Path(args.out)
+    out, docs = pathlib.Path(args.out), pathlib.Path(args.docs)
     out.mkdir(parents=True, exist_ok=True)
+    docs.mkdir(parents=True, exist_ok=True)
+    plot_path = plot(results, docs / "underflow.png")
     summary = {"environment": environment(), "steps": args.steps, "batch": args.batch, "cases": results,
-               "plot": "docs/underflow.png"}
+               "plot": os.path.relpath(plot_path, ROOT)}
     (out / "underflow.json").write_text(json.dumps(summary, indent=1) + "\n")
     (out / "underflow.md").write_text(markdown(summary))
-    plot(results, DOCS / "underflow.png")
     final = {name: round(r["final_test_mse"], 5) for name, r in results.items()}
     print(json.dumps({"final_test_mse": final, "underflow_at_init": results["fp32"]["probes"][0]["zero_in_f16"]}))
     return summary
