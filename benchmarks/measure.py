@@ -128,12 +128,21 @@ def compiled_memory(compiled: Any) -> dict[str, int | None]:
             "total": args + outs + temps - alias, "peak": peak or None}
 
 
-def compiled_flops(compiled: Any) -> float | None:
-    """FLOPs XLA's cost model counts for a compiled program (all ops, not only matmuls)."""
+def _cost(compiled: Any, key: str) -> float | None:
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else None
-    return float(cost["flops"]) if cost and "flops" in cost else None
+    return float(cost[key]) if cost and key in cost else None
+
+
+def compiled_flops(compiled: Any) -> float | None:
+    """FLOPs XLA's cost model counts for a compiled program (all ops, not only matmuls)."""
+    return _cost(compiled, "flops")
+
+
+def compiled_bytes_accessed(compiled: Any) -> float | None:
+    """Bytes XLA's cost model says a compiled program reads and writes."""
+    return _cost(compiled, "bytes accessed")
 
 
 # Dense peak FLOP/s per device (vendor datasheets, without sparsity), by the

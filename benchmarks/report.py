@@ -77,6 +77,23 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def pinned_table(results: dict[str, Any]) -> str:
+    """Each pinned-dtype model next to its unpinned twin: half share, step time, compiled cost."""
+    rows = {(r["model"], r["policy"]): r for r in results["rows"]}
+    head = ("| model | policy | half matmul share: unpinned / pinned | step ms: unpinned / pinned "
+            "| pinned / unpinned: XLA FLOPs, bytes accessed |")
+    lines = [head, "|---|---|---|---|---|"]
+    for r in results["rows"]:
+        twin = rows.get((r["model"].removesuffix("_pinned"), r["policy"]))
+        if not r["model"].endswith("_pinned") or twin is None:
+            continue
+        lines.append(f"| {twin['model']} | {r['policy']} | {_pct(twin['half_matmul_share_program'])} / "
+                     f"{_pct(r['half_matmul_share_program'])} | {twin['step_seconds'] * 1e3:.2f} / "
+                     f"{r['step_seconds'] * 1e3:.2f} | {_x(r['pinned_flops_vs_unpinned'], 3)}, "
+                     f"{_x(r['pinned_bytes_vs_unpinned'], 3)} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def headline(results: dict[str, Any]) -> dict[str, float]:
     """The three ratios the suite is judged by."""
     return {k: round(results[k], 4) for k in GOALS}
@@ -115,6 +132,13 @@ def markdown(results: dict[str, Any]) -> str:
             "args + out + temp - donated). *Half matmul share*: the share of dot/convolution FLOPs with half "
             "inputs, in the program as written and after XLA compiled it. *MFU*: matmul FLOPs of the program "
             "per second over the device's dense peak for the precision the matmuls run in (GPU only)."]
+    pinned = pinned_table(results)
+    if pinned:
+        out += ["", "## Models with pinned layer dtypes", "",
+                "Each `_pinned` model is its twin with `dtype=jnp.float32` on every layer, as Flax's examples "
+                "write models. The policy reaches it through `precision.autocast`; the compiled step should "
+                "match the unpinned one (XLA FLOPs and bytes accessed from `compiled.cost_analysis()`).", "",
+                pinned]
     if env["platform"] == "cpu":
         out += ["", "On CPU only ratios mean anything, and half precision is not faster: XLA's CPU backend "
                 "widens bfloat16/float16 dots to float32 (compiled half share 0%) and adds the conversions, "

@@ -138,6 +138,7 @@ def measure_case(w: Workload, case: PolicyCase, settings: Settings, prepared: Pr
         "activations": measure.activation_bytes(prepared.residuals),
         "memory": measure.compiled_memory(step),
         "xla_flops": measure.compiled_flops(step),
+        "xla_bytes_accessed": measure.compiled_bytes_accessed(step),
         "matmul_flops": program.total,
         "half_matmul_share_program": program.half_share,
         "half_matmul_share_compiled": compiled.half_share,
@@ -153,6 +154,8 @@ def _hand_written_step(w: Workload, compute_dtype: Any, params: Any, model_state
     ``compute_dtype``, float32 loss, grad, optax update. Returns it and its
     state, starting from copies of float32 ``params`` and ``model_state``."""
     model, tx = w.model, _optimizer()
+    if getattr(model, "dtype", None) is not None:  # a pinned model: written in the half dtype instead
+        model = model.clone(dtype=compute_dtype)
     params, model_state = jax.tree_util.tree_map(jnp.copy, (params, model_state))
 
     def cast(tree):
@@ -288,6 +291,11 @@ def run(settings: Settings, log: Callable[[str], None] = print) -> dict[str, Any
 
 
 def _relative_to_fp32(rows: list[dict]) -> None:
+    unpinned = {(r["model"], r["policy"]): r for r in rows}
+    for r in rows:  # the pinned-dtype twin compiles to the same program (up to casts)
+        twin = unpinned.get((r["model"].removesuffix("_pinned"), r["policy"])) if r["model"].endswith("_pinned") else None
+        r["pinned_flops_vs_unpinned"] = _ratio(r["xla_flops"], twin and twin["xla_flops"])
+        r["pinned_bytes_vs_unpinned"] = _ratio(r["xla_bytes_accessed"], twin and twin["xla_bytes_accessed"])
     base = {r["model"]: r for r in rows if r["policy"] == "fp32"}
     for r in rows:
         b = base.get(r["model"])
@@ -295,3 +303,7 @@ def _relative_to_fp32(rows: list[dict]) -> None:
         r["activations_vs_fp32"] = r["activations"]["bytes"] / b["activations"]["bytes"] if b else None
         total, b_total = r["memory"].get("total"), b["memory"].get("total") if b else None
         r["memory_total_vs_fp32"] = total / b_total if total and b_total else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None

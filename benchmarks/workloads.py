@@ -7,6 +7,9 @@ Models (plain Flax modules from :mod:`train.models`, unchanged):
   ``resnet``  the Fashion-MNIST ResNet of ``configs/fmnist_resnet_*.yaml``;
   ``gpt``     the Shakespeare GPT of ``configs/shakespeare_gpt_*.yaml`` at a batch
               where activations dominate memory.
+Each also comes *pinned* (``mlp_pinned``...): the same model with every layer's
+``dtype=jnp.float32`` set, the way Flax's examples and most published models are
+written; a policy must reach it as fully as the unpinned one.
 Sizes: ``full`` (those), ``quick`` (small enough for 2 CPU cores in minutes) and
 ``gpu`` (larger, to fill an accelerator). Inputs are random: speed and memory do
 not depend on the data's values.
@@ -83,11 +86,17 @@ _BUILDERS: dict[str, dict[str, Callable[[], Workload]]] = {
     "gpt": {"quick": lambda: _gpt(1, 4, 128, 128, 8), "full": lambda: _gpt(4, 4, 128, 128, 64),
             "gpu": lambda: _gpt(12, 12, 768, 1024, 16)},
 }
+_BUILDERS.update({f"{name}_pinned": {size: (lambda build=build: _pinned(build())) for size, build in sizes.items()}
+                  for name, sizes in list(_BUILDERS.items())})
 MODELS = tuple(_BUILDERS)
 
 
+def _pinned(w: Workload) -> Workload:
+    return dataclasses.replace(w, name=f"{w.name}_pinned", model=w.model.clone(dtype=jnp.float32))
+
+
 def workload(name: str, size: str) -> Workload:
-    """The benchmark model ``name`` (``mlp``, ``resnet``, ``gpt``) at ``size``."""
+    """The benchmark model ``name`` (``mlp``, ``resnet``, ``gpt``, each also ``_pinned``) at ``size``."""
     if name not in _BUILDERS:
         raise ValueError(f"unknown benchmark model {name!r}; valid: {', '.join(MODELS)}")
     if size not in SIZES:

@@ -35,7 +35,11 @@ from precision.rules import (
     get_rules,
     norm_rules,
 )
+from precision.op_lists import ALLOW, DENY, OpLists, op_lists
+from precision.regions import compute_in
+from precision.transform import autocast
 from precision.modules import LinenWithPolicy, NNXWithPolicy, with_policy
+from precision.explain import (CoverageError, Explanation, PrecisionWarning, check_coverage, explain)
 from precision.optim import (
     MixedPrecisionState,
     current_loss_scale,
@@ -53,7 +57,9 @@ __all__ = (
     "LOSS_SCALE_KINDS", "DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale",
     "all_finite", "get_loss_scale", "select_tree",
     "NORM_CLASSES", "SOFTMAX_PATTERNS", "Rule", "default_rules", "get_rules", "norm_rules",
+    "ALLOW", "DENY", "OpLists", "op_lists", "compute_in", "autocast",
     "LinenWithPolicy", "NNXWithPolicy", "with_policy",
+    "CoverageError", "Explanation", "PrecisionWarning", "check_coverage", "explain",
     "MixedPrecisionState", "current_loss_scale", "find_mixed_precision_state",
     "full_precision_params", "mixed_precision", "needs_master_weights",
 )

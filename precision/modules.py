@@ -2,11 +2,18 @@
 
 ``with_policy(module, policy, rules)`` returns an object with the module's own
 contract (``init`` / ``apply`` for Linen, a callable ``nnx.Module`` for NNX):
-params are stored in the param dtype, cast to the compute dtype on the way
-in, inputs are cast to the compute dtype, outputs to the output dtype. The
-casts sit inside the differentiated function, so gradients with respect to
-float32 params come back in float32. Module state other than params (BatchNorm
-statistics) stays in its own dtype (float32) whatever the compute dtype.
+params are stored in the param dtype, outputs leave in the output dtype, and
+the forward pass runs under :func:`precision.autocast`: every matmul and
+convolution in the compute dtype whatever ``dtype=`` its layers pin, softmax,
+norm statistics and other deny-listed ops in float32. Modules a rule matches
+compute in the rule's dtype (a region, :mod:`precision.regions`). The casts sit
+inside the differentiated function, so gradients with respect to float32
+params come back in float32. Module state other than params (BatchNorm
+statistics) stays in its own dtype whatever the compute dtype.
+
+``autocast=False`` gives the older, module-level behaviour: params and inputs
+cast to the compute dtype at the module boundary, which layers that pin their
+``dtype`` undo (``precision.explain`` reports it).
 """
 
 from __future__ import annotations
@@ -20,7 +27,11 @@ import numpy as np
 import flax.linen as nn
 from flax import nnx
 
+from precision import transform as autocast_lib
+from precision.interpreter import Val
+from precision.op_lists import OpLists
 from precision.policy import Policy, _cast_floating, get_policy
+from precision.regions import compute_in
 from precision.rules import Resolver, Rule, as_rules, class_names_of, get_rules
 
 __all__ = ["with_policy", "LinenWithPolicy", "NNXWithPolicy"]
@@ -28,7 +39,8 @@ __all__ = ["with_policy", "LinenWithPolicy", "NNXWithPolicy"]
 PathClasses = dict[tuple[str, ...], tuple[str, ...]]
 
 
-def with_policy(module: Any, policy: "str | Policy", rules: "Iterable[Any] | None" = None):
+def with_policy(module: Any, policy: "str | Policy", rules: "Iterable[Any] | None" = None, *,
+                autocast: bool = True, ops: OpLists | None = None):
     """Puts an unmodified Flax module under a precision policy.
 
     Args:
@@ -38,6 +50,10 @@ def with_policy(module: Any, policy: "str | Policy", rules: "Iterable[Any] | Non
         :mod:`precision.rules`). ``None`` means the preset's rules when
         ``policy`` is a preset name (O1 adds softmax, O3 has none), otherwise
         normalization layers in float32. Pass ``[]`` for no rules.
+      autocast: run the forward pass under :func:`precision.autocast`, so layers
+        that pin ``dtype=float32`` still compute in the policy's dtype (default).
+        ``False`` only casts params and inputs at the module boundary.
+      ops: autocast's allow/deny lists (:func:`precision.op_lists`).
 
     Returns:
       A :class:`LinenWithPolicy` (``init`` / ``apply``) or an
@@ -46,10 +62,14 @@ def with_policy(module: Any, policy: "str | Policy", rules: "Iterable[Any] | Non
     resolved_policy = get_policy(policy)
     resolved_rules = (get_rules(policy) if rules is None and isinstance(policy, str)
                       else as_rules(rules))
+    if ops is not None and not isinstance(ops, OpLists):
+        raise TypeError(f"with_policy: ops must be a precision.OpLists (from precision.op_lists(...)), "
+                        f"got {type(ops).__name__}")
+    ops = ops or OpLists()
     if isinstance(module, nn.Module):
-        return LinenWithPolicy(module, resolved_policy, resolved_rules)
+        return LinenWithPolicy(module, resolved_policy, resolved_rules, autocast=bool(autocast), ops=ops)
     if isinstance(module, nnx.Module):
-        return NNXWithPolicy(module, resolved_policy, resolved_rules)
+        return NNXWithPolicy(module, resolved_policy, resolved_rules, autocast=bool(autocast), ops=ops)
     raise TypeError(f"with_policy expects a flax.linen.Module or flax.nnx.Module, got "
                     f"{type(module).__name__}")
 
@@ -90,15 +110,18 @@ def _intercepted(context: Any) -> bool:
 class LinenWithPolicy:
     """A Linen module under a policy, with the module's ``init`` / ``apply``."""
 
-    def __init__(self, module: nn.Module, policy: Policy, rules: Sequence[Rule]):
+    def __init__(self, module: nn.Module, policy: Policy, rules: Sequence[Rule], *, autocast: bool = True,
+                 ops: OpLists | None = None):
         self.module = module
         self.policy = policy
         self.rules = tuple(rules)
+        self.autocast = autocast
+        self.ops = ops or OpLists()
         self._classes: PathClasses | None = None  # module structure, recorded once
 
     def __repr__(self) -> str:
         return (f"LinenWithPolicy({type(self.module).__name__}, {str(self.policy)!r}, "
-                f"rules={[(r.pattern, str(r.policy)) for r in self.rules]})")
+                f"rules={[(r.pattern, str(r.policy)) for r in self.rules]}, autocast={self.autocast})")
 
     def _recording(self, classes: PathClasses):
         def record(next_fun, args, kwargs, context):
@@ -126,7 +149,7 @@ class LinenWithPolicy:
     def with_policy(self, policy: "str | Policy", rules: "Iterable[Any] | None" = None) -> "LinenWithPolicy":
         """The same module under another policy (e.g. float16 for inference), keeping
         the module structure already recorded, so :meth:`cast_params` works at once."""
-        other = with_policy(self.module, policy, rules)
+        other = with_policy(self.module, policy, rules, autocast=self.autocast, ops=self.ops)
         other._classes = self._classes
         return other
 
@@ -149,9 +172,32 @@ class LinenWithPolicy:
     def apply(self, variables: Any, *args: Any, rngs: Any = None, method: Any = None,
               mutable: Any = False, **kwargs: Any) -> Any:
         """Like ``module.apply``, computing under the policy and its rules."""
+        return self.apply_logged(variables, *args, rngs=rngs, method=method, mutable=mutable, **kwargs)
+
+    def apply_logged(self, variables: Any, *args: Any, rngs: Any = None, method: Any = None,
+                     mutable: Any = False, log: list | None = None, **kwargs: Any) -> Any:
+        """:meth:`apply` that also appends autocast's decisions to ``log`` (for explain)."""
         if self._classes is None:
             self._record_structure(variables, *args, rngs=rngs, method=method, mutable=mutable, **kwargs)
         resolve = self._resolver()
+        if not self.autocast:
+            return self._apply_casting(resolve, variables, args, rngs, method, mutable, kwargs)
+        root = resolve(()).compute_dtype
+
+        def run(variables, rngs, args, kwargs):
+            with nn.intercept_methods(_region_interceptor(resolve, root)):
+                return self.module.apply(variables, *args, rngs=rngs, method=method, mutable=mutable, **kwargs)
+
+        vals = autocast_lib.call_vals(run, (variables, rngs, args, kwargs), {}, compute_dtype=root,
+                                      ops=self.ops, log=log)
+        if mutable is False:
+            return _vals_in(vals, self.policy.output_dtype)
+        out, updated = vals
+        return _vals_in(out, self.policy.output_dtype), _vals_like(updated, variables)
+
+    def _apply_casting(self, resolve: Resolver, variables: Any, args: tuple, rngs: Any, method: Any,
+                       mutable: Any, kwargs: dict) -> Any:
+        """The module-level path (``autocast=False``): casts at module boundaries only."""
         root = resolve(())
         compute_vars = _map_params(
             variables, lambda p: _cast_by_path(p, lambda path: resolve(path).compute_dtype))
@@ -180,6 +226,52 @@ class LinenWithPolicy:
         return self.policy.cast_to_output(out), _cast_like(updated, variables)
 
 
+def _region_interceptor(resolve: Resolver, root: np.dtype):
+    """A Linen interceptor opening a region wherever a module's compute dtype
+    differs from its caller's (a rule matched it)."""
+    callers: list[np.dtype] = [root]
+
+    def push_region(next_fun, call_args, call_kwargs, context):
+        if not _intercepted(context):
+            return next_fun(*call_args, **call_kwargs)
+        compute = resolve(tuple(context.module.path)).compute_dtype
+        caller = callers[-1]
+        callers.append(compute)
+        try:
+            if compute == caller:
+                return next_fun(*call_args, **call_kwargs)
+            with compute_in(compute):
+                return next_fun(*call_args, **call_kwargs)
+        finally:
+            callers.pop()
+
+    return push_region
+
+
+def _vals_in(vals: Any, dtype: np.dtype) -> Any:
+    """Arrays of autocast output Vals; floating ones in ``dtype``."""
+    def get(val):
+        if not isinstance(val, Val):
+            return val
+        if val.managed and jnp.issubdtype(val.array.dtype, jnp.floating):
+            return val.as_dtype(dtype)
+        return val.array
+    return jax.tree_util.tree_map(get, vals, is_leaf=lambda v: isinstance(v, Val))
+
+
+def _vals_like(vals: Any, reference: Any) -> Any:
+    """Arrays of autocast output Vals, each floating one in the dtype of the
+    same leaf of ``reference`` (state keeps its stored dtype)."""
+    dtypes = {path: x.dtype for path, x in jax.tree_util.tree_leaves_with_path(reference) if hasattr(x, "dtype")}
+
+    def get(path, val):
+        if not isinstance(val, Val):
+            return val
+        return val.as_dtype(dtypes[path]) if val.managed and path in dtypes else val.array
+
+    return jax.tree_util.tree_map_with_path(get, vals, is_leaf=lambda v: isinstance(v, Val))
+
+
 def _map_params(variables: Any, fn: Callable[[Any], Any]) -> Any:
     if not hasattr(variables, "keys") or "params" not in variables:
         return variables
@@ -200,18 +292,37 @@ def _casting_class(cls: type, compute: np.dtype, caller: np.dtype) -> type:
     return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
 
 
+@functools.cache
+def _scoped_class(cls: type, name: str, region: np.dtype | None) -> type:
+    """A subclass of ``cls`` whose call runs in a named scope (its path component,
+    so autocast and explain see module paths) and, if given, a region."""
+
+    def __call__(self, *args, **kwargs):
+        with jax.named_scope(name):
+            if region is None:
+                return cls.__call__(self, *args, **kwargs)
+            with compute_in(region):
+                return cls.__call__(self, *args, **kwargs)
+
+    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
+
+
 class NNXWithPolicy(nnx.Module):
     """An NNX module under a policy: call it like the module.
 
-    Its params (``self.module``) are stored in the param dtype; each call casts
-    a copy to the compute dtype (per rule), runs it, writes back any state the
-    call changed (BatchNorm statistics) in its stored dtype, and casts the
-    output. Differentiate it with ``nnx.grad`` like any NNX module.
+    Its params (``self.module``) are stored in the param dtype. Each call runs
+    the module under :func:`precision.autocast` (or, with ``autocast=False``,
+    on a copy of its params cast to the compute dtype), writes back any state
+    the call changed (BatchNorm statistics, RNG counts) in its stored dtype,
+    and casts the output. Differentiate it with ``nnx.grad`` like any NNX module.
     """
 
-    def __init__(self, module: nnx.Module, policy: Policy, rules: Sequence[Rule]):
+    def __init__(self, module: nnx.Module, policy: Policy, rules: Sequence[Rule], *, autocast: bool = True,
+                 ops: OpLists | None = None):
         self.policy = policy
         self.rules = tuple(rules)
+        self.autocast = autocast
+        self.ops = ops or OpLists()
         self.module = module
         self._cast_stored_params()
 
@@ -226,7 +337,31 @@ class NNXWithPolicy(nnx.Module):
         nnx.update(self.module, _cast_by_path(params, lambda path: resolve(path).param_dtype))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call_logged(None, *args, **kwargs)
+
+    def call_logged(self, log: list | None, *args: Any, **kwargs: Any) -> Any:
+        """Calls the module, appending autocast's decisions to ``log`` (for explain)."""
         resolve = self._resolver()
+        if not self.autocast:
+            return self._call_casting(resolve, args, kwargs)
+        graphdef, state = nnx.split(self.module)
+
+        def run(state, args, kwargs):
+            model = nnx.merge(graphdef, state)
+            for path, node in nnx.iter_graph(model):
+                if isinstance(node, nnx.Module) and path:
+                    compute = resolve(tuple(map(str, path))).compute_dtype
+                    caller = resolve(tuple(map(str, path[:-1]))).compute_dtype
+                    node.__class__ = _scoped_class(type(node), str(path[-1]), None if compute == caller else compute)
+            return model(*args, **kwargs), nnx.state(model)
+
+        out, new_state = autocast_lib.call_vals(run, (state, args, kwargs), {},
+                                                compute_dtype=resolve(()).compute_dtype, ops=self.ops, log=log)
+        nnx.update(self.module, _vals_like(new_state, state))
+        return _vals_in(out, self.policy.output_dtype)
+
+    def _call_casting(self, resolve: Resolver, args: tuple, kwargs: dict) -> Any:
+        """The module-level path (``autocast=False``): params cast, casts at rule boundaries."""
         graphdef, params, rest = nnx.split(self.module, nnx.Param, ...)
         params = _cast_by_path(params, lambda path: resolve(path).compute_dtype)
         model = nnx.merge(graphdef, params, rest)

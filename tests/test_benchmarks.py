@@ -113,3 +113,21 @@ def test_underflow_fraction_counts_gradients_float16_flushes_to_zero():
     small = underflow_fraction(m32, m16, params, images[:16])     # mean over 16 x 784
     assert large["zero_in_f16"] > 0.95 and small["zero_in_f16"] < 0.2
     assert 0 <= large["below_f16_min"] < large["zero_in_f16"]  # activation gradients underflow first
+
+
+def test_pinned_workload_compiles_to_its_unpinned_twin():
+    """A model whose layers pin dtype=float32 trains in half precision with the
+    same compiled cost as its unpinned twin (XLA FLOPs and bytes accessed)."""
+    from benchmarks import suite
+    from benchmarks.workloads import policy_case, workload
+
+    costs = {}
+    for name in ("mlp", "mlp_pinned"):
+        w = workload(name, "quick")
+        prepared = suite.prepare_case(w, policy_case("mixed_bf16"), suite.initial_variables(w))
+        share = hlo.matmul_flops(prepared.lowered.as_text(dialect="hlo")).half_share
+        costs[name] = (share, measure.compiled_flops(prepared.step), measure.compiled_bytes_accessed(prepared.step))
+    assert workload("mlp_pinned", "quick").model.dtype == jnp.float32
+    assert costs["mlp"][0] == costs["mlp_pinned"][0] == 1.0
+    for a, b in zip(costs["mlp"][1:], costs["mlp_pinned"][1:]):
+        assert abs(b / a - 1) < 0.02

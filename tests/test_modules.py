@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 import precision
+from precision.program import iter_ops, matmul_ops
 from precision.rules import Resolver, as_rules, match_rule
 
 X = jnp.linspace(-1.0, 1.0, 4 * 5).reshape(4, 5)
@@ -39,8 +40,22 @@ class Block(nn.Module):
 
 
 def dtypes_seen(model, variables):
+    """What the model's Python code saw while tracing (autocast traces in float32)."""
     _, state = model.apply(variables, X, mutable=["batch_stats", "intermediates"])
     return state["intermediates"]["dtypes"][0]
+
+
+def program_dtypes(fn, *args):
+    """{module path: dtypes of its matmul operands} and {primitive: input dtypes}
+    of the program ``fn`` runs (as rewritten by autocast)."""
+    jaxpr = jax.make_jaxpr(fn)(*args)
+    matmuls = {}
+    for m in matmul_ops(jaxpr):
+        matmuls.setdefault("/".join(m.path[1:]), set()).add(m.dtype.name)
+    ops = {}
+    for op in iter_ops(jaxpr):
+        ops.setdefault(op.primitive, set()).update(d.name for d in op.in_dtypes if jnp.issubdtype(d, jnp.floating))
+    return matmuls, ops
 
 
 class LinenTest(chex.TestCase):
@@ -59,31 +74,41 @@ class LinenTest(chex.TestCase):
         assert out.dtype == jnp.float32  # output dtype
         assert all(d == jnp.float32 for d in jax.tree_util.tree_leaves(dtype_tree(grads)))
         assert all(d == jnp.float32 for d in jax.tree_util.tree_leaves(dtype_tree(state)))
-        assert dtypes_seen(model, variables) == str({"dense": jnp.dtype("float16"), "norm": jnp.dtype("float16")})
+        matmuls, ops = program_dtypes(lambda p: jax.grad(lambda q: loss(q)[0])(p), variables["params"])
+        assert matmuls == {"Dense_0": {"float16"}, "block/attn": {"float16"}, "Dense_1": {"float16"}}
+        assert ops["rsqrt"] == {"float32"} and "float32" in ops["reduce_sum"]  # norm statistics
+        # autocast traces the float32 program: the model's own code sees float32
+        assert dtypes_seen(model, variables) == str({"dense": jnp.dtype("float32"), "norm": jnp.dtype("float32")})
 
     def test_default_rules_keep_norms_in_f32_inside(self):
-        captured = {}
-
-        class SpyNorm(nn.LayerNorm):  # matched through its base class name
+        class Gate(nn.Module):  # only elementwise ops: half unless a rule says otherwise
+            @nn.compact
             def __call__(self, x):
-                captured["norm_computes_in"] = x.dtype
-                return super().__call__(x)
+                return x * nn.sigmoid(x)
 
         class Spy(nn.Module):
             @nn.compact
             def __call__(self, x):
-                x = nn.Dense(4)(x)
-                captured["norm_in"] = x.dtype
-                y = SpyNorm()(x)
-                captured["norm_out_seen_by_caller"] = y.dtype
-                return y
+                x = Gate()(nn.Dense(4)(x))
+                return nn.Dense(3, name="head")(nn.LayerNorm()(x))
 
-        model = precision.with_policy(Spy(), "mixed_f16")
-        variables = model.init(jax.random.key(0), X)
-        assert dtype_tree(variables["params"])["SpyNorm_0"]["scale"] == jnp.float32
-        model.apply(variables, X)
-        assert captured == {"norm_in": jnp.float16, "norm_computes_in": jnp.float32,
-                            "norm_out_seen_by_caller": jnp.float16}
+        def ops_of(rules):
+            model = precision.with_policy(Spy(), "mixed_f16", rules)
+            variables = model.init(jax.random.key(0), X)
+            jaxpr = jax.make_jaxpr(lambda v: model.apply(v, X))(variables)
+            found = {}
+            for op in iter_ops(jaxpr):  # the dtype each op computes in
+                floats = {d.name for d in op.out_dtypes if jnp.issubdtype(d, jnp.floating)}
+                found.setdefault(op.path[-1] if op.path else "", {}).setdefault(op.primitive, set()).update(floats)
+            return variables, found
+
+        variables, found = ops_of(None)
+        assert dtype_tree(variables["params"])["LayerNorm_0"]["scale"] == jnp.float32
+        assert all(d == {"float32"} for d in found["LayerNorm_0"].values())  # the norm computes in f32
+        assert found["Gate_0"]["mul"] == {"float16"} and found["head"]["dot_general"] == {"float16"}
+        _, found = ops_of([("LayerNorm", "f32"), ("Gate", "f32"), ("head", "f32")])
+        assert found["Gate_0"]["mul"] == {"float32"} and found["head"]["dot_general"] == {"float32"}
+        assert found["Dense_0"]["dot_general"] == {"float16"}
 
     def test_half_params_and_f32_norm_params_under_o2(self):
         model = precision.with_policy(Net(), "O2")
@@ -129,7 +154,8 @@ class LinenTest(chex.TestCase):
         variables = model.init(jax.random.key(0), X)
         out, _ = model.apply(variables, X, mutable=["batch_stats"])
         assert out.dtype == jnp.float32
-        assert dtypes_seen(model, variables) == str({"dense": jnp.dtype("bfloat16"), "norm": jnp.dtype("bfloat16")})
+        matmuls, _ = program_dtypes(lambda v: model.apply(v, X, mutable=["batch_stats"]), variables)
+        assert set().union(*matmuls.values()) == {"bfloat16"}
 
     def test_apply_on_a_fresh_wrapper_and_cast_params(self):
         variables = Net().init(jax.random.key(0), X)  # plain f32 weights, e.g. loaded from disk
@@ -226,26 +252,35 @@ def test_nnx_policy_params_state_output_and_grads():
 
 
 def test_nnx_rules_and_compute_dtypes_inside():
-    captured = {}
+    class Gate(nnx.Module):
+        def __call__(self, x):
+            return x * jax.nn.sigmoid(x)
 
-    class SpyNorm(nnx.LayerNorm):
-        def __call__(self, x, *args, **kwargs):
-            captured["norm_computes_in"] = x.dtype
-            return super().__call__(x, *args, **kwargs)
+    def ops_of(spec, rules=None):
+        net = NNXNet(nnx.Rngs(0))
+        net.gate = Gate()
+        net.__class__ = type("GatedNet", (NNXNet,), {"__call__": lambda self, x: self.out(self.bn(self.norm(
+            self.gate(self.dense(x)))))})
+        wrapped = precision.with_policy(net, spec, rules)
+        graphdef, state = nnx.split(wrapped)
+        jaxpr = jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(X))(state)
+        found = {}
+        for op in iter_ops(jaxpr):
+            floats = {d.name for d in op.in_dtypes if jnp.issubdtype(d, jnp.floating)}
+            found.setdefault(op.path[-1] if op.path else "", {}).setdefault(op.primitive, set()).update(floats)
+        return net, wrapped, found
 
-    net = NNXNet(nnx.Rngs(0))
-    net.norm = SpyNorm(8, rngs=nnx.Rngs(1))
-    wrapped = precision.with_policy(net, "mixed_f16")
-    out = wrapped(X)
-    assert captured["norm_computes_in"] == jnp.float32 and out.dtype == jnp.float32
-    assert type(net.norm) is SpyNorm  # the user's module is not modified
+    net, wrapped, found = ops_of("mixed_f16")
+    assert wrapped(X).dtype == jnp.float32
+    assert found["dense"]["dot_general"] == {"float16"} and found["gate"]["mul"] == {"float16"}
+    assert found["norm"]["rsqrt"] == {"float32"} and found["norm"]["reduce_sum"] == {"float32"}
+    assert type(net.norm) is nnx.LayerNorm  # the user's modules are not modified
     assert all(p.value.dtype == jnp.float32 for p in jax.tree_util.tree_leaves(
         nnx.state(wrapped, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable)))
-    # and with O3 (no rules) the norm computes in half
-    net3 = NNXNet(nnx.Rngs(0))
-    net3.norm = SpyNorm(8, rngs=nnx.Rngs(1))
-    assert precision.with_policy(net3, "O3")(X).dtype == jnp.float16
-    assert captured["norm_computes_in"] == jnp.float16
+    _, _, found = ops_of("mixed_f16", [("gate", "f32")])
+    assert found["gate"]["mul"] == {"float32"} and found["dense"]["dot_general"] == {"float16"}
+    _, wrapped3, found = ops_of("O3")  # no rules: half params and output, norm statistics still f32
+    assert wrapped3(X).dtype == jnp.float16 and found["norm"]["rsqrt"] == {"float32"}
 
 
 def test_nnx_matches_linen_semantics_for_jitted_training_step():

@@ -59,9 +59,9 @@ def test_model_trains_under_preset(name, preset):
     assert all(g.dtype == p.dtype for g, p in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(params)))
 
 
-def _softmax_exp_dtypes(preset, rules=None):
+def _softmax_exp_dtypes(preset, rules=None, autocast=True):
     make, data = MODELS["gpt"]
-    model = precision.with_policy(make(), preset, rules)
+    model = precision.with_policy(make(), preset, rules, autocast=autocast)
     x = data.train_batch(0, 2, seed=0)["inputs"]
     variables = model.init(jax.random.PRNGKey(0), x)
     jaxpr = jax.make_jaxpr(lambda v: model.apply(v, x))(variables)
@@ -82,9 +82,11 @@ def _softmax_exp_dtypes(preset, rules=None):
 
 
 def test_attention_softmax_is_float32_under_o1_and_by_rule():
-    assert _softmax_exp_dtypes("mixed_f16") == {jnp.dtype(jnp.float16)}
-    assert _softmax_exp_dtypes("O1") == {jnp.dtype(jnp.float32)}
-    assert _softmax_exp_dtypes("mixed_f16", [("LayerNorm", "f32"), ("Softmax", "f32")]) == {jnp.dtype(jnp.float32)}
+    f16, f32 = jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)
+    assert _softmax_exp_dtypes("mixed_f16") == {f32}  # autocast: exp is deny-listed
+    assert _softmax_exp_dtypes("mixed_f16", autocast=False) == {f16}  # module casts only
+    assert _softmax_exp_dtypes("O1", autocast=False) == {f32}
+    assert _softmax_exp_dtypes("mixed_f16", [("LayerNorm", "f32"), ("Softmax", "f32")], autocast=False) == {f32}
 
 
 def test_half_precision_inference_reports_accuracy_against_float32():

@@ -32,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides of config fields")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config and exit without training")
+    parser.add_argument("--explain", action="store_true",
+                        help="print what the precision policy does to the model (per module: param and "
+                             "matmul dtypes, half-precision share, float32 islands) and exit without training")
     return parser
 
 
@@ -64,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
         return 0
+    if args.explain:
+        return _explain(args.config, config)
     from train.checkpoint import CheckpointError
     from train.loop import NonFiniteError, run  # heavy imports (jax, orbax) only when training
 
@@ -77,4 +82,15 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(e), 3)
     except KeyboardInterrupt as e:
         return _fail(str(e) or "interrupted", 130)
+    return 0
+
+
+def _explain(path: str, config) -> int:
+    from train.explain import explain_experiment
+
+    try:
+        explanation = explain_experiment(config)
+    except (ConfigError, DataError) as e:
+        return _fail(f"{path}: {e}", 2)
+    print(explanation)
     return 0

@@ -16,6 +16,8 @@ import types
 import typing
 from typing import Any
 
+import jax.numpy as jnp
+import numpy as np
 import yaml
 
 import precision
@@ -96,6 +98,13 @@ class PrecisionConfig:
     max_scale: float = _field(2.0 ** 24, "largest dynamic loss scale")
     hysteresis: int = _field(1, "consecutive non-finite steps before backing off")
     skip_with: str = _field("auto", f"how non-finite steps are skipped: {', '.join(precision.optim.SKIP_STRATEGIES)}")
+    autocast: bool = _field(True, "rewrite every op of the model to the policy, whatever dtypes its layers pin "
+                                  "(false: cast only at module boundaries)")
+    allow: list[str] = _field([], "primitives added to the allow list (run in the compute dtype), e.g. [exp]")
+    deny: list[str] = _field([], "primitives added to the deny list (run in float32), e.g. [tanh]")
+    follow: list[str] = _field([], "primitives removed from both lists (follow their inputs)")
+    strict: bool = _field(False, "fail, instead of warning, when the policy leaves more than 5% of the "
+                                 "model's matmul/conv FLOPs in float32")
 
 
 @dataclasses.dataclass
@@ -262,7 +271,19 @@ def _model_section(raw: dict, where: str) -> ModelConfig:
         if key not in fields:
             raise _unknown(f"{where}.{key}", ["name"] + list(fields))
         options[key] = _coerce(value, fields[key][0], f"{where}.{key}")
+        if key == "dtype" and value is not None:
+            _check_float_dtype(value, f"{where}.{key}")
     return ModelConfig(name=name, options=options)
+
+
+def _check_float_dtype(value: Any, where: str) -> None:
+    valid = "float32, bfloat16, float16 (or null)"
+    try:
+        ok = np.issubdtype(jnp.dtype(value), np.floating)
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"{where}: {value!r} is not a floating dtype; valid: {valid}")
 
 
 # ----------------------------------------------------------------------------- loading
@@ -437,6 +458,17 @@ def _validate_precision(p: PrecisionConfig) -> None:
         raise ConfigError(f"precision.skip_with: unknown value {p.skip_with!r}; valid: "
                           f"{', '.join(precision.optim.SKIP_STRATEGIES)}")
     build_loss_scale(p)
+    build_op_lists(p)
+
+
+def build_op_lists(p: PrecisionConfig) -> precision.OpLists | None:
+    """The autocast op lists the precision section describes (None: the defaults)."""
+    if not (p.allow or p.deny or p.follow):
+        return None
+    try:
+        return precision.op_lists(allow=p.allow, deny=p.deny, follow=p.follow)
+    except (TypeError, precision.PolicyError) as e:
+        raise ConfigError(f"precision.allow/deny/follow: {e}") from None
 
 
 def _is_host_port(address: str) -> bool:

@@ -25,6 +25,7 @@ import numpy as np
 import optax
 import yaml
 
+import precision
 from train import config as config_lib
 from train.checkpoint import CheckpointError, Checkpointer
 from train.config import ConfigError, ExperimentConfig
@@ -41,7 +42,7 @@ __all__ = ["NonFiniteError", "build_model", "build_optimizer", "check_model_fits
 
 #: Config keys that may change between a run and its resumption.
 RESUMABLE_CHANGES = ("steps", "workdir", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
-                     "max_nonfinite_steps", "inference_dtypes", "progress", "data.eval_batch_size",
+                     "max_nonfinite_steps", "inference_dtypes", "progress", "precision.strict", "data.eval_batch_size",
                      "data.eval_batches", "data.prefetch", "data.path", "mesh.data", "mesh.fsdp",
                      "mesh.fsdp_min_size", "distributed.coordinator_address", "distributed.num_processes",
                      "distributed.process_id", "distributed.cluster_detect", "distributed.timeout_seconds")
@@ -134,7 +135,11 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
         state = create_train_state(
             model, config.precision.policy, tx, jax.random.PRNGKey(config.seed), data.sample_input(1),
             rules=config.precision.rules, loss_scale=config_lib.build_loss_scale(config.precision),
-            max_grad_norm=config.optimizer.max_grad_norm, skip_with=config.precision.skip_with, layout=layout)
+            max_grad_norm=config.optimizer.max_grad_norm, skip_with=config.precision.skip_with, layout=layout,
+            ops=config_lib.build_op_lists(config.precision), autocast=config.precision.autocast,
+            strict=config.precision.strict)
+    except precision.CoverageError as e:
+        raise ConfigError(f"precision.strict: {e}") from None
     except (ValueError, TypeError) as e:
         raise ConfigError(f"model '{config.model.name}' with {config.model.options or 'its defaults'} "
                           f"cannot be built: {e}") from None
@@ -287,8 +292,10 @@ def _check_same_experiment(workdir: str, resolved: dict) -> None:
         return
     with open(path, encoding="utf-8") as f:
         previous = yaml.safe_load(f) or {}
+    defaults = config_lib.to_dict(ExperimentConfig())  # keys added since the run began hold their defaults
     changed = [key for key in _flat_keys(resolved) | _flat_keys(previous)
-               if key not in RESUMABLE_CHANGES and _get(resolved, key) != _get(previous, key)]
+               if key not in RESUMABLE_CHANGES and _get(resolved, key) != _get(previous, key)
+               and not (_get(previous, key) is None and _get(resolved, key) == _get(defaults, key))]
     if changed:
         details = "; ".join(f"{k}: {_get(previous, k)!r} -> {_get(resolved, k)!r}" for k in sorted(changed))
         raise ConfigError(f"workdir {workdir} holds checkpoints of a different experiment ({details}). "

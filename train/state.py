@@ -48,7 +48,8 @@ class TrainState(struct.PyTreeNode):
 def create_train_state(model: Any, policy: "str | precision.Policy | None", optimizer: optax.GradientTransformation,
                        rng: jax.Array, sample_input: Any, *, rules: Any = None,
                        loss_scale: "str | LossScale" = "auto", max_grad_norm: float | None = None,
-                       skip_with: str = "auto", layout: Layout | None = None, variables: Any = None
+                       skip_with: str = "auto", layout: Layout | None = None, variables: Any = None,
+                       ops: precision.OpLists | None = None, autocast: bool = True, strict: bool = False
                        ) -> TrainState:
     """Initialises a model under ``policy`` and a mixed-precision optimizer around ``optimizer``.
 
@@ -72,17 +73,26 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
         "batch_stats": ...}``, instead of initialising: to fine-tune trained
         weights under another policy, or to compare policies from one init.
         Their params are cast to the policy's param dtypes.
+      ops, autocast: passed to :func:`precision.with_policy` (allow/deny op
+        lists; ``autocast=False`` only casts at module boundaries).
+      strict: raise :class:`precision.CoverageError`, instead of warning, when a
+        half-compute policy leaves more than 5% of the model's matmul/conv FLOPs
+        in float32 for a reason other than a rule (see :func:`precision.explain`).
     """
     if isinstance(model, precision.LinenWithPolicy):
         if policy is not None and precision.get_policy(policy) != model.policy:
             raise ValueError(f"create_train_state: policy {policy!r} differs from the wrapped model's "
                              f"{model.policy}; pass policy=None or an unwrapped module")
+        if ops is not None or not autocast:
+            raise ValueError("create_train_state: `ops` and `autocast` apply to an unwrapped module; the "
+                             "wrapped model has its own (precision.with_policy(module, policy, ops=..., autocast=...))")
         wrapped = model
     elif isinstance(model, nn.Module):
-        wrapped = precision.with_policy(model, policy, rules)
+        wrapped = precision.with_policy(model, policy, rules, ops=ops, autocast=autocast)
     else:
         raise TypeError(f"create_train_state takes a flax.linen.Module, got {type(model).__name__}; an NNX "
                         f"module trains with precision.with_policy and nnx.Optimizer (see the README)")
+    _check_coverage(wrapped, sample_input, strict)
     if jax.dtypes.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key):
         rng = jax.random.key_data(rng)
     rng, params_key, dropout_key = jax.random.split(rng, 3)
@@ -99,6 +109,14 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
     state = TrainState(step=jnp.zeros([], jnp.int32), params=params, opt_state=_sharded_jit(tx.init, layout)(params),
                        model_state=model_state, rng=rng, model=wrapped, tx=tx)
     return state if layout is None else layout.put_state(state)
+
+
+def _check_coverage(wrapped: precision.LinenWithPolicy, sample_input: Any, strict: bool) -> None:
+    """Warns (raises if ``strict``) when the policy leaves the model's matmuls in float32."""
+    if wrapped.policy.compute_dtype == jnp.float32:
+        return
+    explanation = precision.explain(wrapped, sample_input, train=False, backward=False)
+    precision.check_coverage(explanation, strict=strict, stacklevel=4)
 
 
 def _check_variables(given: Any, expected: Any) -> None:

@@ -5,6 +5,8 @@ precision rule (``("Softmax", "f32")``, or preset O1) can keep them in float32
 without the model knowing about precision.
 """
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -25,12 +27,13 @@ class CausalSelfAttention(nn.Module):
 
     num_heads: int
     dropout: float = 0.0
+    dtype: Any = None  # every layer's computation dtype, the way Flax examples pass it; None: inputs'/params'
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
         batch, length, features = x.shape
         head_dim = features // self.num_heads
-        qkv = nn.Dense(3 * features, name="qkv")(x)
+        qkv = nn.Dense(3 * features, dtype=self.dtype, name="qkv")(x)
         q, k, v = jnp.split(qkv.reshape(batch, length, 3 * self.num_heads, head_dim), 3, axis=2)
         q = q * (head_dim ** -0.5)  # scale before the product: keeps the logits in range
         logits = jnp.einsum("bqhd,bkhd->bhqk", q, k)
@@ -39,7 +42,7 @@ class CausalSelfAttention(nn.Module):
         probs = Softmax(name="softmax")(logits)
         probs = nn.Dropout(self.dropout, deterministic=not train)(probs)
         out = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v)
-        return nn.Dense(features, name="proj")(out.reshape(batch, length, features))
+        return nn.Dense(features, dtype=self.dtype, name="proj")(out.reshape(batch, length, features))
 
 
 class TransformerBlock(nn.Module):
@@ -48,13 +51,15 @@ class TransformerBlock(nn.Module):
     num_heads: int
     mlp_ratio: int = 4
     dropout: float = 0.0
+    dtype: Any = None  # every layer's computation dtype, the way Flax examples pass it; None: inputs'/params'
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
         features = x.shape[-1]
-        x = x + CausalSelfAttention(self.num_heads, self.dropout, name="attn")(nn.LayerNorm()(x), train)
-        y = nn.Dense(self.mlp_ratio * features)(nn.LayerNorm()(x))
-        y = nn.Dense(features)(nn.gelu(y))
+        x = x + CausalSelfAttention(self.num_heads, self.dropout, self.dtype, name="attn")(
+            nn.LayerNorm(dtype=self.dtype)(x), train)
+        y = nn.Dense(self.mlp_ratio * features, dtype=self.dtype)(nn.LayerNorm(dtype=self.dtype)(x))
+        y = nn.Dense(features, dtype=self.dtype)(nn.gelu(y))
         return x + nn.Dropout(self.dropout, deterministic=not train)(y)
 
 
@@ -69,6 +74,7 @@ class GPT(nn.Module):
     d_model: int = 128
     mlp_ratio: int = 4
     dropout: float = 0.0
+    dtype: Any = None  # every layer's computation dtype, the way Flax examples pass it; None: inputs'/params'
 
     @nn.compact
     def __call__(self, tokens: jax.Array, train: bool = False) -> jax.Array:
@@ -77,9 +83,9 @@ class GPT(nn.Module):
         length = tokens.shape[1]
         if length > self.block_size:
             raise ValueError(f"sequence length {length} exceeds block_size {self.block_size}")
-        x = nn.Embed(self.vocab_size, self.d_model, name="tokens")(tokens)
-        x = x + nn.Embed(self.block_size, self.d_model, name="positions")(jnp.arange(length))[None]
+        x = nn.Embed(self.vocab_size, self.d_model, dtype=self.dtype, name="tokens")(tokens)
+        x = x + nn.Embed(self.block_size, self.d_model, dtype=self.dtype, name="positions")(jnp.arange(length))[None]
         x = nn.Dropout(self.dropout, deterministic=not train)(x)
         for i in range(self.num_layers):
-            x = TransformerBlock(self.num_heads, self.mlp_ratio, self.dropout, name=f"block_{i}")(x, train)
-        return nn.Dense(self.vocab_size, name="head")(nn.LayerNorm(name="ln_f")(x))
+            x = TransformerBlock(self.num_heads, self.mlp_ratio, self.dropout, self.dtype, name=f"block_{i}")(x, train)
+        return nn.Dense(self.vocab_size, dtype=self.dtype, name="head")(nn.LayerNorm(dtype=self.dtype, name="ln_f")(x))

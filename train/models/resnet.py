@@ -1,7 +1,7 @@
 """A small ResNet with BatchNorm for small images (digits, Fashion-MNIST)."""
 
 import functools
-from typing import Sequence
+from typing import Any, Sequence
 
 import flax.linen as nn
 import jax
@@ -13,16 +13,17 @@ class ResidualBlock(nn.Module):
 
     features: int
     strides: int = 1
+    dtype: Any = None  # every layer's computation dtype, the way Flax examples pass it; None: inputs'/params'
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
-        norm = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9)
-        y = nn.Conv(self.features, (3, 3), self.strides, use_bias=False)(x)
+        norm = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9, dtype=self.dtype)
+        y = nn.Conv(self.features, (3, 3), self.strides, use_bias=False, dtype=self.dtype)(x)
         y = nn.relu(norm()(y))
-        y = nn.Conv(self.features, (3, 3), use_bias=False)(y)
+        y = nn.Conv(self.features, (3, 3), use_bias=False, dtype=self.dtype)(y)
         y = norm(scale_init=nn.initializers.zeros)(y)  # each block starts as the identity
         if x.shape != y.shape:
-            x = norm()(nn.Conv(self.features, (1, 1), self.strides, use_bias=False)(x))
+            x = norm()(nn.Conv(self.features, (1, 1), self.strides, use_bias=False, dtype=self.dtype)(x))
         return nn.relu(x + y)
 
 
@@ -33,16 +34,17 @@ class ResNet(nn.Module):
     stage_sizes: Sequence[int] = (1, 1, 1)
     width: int = 16
     num_classes: int = 10
+    dtype: Any = None  # every layer's computation dtype, the way Flax examples pass it; None: inputs'/params'
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
         if x.ndim == 3:  # (batch, height, width): one channel
             x = x[..., None]
-        x = nn.Conv(self.width, (3, 3), use_bias=False)(x)
-        x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9)(x))
+        x = nn.Conv(self.width, (3, 3), use_bias=False, dtype=self.dtype)(x)
+        x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9, dtype=self.dtype)(x))
         for stage, blocks in enumerate(self.stage_sizes):
             for block in range(blocks):
                 strides = 2 if stage > 0 and block == 0 else 1
-                x = ResidualBlock(self.width * 2 ** stage, strides)(x, train)
+                x = ResidualBlock(self.width * 2 ** stage, strides, self.dtype)(x, train)
         x = jnp.mean(x, axis=(1, 2))
-        return nn.Dense(self.num_classes)(x)
+        return nn.Dense(self.num_classes, dtype=self.dtype)(x)

@@ -1,0 +1,360 @@
+"""What a policy did to a model: ``precision.explain(model, x, policy="mixed_bf16")``.
+
+Traces the model (or any function) under its policy, abstractly (nothing is
+computed), and reads the program that results, forward and backward:
+
+- per module path, the dtype its params are stored in, the dtype of each
+  matmul/convolution and the share of its FLOPs in half precision;
+- every float32 island and why it is float32 (a deny-listed op, what only
+  feeds one, an upcast written in the model, a rule);
+- matmul/conv FLOPs in float32 for any other reason, by module: a policy that
+  does not reach them (``autocast=False`` with pinned layer dtypes, an opaque
+  primitive). :func:`check_coverage` warns, or raises, when they exceed 5%.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import warnings
+from typing import Any, Callable, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from precision import interpreter, transform
+from precision.modules import LinenWithPolicy, NNXWithPolicy, with_policy
+from precision.op_lists import OpLists
+from precision.policy import Policy, PolicyError, get_policy
+from precision.program import MATMUL_PRIMITIVES, MatmulOp, matmul_ops
+
+__all__ = ["explain", "Explanation", "ModuleReport", "Island", "check_coverage", "PrecisionWarning",
+           "CoverageError"]
+
+RULE = "a rule keeps it in float32"
+NOT_REACHED = "not reached by the policy"
+AUTOCAST_OFF = "pinned layer dtype left alone (autocast=False)"
+
+
+class PrecisionWarning(UserWarning):
+    """A half-precision policy leaves much of a model's matmul/conv work in float32."""
+
+
+class CoverageError(PolicyError):
+    """``strict`` coverage: a half-precision policy leaves matmul/conv FLOPs in float32."""
+
+
+class Island(NamedTuple):
+    """Ops of one module computed in float32, for one reason."""
+
+    path: str
+    reason: str
+    primitives: tuple[tuple[str, int], ...]  # (primitive, count)
+
+
+class ModuleReport(NamedTuple):
+    """One module path: stored param dtypes and its matmul/conv FLOPs by dtype."""
+
+    path: str
+    param_dtypes: tuple[str, ...]
+    matmul_dtypes: tuple[str, ...]  # of its matmuls/convs, forward
+    half_flops: float  # forward and backward
+    total_flops: float
+    f32_reason: str  # why its float32 matmul FLOPs are float32 ("" if none)
+
+    @property
+    def half_share(self) -> float:
+        return self.half_flops / self.total_flops if self.total_flops else float("nan")
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    """The result of :func:`explain`; ``print(explanation)`` shows it as a table."""
+
+    name: str
+    policy: Policy
+    autocast: bool
+    modules: tuple[ModuleReport, ...]
+    islands: tuple[Island, ...]
+    forward: tuple[float, float]  # (half FLOPs, all matmul/conv FLOPs)
+    backward: tuple[float, float] | None
+
+    @property
+    def half_share(self) -> float:
+        """Share of matmul/conv FLOPs (forward and backward) with half-precision operands."""
+        half = self.forward[0] + (self.backward[0] if self.backward else 0.0)
+        total = self.forward[1] + (self.backward[1] if self.backward else 0.0)
+        return half / total if total else float("nan")
+
+    @property
+    def uncovered(self) -> dict[str, float]:
+        """Float32 matmul/conv FLOPs by module that no rule asked for."""
+        return {m.path: m.total_flops - m.half_flops for m in self.modules
+                if m.total_flops > m.half_flops and m.f32_reason != RULE}
+
+    @property
+    def uncovered_share(self) -> float:
+        total = sum(m.total_flops for m in self.modules)
+        return sum(self.uncovered.values()) / total if total else 0.0
+
+    def table(self) -> str:
+        """The explanation as a text table."""
+        lines = [f"precision.explain: {self.name} under {self.policy} "
+                 f"({'autocast' if self.autocast else 'module casts only'})",
+                 "matmul/conv FLOPs with half-precision operands: " + _share_text("forward", self.forward)
+                 + ("; " + _share_text("backward", self.backward) if self.backward else "")]
+        rows = [("module", "params", "matmul/conv", "half", "float32 because")]
+        for m in self.modules:
+            share = "" if not m.total_flops else f"{100 * m.half_share:.0f}%"
+            rows.append((m.path or "(top)", ",".join(m.param_dtypes), ",".join(m.matmul_dtypes), share, m.f32_reason))
+        lines += _columns(rows)
+        if self.islands:
+            lines.append("float32 islands:")
+            for island in self.islands:
+                ops = ", ".join(f"{p}" + (f" x{n}" if n > 1 else "") for p, n in island.primitives)
+                lines.append(f"  {island.path or '(top)'}: {ops}  [{island.reason}]")
+        return "\n".join(lines)
+
+    __str__ = table
+
+    def __repr__(self) -> str:
+        return self.table()
+
+
+def _share_text(what: str, flops: tuple[float, float]) -> str:
+    half, total = flops
+    if not total:
+        return f"{what}: no matmul/conv"
+    return f"{what} {100 * half / total:.1f}% of {_human(total)}"
+
+
+def _human(flops: float) -> str:
+    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if flops >= scale:
+            return f"{flops / scale:.3g} {unit}"
+    return f"{flops:.0f} FLOP"
+
+
+def _columns(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+# ----------------------------------------------------------------------------- tracing
+
+
+class _Traced(NamedTuple):
+    forward: Any  # jaxpr of the forward pass
+    backward: Any  # jaxpr of forward + backward (or None)
+    log: list
+    params: dict[str, tuple[str, ...]]  # module path -> stored param dtypes
+    root: str  # the leading scope name to drop (Linen's root module class)
+    name: str
+    wrapped: Any
+
+
+def _cotangents(out: Any) -> Any:
+    def one(x):
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            return jnp.ones(x.shape, x.dtype)
+        return np.zeros(x.shape, jax.dtypes.float0)
+    return jax.tree_util.tree_map(one, out)
+
+
+def _trace(fn: Callable, diff: Any, rest: Any, backward: bool, log: list) -> tuple[Any, Any]:
+    """Jaxprs of ``fn(diff, rest)`` and of its VJP with respect to ``diff``."""
+    forward = jax.make_jaxpr(lambda d, r: fn(d, r, log))(diff, rest)
+    if not backward:
+        return forward, None
+
+    def vjp(d, r):  # through the rest too: NNX state must enter the traced function as an argument
+        out, pullback = jax.vjp(lambda d_, r_: fn(d_, r_, None), d, r)
+        return pullback(_cotangents(out))[0]
+
+    return forward, jax.make_jaxpr(vjp)(diff, rest)
+
+
+def _param_dtypes(params: Any) -> dict[str, tuple[str, ...]]:
+    """Stored dtypes of the params of each module path (Linen dicts or NNX state)."""
+    by_module: dict[str, set] = collections.defaultdict(set)
+    leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    for path, leaf in leaves:
+        names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+        dtype = leaf.get_value().dtype if isinstance(leaf, nnx.Variable) else leaf.dtype
+        by_module["/".join(names[:-1])].add(np.dtype(dtype).name)
+    return {k: tuple(sorted(_short(d) for d in v)) for k, v in by_module.items()}
+
+
+def _short(dtype: str) -> str:
+    return {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64"}.get(dtype, dtype)
+
+
+def _trace_linen(wrapped: LinenWithPolicy, args: tuple, kwargs: dict, backward: bool) -> _Traced:
+    kwargs = dict(kwargs)
+    rngs = kwargs.pop("rngs", None) or {"dropout": jax.random.key(0)}
+    variables = jax.eval_shape(lambda: wrapped.init(jax.random.key(0), *args, **kwargs))
+    state = {k: v for k, v in variables.items() if k != "params"}
+    mutable = list(state) or False
+
+    def fn(params, state, log):
+        out = wrapped.apply_logged({**state, "params": params}, *args, mutable=mutable, rngs=rngs, log=log,
+                                   **kwargs)
+        return out[0] if mutable else out
+
+    log: list = []
+    fwd, bwd = _trace(fn, variables.get("params", {}), state, backward, log)
+    root = type(wrapped.module).__name__
+    return _Traced(fwd, bwd, log, _param_dtypes(variables.get("params", {})), root, root, wrapped)
+
+
+def _trace_nnx(wrapped: NNXWithPolicy, args: tuple, kwargs: dict, backward: bool) -> _Traced:
+    graphdef, params, rest = nnx.split(wrapped, nnx.Param, ...)
+
+    def fn(params, rest, log):
+        return nnx.merge(graphdef, params, rest).call_logged(log, *args, **kwargs)
+
+    log: list = []
+    fwd, bwd = _trace(fn, params, rest, backward, log)
+    module_params = nnx.state(wrapped.module, nnx.Param)
+    name = type(wrapped.module).__name__
+    return _Traced(fwd, bwd, log, _param_dtypes(module_params), "", name, wrapped)
+
+
+def _trace_function(fn: Callable, policy: Policy, ops: OpLists, args: tuple, kwargs: dict,
+                    backward: bool) -> _Traced:
+    floats = [i for i, a in enumerate(args) if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.inexact)]
+
+    def run(diff, rest, log):
+        full = list(rest)
+        for i, a in zip(floats, diff):
+            full[i] = a
+        return transform.call(fn, tuple(full), kwargs, compute_dtype=policy.compute_dtype, ops=ops, log=log)
+
+    rest = [None if i in floats else a for i, a in enumerate(args)]
+    log: list = []
+    fwd = jax.make_jaxpr(lambda d: run(d, rest, log))([args[i] for i in floats])
+    bwd = None
+    if backward and floats:
+        def vjp(d):
+            out, pullback = jax.vjp(lambda d_: run(d_, rest, None), d)
+            return pullback(_cotangents(out))
+        bwd = jax.make_jaxpr(vjp)([args[i] for i in floats])
+    return _Traced(fwd, bwd, log, {}, "", getattr(fn, "__name__", "function"), None)
+
+
+def _wrap(target: Any, policy: Any, rules: Any, ops: OpLists | None, autocast: bool) -> Any:
+    if isinstance(target, (LinenWithPolicy, NNXWithPolicy)):
+        if policy is not None and get_policy(policy) != target.policy:
+            raise ValueError(f"explain: policy {policy!r} differs from the wrapped model's {target.policy}; "
+                             "pass policy=None or the unwrapped module")
+        return target
+    if policy is None:
+        raise TypeError("explain: pass policy=... (a spec or preset) for an unwrapped model or function")
+    if isinstance(target, nn.Module):
+        return with_policy(target, policy, rules, autocast=autocast, ops=ops)
+    if isinstance(target, nnx.Module):
+        return with_policy(nnx.clone(target), policy, rules, autocast=autocast, ops=ops)
+    if callable(target):
+        return target
+    raise TypeError(f"explain expects a Flax Linen or NNX module, a with_policy wrapper or a function, "
+                    f"got {type(target).__name__}")
+
+
+def explain(target: Any, *args: Any, policy: "str | Policy | None" = None, rules: Any = None,
+            ops: OpLists | None = None, autocast: bool = True, backward: bool = True,
+            **kwargs: Any) -> Explanation:
+    """Explains what ``policy`` does to ``target`` called on ``args`` (traced, not run).
+
+    Args:
+      target: a Linen or NNX module (wrapped with ``policy`` and ``rules`` as
+        :func:`precision.with_policy` would), a ``with_policy`` wrapper (its own
+        policy), or a function of arrays (run under :func:`precision.autocast`).
+      *args, **kwargs: sample inputs and call arguments (``train=True``...).
+        Only shapes and dtypes matter. A Linen model gets a dropout key unless
+        ``rngs=`` is given.
+      backward: also trace the backward pass (gradients with respect to the
+        params, or the floating arguments of a function).
+
+    Returns an :class:`Explanation`: ``print`` it for the table, or read
+    ``half_share``, ``modules``, ``islands`` and ``uncovered``.
+    """
+    wrapped = _wrap(target, policy, rules, ops, autocast)
+    if isinstance(wrapped, LinenWithPolicy):
+        traced = _trace_linen(wrapped, args, kwargs, backward)
+        policy_, on = wrapped.policy, wrapped.autocast
+    elif isinstance(wrapped, NNXWithPolicy):
+        traced = _trace_nnx(wrapped, args, kwargs, backward)
+        policy_, on = wrapped.policy, wrapped.autocast
+    else:
+        policy_, on = get_policy(policy), True
+        traced = _trace_function(wrapped, policy_, ops or OpLists(), args, kwargs, backward)
+    return _summarize(traced, policy_, on)
+
+
+def _path(path: tuple[str, ...], root: str) -> str:
+    if root and path and path[0] == root:
+        path = path[1:]
+    return "/".join(path)
+
+
+def _summarize(traced: _Traced, policy: Policy, autocast: bool) -> Explanation:
+    forward = matmul_ops(traced.forward)
+    backward = [m for m in matmul_ops(traced.backward) if m.backward] if traced.backward is not None else None
+    reasons = {(_path(r.path, traced.root), r.primitive): r.reason for r in traced.log
+               if r.primitive in MATMUL_PRIMITIVES and r.dtype == np.dtype(np.float32)}
+    by_path: dict[str, list[MatmulOp]] = collections.defaultdict(list)
+    for m in forward + (backward or []):
+        by_path[_path(m.path, traced.root)].append(m)
+    paths = sorted(set(by_path) | set(traced.params))
+    modules = []
+    for path in paths:
+        ops = by_path.get(path, [])
+        half = sum(m.flops for m in ops if m.half)
+        total = sum(m.flops for m in ops)
+        reason = ""
+        if total > half:
+            f32_prims = {m.primitive for m in ops if not m.half}
+            logged = {reasons.get((path, p)) for p in f32_prims}
+            reason = (RULE if interpreter.REGION in logged else AUTOCAST_OFF if not autocast
+                      else next((r for r in logged if r), NOT_REACHED))
+        dtypes = tuple(dict.fromkeys(_short(m.dtype.name) for m in ops if not m.backward))
+        modules.append(ModuleReport(path, traced.params.get(path, ()), dtypes, half, total, reason))
+    return Explanation(traced.name, policy, autocast, tuple(modules), _islands(traced),
+                       _flops(forward), _flops(backward) if backward is not None else None)
+
+
+def _flops(ops: list[MatmulOp]) -> tuple[float, float]:
+    return sum(m.flops for m in ops if m.half), sum(m.flops for m in ops)
+
+
+def _islands(traced: _Traced) -> tuple[Island, ...]:
+    grouped: dict[tuple[str, str], collections.Counter] = collections.defaultdict(collections.Counter)
+    for r in traced.log:
+        if r.dtype == np.dtype(np.float32) and r.primitive not in MATMUL_PRIMITIVES:
+            grouped[(_path(r.path, traced.root), r.reason)][r.primitive] += 1
+    return tuple(Island(path, reason, tuple(counter.items())) for (path, reason), counter in grouped.items())
+
+
+def check_coverage(explanation: Explanation, *, threshold: float = 0.05, strict: bool = False,
+                   stacklevel: int = 2) -> None:
+    """Warns (``strict``: raises :class:`CoverageError`) when a half-compute policy
+    leaves more than ``threshold`` of matmul/conv FLOPs in float32 for reasons
+    other than a rule, naming the modules."""
+    if explanation.policy.compute_dtype == np.dtype(np.float32):
+        return
+    share = explanation.uncovered_share
+    if share <= threshold:
+        return
+    worst = sorted(explanation.uncovered.items(), key=lambda kv: -kv[1])
+    reasons = {m.path: m.f32_reason for m in explanation.modules}
+    named = "; ".join(f"{p or '(top)'} ({reasons[p]})" for p, _ in worst[:8])
+    more = f" and {len(worst) - 8} more" if len(worst) > 8 else ""
+    message = (f"policy {explanation.policy} leaves {100 * share:.0f}% of the matmul/conv FLOPs of "
+               f"{explanation.name} in float32 (more than {100 * threshold:.0f}%): {named}{more}. "
+               f"precision.explain(...) shows every module.")
+    if strict:
+        raise CoverageError(message)
+    warnings.warn(message, PrecisionWarning, stacklevel=stacklevel)

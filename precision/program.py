@@ -1,0 +1,115 @@
+"""Reading a traced program: every equation with its module path, and the
+FLOPs and operand dtypes of its matmuls and convolutions.
+
+Walks a jaxpr into every sub-program (jit, scan, while, cond, remat,
+custom_jvp/vjp, shard_map...), so what it reports is what the program as a
+whole computes: a scan over 12 layers counts its body 12 times.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator, NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+
+from precision.regions import module_path, scope_names
+
+__all__ = ["Op", "iter_ops", "MatmulOp", "matmul_ops", "matmul_flops", "MATMUL_PRIMITIVES", "HALF_DTYPES"]
+
+MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated", "ragged_dot_general")
+HALF_DTYPES = frozenset(np.dtype(d) for d in ("float16", "bfloat16"))
+
+
+class Op(NamedTuple):
+    """One equation of a program, where it sits and how often it runs."""
+
+    eqn: Any
+    path: tuple[str, ...]  # named scopes (module path), region tags dropped
+    backward: bool  # computed by a transpose (the backward pass)
+    repeat: float  # times it runs per call of the program (loop trip counts)
+
+    @property
+    def primitive(self) -> str:
+        return self.eqn.primitive.name
+
+    @property
+    def in_dtypes(self) -> tuple[np.dtype, ...]:
+        return tuple(np.dtype(v.aval.dtype) for v in self.eqn.invars if hasattr(v.aval, "dtype"))
+
+    @property
+    def out_dtypes(self) -> tuple[np.dtype, ...]:
+        return tuple(np.dtype(v.aval.dtype) for v in self.eqn.outvars if hasattr(v.aval, "dtype"))
+
+
+def _sub_jaxprs(eqn: Any) -> Iterator[tuple[Any, float]]:
+    """(jaxpr, runs per run of ``eqn``) of each sub-program of ``eqn``."""
+    name = eqn.primitive.name
+    times = float(eqn.params.get("length", 1)) if name == "scan" else 1.0
+    if name == "shard_map" and "mesh" in eqn.params:
+        times = float(getattr(eqn.params["mesh"], "size", 1))
+    for key, param in eqn.params.items():
+        if name in ("custom_vjp_call", "custom_jvp_call") and key != "call_jaxpr":
+            continue
+        for item in param if isinstance(param, (tuple, list)) else (param,):
+            if hasattr(item, "eqns"):
+                yield item, times
+            elif hasattr(item, "jaxpr") and hasattr(item.jaxpr, "eqns"):
+                yield item.jaxpr, times
+
+
+def iter_ops(jaxpr: Any, prefix: tuple = (), repeat: float = 1.0, backward: bool = False) -> Iterator[Op]:
+    """Every equation of ``jaxpr`` and its sub-programs, outermost first."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr) if not hasattr(jaxpr, "eqns") else jaxpr
+    for eqn in jaxpr.eqns:
+        stack = getattr(eqn.source_info.name_stack, "stack", ())
+        scope = prefix + scope_names(eqn.source_info.name_stack)
+        is_backward = backward or any(type(e).__name__ == "Transform" and e.name == "transpose" for e in stack)
+        yield Op(eqn, module_path(scope), is_backward, repeat)
+        for sub, times in _sub_jaxprs(eqn):
+            yield from iter_ops(sub, scope, repeat * times, is_backward)
+
+
+def matmul_flops(eqn: Any) -> float:
+    """FLOPs (2 per multiply-add) of one dot_general, conv or ragged dot."""
+    name = eqn.primitive.name
+    out = eqn.outvars[0].aval.shape
+    if name == "dot_general":
+        (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+        lhs = eqn.invars[0].aval.shape
+        return 2.0 * math.prod(out) * math.prod(lhs[d] for d in lhs_contract)
+    if name == "conv_general_dilated":
+        rhs = eqn.invars[1].aval.shape
+        out_features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
+        return 2.0 * math.prod(out) * math.prod(rhs) / max(out_features, 1)
+    if name == "ragged_dot_general":
+        lhs = eqn.invars[0].aval.shape
+        return 2.0 * math.prod(out) * lhs[-1]
+    return 0.0
+
+
+class MatmulOp(NamedTuple):
+    """A matmul or convolution of a program."""
+
+    primitive: str
+    path: tuple[str, ...]
+    dtype: np.dtype  # of its floating operands (the widest, if they differ)
+    flops: float  # per call of the program
+    backward: bool
+
+    @property
+    def half(self) -> bool:
+        """Operands below 32 bits (float16, bfloat16, fp8)."""
+        return bool(jnp.issubdtype(self.dtype, jnp.floating)) and self.dtype.itemsize < 4
+
+
+def matmul_ops(jaxpr: Any) -> list[MatmulOp]:
+    """The matmuls and convolutions of a program, with their operand dtype and FLOPs."""
+    found = []
+    for op in iter_ops(jaxpr):
+        if op.primitive in MATMUL_PRIMITIVES:
+            floats = [d for d in op.in_dtypes if jnp.issubdtype(d, jnp.floating)]
+            dtype = max(floats, key=lambda d: d.itemsize) if floats else op.in_dtypes[0]
+            found.append(MatmulOp(op.primitive, op.path, dtype, matmul_flops(op.eqn) * op.repeat, op.backward))
+    return found

@@ -1,0 +1,81 @@
+"""Compute-dtype regions, carried by JAX's name stack.
+
+A region is a stretch of a program whose matmuls and "follow" ops compute in a
+dtype other than the policy's (a module a rule keeps in float32, say). It is a
+``jax.named_scope`` whose name is a tag, ``precision:float32``, so it survives
+tracing, nested jits, scans, remat and autodiff (JAX keeps name stacks on
+every equation), and autocast reads it back from each equation.
+
+The same name stack gives the module path of every equation (Flax Linen pushes
+each module's name; :mod:`precision.modules` pushes them for NNX), which
+:mod:`precision.explain` reports and autocast uses to end float32 islands
+where a value leaves the module that computed it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import jax
+import numpy as np
+
+from precision.policy import _canonical
+
+__all__ = ["compute_in", "TAG_PREFIX", "tag", "scope_names", "region_dtype", "module_path", "within"]
+
+TAG_PREFIX = "precision:"
+
+
+def tag(dtype: Any) -> str:
+    """The scope name marking a region that computes in ``dtype``."""
+    return TAG_PREFIX + np.dtype(dtype).name
+
+
+@contextlib.contextmanager
+def compute_in(dtype: Any) -> Iterator[None]:
+    """Ops traced inside compute in ``dtype`` under autocast (a region).
+
+    ``with precision.compute_in("f32"): y = my_norm(x)`` keeps ``my_norm``'s
+    matmuls and arithmetic in float32 under a half policy; its results return
+    to the enclosing compute dtype where they leave the region. Outside
+    autocast it only names a scope.
+    """
+    with jax.named_scope(tag(_canonical(dtype))):
+        yield
+
+
+def scope_names(name_stack: Any) -> tuple[str, ...]:
+    """The scope names of an equation's name stack (transform markers dropped)."""
+    return tuple(entry.name for entry in getattr(name_stack, "stack", ())
+                 if type(entry).__name__ == "Scope")
+
+
+def region_dtype(scope: tuple[str, ...], default: np.dtype) -> np.dtype:
+    """The compute dtype of the innermost region tag in ``scope`` (else ``default``)."""
+    for name in reversed(scope):
+        if name.startswith(TAG_PREFIX):
+            return np.dtype(name[len(TAG_PREFIX):])
+    return default
+
+
+#: Scopes JAX itself opens that are not modules (remat's recomputation).
+_JAX_SCOPES = frozenset({"rematted_computation", "checkpoint"})
+
+
+def module_path(scope: tuple[str, ...]) -> tuple[str, ...]:
+    """The module (or user named-scope) path of a scope: region tags, JAX's own
+    scopes and ``jnp.einsum`` specs dropped, a scope repeated by a method that
+    calls its parent class's (``SelfAttention_0/SelfAttention_0``) counted once."""
+    path: list[str] = []
+    for name in scope:
+        if name.startswith(TAG_PREFIX) or name in _JAX_SCOPES or "->" in name:
+            continue
+        if not path or path[-1] != name:
+            path.append(name)
+    return tuple(path)
+
+
+def within(inner: tuple[str, ...], outer: tuple[str, ...]) -> bool:
+    """True when scope ``inner`` lies inside (or is) scope ``outer``."""
+    return inner[:len(outer)] == outer
