@@ -91,7 +91,9 @@ class Explanation:
 
     @property
     def uncovered(self) -> dict[str, float]:
-        """Float32 matmul/conv FLOPs by module that no rule asked for."""
+        """Float32 matmul/conv FLOPs by module that neither the policy nor a rule asked for."""
+        if self.policy.compute_dtype == np.dtype(np.float32):
+            return {}
         return {m.path: m.total_flops - m.half_flops for m in self.modules
                 if m.total_flops > m.half_flops and m.f32_reason != RULE}
 

@@ -93,7 +93,7 @@ def test_pinned_linen_models_run_half_forward_and_backward(name, policy):
 def test_fp32_policy_runs_nothing_in_half(name):
     model, x, kwargs = LINEN[name]
     expl = precision.explain(model, x, policy="fp32", **kwargs)
-    assert expl.half_share == 0.0
+    assert expl.half_share == 0.0 and expl.uncovered_share == 0.0
     params, grad_fn = linen_grad_fn(model, "fp32", x, kwargs)
     assert lowered_share(grad_fn, params) == 0.0
 
