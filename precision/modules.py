@@ -292,6 +292,15 @@ def _casting_class(cls: type, compute: np.dtype, caller: np.dtype) -> type:
     return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
 
 
+def _submodules(model: nnx.Module, resolve: Resolver):
+    """``(module, name, compute dtype, caller's compute dtype)`` for every
+    submodule of an NNX model, from the rules."""
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Module) and path:
+            names = tuple(map(str, path))
+            yield node, names[-1], resolve(names).compute_dtype, resolve(names[:-1]).compute_dtype
+
+
 @functools.cache
 def _scoped_class(cls: type, name: str, region: np.dtype | None) -> type:
     """A subclass of ``cls`` whose call runs in a named scope (its path component,
@@ -348,11 +357,8 @@ class NNXWithPolicy(nnx.Module):
 
         def run(state, args, kwargs):
             model = nnx.merge(graphdef, state)
-            for path, node in nnx.iter_graph(model):
-                if isinstance(node, nnx.Module) and path:
-                    compute = resolve(tuple(map(str, path))).compute_dtype
-                    caller = resolve(tuple(map(str, path[:-1]))).compute_dtype
-                    node.__class__ = _scoped_class(type(node), str(path[-1]), None if compute == caller else compute)
+            for node, name, compute, caller in _submodules(model, resolve):
+                node.__class__ = _scoped_class(type(node), name, None if compute == caller else compute)
             return model(*args, **kwargs), nnx.state(model)
 
         out, new_state = autocast_lib.call_vals(run, (state, args, kwargs), {},
@@ -365,12 +371,9 @@ class NNXWithPolicy(nnx.Module):
         graphdef, params, rest = nnx.split(self.module, nnx.Param, ...)
         params = _cast_by_path(params, lambda path: resolve(path).compute_dtype)
         model = nnx.merge(graphdef, params, rest)
-        for path, node in nnx.iter_graph(model):
-            if isinstance(node, nnx.Module) and path:
-                compute = resolve(tuple(map(str, path))).compute_dtype
-                caller = resolve(tuple(map(str, path[:-1]))).compute_dtype
-                if compute != caller:
-                    node.__class__ = _casting_class(type(node), compute, caller)
+        for node, _, compute, caller in _submodules(model, resolve):
+            if compute != caller:
+                node.__class__ = _casting_class(type(node), compute, caller)
         root = resolve(())
         out = model(*_cast_floating(args, root.compute_dtype), **_cast_floating(kwargs, root.compute_dtype))
         new_rest = nnx.state(model, nnx.Not(nnx.Param))
