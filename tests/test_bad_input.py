@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from precision import Policy, PolicyError, get_policy
-from train.config import ConfigError, apply_overrides, from_dict, load_config
+from train.config import ConfigError, ExperimentConfig, apply_overrides, from_dict, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,10 +53,11 @@ def test_every_policy_round_trips_through_its_string(p, c, o):
 
 SECTION_KEYS = {
     "": ["seed", "workdir", "steps", "accum_steps", "log_every", "eval_every", "checkpoint_every",
-         "keep_checkpoints", "max_nonfinite_steps", "inference_dtypes", "progress", "stepz"],
-    "model": ["name", "hidden", "num_classes", "width", "stage_sizes", "num_layers", "dropout", "layers"],
-    "data": ["name", "batch_size", "eval_batch_size", "eval_batches", "seq_len", "val_fraction", "num_train",
-             "input_shape", "num_classes", "prefetch", "path", "batchsize"],
+         "keep_checkpoints", "max_nonfinite_steps", "inference_dtypes", "progress", "task", "stepz"],
+    "model": ["name", "hidden", "num_classes", "width", "stage_sizes", "num_layers", "dropout", "layers", "dtype",
+              "options", "features"],
+    "data": ["name", "options", "batch_size", "eval_batch_size", "eval_batches", "seq_len", "val_fraction",
+             "num_train", "input_shape", "num_classes", "prefetch", "path", "batchsize"],
     "optimizer": ["name", "lr", "schedule", "warmup_steps", "min_lr", "weight_decay", "b1", "momentum",
                   "max_grad_norm", "nesterov"],
     "precision": ["policy", "rules", "loss_scale", "initial_scale", "growth_interval", "growth_factor",
@@ -67,9 +68,13 @@ SECTION_KEYS = {
 VALUES = st.one_of(
     st.none(), st.booleans(), st.integers(-3, 3), st.sampled_from([0, 1, 2, 7, 1e-3, -1.5, 1e30, float("nan")]),
     st.sampled_from(["", "mlp", "gpt", "resnet", "digits", "synthetic", "adam", "sgd", "cosine", "f16", "mixed_f16",
-                     "dynamic", "static", "none", "bogus", "1e-3", "localhost:1", "a:b"]),
+                     "dynamic", "static", "none", "bogus", "1e-3", "localhost:1", "a:b", "pkg.mod:Net", "net.py:Net",
+                     "data:load", "lm", "language_model", "classification", "a:b:c", "mod:", "bfloat16", "int8"]),
     st.lists(st.integers(-2, 64), max_size=3), st.lists(st.sampled_from(["LayerNorm", "f32", "x"]), max_size=2),
     st.dictionaries(st.sampled_from(["a", "name"]), st.integers(0, 2), max_size=2))
+
+
+KEYS = set(ExperimentConfig.model_fields) | {"stepz"}
 
 
 @st.composite
@@ -97,9 +102,13 @@ def test_any_config_is_valid_or_a_config_error_naming_a_key(raw):
         config = from_dict(raw)
     except ConfigError as e:
         message = str(e)
-        assert message and "Traceback" not in message
+        assert message and "Traceback" not in message and "\n" not in message
+        head = message.removeprefix("unknown key '").split(" ")[0].split(":")[0].split("'")[0]
+        assert head.split(".")[0].split("[")[0] in KEYS, message  # names the key
         return
     assert config.steps >= 1 and config.data.batch_size >= 1
+    assert config.model.name in ("mlp", "gpt", "resnet") or ":" in config.model.name
+    assert config.task in ("auto", "lm", "classification") or ":" in config.task
 
 
 @settings(max_examples=300, deadline=None)

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from train.cli import main
-from train.config import ConfigError, apply_overrides, from_dict, help_text, load_config, to_dict
+from train.config import (ConfigError, DataConfig, ExperimentConfig, ModelConfig, apply_overrides, from_dict,
+                          help_text, is_reference, load_config, to_dict)
 
 ROOT = pathlib.Path(__file__).parents[1]
 SHIPPED = sorted((ROOT / "configs").glob("*.yaml"))
@@ -34,6 +35,21 @@ def test_overrides_are_dotted_typed_and_reach_every_section():
 def test_to_dict_round_trips():
     c = from_dict({"model": {"name": "gpt", "num_layers": 1}, "optimizer": {"lr": "1e-3"}})
     assert from_dict(to_dict(c)) == c and c.optimizer.lr == 1e-3
+    assert to_dict(c)["model"] == {"name": "gpt", "num_layers": 1}
+    assert from_dict(None) == ExperimentConfig() and to_dict(ExperimentConfig())["task"] == "auto"
+
+
+def test_sections_are_pydantic_models_with_validated_assignment():
+    c = from_dict({"model": {"hidden": [32]}})
+    assert c.data.model_dump()["batch_size"] == 128 and "task" in ExperimentConfig.model_json_schema()["properties"]
+    c.optimizer.lr = "3e-4"  # YAML 1.1's float strings are numbers
+    assert c.optimizer.lr == 3e-4
+    with pytest.raises(ConfigError, match="optimizer.lr must be > 0, got -1"):
+        c.optimizer.lr = -1
+    with pytest.raises(ConfigError, match="unknown key 'model.hidden'"):
+        c.model.name = "gpt"  # mlp's fields do not fit gpt
+    assert c.model.name == "mlp" and c.optimizer.lr == 3e-4  # a failed assignment leaves the value as it was
+    assert ExperimentConfig(model=ModelConfig(name="resnet", options={"width": 8})).model.options == {"width": 8}
 
 
 @pytest.mark.parametrize("raw, message", [
@@ -41,22 +57,79 @@ def test_to_dict_round_trips():
     ({"optimizer": {"lr": "fast"}}, "optimizer.lr must be a number, got 'fast'"),
     ({"steps": "10"}, "steps must be an integer, got '10'"),
     ({"steps": 0}, "steps must be >= 1, got 0"),
-    ({"model": {"name": "gpt", "layers": 2}}, "unknown key 'model.layers'. Did you mean 'model.num_layers'?"),
-    ({"model": {"name": "vit"}}, "unknown model 'vit'; valid: mlp, resnet, gpt"),
-    ({"data": {"name": "cifar10"}}, "unknown dataset 'cifar10'; valid: digits, fashion_mnist"),
+    ({"steps": True}, "steps must be an integer, got True"),
+    ({"progress": 1}, "progress must be true/false, got 1"),
+    ({"data": {"eval_batches": "all"}}, "data.eval_batches must be an integer or null, got 'all'"),
+    ({"data": {"input_shape": [8, "x"]}}, "data.input_shape[1] must be an integer, got 'x'"),
+    ({"data": {"val_fraction": 1}}, "data.val_fraction must be < 1, got 1"),
+    ({"precision": {"allow": "exp"}}, "precision.allow must be a list, got 'exp'"),
+    ({"model": {"name": "gpt", "layers": 2}}, "unknown key 'model.layers'. Did you mean 'model.num_layers'? "
+                                              "Valid keys here: model.name, model.vocab_size"),
+    ({"model": {"hidden": [64, "wide"]}}, "model.hidden[1] must be an integer, got 'wide'"),
+    ({"model": {"dropout": "lots"}}, "model.dropout must be a number, got 'lots'"),
+    ({"model": {"dtype": "int8"}}, "model.dtype: 'int8' is not a floating dtype"),
+    ({"model": {"name": "vit"}}, "model.name: unknown model 'vit'. Valid: mlp, resnet, gpt, or a class reference "
+                                 "package.module:Name / path/to/file.py:Name"),
+    ({"model": {"name": "mpl"}}, "model.name: unknown model 'mpl'. Did you mean 'mlp'? Valid: mlp, resnet, gpt, or"),
+    ({"model": {"name": "pkg.mod:"}}, "model.name: 'pkg.mod:' is not a class reference of the form"),
+    ({"model": {"name": 3}}, "model.name must be a string, got 3"),
+    ({"data": {"name": "cifar10"}}, "data.name: unknown dataset 'cifar10'. Valid: digits, fashion_mnist"),
+    ({"data": {"name": "digit"}}, "Did you mean 'digits'?"),
+    ({"data": {"name": "loaders:make data"}}, "data.name: 'loaders:make data' is not a function reference"),
+    ({"data": {"options": {"n": 1}}}, "data.options: only a user data function"),
+    ({"data": {"name": "m:f", "options": [1]}}, "data.options must be a mapping, got [1]"),
+    ({"task": "regression"}, "task: unknown task 'regression'. Valid: auto, classification, lm, language_model, or a "
+                             "loss function reference module:function / path/to/file.py:function"),
+    ({"task": "clasification"}, "Did you mean 'classification'?"),
+    ({"task": "losses.py:"}, "task: 'losses.py:' is not a loss function reference"),
+    ({"data": {"batchsize": 3}}, "unknown key 'data.batchsize'. Did you mean 'data.batch_size'? Valid keys here: "
+                                 "data.name, data.options, data.path"),
+    ({"distributed": {"num_processes": 2, "process_id": 2}}, "distributed.process_id must be < distributed."),
     ({"precision": {"policy": "p=f32,c=f17"}}, "precision.policy: Invalid precision policy 'p=f32,c=f17': "
                                                "unknown dtype 'f17' at position 8. Did you mean 'f16'?"),
     ({"precision": {"rules": [["LayerNorm", "f33"]]}}, "precision.rules: rules[0] ('LayerNorm')"),
     ({"precision": {"loss_scale": "dynamc"}}, "precision.loss_scale: unknown value 'dynamc'; valid: auto, none"),
     ({"precision": {"loss_scale": "dynamic", "growth_factor": 0.5}}, "growth_factor must be a number > 1"),
     ({"optimizer": {"name": "adagrad"}}, "optimizer.name: unknown value 'adagrad'; valid: adam, adamw, sgd, lion"),
-    ({"inference_dtypes": ["float8"]}, "inference_dtypes: unknown dtype 'float8'"),
+    ({"inference_dtypes": ["float8"]}, "inference_dtypes[0]: unknown value 'float8'; valid: float16, bfloat16"),
     ({"data": 3}, "data must be a mapping"),
+    (3, "the config must be a mapping"),
 ])
 def test_bad_configs_name_the_key_and_the_valid_choices(raw, message):
     with pytest.raises(ConfigError) as info:
         from_dict(raw)
-    assert message in str(info.value)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("name, ok", [
+    ("pkg.models:Net", True), ("models:Net", True), ("my_models.py:Net", True), ("path/to/file.py:Net", True),
+    ("../x y/m.py:_Net2", True), ("pkg.models:", False), (":Net", False), ("pkg..models:Net", False),
+    ("pkg.models:Net.Inner", False), ("pkg-x:Net", False), (".py:Net", False), ("m:class", False), ("nonsense", False)])
+def test_reference_syntax(name, ok):
+    assert is_reference(name) is ok
+    for raw, get, key in [({"model": {"name": name}}, lambda c: c.model.name, "model.name"),
+                          ({"data": {"name": name}}, lambda c: c.data.name, "data.name"),
+                          ({"task": name}, lambda c: c.task, "task")]:
+        if ok:
+            assert get(from_dict(raw)) == name
+        else:
+            with pytest.raises(ConfigError, match=f"^{key}: "):
+                from_dict(raw)
+
+
+def test_a_user_model_takes_any_options_and_a_user_data_function_its_options():
+    c = from_dict({"model": {"name": "my_models.py:Net", "features": {"depth": 3, "act": "gelu"}, "widths": [8, 4],
+                             "rate": "1e-3"},
+                   "data": {"name": "my_data:load", "options": {"n": 100, "split": {"val": 0.1}}},
+                   "task": "my_losses:xent"})
+    assert c.model.options == {"features": {"depth": 3, "act": "gelu"}, "widths": [8, 4], "rate": "1e-3"}
+    assert c.data.options == {"n": 100, "split": {"val": 0.1}} and c.task == "my_losses:xent"
+    assert to_dict(c)["model"] == {"name": "my_models.py:Net", **c.model.options} and from_dict(to_dict(c)) == c
+    c = load_config(ROOT / "configs" / "default.yaml", ["model.name=pkg.nets:Net", "model.block.depth=2",
+                                                        "data.name=pkg.data:load", "data.options.n=5", "task=lm"])
+    assert c.model.options == {"hidden": [256, 256], "block": {"depth": 2}} and c.data.options == {"n": 5}
+    assert from_dict({"task": "language_model"}).task == "lm" and DataConfig().options == {}
+    assert from_dict({"model": {"name": "mlp", "options": {"hidden": [3]}}}).model.options == {"hidden": [3]}
 
 
 @pytest.mark.parametrize("override, message", [
@@ -64,7 +137,8 @@ def test_bad_configs_name_the_key_and_the_valid_choices(raw, message):
     ("optimizer=3", "'optimizer' is a section"),
     ("steps.x=3", "'steps' is a value, not a section"),
     ("optimizer.lr=[1", "not valid YAML"),
-    ("stepz=3", "Did you mean 'steps'?"),
+    ("stepz=3", "unknown key 'stepz'. Did you mean 'steps'?"),
+    ("optimizr.lr=3", "unknown key 'optimizr'. Did you mean 'optimizer'? Valid keys here: seed, workdir"),
 ])
 def test_bad_overrides(override, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("?", r"\?")):
@@ -88,20 +162,37 @@ def test_file_errors_name_the_file(tmp_path):
         load_config(typo)
 
 
+def test_unknown_keys_get_the_nearest_key_of_their_own_level():
+    for raw, message in [({"optimizr": {"lr": 1}}, "unknown key 'optimizr'. Did you mean 'optimizer'?"),
+                         ({"optimizer": {"lrr": 1}}, "unknown key 'optimizer.lrr'. Did you mean 'optimizer.lr'?"),
+                         ({"model": {"hiden": [1]}}, "unknown key 'model.hiden'. Did you mean 'model.hidden'?")]:
+        with pytest.raises(ConfigError) as info:
+            from_dict(raw)
+        assert str(info.value).startswith(message)
+    with pytest.raises(ConfigError) as info:
+        from_dict(apply_overrides({}, ["optimizer.lrr=1"]))
+    assert "Valid keys here: optimizer.name, optimizer.lr," in str(info.value) and "optimizr" not in str(info.value)
+
+
 def test_help_lists_every_section_and_model_field(capsys):
     with pytest.raises(SystemExit) as info:
         main(["--help"])
     assert info.value.code == 0
     text = capsys.readouterr().out
     for field in ("steps", "workdir", "data.batch_size", "optimizer.lr", "precision.policy",
-                  "precision.loss_scale", "num_layers", "stage_sizes"):
+                  "precision.loss_scale", "num_layers", "stage_sizes", "task", "data.options", "mapping",
+                  "package.module:Name / path/to/file.py:Name", "module:function / path/to/file.py:function"):
         assert field in text
     assert help_text() in text
+    for line in help_text().splitlines():
+        if line.startswith("  data.options"):
+            assert line.split()[1:4] == ["mapping", "default", "{}"] and "user data function" in line
 
 
 def test_print_config_shows_the_resolved_config(capsys):
-    assert main([str(ROOT / "configs" / "default.yaml"), "--print-config", "steps=5"]) == 0
-    assert "steps: 5" in capsys.readouterr().out
+    assert main([str(ROOT / "configs" / "default.yaml"), "--print-config", "steps=5", "task=language_model"]) == 0
+    out = capsys.readouterr().out
+    assert "steps: 5" in out and "task: lm" in out and "  hidden:" in out
 
 
 def test_cli_errors_are_one_paragraph_without_traceback_and_before_compute(tmp_path):
@@ -117,6 +208,7 @@ def test_cli_errors_are_one_paragraph_without_traceback_and_before_compute(tmp_p
                               timeout=120)
         assert proc.returncode == 2, proc.stderr
         assert "Traceback" not in proc.stderr and proc.stderr.startswith("error: ")
+        assert proc.stderr.count("\n") == 1  # one line
         assert message in " ".join(proc.stderr.split())
         assert proc.stdout == ""
     assert not os.path.exists(workdir)

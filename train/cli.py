@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
-import textwrap
 
 import yaml
 
@@ -39,8 +37,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _fail(message: str, code: int) -> int:
-    print(textwrap.fill(f"error: {message}", width=100, break_long_words=False, break_on_hyphens=False),
-          file=sys.stderr)
+    print("error: " + " ".join(message.split()), file=sys.stderr)  # one line, no traceback
     return code
 
 
@@ -57,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         from train.distributed import MeshError, initialize_distributed
 
         try:  # before anything touches a device, as JAX's multi-process runtime requires
-            initialize_distributed(**dataclasses.asdict(distributed_settings(args.config, args.overrides)))
+            initialize_distributed(**distributed_settings(args.config, args.overrides).model_dump())
         except MeshError as e:
             return _fail(f"{args.config}: {e}", 2)
     try:

@@ -7,13 +7,12 @@ computed, no workdir is touched) with :func:`precision.explain`.
 
 from __future__ import annotations
 
-import dataclasses
-
 import precision
 from train import config as config_lib
 from train.config import ExperimentConfig
-from train.data import load_dataset
-from train.loop import build_model, check_model_fits_data
+from train.functional import bind
+from train.loop import build_experiment
+from train.state import explain_model
 
 __all__ = ["explain_experiment"]
 
@@ -21,11 +20,7 @@ __all__ = ["explain_experiment"]
 def explain_experiment(config: ExperimentConfig) -> precision.Explanation:
     """The :class:`precision.Explanation` of the model ``config`` trains, on one
     training micro-batch, under its policy, rules and op lists."""
-    options = {k: v for k, v in dataclasses.asdict(config.data).items() if k != "name"}
-    data = load_dataset(config.data.name, **options, seed=config.seed)
-    model = build_model(config.model, data)
-    check_model_fits_data(model, data, config.model.name)
-    wrapped = precision.with_policy(model, config.precision.policy, config.precision.rules,
-                                    ops=config_lib.build_op_lists(config.precision),
-                                    autocast=config.precision.autocast)
-    return precision.explain(wrapped, data.sample_input(config.data.batch_size), train=True)
+    data, _, model = build_experiment(config)
+    wrapped = bind(model, config.precision.policy, config.precision.rules,
+                   ops=config_lib.build_op_lists(config.precision), autocast=config.precision.autocast)
+    return explain_model(wrapped, data.sample_input(config.data.batch_size), train=True, backward=True)

@@ -11,6 +11,7 @@ import precision
 from train.distributed import Layout
 from train.state import TrainState
 from train.step import evaluate, make_eval_step
+from train.tasks import Task, get_task
 
 
 def full_precision_params(state: TrainState) -> Any:
@@ -30,19 +31,22 @@ def cast_for_inference(state: TrainState, dtype: Any, rules: Any = None) -> Trai
     return state.replace(model=model, params=params)
 
 
-def inference_report(state: TrainState, batches: Callable[[], Iterable[dict]], task: str = "classification",
+def inference_report(state: TrainState, batches: Callable[[], Iterable[dict]], task: "str | Task" = "classification",
                      dtypes: Iterable[str] = ("float16", "bfloat16"), layout: Layout | None = None
                      ) -> dict[str, dict[str, float]]:
     """Eval metrics of the trained params served in float32 and in each half ``dtype``.
 
     Returns ``{dtype: {"loss", "accuracy", ["perplexity"], "accuracy_delta"}}``
-    where ``accuracy_delta`` is the half-precision accuracy minus float32's.
+    where ``accuracy_delta`` is the half-precision accuracy minus float32's
+    (a user's task gives its own metrics and no delta).
     ``layout``: the mesh the state and batches are on (see :mod:`train.distributed`).
     """
-    eval_step = make_eval_step(layout=layout)
+    task = get_task(task)
+    eval_step = make_eval_step(layout=layout, task=task)
     report = {}
     for dtype in ("float32", *dtypes):
-        report[dtype] = evaluate(eval_step, cast_for_inference(state, dtype), batches(), task)
+        report[dtype] = evaluate(eval_step, cast_for_inference(state, dtype), batches(), task.name)
     for dtype in dtypes:
-        report[dtype]["accuracy_delta"] = report[dtype]["accuracy"] - report["float32"]["accuracy"]
+        if "accuracy" in report[dtype]:
+            report[dtype]["accuracy_delta"] = report[dtype]["accuracy"] - report["float32"]["accuracy"]
     return report

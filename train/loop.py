@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import dataclasses
 import json
 import os
 import sys
@@ -22,14 +21,14 @@ from typing import Any, Callable, TextIO
 
 import jax
 import numpy as np
-import optax
 import yaml
 
 import precision
 from train import config as config_lib
 from train.checkpoint import CheckpointError, Checkpointer
 from train.config import ConfigError, ExperimentConfig
-from train.data import load_dataset, prefetch_to_device, train_batches
+from train.builders import build_data, build_model, build_optimizer, build_task, check_model_fits_data, model_options
+from train.data import prefetch_to_device, train_batches
 from train.distributed import Layout, MeshError, host_rows, initialize_distributed, make_mesh, to_host
 from train.inference import inference_report
 from train.metrics import MetricsWriter, NullWriter, Progress
@@ -38,7 +37,8 @@ from train.state import TrainState, create_train_state
 from train.step import evaluate, make_eval_step, make_train_step
 from train.tree_paths import leaf_names
 
-__all__ = ["NonFiniteError", "build_model", "build_optimizer", "check_model_fits_data", "run"]
+__all__ = ["NonFiniteError", "build_experiment", "build_model", "build_optimizer", "check_model_fits_data",
+           "run"]
 
 #: Config keys that may change between a run and its resumption.
 RESUMABLE_CHANGES = ("steps", "workdir", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
@@ -52,45 +52,20 @@ class NonFiniteError(RuntimeError):
     """Gradients stayed non-finite at the minimum loss scale; training cannot recover by itself."""
 
 
-def build_model(model_config: config_lib.ModelConfig, data: Any) -> Any:
-    """The Linen model a config names; class counts, vocabulary and context length
-    default to the data's."""
-    cls = MODELS[model_config.name]
-    options = dict(model_config.options)
-    fields = config_lib.model_fields(model_config.name)
-    if "num_classes" in fields:
-        options.setdefault("num_classes", data.num_classes)
-    if "vocab_size" in fields:
-        options.setdefault("vocab_size", data.num_classes)
-    if "block_size" in fields:
-        options.setdefault("block_size", data.input_shape[0])
-    options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
-    return cls(**options)
+def build_experiment(config: ExperimentConfig) -> tuple[Any, Any, Any]:
+    """The data, task and (unwrapped) model ``config`` names, checked to fit
+    each other before any compute (:class:`ConfigError` / ``DataError`` if not)."""
+    data = build_data(config.data, config.seed)
+    task = build_task(config.task, data)
+    model = build_model(config.model, data, config.seed)
+    check_model_fits_data(model, data, config.model.name, task)
+    return data, task, model
 
 
-def build_optimizer(opt: config_lib.OptimizerConfig, steps: int
-                    ) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """The optax optimizer and learning-rate schedule an optimizer config describes."""
-    warmup = min(opt.warmup_steps, steps)
-    if opt.schedule == "constant":
-        after = optax.constant_schedule(opt.lr)
-    elif opt.schedule == "cosine":
-        after = optax.cosine_decay_schedule(opt.lr, max(steps - warmup, 1), alpha=opt.min_lr / opt.lr)
-    else:
-        after = optax.linear_schedule(opt.lr, opt.min_lr, max(steps - warmup, 1))
-    schedule = (optax.join_schedules([optax.linear_schedule(0.0, opt.lr, warmup), after], [warmup])
-                if warmup else after)
-    if opt.name == "adam":
-        tx = optax.adam(schedule, opt.b1, opt.b2, opt.eps)
-    elif opt.name == "adamw":
-        tx = optax.adamw(schedule, opt.b1, opt.b2, opt.eps, weight_decay=opt.weight_decay)
-    elif opt.name == "lion":
-        tx = optax.lion(schedule, opt.b1, opt.b2, weight_decay=opt.weight_decay)
-    else:
-        tx = optax.sgd(schedule, opt.momentum or None, opt.nesterov)
-        if opt.weight_decay:
-            tx = optax.chain(optax.add_decayed_weights(opt.weight_decay), tx)
-    return tx, schedule
+def model_label(name: str) -> str:
+    """A model name for people: ``MLP (nnx_mlp.py)`` for a reference to user code."""
+    where, sep, attr = name.rpartition(":")
+    return f"{attr} ({os.path.basename(where)})" if sep else name
 
 
 def run(config: ExperimentConfig, *, out: TextIO | None = None,
@@ -111,7 +86,7 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
     """
     out = sys.stdout if out is None else out
     try:
-        initialize_distributed(**dataclasses.asdict(config.distributed))
+        initialize_distributed(**config.distributed.model_dump())
         layout = Layout(make_mesh(config.mesh.data, config.mesh.fsdp), config.mesh.fsdp_min_size)
         layout.check_batch_size(config.data.batch_size)
         layout.check_batch_size(config.data.eval_batch_size, "data.eval_batch_size")
@@ -120,13 +95,13 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
     primary = jax.process_index() == 0
     if not primary:
         out = io.StringIO()  # only process 0 reports
-    options = {k: v for k, v in dataclasses.asdict(config.data).items() if k != "name"}
-    data = load_dataset(config.data.name, **options, seed=config.seed)
-    model = build_model(config.model, data)
-    check_model_fits_data(model, data, config.model.name)
+    data, task, model = build_experiment(config)
     resolved = config_lib.to_dict(config)
-    resolved["model"].update({k: list(v) if isinstance(v, tuple) else v for k, v in
-                              ((f, getattr(model, f)) for f in config_lib.model_fields(config.model.name))})
+    if config.model.name in MODELS:
+        resolved["model"].update({k: list(v) if isinstance(v, tuple) else v for k, v in
+                                  ((f, getattr(model, f)) for f in config_lib.model_fields(config.model.name))})
+    else:
+        resolved["model"].update(model_options(config.model, data))
     workdir = os.path.abspath(config.workdir)
     _check_same_experiment(workdir, resolved)
 
@@ -142,7 +117,7 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
         raise ConfigError(f"precision.strict: {e}") from None
     except (ValueError, TypeError) as e:
         raise ConfigError(f"model '{config.model.name}' with {config.model.options or 'its defaults'} "
-                          f"cannot be built: {e}") from None
+                          f"cannot be built: {str(e).removeprefix('create_train_state: ')}") from None
     os.makedirs(workdir, exist_ok=True)
     if primary:
         with open(os.path.join(workdir, "config.yaml"), "w", encoding="utf-8") as f:
@@ -174,12 +149,13 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
         print(f"resuming from the checkpoint at step {start} in {checkpoints.directory}", file=out)
 
     progress = Progress(config.steps, start, primary and config.progress and start < config.steps)
-    tracker = _Tracker(config, state, data, writer, progress, on_record)
-    print(f"{config.model.name} on {data.describe()}; policy {state.policy} ({config.precision.policy}), "
+    tracker = _Tracker(config, state, data, task, writer, progress, on_record)
+    print(f"{model_label(config.model.name)} on {data.describe()}; policy {state.policy} ({config.precision.policy}), "
           f"loss scale {type(state.loss_scale).__name__}; steps {start} -> {config.steps}; "
           f"{_describe_layout(layout)}; workdir {workdir}", file=out)
-    train_step = make_train_step(accum_steps=config.accum_steps, learning_rate_fn=schedule, layout=layout)
-    eval_step = make_eval_step(layout=layout)
+    train_step = make_train_step(accum_steps=config.accum_steps, learning_rate_fn=schedule, layout=layout,
+                                 task=task)
+    eval_step = make_eval_step(layout=layout, task=task)
     eval_size = config.data.eval_batch_size
 
     def eval_batches():
@@ -190,7 +166,7 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
 
     def evaluate_now(state):
         with tracker.paused():
-            metrics = evaluate(eval_step, state, eval_batches(), data.task)
+            metrics = evaluate(eval_step, state, eval_batches(), task.name)
             tracker.record({"kind": "eval", "step": int(to_host(state.step)), **metrics})
         return metrics
 
@@ -246,7 +222,7 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
     eval_metrics = evaluate_now(state)
     report = {}
     if config.inference_dtypes:
-        report = inference_report(state, eval_batches, data.task, config.inference_dtypes, layout=layout)
+        report = inference_report(state, eval_batches, task, config.inference_dtypes, layout=layout)
         for dtype, metrics in report.items():
             tracker.record({"kind": "inference", "step": int(to_host(state.step)), "dtype": dtype, **metrics})
     writer.close()
@@ -256,24 +232,6 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
             json.dump(summary, f, indent=2)
     print(format_summary(summary), file=out)
     return summary
-
-
-def check_model_fits_data(model: Any, data: Any, name: str = "model") -> None:
-    """Raises :class:`ConfigError` unless ``model`` maps the data's inputs to one
-    logit per class (per token for language models), checked abstractly (no compute)."""
-    sample = data.sample_input(2)
-    try:
-        variables = jax.eval_shape(lambda x: model.init(jax.random.PRNGKey(0), x, train=False), sample)
-        logits = jax.eval_shape(lambda v, x: model.apply(v, x, train=False), variables, sample)
-    except Exception as e:  # noqa: BLE001 - any failure here is a model/data mismatch
-        raise ConfigError(f"model '{name}' cannot take {data.name} inputs of shape {tuple(np.shape(sample))[1:]} "
-                          f"({type(e).__name__}: {str(e).strip().splitlines()[0][:300]})") from None
-    expected = (2,) + ((data.input_shape[0],) if data.task == "language_model" else ()) + (data.num_classes,)
-    if tuple(logits.shape) != expected:
-        what = " per token" if data.task == "language_model" else ""
-        raise ConfigError(f"model '{name}' outputs logits of shape {tuple(logits.shape)[1:]} for {data.name}, whose "
-                          f"{data.task} needs {expected[1:]} ({data.num_classes} classes{what}); set the model's "
-                          f"num_classes / vocab_size / block_size to the data's or leave them unset")
 
 
 def _describe_layout(layout: Layout) -> str:
@@ -333,13 +291,19 @@ def _save_on_interrupt(checkpoints: Checkpointer, state: TrainState, resolved: d
     return f"{message} in {checkpoints.directory}; rerun the same command to resume"
 
 
+#: Metrics of every train step; the others are the task's (accuracy, a user loss's).
+_STEP_METRICS = ("loss", "loss_scale", "grads_finite", "grad_norm", "skipped_steps", "nonfinite_streak",
+                 "at_min_scale", "nonfinite_leaf", "learning_rate")
+
+
 class _Tracker:
     """Host-side bookkeeping: interval means, loss-scale events, throughput, the
     non-finite stop rule, and records to the metrics writer."""
 
-    def __init__(self, config: ExperimentConfig, state: TrainState, data: Any, writer: MetricsWriter,
+    def __init__(self, config: ExperimentConfig, state: TrainState, data: Any, task: Any, writer: MetricsWriter,
                  progress: Progress, on_record: Callable[[dict], None] | None):
         self.config, self.data, self.writer, self.on_record = config, data, writer, on_record
+        self.language_model = task.name == "language_model"
         self.progress = progress
         self.leaf_paths = ["params/" + name for name in leaf_names(state.params)]
         scale = to_host(state.loss_scale)
@@ -353,7 +317,7 @@ class _Tracker:
         self.last_step = int(to_host(state.step))
         self.last_train: dict = {}
         self.examples_per_step = config.data.batch_size * config.accum_steps
-        self.tokens_per_example = data.input_shape[0] if data.task == "language_model" else 1
+        self.tokens_per_example = data.input_shape[0] if self.language_model else 1
         self.first_step_seconds: float | None = None
         self.train_seconds = 0.0
         self.steps_timed = 0
@@ -427,13 +391,14 @@ class _Tracker:
             return float(np.mean([x[key] for x in finite])) if finite else float("nan")
 
         rate = self._interval_steps / self._interval_seconds if self._interval_seconds > 0 else float("nan")
-        record = {"kind": "train", "step": step, "loss": mean("loss"), "accuracy": mean("accuracy"),
+        task_metrics = {k: mean(k) for k in m if k not in _STEP_METRICS}
+        record = {"kind": "train", "step": step, "loss": mean("loss"), **task_metrics,
                   "loss_scale": m["loss_scale"], "grads_finite": bool(m["grads_finite"]),
                   "grad_norm": m["grad_norm"], "skipped_steps": int(m["skipped_steps"]),
                   "nonfinite_steps": len(self.interval) - len(finite),
                   "learning_rate": m.get("learning_rate", float("nan")), "steps_per_sec": rate,
                   "examples_per_sec": rate * self.examples_per_step}
-        if self.data.task == "language_model":
+        if self.language_model:
             record["tokens_per_sec"] = rate * self.examples_per_step * self.tokens_per_example
         self.last_train = record
         self.record(record)
@@ -449,7 +414,7 @@ class _Tracker:
         rate = self.steps_timed / self.train_seconds if self.train_seconds > 0 else None
         return {
             "workdir": workdir,
-            "model": self.config.model.name,
+            "model": model_label(self.config.model.name),
             "dataset": self.data.name,
             "policy": str(state.policy),
             "policy_spec": self.config.precision.policy,
@@ -460,6 +425,8 @@ class _Tracker:
             "train_seconds": self.train_seconds,
             "steps_per_sec": rate,
             "examples_per_sec": rate * self.examples_per_step if rate else None,
+            "tokens_per_sec": rate * self.examples_per_step * self.tokens_per_example
+            if rate and self.language_model else None,
             "final_train_loss": self.last_train.get("loss"),
             "eval": eval_metrics,
             "loss_scale": {"initial": self.initial_scale, "final": self.last_scale,
@@ -476,21 +443,22 @@ def format_summary(s: dict) -> str:
              f"{s['loss_scale_type']} =="]
     if s["steps_per_sec"]:
         lines.append(f"steps {s['start_step']} -> {s['steps']}: {s['steps_per_sec']:.1f} steps/s, "
-                     f"{s['examples_per_sec']:,.0f} examples/s ({s['train_seconds']:.1f} s after a first step of "
+                     f"{s['examples_per_sec']:,.0f} examples/s"
+                     + (f", {s['tokens_per_sec']:,.0f} tokens/s" if s.get("tokens_per_sec") else "")
+                     + f" ({s['train_seconds']:.1f} s after a first step of "
                      f"{s['first_step_seconds']:.1f} s with compilation)")
     else:
         lines.append(f"steps {s['start_step']} -> {s['steps']}")
     final = s["final_train_loss"]
     parts = [f"final train loss {final:.4f}" if final is not None else "no training this run",
-             f"eval loss {ev.get('loss', float('nan')):.4f}", f"accuracy {ev.get('accuracy', float('nan')):.4f}"]
-    if "perplexity" in ev:
-        parts.append(f"perplexity {ev['perplexity']:.3f}")
+             f"eval loss {ev.get('loss', float('nan')):.4f}"]
+    parts += [f"{k} {v:.4f}" for k, v in ev.items() if k != "loss"]
     lines.append(", ".join(parts))
     ls = s["loss_scale"]
     lines.append(f"loss scale {ls['initial']:g} -> {ls['final']:g}: {ls['increases']} increases, "
                  f"{ls['decreases']} decreases, {ls['skipped_this_run']} skipped steps this run "
                  f"({ls['skipped_steps']} in all)")
-    if s["inference"]:
+    if s["inference"] and "accuracy" in s["inference"]["float32"]:
         f32 = s["inference"]["float32"]["accuracy"]
         halves = ", ".join(f"{d} {m['accuracy']:.4f} ({m['accuracy_delta']:+.4f})"
                            for d, m in s["inference"].items() if d != "float32")

@@ -6,13 +6,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import flax.linen as nn
 import optax
 from flax import struct
 
 import precision
 from precision.loss_scale import LossScale
 from train.distributed import Layout
+from train.functional import NNXModel, bind, call_mode_kwargs, mode_kwargs
 from train.tree_paths import leaf_shapes
 
 
@@ -31,7 +31,7 @@ class TrainState(struct.PyTreeNode):
     opt_state: Any
     model_state: Any
     rng: jax.Array
-    model: precision.LinenWithPolicy = struct.field(pytree_node=False)
+    model: Any = struct.field(pytree_node=False)  # precision.LinenWithPolicy or train.NNXModel
     tx: optax.GradientTransformation = struct.field(pytree_node=False)
 
     @property
@@ -54,9 +54,14 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
     """Initialises a model under ``policy`` and a mixed-precision optimizer around ``optimizer``.
 
     Args:
-      model: an unmodified Flax Linen module taking ``(inputs, train=...)``, or
-        one already wrapped by :func:`precision.with_policy` (then ``policy``
-        and ``rules`` must match it or be ``None``).
+      model: an unmodified Flax Linen or NNX module, or one already wrapped by
+        :func:`precision.with_policy` (then ``policy`` must match it or be
+        ``None``). Its call may take ``train`` / ``training`` /
+        ``deterministic`` or no such keyword (see :func:`train.mode_kwargs`).
+        An NNX module arrives initialised: its params (cast to the policy's
+        param dtypes; the module passed in is left as it was) and other state
+        (BatchNorm statistics) start the train state, and its dropout is
+        reseeded every step from the state's key.
       policy: a policy spec, preset name or :class:`precision.Policy`.
       optimizer: the inner optax optimizer; it is wrapped by
         :func:`precision.mixed_precision` unless it already is.
@@ -79,30 +84,22 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
         half-compute policy leaves more than 5% of the model's matmul/conv FLOPs
         in float32 for a reason other than a rule (see :func:`precision.explain`).
     """
-    if isinstance(model, precision.LinenWithPolicy):
-        if policy is not None and precision.get_policy(policy) != model.policy:
-            raise ValueError(f"create_train_state: policy {policy!r} differs from the wrapped model's "
-                             f"{model.policy}; pass policy=None or an unwrapped module")
-        if ops is not None or not autocast:
-            raise ValueError("create_train_state: `ops` and `autocast` apply to an unwrapped module; the "
-                             "wrapped model has its own (precision.with_policy(module, policy, ops=..., autocast=...))")
-        wrapped = model
-    elif isinstance(model, nn.Module):
-        wrapped = precision.with_policy(model, policy, rules, ops=ops, autocast=autocast)
-    else:
-        raise TypeError(f"create_train_state takes a flax.linen.Module, got {type(model).__name__}; an NNX "
-                        f"module trains with precision.with_policy and nnx.Optimizer (see the README)")
+    try:
+        wrapped = bind(model, policy, rules, ops=ops, autocast=autocast)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"create_train_state: {e}") from None
     _check_coverage(wrapped, sample_input, strict)
     if jax.dtypes.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key):
         rng = jax.random.key_data(rng)
     rng, params_key, dropout_key = jax.random.split(rng, 3)
     keys = {"params": params_key, "dropout": dropout_key}
+    mode = mode_kwargs(wrapped, False)
     if variables is None:
-        variables = _sharded_jit(lambda k, x: wrapped.init(k, x, train=False), layout)(keys, sample_input)
+        variables = _sharded_jit(lambda k, x: wrapped.init(k, x, **mode), layout)(keys, sample_input)
     else:
-        _check_variables(variables, jax.eval_shape(lambda k, x: wrapped.module.init(k, x, train=False),
-                                                   keys, sample_input))
-        variables = wrapped.cast_params(dict(variables), sample_input, train=False)
+        expected = jax.eval_shape(lambda k, x: wrapped.init(k, x, **mode), keys, sample_input)
+        _check_variables(variables, expected)
+        variables = wrapped.cast_params(dict(variables), sample_input, **mode)
     params = variables["params"]
     model_state = {k: v for k, v in variables.items() if k != "params"}
     tx = _mixed_precision_optimizer(optimizer, params, wrapped.policy, loss_scale, max_grad_norm, skip_with)
@@ -111,11 +108,11 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
     return state if layout is None else layout.put_state(state)
 
 
-def _check_coverage(wrapped: precision.LinenWithPolicy, sample_input: Any, strict: bool) -> None:
+def _check_coverage(wrapped: Any, sample_input: Any, strict: bool) -> None:
     """Warns (raises if ``strict``) when the policy leaves the model's matmuls in float32."""
     if wrapped.policy.compute_dtype == jnp.float32:
         return
-    explanation = precision.explain(wrapped, sample_input, train=False, backward=False)
+    explanation = explain_model(wrapped, sample_input, train=False, backward=False)
     precision.check_coverage(explanation, strict=strict, stacklevel=4)
 
 
@@ -148,3 +145,11 @@ def _mixed_precision_optimizer(optimizer, params, policy, loss_scale, max_grad_n
         pass
     scale = precision.get_loss_scale(loss_scale, policy) if isinstance(loss_scale, str) else loss_scale
     return precision.mixed_precision(optimizer, scale, max_grad_norm=max_grad_norm, skip_with=skip_with)
+
+
+def explain_model(wrapped: Any, sample_input: Any, *, train: bool, backward: bool) -> precision.Explanation:
+    """:func:`precision.explain` of a bound model (Linen or NNX) in train or eval mode."""
+    if isinstance(wrapped, NNXModel):
+        return precision.explain(wrapped.merge(wrapped.init(), train=train), sample_input, backward=backward,
+                                 **call_mode_kwargs(wrapped.module_type.__call__, train))
+    return precision.explain(wrapped, sample_input, backward=backward, **mode_kwargs(wrapped, train))

@@ -1,7 +1,7 @@
 """Jitted train and eval steps.
 
 ``train_step(state, batch) -> (state, metrics)``: the policy's forward pass,
-logits cast to float32 for the loss (never a half-precision softmax
+outputs cast to float32 for the task's loss (never a half-precision softmax
 cross-entropy), the loss scaled, gradients (accumulated over micro-batches in
 one ``lax.scan`` when asked), then the mixed-precision optimizer: unscale,
 finiteness check, skip or update, adjust the scale. No host sync; the state's
@@ -18,20 +18,22 @@ import optax
 
 import precision
 from train.distributed import Layout, to_host
+from train.functional import NNXModel, mode_kwargs
 from train.state import TrainState
+from train.tasks import Task, cross_entropy, get_task  # noqa: F401 - cross_entropy re-exported
 
 Metrics = dict[str, jax.Array]
 
 
-def cross_entropy(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per-example (or per-token) float32 cross-entropy and correctness."""
-    logits = logits.astype(jnp.float32)
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-    return loss, (jnp.argmax(logits, -1) == labels)
+def _mode(model: Any, train: bool, train_kwarg: str | None) -> dict[str, bool]:
+    if train_kwarg == "auto" or isinstance(model, NNXModel):
+        return mode_kwargs(model, train)
+    return {train_kwarg: train} if train_kwarg else {}
 
 
 def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], Any] | None = None,
-                    donate: bool = True, train_kwarg: str | None = "train", layout: Layout | None = None
+                    donate: bool = True, train_kwarg: str | None = "auto", layout: Layout | None = None,
+                    task: "str | Callable | Task" = "classification"
                     ) -> Callable[[TrainState, dict], tuple[TrainState, Metrics]]:
     """Builds the jitted ``train_step(state, batch) -> (state, metrics)``.
 
@@ -43,14 +45,21 @@ def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], A
       learning_rate_fn: the optimizer's schedule, to report the learning rate of
         each step (evaluated at the number of applied, i.e. not skipped, steps).
       donate: donate the state's buffers to the step (update in place).
-      train_kwarg: the keyword telling the model it is training (``None`` if it
-        takes none).
+      train_kwarg: the keyword telling the model it is training: ``"auto"`` reads
+        it from the model's signature (``train``, ``training``,
+        ``deterministic``... or none; see :func:`train.mode_kwargs`), a name
+        sets that keyword to ``True``, ``None`` passes none. NNX models switch
+        to training mode whatever this says.
       layout: the device mesh and sharding of state and batch (see
         :mod:`train.distributed`); ``None`` runs where the arrays are. Under a
         layout, each micro-batch is spread over every device, gradients take the
         params' sharding, and the finiteness check and the loss scale are global.
+      task: the loss and its metrics (see :func:`train.get_task`): softmax
+        cross-entropy by default (per example or per token), or a function
+        ``fn(outputs, batch) -> (loss, metrics)``.
 
-    Metrics: ``loss`` (unscaled, mean over the batch), ``accuracy``,
+    Metrics: ``loss`` (unscaled, mean over the batch), the task's metrics
+    (``accuracy`` for the built-in ones),
     ``loss_scale`` (the scale this step used), ``grads_finite``, ``grad_norm``
     (of the unscaled gradients), ``skipped_steps`` (total), ``nonfinite_streak``,
     ``at_min_scale``, ``nonfinite_leaf`` (index of the first param leaf whose
@@ -58,19 +67,18 @@ def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], A
     """
     if not isinstance(accum_steps, int) or accum_steps < 1:
         raise ValueError(f"accum_steps must be an integer >= 1, got {accum_steps!r}")
+    task = get_task(task)
 
     def loss_fn(params, model_state, batch, rng, state, loss_scale):
         if layout is not None:
             params = layout.gather(params)
         variables = {"params": params, **model_state}
-        kwargs = {train_kwarg: True} if train_kwarg else {}
         mutable = list(model_state)
         out = state.model.apply(variables, batch["inputs"], rngs={"dropout": rng}, mutable=mutable or False,
-                                **kwargs)
-        logits, new_model_state = out if mutable else (out, model_state)
-        loss, correct = cross_entropy(logits, batch["labels"])
-        loss = loss.mean()
-        return loss_scale.scale(loss), (loss, correct.mean(dtype=jnp.float32), new_model_state)
+                                **_mode(state.model, True, train_kwarg))
+        outputs, new_model_state = out if mutable else (out, model_state)
+        loss, task_metrics = task.loss(outputs, batch)
+        return loss_scale.scale(loss), (loss, task_metrics, new_model_state)
 
     grad_fn = jax.grad(loss_fn, has_aux=True)
 
@@ -84,18 +92,21 @@ def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], A
             lambda x: jnp.swapaxes(x.reshape((leading // accum_steps, accum_steps) + x.shape[1:]), 0, 1), batch)
 
         def body(carry, xs):
-            grads_sum, model_state, loss_sum, acc_sum = carry
+            grads_sum, model_state, sums = carry
             mb, i = xs
-            grads, (loss, acc, model_state) = grad_fn(state.params, model_state, mb,
-                                                      jax.random.fold_in(rng, i), state, loss_scale)
+            grads, (loss, metrics, model_state) = grad_fn(state.params, model_state, mb,
+                                                          jax.random.fold_in(rng, i), state, loss_scale)
             grads_sum = jax.tree_util.tree_map(lambda s, g: s + g.astype(jnp.float32), grads_sum, grads)
-            return (grads_sum, model_state, loss_sum + loss, acc_sum + acc), None
+            return (grads_sum, model_state, jax.tree_util.tree_map(jnp.add, sums, (loss, metrics))), None
 
         zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-        init = (zeros, state.model_state, jnp.zeros([], jnp.float32), jnp.zeros([], jnp.float32))
-        (grads, model_state, loss, acc), _ = jax.lax.scan(body, init, (micro, jnp.arange(accum_steps)))
-        grads = jax.tree_util.tree_map(lambda g: g / accum_steps, grads)
-        return grads, loss / accum_steps, acc / accum_steps, model_state
+        first = jax.tree_util.tree_map(lambda x: x[0], micro)
+        shapes = jax.eval_shape(lambda: grad_fn(state.params, state.model_state, first, rng, state, loss_scale))
+        sums = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes[1][:2])
+        (grads, model_state, (loss, metrics)), _ = jax.lax.scan(body, (zeros, state.model_state, sums),
+                                                                (micro, jnp.arange(accum_steps)))
+        mean = lambda tree: jax.tree_util.tree_map(lambda x: x / accum_steps, tree)  # noqa: E731
+        return mean(grads), mean(loss), mean(metrics), model_state
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, Metrics]:
         if layout is not None:
@@ -103,10 +114,10 @@ def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], A
         loss_scale = precision.current_loss_scale(state.opt_state)
         rng = jax.random.fold_in(state.rng, state.step)
         if accum_steps == 1:
-            grads, (loss, acc, model_state) = grad_fn(state.params, state.model_state, batch, rng, state,
-                                                      loss_scale)
+            grads, (loss, task_metrics, model_state) = grad_fn(state.params, state.model_state, batch, rng,
+                                                               state, loss_scale)
         else:
-            grads, loss, acc, model_state = accumulate(state, batch, rng, loss_scale)
+            grads, loss, task_metrics, model_state = accumulate(state, batch, rng, loss_scale)
         if layout is not None:
             grads = layout.constrain_state(grads)
         updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
@@ -114,8 +125,8 @@ def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], A
         mp = precision.find_mixed_precision_state(opt_state)
         new_scale = mp.loss_scale
         metrics = {
+            **task_metrics,
             "loss": loss,
-            "accuracy": acc,
             "loss_scale": loss_scale.loss_scale.astype(jnp.float32),
             "grads_finite": mp.grads_finite,
             "grad_norm": mp.grad_norm,
@@ -144,15 +155,17 @@ def _at_min_scale(loss_scale: Any) -> jax.Array:
     return loss_scale.loss_scale <= minimum
 
 
-def make_eval_step(*, train_kwarg: str | None = "train", layout: Layout | None = None
-                   ) -> Callable[[TrainState, dict], Metrics]:
+def make_eval_step(*, train_kwarg: str | None = "auto", layout: Layout | None = None,
+                   task: "str | Callable | Task" = "classification") -> Callable[[TrainState, dict], Metrics]:
     """Builds the jitted ``eval_step(state, batch) -> sums``, computing in the
     policy of ``state.model`` (over the devices of ``layout``, when given).
 
     Returns sums over the real (``mask``) examples, so batches add up exactly:
-    ``loss_sum``, ``correct`` and ``count`` (examples, or tokens for sequences).
-    Turn them into means with :func:`summarize_eval`.
+    ``loss_sum``, the task's metrics (``correct`` for the built-in tasks,
+    ``<metric>_sum`` for a user's) and ``count`` (examples, or tokens for
+    sequences). Turn them into means with :func:`summarize_eval`.
     """
+    task = get_task(task)
 
     def eval_step(state: TrainState, batch: dict) -> Metrics:
         params = state.params
@@ -160,25 +173,23 @@ def make_eval_step(*, train_kwarg: str | None = "train", layout: Layout | None =
             batch = layout.constrain_batch(batch)
             params = layout.gather(params)
         variables = {"params": params, **state.model_state}
-        kwargs = {train_kwarg: False} if train_kwarg else {}
-        logits = state.model.apply(variables, batch["inputs"], **kwargs)
-        loss, correct = cross_entropy(logits, batch["labels"])
-        mask = batch.get("mask")
-        mask = jnp.ones(loss.shape[:1], bool) if mask is None else mask
-        weights = jnp.broadcast_to(mask.reshape(mask.shape + (1,) * (loss.ndim - 1)), loss.shape)
-        weights = weights.astype(jnp.float32)
-        sums = {"loss_sum": jnp.sum(loss * weights), "correct": jnp.sum(correct * weights),
-                "count": jnp.sum(weights)}
+        outputs = state.model.apply(variables, batch["inputs"], **_mode(state.model, False, train_kwarg))
+        sums = task.eval_sums(outputs, batch)
         return sums if layout is None else jax.lax.with_sharding_constraint(sums, layout.replicated())
 
     return jax.jit(eval_step)
 
 
 def summarize_eval(sums: dict[str, Any], task: str = "classification") -> dict[str, float]:
-    """Means from summed eval results: loss and accuracy, plus perplexity for language models."""
+    """Means from summed eval results: loss, accuracy (or a user task's metrics),
+    plus perplexity for language models."""
     count = max(float(sums["count"]), 1.0)
     loss = float(sums["loss_sum"]) / count
-    out = {"loss": loss, "accuracy": float(sums["correct"]) / count}
+    out = {"loss": loss}
+    if "correct" in sums:
+        out["accuracy"] = float(sums["correct"]) / count
+    out.update({k.removesuffix("_sum"): float(v) / count for k, v in sums.items()
+                if k.endswith("_sum") and k != "loss_sum"})
     if task == "language_model":
         out["perplexity"] = float(jnp.exp(jnp.minimum(loss, 80.0)))
     return out

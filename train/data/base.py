@@ -33,10 +33,6 @@ class ClassificationData:
     num_classes: int
     task: str = "classification"
 
-    def __post_init__(self):
-        self._perm_epoch: tuple[int, int] | None = None
-        self._perm: np.ndarray | None = None
-
     @property
     def input_shape(self) -> tuple[int, ...]:
         return tuple(self.x_train.shape[1:])
@@ -48,25 +44,20 @@ class ClassificationData:
     def sample_input(self, batch_size: int = 1) -> np.ndarray:
         return self.x_train[:batch_size]
 
-    def _permutation(self, seed: int, epoch: int) -> np.ndarray:
-        if self._perm_epoch != (seed, epoch):
-            self._perm = np.random.default_rng([seed, epoch]).permutation(len(self.x_train))
-            self._perm_epoch = (seed, epoch)
-        return self._perm
-
     def train_batch(self, index: int, batch_size: int, seed: int, rows: slice = slice(None)) -> Batch:
         """Batch ``index`` of an endless sequence of epochs, each a fresh permutation.
 
         ``rows`` selects part of the batch (a process's share in a multi-process
         run) without reading the other examples.
         """
-        per_epoch = len(self.x_train) // batch_size
-        if per_epoch == 0:
-            raise DataError(f"{self.name}: batch size {batch_size} exceeds the {len(self.x_train)} "
-                            f"training examples")
-        epoch, within = divmod(index, per_epoch)
-        idx = self._permutation(seed, epoch)[within * batch_size:(within + 1) * batch_size][rows]
+        idx = self._order.indices(index, batch_size, seed, rows)
         return {"inputs": self.x_train[idx], "labels": self.y_train[idx]}
+
+    @property
+    def _order(self) -> "EpochOrder":
+        if not hasattr(self, "_epoch_order"):
+            self._epoch_order = EpochOrder(len(self.x_train), self.name)
+        return self._epoch_order
 
     def eval_batches(self, batch_size: int, max_batches: int | None = None) -> Iterator[Batch]:
         """The test set in order, the last batch padded (``mask`` marks real examples)."""
@@ -117,6 +108,29 @@ class TextData:
         yield from _padded_batches(windows["inputs"], windows["labels"], batch_size, max_batches)
 
 
+class EpochOrder:
+    """Which examples batch ``index`` holds: epochs of fresh permutations seeded by
+    ``(seed, epoch)``, the remainder of each epoch dropped, so a batch is a pure
+    function of ``(seed, index)`` and a resumed run sees the same data."""
+
+    def __init__(self, size: int, name: str):
+        self.size, self.name = size, name
+        self._cached: tuple[tuple[int, int], np.ndarray] | None = None
+
+    def _permutation(self, seed: int, epoch: int) -> np.ndarray:
+        if self._cached is None or self._cached[0] != (seed, epoch):
+            self._cached = ((seed, epoch), np.random.default_rng([seed, epoch]).permutation(self.size))
+        return self._cached[1]
+
+    def indices(self, index: int, batch_size: int, seed: int, rows: slice = slice(None)) -> np.ndarray:
+        """Example indices of batch ``index`` (its ``rows`` only)."""
+        per_epoch = self.size // batch_size
+        if per_epoch == 0:
+            raise DataError(f"{self.name}: batch size {batch_size} exceeds the {self.size} training examples")
+        epoch, within = divmod(index, per_epoch)
+        return self._permutation(seed, epoch)[within * batch_size:(within + 1) * batch_size][rows]
+
+
 def _windows(ids: np.ndarray, starts: np.ndarray, seq_len: int) -> Batch:
     offsets = starts[:, None] + np.arange(seq_len + 1)[None]
     tokens = ids[offsets]
@@ -125,16 +139,21 @@ def _windows(ids: np.ndarray, starts: np.ndarray, seq_len: int) -> Batch:
 
 def _padded_batches(x: np.ndarray, y: np.ndarray, batch_size: int,
                     max_batches: int | None) -> Iterator[Batch]:
-    total = len(x) if max_batches is None else min(len(x), max_batches * batch_size)
+    yield from padded_batches(len(x), lambda idx: {"inputs": x[idx], "labels": y[idx]}, batch_size, max_batches)
+
+
+def padded_batches(size: int, take: Callable[[np.ndarray], Batch], batch_size: int,
+                   max_batches: int | None = None) -> Iterator[Batch]:
+    """Examples ``0 .. size-1`` in order, ``take(indices)`` per batch, the last batch
+    padded with zeros (``mask`` marks real examples)."""
+    total = size if max_batches is None else min(size, max_batches * batch_size)
     for start in range(0, total, batch_size):
         stop = min(start + batch_size, total)
         pad = batch_size - (stop - start)
-        mask = np.concatenate([np.ones(stop - start, bool), np.zeros(pad, bool)])
-        xb, yb = x[start:stop], y[start:stop]
+        batch = take(np.arange(start, stop))
         if pad:
-            xb = np.concatenate([xb, np.zeros((pad,) + xb.shape[1:], xb.dtype)])
-            yb = np.concatenate([yb, np.zeros((pad,) + yb.shape[1:], yb.dtype)])
-        yield {"inputs": xb, "labels": yb, "mask": mask}
+            batch = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)]) for k, v in batch.items()}
+        yield {**batch, "mask": np.concatenate([np.ones(stop - start, bool), np.zeros(pad, bool)])}
 
 
 def train_batches(data: Any, batch_size: int, seed: int, start: int = 0, rows: slice = slice(None)

@@ -1,0 +1,222 @@
+"""From config sections to objects: the data, the model, the task and the
+optimizer an experiment names, built-in or the user's own, each checked
+against the others abstractly (no compute) so a bad reference fails in one
+line before anything compiles."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import typing
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+import flax.linen as nn
+from flax import nnx
+
+from train import config as config_lib
+from train.config import ConfigError
+from train.data import DATASETS, DataError, load_dataset
+from train.data.user import from_user_function
+from train.functional import bind, mode_kwargs
+from train.models import MODELS
+from train.references import UserCodeError, one_line, resolve
+from train.tasks import Task, get_task
+
+__all__ = ["build_data", "build_model", "build_optimizer", "build_task", "check_model_fits_data",
+           "model_options"]
+
+
+def build_data(data_config: Any, seed: int) -> Any:
+    """The dataset ``data.name`` names: a shipped one, or a user's function
+    (``module:function``) called with ``data.options``."""
+    if data_config.name in DATASETS:
+        options = data_config.model_dump(exclude={"name", "options"})
+        return load_dataset(data_config.name, **options, seed=seed)
+    try:
+        fn = resolve(data_config.name, "data.name")
+    except UserCodeError as e:
+        raise DataError(str(e)) from None
+    if not callable(fn):
+        raise DataError(f"data.name: {data_config.name} is a {type(fn).__name__}, not a function returning data")
+    return from_user_function(fn, dict(getattr(data_config, "options", {}) or {}))
+
+
+def build_task(spec: str, data: Any) -> Task:
+    """The task ``spec`` (``auto``: the data's) as a :class:`train.tasks.Task`."""
+    try:
+        return get_task(spec, getattr(data, "task", None))
+    except UserCodeError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _data_defaults(data: Any) -> dict[str, Any]:
+    """Constructor arguments a model may take that default to the data's."""
+    length = data.input_shape[0] if data.input_shape else None
+    values = {"num_classes": data.num_classes, "vocab_size": data.num_classes, "block_size": length,
+              "max_len": length, "seq_len": length}
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def model_options(model_config: Any, data: Any) -> dict[str, Any]:
+    """The model's constructor arguments: the config's, plus those that default
+    to the data's (class counts, vocabulary, context length) when it takes them."""
+    options = dict(model_config.options)
+    if model_config.name in MODELS:
+        names = set(config_lib.model_fields(model_config.name))
+    else:
+        names = set(_parameters(_resolve_model(model_config.name)))
+    for name, value in _data_defaults(data).items():
+        if name in names:
+            options.setdefault(name, value)
+    return options
+
+
+def build_model(model_config: Any, data: Any, seed: int = 0) -> Any:
+    """The model a config names: a built-in Linen model, or a user's Linen / NNX
+    class or factory (``module:Name``) built with the other ``model.*`` keys as
+    keyword arguments (a mapping given for an argument annotated with a
+    dataclass, such as a Flax model config, builds that dataclass; an NNX
+    model's ``rngs`` comes from ``seed``)."""
+    options = model_options(model_config, data)
+    if model_config.name in MODELS:
+        options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+        return MODELS[model_config.name](**options)
+    target = _resolve_model(model_config.name)
+    kwargs = _constructor_kwargs(target, options, seed)
+    try:
+        model = target(**kwargs)
+    except Exception as e:  # noqa: BLE001 - the user's constructor raised
+        raise ConfigError(f"model.name: {model_config.name}(**model) raised {one_line(e)}") from None
+    if not isinstance(model, (nn.Module, nnx.Module)):
+        raise ConfigError(f"model.name: {model_config.name} gave a {type(model).__name__}, not a flax.linen.Module "
+                          f"or flax.nnx.Module")
+    return model
+
+
+def _resolve_model(reference: str) -> Any:
+    try:
+        target = resolve(reference, "model.name")
+    except UserCodeError as e:
+        raise ConfigError(str(e)) from None
+    if not callable(target):
+        raise ConfigError(f"model.name: {reference} is a {type(target).__name__}, not a model class or factory")
+    return target
+
+
+def _parameters(target: Any) -> dict[str, inspect.Parameter]:
+    linen = isinstance(target, type) and issubclass(target, nn.Module)
+    # NNX (and other metaclass-made) classes hide their __init__ signature behind the metaclass.
+    fn = target.__init__ if isinstance(target, type) and not linen else target
+    try:
+        params = dict(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return {}
+    if fn is not target:
+        params.pop(next(iter(params), None), None)  # self
+    return {k: p for k, p in params.items() if not (linen and k in ("parent", "name"))}
+
+
+def _constructor_kwargs(target: Any, options: dict[str, Any], seed: int) -> dict[str, Any]:
+    """``options`` checked against ``target``'s signature; dataclass arguments built."""
+    params = _parameters(target)
+    name = getattr(target, "__name__", str(target))
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    for key in options:
+        if key not in params and not takes_any:
+            close = difflib.get_close_matches(key, list(params), n=1)
+            hint = f" Did you mean 'model.{close[0]}'?" if close else ""
+            raise ConfigError(f"model.{key}: {name} takes no argument '{key}'.{hint} Its arguments: "
+                              f"{', '.join(params) or 'none'}")
+    kwargs = dict(options)
+    if "rngs" in params and "rngs" not in kwargs:
+        kwargs["rngs"] = nnx.Rngs(seed)
+    try:
+        hints = typing.get_type_hints(target if isinstance(target, type) and issubclass(target, nn.Module)
+                                      else getattr(target, "__init__", target) if isinstance(target, type)
+                                      else target)
+    except Exception:  # noqa: BLE001 - unresolvable annotations: use the values as given
+        hints = {}
+    for key, value in list(kwargs.items()):
+        cls = hints.get(key)
+        if isinstance(value, dict) and isinstance(cls, type) and dataclasses.is_dataclass(cls):
+            kwargs[key] = _build_dataclass(cls, value, f"model.{key}")
+        elif isinstance(value, list) and typing.get_origin(cls) is tuple:
+            kwargs[key] = tuple(value)
+    missing = [k for k, p in params.items() if p.default is p.empty and k not in kwargs
+               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if missing:
+        raise ConfigError(f"model.{missing[0]}: {name} needs argument '{missing[0]}'; set "
+                          f"{', '.join('model.' + m for m in missing)} in the config")
+    return kwargs
+
+
+def _build_dataclass(cls: type, values: dict, key: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    for name in values:
+        if name not in fields:
+            close = difflib.get_close_matches(name, list(fields), n=1)
+            hint = f" Did you mean '{key}.{close[0]}'?" if close else ""
+            raise ConfigError(f"{key}.{name}: {cls.__name__} has no field '{name}'.{hint} Its fields: "
+                              f"{', '.join(fields)}")
+    try:
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+    except Exception as e:  # noqa: BLE001 - the dataclass rejected the values
+        raise ConfigError(f"{key}: {cls.__name__}(...) raised {one_line(e)}") from None
+
+
+def check_model_fits_data(model: Any, data: Any, name: str = "model", task: Task | None = None) -> None:
+    """Raises :class:`ConfigError` unless ``model`` takes the data's inputs and the
+    task takes its outputs: one logit per class (per token for language models)
+    for the built-in tasks, a scalar loss for a user's. Checked abstractly."""
+    task = task or get_task("auto", data.task)
+    batch = data.train_batch(0, 2, 0)
+    bound = bind(model, "fp32")
+    sample = batch["inputs"]
+    try:
+        mode = mode_kwargs(bound, False)
+        variables = jax.eval_shape(lambda x: bound.init(jax.random.PRNGKey(0), x, **mode), sample)
+        outputs = jax.eval_shape(lambda v, x: bound.apply(v, x, **mode), variables, sample)
+    except Exception as e:  # noqa: BLE001 - any failure here is a model/data mismatch
+        raise ConfigError(f"model '{name}' cannot take {data.name} inputs of shape {tuple(np.shape(sample))[1:]} "
+                          f"({one_line(e)})") from None
+    if not task.builtin:
+        try:
+            jax.eval_shape(task.loss, outputs, batch)
+        except Exception as e:  # noqa: BLE001 - the user's loss does not fit the model's outputs
+            raise ConfigError(f"task: {task.name} cannot take the outputs of model '{name}' "
+                              f"({one_line(e)})") from None
+        return
+    expected = (2,) + ((data.input_shape[0],) if task.name == "language_model" else ()) + (data.num_classes,)
+    if tuple(getattr(outputs, "shape", ())) != expected:
+        what = " per token" if task.name == "language_model" else ""
+        raise ConfigError(f"model '{name}' outputs logits of shape {tuple(getattr(outputs, 'shape', ()))[1:]} for "
+                          f"{data.name}, whose {task.name} needs {expected[1:]} ({data.num_classes} classes{what}); "
+                          f"set the model's num_classes / vocab_size / block_size to the data's or leave them unset")
+
+
+def build_optimizer(opt: Any, steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """The optax optimizer and learning-rate schedule an optimizer config describes."""
+    warmup = min(opt.warmup_steps, steps)
+    if opt.schedule == "constant":
+        after = optax.constant_schedule(opt.lr)
+    elif opt.schedule == "cosine":
+        after = optax.cosine_decay_schedule(opt.lr, max(steps - warmup, 1), alpha=opt.min_lr / opt.lr)
+    else:
+        after = optax.linear_schedule(opt.lr, opt.min_lr, max(steps - warmup, 1))
+    schedule = (optax.join_schedules([optax.linear_schedule(0.0, opt.lr, warmup), after], [warmup])
+                if warmup else after)
+    if opt.name == "adam":
+        tx = optax.adam(schedule, opt.b1, opt.b2, opt.eps)
+    elif opt.name == "adamw":
+        tx = optax.adamw(schedule, opt.b1, opt.b2, opt.eps, weight_decay=opt.weight_decay)
+    elif opt.name == "lion":
+        tx = optax.lion(schedule, opt.b1, opt.b2, weight_decay=opt.weight_decay)
+    else:
+        tx = optax.sgd(schedule, opt.momentum or None, opt.nesterov)
+        if opt.weight_decay:
+            tx = optax.chain(optax.add_decayed_weights(opt.weight_decay), tx)
+    return tx, schedule

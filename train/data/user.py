@@ -1,0 +1,149 @@
+"""A user's own data, named in a config as ``data.name: module:function``.
+
+The function (called with ``data.options`` as keyword arguments) returns one of:
+
+* ``{"train": split, "eval": split}`` (``"test"`` / ``"validation"`` also name
+  the eval split), each split either a dict of arrays with one row per example
+  (``inputs`` required, ``labels`` for the built-in tasks, any other keys
+  passed to a user's loss) or a random-access source (``len(source)`` and
+  ``source[i]`` giving one example as a dict of arrays, as grain's
+  ``MapDataSource`` or a Hugging Face dataset does). Optional keys:
+  ``num_classes``, ``task`` (``classification`` / ``language_model``), ``name``.
+* an object with the dataset protocol of :mod:`train.data.base` (``name``,
+  ``task``, ``num_classes``, ``input_shape``, ``describe()``,
+  ``sample_input(n)``, ``train_batch(index, batch_size, seed, rows)``,
+  ``eval_batches(batch_size, max_batches)``).
+
+Splits get the shuffling, batching, per-process rows and exact resume of the
+shipped datasets: batch ``i`` is a pure function of ``(seed, i)``, so a resumed
+run continues the data order where the checkpoint left it. (Random access is
+what makes that exact; a plain iterator could only be replayed.)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import numpy as np
+
+from train.data.base import Batch, DataError, EpochOrder, padded_batches
+
+__all__ = ["UserData", "from_user_function"]
+
+_EVAL_KEYS = ("eval", "test", "validation")
+_PROTOCOL = ("task", "num_classes", "input_shape", "describe", "sample_input", "train_batch", "eval_batches")
+
+
+class _Split:
+    """One split, arrays or a random-access source, read by example indices."""
+
+    def __init__(self, split: Any, where: str):
+        self.where = where
+        if isinstance(split, dict):
+            arrays = {k: np.asarray(v) for k, v in split.items()}
+            sizes = {k: (len(v) if v.ndim else None) for k, v in arrays.items()}
+            if len(set(sizes.values())) != 1 or None in sizes.values():
+                raise DataError(f"{where}: every array needs one row per example; got rows {sizes}")
+            self.arrays, self.source, self.size = arrays, None, next(iter(sizes.values()))
+        elif hasattr(split, "__len__") and hasattr(split, "__getitem__"):
+            self.arrays, self.source, self.size = None, split, len(split)
+        else:
+            raise DataError(f"{where}: expected a dict of arrays or a source with len() and [i], got "
+                            f"{type(split).__name__}")
+        if self.size == 0:
+            raise DataError(f"{where}: no examples")
+        first = self.take(np.arange(1))
+        if "inputs" not in first:
+            raise DataError(f"{where}: examples need an 'inputs' entry (the model's input); got keys "
+                            f"{sorted(first)}")
+        self.example = {k: v[0] for k, v in first.items()}
+
+    def take(self, indices: np.ndarray) -> Batch:
+        if self.arrays is not None:
+            return {k: v[indices] for k, v in self.arrays.items()}
+        examples = [self.source[int(i)] for i in indices]
+        if not all(isinstance(e, dict) for e in examples):
+            raise DataError(f"{self.where}: source[i] must be a dict of arrays, got {type(examples[0]).__name__}")
+        return {k: np.stack([np.asarray(e[k]) for e in examples]) for k in examples[0]}
+
+
+class UserData:
+    """Train and eval splits of a user's data with the shipped datasets' batching."""
+
+    def __init__(self, name: str, train: Any, evaluation: Any, num_classes: int | None = None,
+                 task: str | None = None):
+        self.name = name
+        self.train = _Split(train, f"{name}: train split")
+        self.eval = _Split(evaluation, f"{name}: eval split")
+        self._order = EpochOrder(self.train.size, name)
+        labels = self.train.example.get("labels")
+        self.task = task or _infer_task(self.train.example)
+        if num_classes is None and labels is not None and np.issubdtype(np.asarray(labels).dtype, np.integer):
+            num_classes = int(max(self._max_label(self.train), self._max_label(self.eval))) + 1
+        self.num_classes = num_classes
+
+    @staticmethod
+    def _max_label(split: _Split) -> int:
+        if split.arrays is not None:
+            return int(np.max(split.arrays["labels"])) if "labels" in split.arrays else 0
+        return 0  # a source is not scanned; give num_classes
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(np.shape(self.train.example["inputs"]))
+
+    def describe(self) -> str:
+        classes = f", {self.num_classes} classes" if self.num_classes else ""
+        return (f"{self.name}: {self.train.size} train / {self.eval.size} eval examples of shape "
+                f"{self.input_shape}{classes}")
+
+    def sample_input(self, batch_size: int = 1) -> np.ndarray:
+        return self.sample_batch(batch_size)["inputs"]
+
+    def sample_batch(self, batch_size: int = 1) -> Batch:
+        """The first ``batch_size`` training examples (repeated if there are fewer)."""
+        return self.train.take(np.arange(batch_size) % self.train.size)
+
+    def train_batch(self, index: int, batch_size: int, seed: int, rows: slice = slice(None)) -> Batch:
+        """Batch ``index`` of endless epochs of fresh permutations (``rows`` of it)."""
+        return self.train.take(self._order.indices(index, batch_size, seed, rows))
+
+    def eval_batches(self, batch_size: int, max_batches: int | None = None) -> Iterator[Batch]:
+        """The eval split in order, the last batch padded (``mask`` marks real examples)."""
+        yield from padded_batches(self.eval.size, self.eval.take, batch_size, max_batches)
+
+
+def _infer_task(example: dict) -> str | None:
+    labels, inputs = example.get("labels"), np.asarray(example["inputs"])
+    if labels is None or not np.issubdtype(np.asarray(labels).dtype, np.integer):
+        return None
+    labels = np.asarray(labels)
+    if labels.ndim == 0:
+        return "classification"
+    if labels.shape == inputs.shape and np.issubdtype(inputs.dtype, np.integer):
+        return "language_model"
+    return None
+
+
+def from_user_function(fn: Any, options: dict, key: str = "data.name") -> Any:
+    """Calls a user's data function with ``options`` and wraps what it returns."""
+    name = getattr(fn, "__name__", "user data")
+    try:
+        result = fn(**options)
+    except TypeError as e:
+        raise DataError(f"{key}: calling {name}(**data.options) failed: {e}") from None
+    if all(hasattr(result, attr) for attr in _PROTOCOL):
+        return result
+    if not isinstance(result, dict) or "train" not in result:
+        missing = [a for a in _PROTOCOL if not hasattr(result, a)]
+        raise DataError(f"{key}: {name} must return {{'train': ..., 'eval': ...}} (dicts of arrays or random-access "
+                        f"sources) or a dataset object; got {type(result).__name__} (missing {', '.join(missing)})")
+    eval_key = next((k for k in _EVAL_KEYS if k in result), None)
+    if eval_key is None:
+        raise DataError(f"{key}: {name} returned no eval split; add one of {', '.join(_EVAL_KEYS)}")
+    unknown = set(result) - {"train", *_EVAL_KEYS, "num_classes", "task", "name"}
+    if unknown:
+        raise DataError(f"{key}: {name} returned unknown keys {sorted(unknown)}; valid: train, "
+                        f"{', '.join(_EVAL_KEYS)}, num_classes, task, name")
+    return UserData(result.get("name", name), result["train"], result[eval_key], result.get("num_classes"),
+                    result.get("task"))

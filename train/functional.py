@@ -1,0 +1,186 @@
+"""Any Flax model, Linen or NNX, under a policy, as pure functions of arrays.
+
+The train state, steps, checkpoints and layouts handle one model contract, the
+Linen one: ``init(key, inputs) -> variables`` and ``apply(variables, inputs,
+rngs=, mutable=, train=...)``, with variables ``{"params": ..., **state}`` as
+nested dicts of arrays. A Linen module under :func:`precision.with_policy`
+has it already; :class:`NNXModel` gives an NNX module the same contract, so
+NNX models get the same train state, steps, accumulation, sharding and
+bit-exact checkpoints as Linen ones, through the same code.
+
+Models signal training in different ways (``train=True``,
+``deterministic=False``, ``training=True``, none at all, or NNX's
+``model.train()`` / ``model.eval()`` modes): :func:`mode_kwargs` reads it from
+the model's signature, so no model has to be edited to fit the framework.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import jax
+import flax.linen as nn
+from flax import nnx
+
+import precision
+
+__all__ = ["NNXModel", "bind", "mode_kwargs", "call_mode_kwargs", "TRAIN_KEYWORDS"]
+
+#: Call keywords by which models learn that they are training, and their value when training.
+TRAIN_KEYWORDS = {"train": True, "training": True, "is_training": True, "deterministic": False}
+
+
+def call_mode_kwargs(fn: Any, train: bool) -> dict[str, bool]:
+    """The keyword ``fn``'s signature takes to tell training from evaluation, set
+    for ``train`` (``{}`` if it takes none of :data:`TRAIN_KEYWORDS`)."""
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+    for name, when_training in TRAIN_KEYWORDS.items():
+        param = parameters.get(name)
+        if param is not None and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
+            return {name: when_training if train else not when_training}
+    return {}
+
+
+def mode_kwargs(model: Any, train: bool) -> dict[str, bool]:
+    """Keyword arguments telling a wrapped model (``model.apply``) whether it trains."""
+    if isinstance(model, NNXModel):
+        return {"train": train}
+    module = getattr(model, "module", model)
+    return call_mode_kwargs(type(module).__call__, train)
+
+
+def bind(model: Any, policy: "str | precision.Policy | None", rules: Any = None, *,
+         ops: precision.OpLists | None = None, autocast: bool = True) -> Any:
+    """``model`` under ``policy`` with the Linen ``init`` / ``apply`` contract.
+
+    Takes a Linen or NNX module, or one already wrapped by
+    :func:`precision.with_policy` (then ``policy`` must match or be ``None``
+    and ``rules``, ``ops``, ``autocast`` be left at their defaults).
+    """
+    if isinstance(model, (precision.LinenWithPolicy, precision.NNXWithPolicy, NNXModel)):
+        if policy is not None and precision.get_policy(policy) != model.policy:
+            raise ValueError(f"policy {policy!r} differs from the wrapped model's {model.policy}; pass "
+                             f"policy=None or an unwrapped module")
+        if ops is not None or not autocast or rules is not None:
+            raise ValueError("`rules`, `ops` and `autocast` apply to an unwrapped module; the wrapped model has "
+                             "its own (precision.with_policy(module, policy, rules, ops=..., autocast=...))")
+        return NNXModel(model) if isinstance(model, precision.NNXWithPolicy) else model
+    if isinstance(model, nn.Module):
+        return precision.with_policy(model, policy, rules, ops=ops, autocast=autocast)
+    if isinstance(model, nnx.Module):
+        # A copy: the caller's module keeps its params and their dtypes.
+        return NNXModel(precision.with_policy(nnx.clone(model), policy, rules, ops=ops, autocast=autocast))
+    raise TypeError(f"expected a flax.linen.Module or flax.nnx.Module (or one wrapped by precision.with_policy), "
+                    f"got {type(model).__name__}")
+
+
+class _Layout:
+    """How an NNX state maps to a nested dict of arrays with string keys, and back."""
+
+    def __init__(self, state: nnx.State):
+        self.treedef = jax.tree_util.tree_structure(state)
+        self.paths = [tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))[1:]
+                      for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+
+    def to_tree(self, state: nnx.State) -> dict:
+        tree: dict = {}
+        for path, leaf in zip(self.paths, jax.tree_util.tree_leaves(state)):
+            node = tree
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+            node[path[-1]] = leaf
+        return tree
+
+    def from_tree(self, tree: dict) -> nnx.State:
+        leaves = []
+        for path in self.paths:
+            node = tree
+            for key in path:
+                node = node[key]
+            leaves.append(node)
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+
+class NNXModel:
+    """An NNX module under a policy with Linen's ``init`` / ``apply``.
+
+    Variables are ``{"params": ...}`` plus ``{"state": ...}`` when the module
+    has other state (BatchNorm statistics), nested dicts keyed by attribute
+    names, with params in their param dtypes. ``apply(..., train=True)`` runs
+    the module in training mode (``model.train()``: dropout on, batch
+    statistics) and reseeds its RNG streams from ``rngs``, so dropout is a pure
+    function of the key the train step derives from ``(state.rng, step)``;
+    ``train=False`` runs it in eval mode. The module's own ``train`` /
+    ``deterministic`` keyword, if its call takes one, is set to match.
+    """
+
+    def __init__(self, wrapped: precision.NNXWithPolicy):
+        self.policy = wrapped.policy
+        self.rules = wrapped.rules
+        self.autocast = wrapped.autocast
+        self.ops = wrapped.ops
+        self.module_type = type(wrapped.module)
+        wrapped.eval()
+        self._eval_graph, params, rngs, rest = nnx.split(wrapped, nnx.Param, nnx.RngState, ...)
+        wrapped.train()
+        self._train_graph = nnx.split(wrapped, nnx.Param, nnx.RngState, ...)[0]
+        self._params, self._rest = _Layout(params), _Layout(rest)
+        self._rngs = rngs
+        self._streams = sorted({v.tag for v in jax.tree_util.tree_leaves(
+            rngs, is_leaf=lambda x: isinstance(x, nnx.Variable)) if isinstance(v, nnx.RngKey)})
+        self._initial = {"params": self._params.to_tree(params)}
+        if self._rest.paths:
+            self._initial["state"] = self._rest.to_tree(rest)
+
+    def __repr__(self) -> str:
+        return f"NNXModel({self.module_type.__name__}, {str(self.policy)!r})"
+
+    @property
+    def module(self) -> nnx.Module:
+        """The unwrapped module (with its initial values), e.g. for its signature."""
+        return self.merge(self._initial, train=False).module
+
+    def merge(self, variables: Any, *, train: bool = False) -> precision.NNXWithPolicy:
+        """The module under its policy holding ``variables``, in train or eval mode."""
+        state = variables.get("state", self._initial.get("state"))
+        rest = self._rest.from_tree(state) if self._rest.paths else nnx.State({})
+        graph = self._train_graph if train else self._eval_graph
+        rngs = jax.tree_util.tree_map(lambda x: x, self._rngs)  # fresh variables: reseeding must not touch ours
+        return nnx.merge(graph, self._params.from_tree(variables["params"]), rngs, rest)
+
+    def init(self, rngs: Any = None, *args: Any, **kwargs: Any) -> dict:
+        """The module's variables, params in their param dtypes. An NNX module is
+        initialised when constructed, so ``rngs`` and the inputs are not used."""
+        del rngs, args, kwargs
+        return dict(self._initial)
+
+    def apply(self, variables: Any, *args: Any, rngs: Any = None, mutable: Any = False, train: bool = False,
+              **kwargs: Any) -> Any:
+        """Calls the module on ``args`` with ``variables``; with ``mutable``, also
+        returns the updated ``{"state": ...}``."""
+        wrapped = self.merge(variables, train=train)
+        if rngs is not None and self._streams:
+            key = rngs.get("dropout", next(iter(rngs.values()))) if isinstance(rngs, dict) else rngs
+            nnx.reseed(wrapped, **{name: jax.random.fold_in(key, i) for i, name in enumerate(self._streams)})
+        out = wrapped(*args, **call_mode_kwargs(self.module_type.__call__, train), **kwargs)
+        if not mutable:
+            return out
+        new = {"state": self._rest.to_tree(nnx.state(wrapped, nnx.Not(nnx.Any(nnx.Param, nnx.RngState))))}
+        return out, (new if self._rest.paths else {})
+
+    def cast_params(self, variables: Any, *args: Any, **kwargs: Any) -> dict:
+        """Variables with their (float32) params cast to the policy's param dtypes."""
+        return self.with_policy(self.policy, self.rules, variables)._initial | {
+            k: v for k, v in variables.items() if k != "params"}
+
+    def with_policy(self, policy: "str | precision.Policy", rules: Any = None, variables: Any = None
+                    ) -> "NNXModel":
+        """The same module under another policy, holding ``variables`` (default:
+        its initial ones; params are cast to the new param dtypes)."""
+        module = self.merge(self._initial if variables is None else variables).module  # fresh variables
+        rules = self.rules if rules is None else rules
+        return NNXModel(precision.with_policy(module, policy, rules, ops=self.ops, autocast=self.autocast))

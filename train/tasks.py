@@ -1,0 +1,128 @@
+"""What a model is trained to do: its loss and metrics, built in or the user's.
+
+A :class:`Task` maps the model's outputs and the batch to a float32 loss and
+metrics. Built in: ``classification`` (one label per example) and
+``language_model`` (one label per token), both softmax cross-entropy in
+float32 with accuracy. A user's loss ``fn(outputs, batch) -> (loss, metrics)``
+(named in a config as ``task: module:function``) works the same way: outputs
+reach it in float32 (never a half-precision loss), it returns the batch mean
+loss and a dict of batch-mean metrics; evaluation calls it per example, so
+padded eval rows never count.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from train.references import UserCodeError, is_reference, resolve
+
+__all__ = ["Task", "get_task", "cross_entropy", "TASK_NAMES"]
+
+Metrics = dict[str, jax.Array]
+LossFn = Callable[[Any, dict], tuple[jax.Array, Metrics]]
+
+#: Built-in task names (``lm`` is short for ``language_model``).
+TASK_NAMES = ("auto", "classification", "language_model", "lm")
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-example (or per-token) float32 cross-entropy and correctness."""
+    logits = logits.astype(jnp.float32)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    return loss, (jnp.argmax(logits, -1) == labels)
+
+
+class Task(NamedTuple):
+    """A loss with its metrics; ``builtin`` tasks take logits and integer labels."""
+
+    name: str
+    loss_fn: LossFn
+    builtin: bool
+
+    def loss(self, outputs: Any, batch: dict) -> tuple[jax.Array, Metrics]:
+        """Batch-mean float32 loss and metrics of ``outputs`` (cast to float32 first)."""
+        loss, metrics = self.loss_fn(_float32(outputs), batch)
+        return jnp.asarray(loss, jnp.float32), {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
+
+    def eval_sums(self, outputs: Any, batch: dict) -> Metrics:
+        """Sums over the real (``mask``) examples of the loss (``loss_sum``) and the
+        metrics (built-in: ``correct``; a user's: ``<name>_sum``), and ``count``
+        (examples, or tokens for a language model), so batches add up exactly."""
+        outputs = _float32(outputs)
+        mask = batch.get("mask")
+        if self.builtin:
+            loss, correct = cross_entropy(outputs, batch["labels"])
+            mask = jnp.ones(loss.shape[:1], bool) if mask is None else mask
+            weights = jnp.broadcast_to(mask.reshape(mask.shape + (1,) * (loss.ndim - 1)), loss.shape)
+            weights = weights.astype(jnp.float32)
+            return {"loss_sum": jnp.sum(loss * weights), "correct": jnp.sum(correct * weights),
+                    "count": jnp.sum(weights)}
+        inputs = {k: v for k, v in batch.items() if k != "mask"}
+        one = lambda x: x[None]  # noqa: E731 - each example as a batch of one
+        losses, metrics = jax.vmap(lambda o, b: self.loss(jax.tree_util.tree_map(one, o),
+                                                          jax.tree_util.tree_map(one, b)))(outputs, inputs)
+        weights = jnp.ones(losses.shape[:1], jnp.float32) if mask is None else mask.astype(jnp.float32)
+        sums = {f"{k}_sum": jnp.sum(v * weights) for k, v in metrics.items()}
+        return {**sums, "loss_sum": jnp.sum(losses * weights), "count": jnp.sum(weights)}
+
+
+def _float32(tree: Any) -> Any:
+    return jax.tree_util.tree_map(
+        lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def _cross_entropy_task(outputs: jax.Array, batch: dict) -> tuple[jax.Array, Metrics]:
+    loss, correct = cross_entropy(outputs, batch["labels"])
+    return loss.mean(), {"accuracy": correct.mean(dtype=jnp.float32)}
+
+
+def get_task(spec: "str | Callable | Task" = "auto", data_task: str | None = None, key: str = "task") -> Task:
+    """The task ``spec`` names: ``auto`` (the data's own), ``classification``,
+    ``lm`` / ``language_model``, a reference ``module:function`` /
+    ``file.py:function`` or a function ``fn(outputs, batch) -> (loss, metrics)``.
+
+    Raises:
+      UserCodeError: naming ``key``, for an unknown name, a bad reference, or
+        ``auto`` with data that declares no task.
+    """
+    if isinstance(spec, Task):
+        return spec
+    if callable(spec):
+        return Task(getattr(spec, "__name__", "custom"), spec, False)
+    name = str(spec).strip()
+    if name == "auto":
+        if data_task not in ("classification", "language_model"):
+            raise UserCodeError(f"{key}: auto, but the data declares no task ({data_task!r}); set {key} to "
+                                f"classification, lm, or your loss as module:function")
+        name = data_task
+    if name in ("classification", "language_model", "lm"):
+        return Task("language_model" if name == "lm" else name, _cross_entropy_task, True)
+    if not is_reference(name):
+        raise UserCodeError(f"{key}: unknown task {name!r}; valid: {', '.join(TASK_NAMES)}, or a loss "
+                            f"module:function / path/to/file.py:function")
+    fn = resolve(name, key)
+    if not callable(fn):
+        raise UserCodeError(f"{key}: {name} is a {type(fn).__name__}, not a function fn(outputs, batch) -> "
+                            f"(loss, metrics)")
+    return Task(name, _checked(fn, name, key), False)
+
+
+def _checked(fn: Callable, name: str, key: str) -> LossFn:
+    """``fn`` with its result checked to be ``(scalar loss, dict of scalar metrics)``."""
+
+    def loss_fn(outputs: Any, batch: dict) -> tuple[jax.Array, Metrics]:
+        result = fn(outputs, batch)
+        if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict)):
+            raise UserCodeError(f"{key}: {name} must return (loss, metrics dict), got {type(result).__name__}")
+        loss, metrics = result
+        shapes = {"loss": jnp.shape(loss), **{f"metrics[{k!r}]": jnp.shape(v) for k, v in metrics.items()}}
+        bad = {k: s for k, s in shapes.items() if s != ()}
+        if bad:
+            raise UserCodeError(f"{key}: {name} must return scalars (batch means), got shapes {bad}")
+        return loss, metrics
+
+    return loss_fn
