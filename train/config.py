@@ -1,5 +1,6 @@
-"""The experiment schema: typed sections, YAML loading, ``key=value`` overrides,
-validation that fails before any compute with one line naming the key.
+"""The experiment schema: typed sections whose validation fails before any
+compute with one line naming the key (reading files and overrides:
+:mod:`train.config_files`).
 
 A config file is YAML with the sections ``model``, ``data``, ``optimizer``,
 ``precision``, ``mesh`` and ``distributed`` plus top-level run settings; every
@@ -10,28 +11,25 @@ Why pydantic (v2), rather than draccus or the hand-written schema this module
 was: fields are typed declarations (``Field(default, description=...)``,
 ``Literal`` choices, ``ge``/``gt`` ranges) that pydantic checks; ``extra="forbid"``
 rejects unknown keys; every error has its exact location (``loc``), which
-:func:`_message` turns into one line naming the dotted key; the same declarations
+:func:`train.config_errors.error_message` turns into one line naming the dotted key; the same declarations
 give ``--help`` and a JSON schema (``ExperimentConfig.model_json_schema()``); and it
 is ubiquitous and well kept. draccus maps dataclasses to argparse but leaves the
 validation and its messages to us. Fields are strict (``"10"`` is not an integer,
 ``1`` is not ``true``), except that numbers accept YAML 1.1's ``1e-3`` strings.
 """
 
-import copy
 import dataclasses
 import difflib
 import functools
-import os
 import typing
 from typing import Annotated, Any, Literal
 
 import jax.numpy as jnp
-import yaml
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
                       create_model, field_validator, model_validator)
-from pydantic_core import PydanticCustomError
 
 import precision
+from train.config_errors import ConfigError, error_message, invalid
 from train.references import is_reference
 from train.data import DATASETS
 from train.models import MODELS
@@ -49,15 +47,6 @@ TASKS = ("auto", "classification", "lm", "language_model")  # language_model: an
 
 CLASS_REFERENCE = ("class", "package.module:Name / path/to/file.py:Name")
 FUNCTION_REFERENCE = ("function", "module:function / path/to/file.py:function")
-
-
-class ConfigError(ValueError):
-    """An experiment config is invalid; the message names the file, the key and the valid choices."""
-
-
-def _invalid(message: str) -> PydanticCustomError:
-    """A validator's error; ``message`` is complete (it names its key) and reaches the user as is."""
-    return PydanticCustomError("config", message)
 
 
 def _yaml_number(value: Any) -> Any:
@@ -80,10 +69,10 @@ def _named(key: str, kind: str, builtins: Any, reference: tuple[str, str]) -> Af
         if value in builtins or is_reference(value):
             return value
         if ":" in value:
-            raise _invalid(f"{key}: {value!r} is not a {noun} reference of the form {form}")
+            raise invalid(f"{key}: {value!r} is not a {noun} reference of the form {form}")
         close = difflib.get_close_matches(value, list(builtins), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise _invalid(f"{key}: unknown {kind} {value!r}.{hint} Valid: {', '.join(builtins)}, or a {noun} reference "
+        raise invalid(f"{key}: unknown {kind} {value!r}.{hint} Valid: {', '.join(builtins)}, or a {noun} reference "
                        f"{form}")
     return AfterValidator(check)
 
@@ -107,7 +96,7 @@ class _Schema(BaseModel):
             if name in self.__dict__:  # pydantic has set the value when a model validator fails: undo
                 self.__dict__[name] = before
             prefix = next((k for k, cls in _SECTIONS.items() if cls is type(self)), None)
-            raise ConfigError(_message(e.errors()[0], type(self), (prefix,) if prefix else ())) from None
+            raise ConfigError(error_message(e.errors()[0], type(self), (prefix,) if prefix else ())) from None
 
 
 class ModelConfig(_Schema):
@@ -133,7 +122,7 @@ class ModelConfig(_Schema):
             try:
                 checked = schema.model_validate({**self.options, "name": self.name})
             except ValidationError as e:
-                raise _invalid(_message(e.errors()[0], schema, ("model",))) from None
+                raise invalid(error_message(e.errors()[0], schema, ("model",))) from None
             self.options.update((k, getattr(checked, k)) for k in self.options)
         return self
 
@@ -159,7 +148,7 @@ class DataConfig(_Schema):
     @model_validator(mode="after")
     def _options_for_functions(self) -> "DataConfig":
         if self.options and not is_reference(self.name):
-            raise _invalid(f"data.options: only a user data function (data.name: module:function) takes options; "
+            raise invalid(f"data.options: only a user data function (data.name: module:function) takes options; "
                            f"the built-in dataset {self.name!r} reads the data.* keys")
         return self
 
@@ -214,7 +203,7 @@ class PrecisionConfig(_Schema):
         try:
             precision.get_policy(policy)
         except precision.PolicyError as e:
-            raise _invalid(f"precision.policy: {e}") from None
+            raise invalid(f"precision.policy: {e}") from None
         return policy
 
     @field_validator("rules")
@@ -223,7 +212,7 @@ class PrecisionConfig(_Schema):
         try:
             rules is None or precision.rules.as_rules(rules)
         except (TypeError, precision.PolicyError) as e:
-            raise _invalid(f"precision.rules: {str(e).rstrip('.')}. Write rules as [[pattern, policy], ...], "
+            raise invalid(f"precision.rules: {str(e).rstrip('.')}. Write rules as [[pattern, policy], ...], "
                            f"e.g. [[LayerNorm, f32], [Softmax, f32]]") from None
         return rules
 
@@ -233,7 +222,7 @@ class PrecisionConfig(_Schema):
             build_loss_scale(self)
             build_op_lists(self)
         except ConfigError as e:
-            raise _invalid(str(e)) from None
+            raise invalid(str(e)) from None
         return self
 
 
@@ -247,7 +236,7 @@ class MeshConfig(_Schema):
     @classmethod
     def _devices(cls, data: int) -> int:
         if data < 1 and data != -1:
-            raise _invalid(f"mesh.data must be >= 1, or -1 for all devices, got {data}")
+            raise invalid(f"mesh.data must be >= 1, or -1 for all devices, got {data}")
         return data
 
 
@@ -265,14 +254,14 @@ class DistributedConfig(_Schema):
     def _host_port(cls, address: str | None) -> str | None:
         host, sep, port = (address or "").rpartition(":")
         if address is not None and not (sep and host and port.isdigit() and 0 < int(port) < 65536):
-            raise _invalid(f"distributed.coordinator_address must be host:port (e.g. 10.0.0.1:1234), got {address!r}")
+            raise invalid(f"distributed.coordinator_address must be host:port (e.g. 10.0.0.1:1234), got {address!r}")
         return address
 
     @model_validator(mode="after")
     def _process_id_below_num_processes(self) -> "DistributedConfig":
         n, i = self.num_processes, self.process_id
         if i is not None and n is not None and i >= n:
-            raise _invalid(f"distributed.process_id must be < distributed.num_processes={n}, got {i}")
+            raise invalid(f"distributed.process_id must be < distributed.num_processes={n}, got {i}")
         return self
 
 
@@ -327,7 +316,7 @@ def _floating_dtype(value: Any) -> Any:
     except (TypeError, ValueError):
         ok = False
     if not ok:
-        raise _invalid(f"model.dtype: {value!r} is not a floating dtype; valid: float32, bfloat16, float16 (or null)")
+        raise invalid(f"model.dtype: {value!r} is not a floating dtype; valid: float32, bfloat16, float16 (or null)")
     return value
 
 
@@ -340,184 +329,6 @@ def _options_schema(name: str) -> type[BaseModel]:
         fields[key] = (tp, default)
     config = ConfigDict(extra="forbid", strict=True, arbitrary_types_allowed=True)
     return create_model(f"{MODELS[name].__name__}Fields", __config__=config, **fields)
-
-
-# ----------------------------------------------------------------------------- errors
-
-_TYPE_NAMES = {"int_type": "an integer", "float_type": "a number", "string_type": "a string",
-               "bool_type": "true/false", "list_type": "a list", "sequence_str": "a list", "dict_type": "a mapping",
-               "model_type": "a mapping of keys to values", "is_instance_of": "a list"}
-_BOUNDS = {"greater_than": (">", "gt"), "greater_than_equal": (">=", "ge"), "less_than": ("<", "lt"),
-           "less_than_equal": ("<=", "le")}
-
-
-def _dotted(loc: tuple) -> str:
-    parts = list(loc)
-    if parts[:2] == ["model", "options"]:
-        del parts[1]  # model options are written flat, next to model.name
-    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" if i else str(p) for i, p in enumerate(parts))
-
-
-def _level(root: type, loc: tuple) -> Any:
-    """The annotation at ``loc`` below the pydantic model ``root`` (None past a list item or mapping key)."""
-    for part in loc:
-        fields = getattr(root, "model_fields", {})
-        if part not in fields:
-            return None
-        root = fields[part].annotation
-    return root
-
-
-def _unknown(loc: tuple, level: type[BaseModel]) -> str:
-    valid = list(level.model_fields)
-    prefix = _dotted(loc[:-1]) + "." if loc[:-1] else ""
-    close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
-    hint = f" Did you mean '{prefix}{close[0]}'?" if close else ""
-    return f"unknown key '{prefix}{loc[-1]}'.{hint} Valid keys here: {', '.join(prefix + v for v in valid)}"
-
-
-def _message(error: dict, root: type[BaseModel], prefix: tuple = ()) -> str:
-    """One line for one of pydantic's errors at ``prefix + error['loc']``; ``loc`` is relative to ``root``."""
-    kind, loc, value, ctx = error["type"], tuple(error["loc"]), error.get("input"), error.get("ctx", {})
-    key = _dotted(prefix + loc) or "the config"
-    if kind == "config":
-        return error["msg"]
-    if kind == "extra_forbidden":
-        return _unknown(prefix + loc, _level(root, loc[:-1]))
-    if kind == "invalid_key" or loc[-1:] == ("[key]",):  # the input is the key
-        where = _dotted(prefix + (loc[:-1] if kind == "invalid_key" else loc[:-2])) or "the config"
-        return f"{where}: keys must be strings, got {value!r}"
-    if kind == "literal_error":
-        return f"{key}: unknown value {value!r}; valid: {ctx['expected'].replace(chr(39), '').replace(' or ', ', ')}"
-    if kind in _BOUNDS:
-        op, name = _BOUNDS[kind]
-        return f"{key} must be {op} {ctx[name]:g}, got {value!r}"
-    if kind in _TYPE_NAMES:
-        nullable = type(None) in typing.get_args(_level(root, loc))
-        return f"{key} must be {_TYPE_NAMES[kind]}{' or null' if nullable else ''}, got {value!r}"
-    return f"{key}: {error['msg']}"
-
-
-# ----------------------------------------------------------------------------- loading
-
-
-def from_dict(raw: Any) -> ExperimentConfig:
-    """A validated config from a (YAML-like) dict."""
-    try:
-        return ExperimentConfig.model_validate({} if raw is None else raw)
-    except ValidationError as e:
-        raise ConfigError(_message(e.errors()[0], ExperimentConfig)) from None
-
-
-def to_dict(config: ExperimentConfig) -> dict:
-    """The config as plain data (model options flattened into ``model``)."""
-    out = config.model_dump()
-    out["model"] = {"name": config.model.name, **out["model"]["options"]}
-    return out
-
-
-def _set_dotted(raw: dict, key: str, value: Any) -> None:
-    parts = key.split(".")
-    node = raw
-    for part in parts[:-1]:
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            raise ConfigError(f"cannot set '{key}': '{part}' is not a section")
-        node = child
-    node[parts[-1]] = value
-
-
-def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """Applies ``key=value`` overrides (dotted keys, YAML values) to a copy of a raw config dict."""
-    raw = copy.deepcopy(raw)
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. optimizer.lr=3e-4)")
-        try:
-            value = yaml.safe_load(text) if text.strip() else None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"override {item!r}: value is not valid YAML ({e.problem})") from None
-        top = key.split(".")[0]
-        if top not in ExperimentConfig.model_fields:
-            raise ConfigError(f"override {item!r}: {_unknown((top,), ExperimentConfig)}")
-        if top not in _SECTIONS and "." in key:
-            raise ConfigError(f"override {item!r}: '{top}' is a value, not a section")
-        if top in _SECTIONS and "." not in key:
-            raise ConfigError(f"override {item!r}: '{top}' is a section; set one of its keys, e.g. {top}.name=...")
-        _set_dotted(raw, key, value)
-    return raw
-
-
-def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> ExperimentConfig:
-    """Reads a YAML config file, applies ``key=value`` overrides and validates.
-
-    Raises:
-      ConfigError: one line naming the file, the key and the valid choices.
-    """
-    path = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f)
-    except FileNotFoundError:
-        shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
-        listing = sorted(n for n in os.listdir(shipped) if n.endswith(".yaml")) if os.path.isdir(shipped) else []
-        hint = f" Shipped configs in {shipped}: {', '.join(listing)}." if listing else ""
-        raise ConfigError(f"config file {path} not found.{hint}") from None
-    except IsADirectoryError:
-        raise ConfigError(f"config path {path} is a directory; give a .yaml file") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of keys to values, got {type(raw).__name__}")
-    try:
-        return from_dict(_beside(path, apply_overrides(raw, list(overrides))))
-    except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
-
-
-def _beside(config_path: str, raw: dict) -> dict:
-    """``raw`` with relative ``file.py:Name`` references that exist next to the
-    config file made absolute (the others are left to the working directory)."""
-    def rebase(value: Any) -> Any:
-        if not (isinstance(value, str) and is_reference(value)):
-            return value
-        where, _, name = value.strip().rpartition(":")
-        beside = os.path.join(os.path.dirname(os.path.abspath(config_path)), where)
-        if where.endswith(".py") and not os.path.isabs(where) and os.path.isfile(beside):
-            return f"{os.path.normpath(beside)}:{name}"
-        return value
-
-    out = dict(raw)
-    for section in ("model", "data"):
-        if isinstance(out.get(section), dict) and "name" in out[section]:
-            out[section] = {**out[section], "name": rebase(out[section]["name"])}
-    if "task" in out:
-        out["task"] = rebase(out["task"])
-    return out
-
-
-def distributed_settings(path: str | os.PathLike, overrides: list[str] = ()) -> DistributedConfig:
-    """Only the ``distributed`` section of a config, read without touching a device.
-
-    JAX's multi-process runtime must start before anything initialises a
-    device, and validating a whole config does; the CLI reads this first.
-    Errors are left to :func:`load_config` (this returns the defaults).
-    """
-    try:
-        with open(os.fspath(path), encoding="utf-8") as f:
-            raw = yaml.safe_load(f) or {}
-        raw = apply_overrides(raw if isinstance(raw, dict) else {}, list(overrides))
-        return DistributedConfig.model_validate(raw.get("distributed") or {})
-    except (OSError, yaml.YAMLError, ConfigError, ValidationError):
-        return DistributedConfig()
 
 
 # ----------------------------------------------------------------------------- precision
@@ -555,38 +366,7 @@ def build_loss_scale(p: PrecisionConfig) -> precision.LossScale:
         raise ConfigError(f"precision: {message}") from None
 
 
-# ----------------------------------------------------------------------------- help
-
-
-def _yaml(value: Any) -> str:
-    value = list(value) if isinstance(value, tuple) else value
-    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
-
-
-def _type_name(schema: dict) -> str:
-    """A JSON schema's type in words."""
-    if "anyOf" in schema:
-        return " or ".join(_type_name(s) for s in schema["anyOf"])
-    if schema.get("type") == "array":
-        return f"list of {_type_name(schema['items'])}" if schema.get("items") else "list"
-    return {"integer": "integer", "number": "number", "string": "string", "boolean": "true/false",
-            "object": "mapping", "null": "null"}.get(schema.get("type"), "any")
-
-
-def help_text() -> str:
-    """Every config field with its type, default and meaning, for ``--help``."""
-    lines = ["config fields (set in the YAML file or as key=value overrides):", ""]
-    for prefix, cls in {"": ExperimentConfig, **{f"{k}.": v for k, v in _SECTIONS.items()}}.items():
-        schema = cls.model_json_schema()["properties"]
-        for name, field in cls.model_fields.items():
-            if (prefix, name) == ("model.", "options") or not prefix and name in _SECTIONS:
-                continue
-            lines.append(f"  {prefix}{name:<{33 - len(prefix)}} {_type_name(schema[name]):<16} "
-                         f"default {_yaml(field.get_default(call_default_factory=True)):<12} {field.description}")
-        lines.append("")
-    lines.append("model fields, by model.name (num_classes, vocab_size and block_size default to the data's):")
-    for name in MODELS:
-        lines.append(f"  {name:<8} " + ", ".join(f"{k}={_yaml(d)}" for k, (_, d) in model_fields(name).items()))
-    lines.append(f"  {CLASS_REFERENCE[1]}: any Flax module; every other model.* key is a keyword argument of "
-                 f"its constructor (YAML values, mappings allowed)")
-    return "\n".join(lines)
+# Reading configs (YAML files, overrides, --help) lives in train.config_files; its
+# names are re-exported here, where users and tests have always found them.
+from train.config_files import (apply_overrides, distributed_settings, from_dict, help_text,  # noqa: E402
+                                load_config, to_dict)
