@@ -158,3 +158,17 @@ def test_an_nnx_state_checkpoints_and_resumes_bit_exactly(tmp_path):
     chex.assert_trees_all_equal(resumed.params, straight.params)
     chex.assert_trees_all_equal(resumed.model_state, straight.model_state)
     chex.assert_trees_all_equal(resumed.opt_state, straight.opt_state)
+
+
+def test_an_nnx_state_starts_from_given_float32_variables_under_o2():
+    model = NNXNet(64, 10, rngs=nnx.Rngs(0))
+    trained, _ = _train(model, "fp32", steps=3)
+    variables = {"params": trained.params, **trained.model_state}
+    o2 = create_train_state(model, "O2", optax.sgd(0.1), jax.random.key(1), DIGITS.sample_input(2),
+                            variables=variables)
+    assert o2.params["l1"]["kernel"].dtype == jnp.float16 and o2.params["bn"]["scale"].dtype == jnp.float32
+    np.testing.assert_array_equal(o2.params["l1"]["kernel"], trained.params["l1"]["kernel"].astype(jnp.float16))
+    chex.assert_trees_all_equal(o2.model_state, trained.model_state)
+    with pytest.raises(ValueError, match="do not match the model at state/bn/mean"):
+        create_train_state(model, "O2", optax.sgd(0.1), jax.random.key(1), DIGITS.sample_input(2),
+                           variables={"params": trained.params})

@@ -179,23 +179,25 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
         (b for _, b in train_batches(data, batch_size, config.seed, start, host_rows(batch_size))),
         config.data.prefetch, lambda b: layout.global_batch(b, batch_size))
     try:
-        pending = None
+        pending: list[tuple[int, Any]] = []  # dispatched steps whose metrics are still on the device
         for step in range(start + 1, config.steps + 1):
             state, metrics = train_step(state, next(batches))
-            if pending is not None:
-                tracker.observe(*pending)  # the previous step's metrics: reading them does not stall this one
-            pending = (step, metrics)
+            progress.update(1)
+            pending.append((step, metrics))
             due_eval = config.eval_every and step % config.eval_every == 0 and step < config.steps
             due_checkpoint = config.checkpoint_every and step % config.checkpoint_every == 0
-            if due_eval or due_checkpoint:
-                tracker.observe(*pending)
-                pending = None
+            if step == start + 1 or due_eval or due_checkpoint or step == config.steps:
+                tracker.observe(pending)  # all of them (the first: its time includes compilation)
+                pending = []
+            elif (step - 1) % config.log_every == 0:
+                # The steps up to the last logged one, while this one computes: one read per log
+                # interval, and the device always has a step queued.
+                tracker.observe(pending[:-1])
+                pending = pending[-1:]
             if due_checkpoint:
                 checkpoint_now(state)
             if due_eval:
                 evaluate_now(state)
-        if pending is not None:
-            tracker.observe(*pending)
     except KeyboardInterrupt:
         saved = _save_on_interrupt(checkpoints, state, resolved, tracker)
         writer.close()
@@ -340,17 +342,25 @@ class _Tracker:
         if self.on_record is not None:
             self.on_record(record)
 
-    def observe(self, step: int, metrics: dict) -> None:
-        m = {k: np.asarray(v).item() for k, v in to_host(metrics).items()}
+    def observe(self, steps: list[tuple[int, Any]]) -> None:
+        """Reads the metrics of ``steps`` (``(step, metrics)`` in order) in one transfer and
+        books them: loss-scale moves, the non-finite stop rule, interval means, logs."""
+        if not steps:
+            return
+        host = to_host([metrics for _, metrics in steps])
         now = time.perf_counter()
         elapsed, self._mark, self._paused = now - self._mark - self._paused, now, 0.0
-        if self.first_step_seconds is None:
-            self.first_step_seconds = elapsed  # includes compilation
-        else:
-            self.train_seconds += elapsed
-            self.steps_timed += 1
-            self._interval_seconds += elapsed
-            self._interval_steps += 1
+        timed = len(steps)
+        if self.first_step_seconds is None:  # the first read is of the first step alone, compilation included
+            self.first_step_seconds, elapsed, timed = elapsed, 0.0, 0
+        self.train_seconds += elapsed
+        self.steps_timed += timed
+        self._interval_seconds += elapsed
+        self._interval_steps += timed
+        for (step, _), metrics in zip(steps, host):
+            self._book(step, {k: np.asarray(v).item() for k, v in metrics.items()})
+
+    def _book(self, step: int, m: dict) -> None:
         self.last_step = step
         scale = m["loss_scale"]
         if scale > self.last_scale:
@@ -361,7 +371,6 @@ class _Tracker:
         self.skipped = int(m["skipped_steps"])
         self.interval.append(m)
         self._check_finite(step, m)
-        self.progress.update(1)
         if step % self.config.log_every == 0 or step == self.config.steps:
             self._log(step, m)
 
