@@ -22,6 +22,7 @@ from precision.loss_scale import (
     DynamicLossScale,
     LossScale,
     NoOpLossScale,
+    ScalarBoolError,
     StaticLossScale,
     all_finite,
     get_loss_scale,
@@ -54,7 +55,7 @@ __version__ = "0.1.0"
 __all__ = (
     "PRESETS", "Policy", "PolicyError", "cast_to_full", "cast_to_half", "get_policy",
     "half_dtype", "parse_dtype",
-    "LOSS_SCALE_KINDS", "DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale",
+    "LOSS_SCALE_KINDS", "DynamicLossScale", "LossScale", "NoOpLossScale", "ScalarBoolError", "StaticLossScale",
     "all_finite", "get_loss_scale", "select_tree",
     "NORM_CLASSES", "SOFTMAX_PATTERNS", "Rule", "default_rules", "get_rules", "norm_rules",
     "ALLOW", "DENY", "OpLists", "op_lists", "compute_in", "autocast",

@@ -302,9 +302,12 @@ def _shard_map(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
         out_specs[:] = [Spec.of(o) for o in outs]
         return tuple(o.array for o in outs)
 
+    # Only a subset of the mesh axes manual needs axis_names (JAX 0.10.0 rejects axis_names=None
+    # and names the param manual_axes).
+    manual = set(params.get("newly_manual_axes", params.get("manual_axes", ())) or ())
     mapped = jax.shard_map(body, mesh=params["mesh"], in_specs=tuple(params["in_specs"]),
                            out_specs=tuple(params["out_specs"]), check_vma=params.get("check_vma", True),
-                           axis_names=set(params.get("newly_manual_axes", ())) or None)
+                           **({"axis_names": manual} if manual else {}))
     return _vals(site, out_specs, mapped(*(v.array for v in ins)))
 
 

@@ -8,11 +8,18 @@ written against jmp runs with ``import precision as jmp``. Beyond jmp:
 
 * every loss scale counts skipped (non-finite) steps and the current streak of
   consecutive non-finite steps;
-* the dynamic scale has a separate backoff factor, a ``max_loss_scale`` and
-  optional hysteresis (consecutive overflows tolerated before backing off);
+* the dynamic scale has an optional separate backoff factor (by default it
+  divides by ``factor``, as jmp), a ``max_loss_scale`` (by default 2**24, or the
+  initial scale when that is larger) and optional hysteresis (consecutive
+  overflows tolerated before backing off);
 * all state is float32 / int32 whatever the compute dtype, and every field is a
   pytree leaf or static metadata, so it survives ``jax.jit``, ``tree_map`` and
   checkpoints.
+
+Every construction jmp accepts is accepted (an integral float ``period``, a zero
+``min_loss_scale`` or static scale, an initial scale above 2**24 or below
+``min_loss_scale``); only values that cannot describe a loss scale at all
+(negative, inf/nan, a non-integral period, a factor below 1) are rejected.
 """
 
 from __future__ import annotations
@@ -37,7 +44,19 @@ __all__ = [
     "select_tree",
     "get_loss_scale",
     "LOSS_SCALE_KINDS",
+    "ScalarBoolError",
 ]
+
+#: The default cap of a dynamic scale, unless its initial scale is larger.
+DEFAULT_MAX_LOSS_SCALE = 2.0 ** 24
+
+
+class ScalarBoolError(TypeError, AssertionError):
+    """A predicate that should be a scalar bool array is not.
+
+    Both a ``TypeError`` and, because jmp asserts here, an ``AssertionError``,
+    so code written against either library catches it.
+    """
 
 
 def _f32(x: Any) -> jax.Array:
@@ -92,9 +111,21 @@ def _updated_counters(grads_finite: jax.Array, skipped_steps: jax.Array,
 def _check_scalar_bool(pred: Any, name: str) -> jax.Array:
     pred = jnp.asarray(pred)
     if pred.ndim != 0 or pred.dtype != jnp.bool_:
-        raise TypeError(f"{name} must be a scalar bool array (e.g. from all_finite), "
-                        f"got shape {pred.shape} dtype {pred.dtype}")
+        raise ScalarBoolError(f"{name}: expected boolean scalar, i.e. a scalar bool array (e.g. from "
+                              f"all_finite), got shape {pred.shape} dtype {pred.dtype}")
     return pred
+
+
+def _is_number(x: Any) -> bool:
+    return not isinstance(x, (bool, np.bool_, str, bytes)) and _concrete(x) is not None
+
+
+def _integral(x: Any) -> int | None:
+    """``x`` as an int when it is a whole number (``5``, ``5.``, ``np.int32(5)``), else None."""
+    if not _is_number(x):
+        return None
+    v = _concrete(x)
+    return int(v) if math.isfinite(v) and v.is_integer() else None
 
 
 def _scale_tree(tree: T, factor: jax.Array) -> T:
@@ -139,8 +170,8 @@ class StaticLossScale:
 
     def __post_init__(self):
         value = _concrete(self.loss_scale)
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise ValueError(f"StaticLossScale: loss_scale must be finite and > 0, got {value}")
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"StaticLossScale: loss_scale must be finite and >= 0, got {value}")
         object.__setattr__(self, "loss_scale", _f32(self.loss_scale))
 
     def scale(self, tree: T) -> T:
@@ -170,6 +201,11 @@ class DynamicLossScale:
     After ``period`` consecutive finite steps the scale grows by ``factor`` (up
     to ``max_loss_scale``); after ``hysteresis`` consecutive non-finite steps it
     shrinks by ``backoff_factor`` (down to ``min_loss_scale``).
+
+    As in jmp, ``factor`` works both ways: unless ``backoff_factor`` is given,
+    a non-finite step divides the scale by ``factor``. ``max_loss_scale``
+    defaults to 2**24, or to the initial scale when that is larger; growth never
+    reaches inf either way.
     """
 
     loss_scale: jax.Array
@@ -178,8 +214,8 @@ class DynamicLossScale:
     factor: float = 2
     min_loss_scale: jax.Array = dataclasses.field(default_factory=lambda: _f32(1.0))
     _: dataclasses.KW_ONLY
-    backoff_factor: float = 0.5
-    max_loss_scale: jax.Array = dataclasses.field(default_factory=lambda: _f32(2.0 ** 24))
+    backoff_factor: float | None = None
+    max_loss_scale: jax.Array | None = None
     hysteresis: int = 1
     hysteresis_left: jax.Array | None = None
     skipped_steps: jax.Array = dataclasses.field(default_factory=lambda: _i32(0))
@@ -190,10 +226,17 @@ class DynamicLossScale:
         set_ = functools.partial(object.__setattr__, self)
         set_("loss_scale", _f32(self.loss_scale))
         set_("min_loss_scale", _f32(self.min_loss_scale))
-        set_("max_loss_scale", _f32(self.max_loss_scale))
+        if self.max_loss_scale is None:
+            set_("max_loss_scale", jnp.maximum(_f32(DEFAULT_MAX_LOSS_SCALE), self.loss_scale))
+        else:
+            set_("max_loss_scale", _f32(self.max_loss_scale))
+        if not isinstance(self.factor, (int, float)):  # np / jax scalars: static metadata must hash
+            set_("factor", float(_concrete(self.factor)))
+        if self.backoff_factor is None:
+            set_("backoff_factor", 1.0 / float(self.factor))
         set_("counter", _i32(self.counter))
-        set_("period", int(self.period))
-        set_("hysteresis", int(self.hysteresis))
+        set_("period", _integral(self.period))
+        set_("hysteresis", _integral(self.hysteresis))
         set_("hysteresis_left", _i32(self.hysteresis if self.hysteresis_left is None
                                      else self.hysteresis_left))
         set_("skipped_steps", _i32(self.skipped_steps))
@@ -203,22 +246,30 @@ class DynamicLossScale:
         def fail(what):
             raise ValueError(f"DynamicLossScale: {what}")
 
-        if isinstance(self.period, bool) or not isinstance(self.period, (int, np.integer)) or self.period < 1:
-            fail(f"period must be an integer >= 1, got {self.period!r}")
-        if not isinstance(self.hysteresis, (int, np.integer)) or self.hysteresis < 1:
-            fail(f"hysteresis must be an integer >= 1, got {self.hysteresis!r}")
-        if not (isinstance(self.factor, (int, float)) and math.isfinite(self.factor) and self.factor > 1):
-            fail(f"factor must be a number > 1, got {self.factor!r}")
-        if not (isinstance(self.backoff_factor, (int, float)) and 0 < self.backoff_factor < 1):
-            fail(f"backoff_factor must be a number in (0, 1), got {self.backoff_factor!r}")
-        scale, lo, hi = (_concrete(v) for v in (self.loss_scale, self.min_loss_scale, self.max_loss_scale))
-        for name, v in (("loss_scale", scale), ("min_loss_scale", lo), ("max_loss_scale", hi)):
-            if v is not None and not (math.isfinite(v) and v > 0):
-                fail(f"{name} must be finite and > 0, got {v}")
+        period, hysteresis = _integral(self.period), _integral(self.hysteresis)
+        if period is None or period < 1:
+            fail(f"period must be a whole number >= 1, got {self.period!r}")
+        if hysteresis is None or hysteresis < 1:
+            fail(f"hysteresis must be a whole number >= 1, got {self.hysteresis!r}")
+        factor = _concrete(self.factor) if _is_number(self.factor) else None
+        if factor is None or not (math.isfinite(factor) and factor >= 1):
+            fail(f"factor must be a number > 1 (or 1: a scale that never moves), got {self.factor!r}")
+        backoff = self.backoff_factor
+        if backoff is not None and not (isinstance(backoff, (int, float)) and not isinstance(backoff, bool)
+                                        and 0 < backoff <= 1):
+            fail(f"backoff_factor must be a number in (0, 1], got {backoff!r}")
+        scale, lo = _concrete(self.loss_scale), _concrete(self.min_loss_scale)
+        hi = None if self.max_loss_scale is None else _concrete(self.max_loss_scale)
+        for name, v in (("loss_scale", scale), ("min_loss_scale", lo)):
+            if v is not None and not (math.isfinite(v) and v >= 0):
+                fail(f"{name} must be finite and >= 0, got {v}")
+        if hi is not None and not (math.isfinite(hi) and hi > 0):
+            fail(f"max_loss_scale must be finite and > 0, got {hi}")
         if lo is not None and hi is not None and lo > hi:
             fail(f"min_loss_scale ({lo}) must not exceed max_loss_scale ({hi})")
-        if scale is not None and lo is not None and hi is not None and not lo <= scale <= hi:
-            fail(f"loss_scale ({scale}) must lie in [min_loss_scale, max_loss_scale] = [{lo}, {hi}]")
+        if scale is not None and hi is not None and scale > hi:
+            fail(f"loss_scale ({scale}) must not exceed max_loss_scale ({hi}); leave max_loss_scale "
+                 f"unset for a cap of max(2**24, loss_scale)")
 
     def scale(self, tree: T) -> T:
         """Multiplies every leaf by the loss scale."""
@@ -237,7 +288,11 @@ class DynamicLossScale:
         grown = jnp.where(jnp.isfinite(grown), grown, self.loss_scale)
         left = self.hysteresis_left - 1
         back_off = jnp.logical_and(jnp.logical_not(finite), left <= 0)
-        shrunk = jnp.maximum(self.loss_scale * jnp.float32(self.backoff_factor), self.min_loss_scale)
+        if self.backoff_factor == 1.0 / self.factor:  # jmp's back-off: an exact division by factor
+            shrunk = self.loss_scale / jnp.float32(self.factor)
+        else:
+            shrunk = self.loss_scale * jnp.float32(self.backoff_factor)
+        shrunk = jnp.maximum(shrunk, self.min_loss_scale)
         loss_scale = jnp.where(grow, grown, jnp.where(back_off, shrunk, self.loss_scale))
         counter = jnp.where(finite, (self.counter + 1) % self.period, 0)
         hysteresis_left = jnp.where(jnp.logical_or(finite, back_off), self.hysteresis, left)

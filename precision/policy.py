@@ -27,6 +27,7 @@ __all__ = [
     "half_dtype",
     "cast_to_full",
     "cast_to_half",
+    "dtype_to_names",
 ]
 
 
@@ -56,6 +57,32 @@ _DTYPE_NAMES: dict[np.dtype, tuple[str, ...]] = {
     np.dtype(jnp.float64): ("f64", "float64", "fp64"),
 }
 _NAME_TO_DTYPE = {name: dt for dt, names in _DTYPE_NAMES.items() for name in names}
+
+
+class _DtypeNames(Mapping):
+    """Read-only ``dtype -> names`` whose keys may be any dtype-like
+    (``np.float16``, ``jnp.bfloat16``, ``np.dtype("float32")``)."""
+
+    def __getitem__(self, dtype: Any) -> tuple[str, ...]:
+        try:
+            return _DTYPE_NAMES[np.dtype(dtype)]
+        except TypeError:
+            raise KeyError(dtype) from None
+
+    def __iter__(self):
+        return iter(_DTYPE_NAMES)
+
+    def __len__(self) -> int:
+        return len(_DTYPE_NAMES)
+
+    def __repr__(self) -> str:
+        return f"dtype_to_names({dict(_DTYPE_NAMES)!r})"
+
+
+#: The names each policy dtype is spelled with (jmp's ``dtype_to_names``); the
+#: first is the one ``str(policy)`` prints. Unlike jmp, float32 prints as
+#: ``f32`` (jmp: ``full``); both parse to float32 in either library.
+dtype_to_names: Mapping[np.dtype, tuple[str, ...]] = _DtypeNames()
 _VALID_DTYPE_NAMES = tuple(_NAME_TO_DTYPE) + ("half",)
 _KEYS = {"p": "param", "params": "param", "c": "compute", "compute": "compute",
          "o": "output", "output": "output"}
@@ -157,12 +184,16 @@ def _suggest(token: str, choices) -> str:
     return f" Did you mean {close[0]!r}?" if close else ""
 
 
-def _error(spec: str, token: str, position: int, what: str, choices=()) -> PolicyError:
+def _error(spec: str, token: str, position: int, what: str, choices=(), *,
+           bad_dtype: bool = False) -> PolicyError:
     where = f"at position {position}" if position >= 0 else ""
+    dtypes, keys = ", ".join(_VALID_DTYPE_NAMES), "p|params, c|compute, o|output"
+    # jmp says "Unknown dtype" for a bad dtype: code matching that phrase keeps working.
+    valid = (f"Unknown dtype: the valid ones are {dtypes}; valid keys: {keys};" if bad_dtype
+             else f"Valid keys: {keys}; valid dtypes: {dtypes};")
     msg = (f"Invalid precision policy {spec!r}: {what} {token!r} {where}.".replace("  ", " ")
            + _suggest(token.lower(), choices)
-           + f" Valid keys: p|params, c|compute, o|output; valid dtypes: "
-           f"{', '.join(_VALID_DTYPE_NAMES)}; presets: {', '.join(PRESETS)}."
+           + f" {valid} presets: {', '.join(PRESETS)}."
            " Example: 'params=f32,compute=f16,output=f32'.")
     return PolicyError(msg, spec=spec, token=token, position=position)
 
@@ -182,7 +213,7 @@ def _parse_dtype_token(token: str, spec: str, position: int) -> np.dtype:
     if low in _NAME_TO_DTYPE:
         return _NAME_TO_DTYPE[low]
     what = "empty dtype" if not token else "unknown dtype"
-    raise _error(spec, token, position, what, _VALID_DTYPE_NAMES)
+    raise _error(spec, token, position, what, _VALID_DTYPE_NAMES, bad_dtype=True)
 
 
 def get_policy(spec: "str | Policy | Any") -> Policy:
@@ -211,7 +242,7 @@ def get_policy(spec: "str | Policy | Any") -> Policy:
         low = stripped.lower()
         if low != "half" and low not in _NAME_TO_DTYPE:
             raise _error(spec, stripped, start, "unknown dtype or preset",
-                         _VALID_DTYPE_NAMES + tuple(_PRESET_LOOKUP))
+                         _VALID_DTYPE_NAMES + tuple(_PRESET_LOOKUP), bad_dtype=True)
         dt = _parse_dtype_token(stripped, spec, start)
         return Policy(dt, dt, dt)
     return _parse_assignments(spec)

@@ -1,9 +1,20 @@
-"""Helpers shared by the tests that read checkpoints off disk."""
+"""Helpers shared by the tests: checkpoints read off disk, subprocess environments."""
 
 import os
+from pathlib import Path
 
 import jax
 import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def subprocess_env(**overrides: str) -> dict:
+    """This process's environment plus ``overrides``, with the project root put
+    in front of ``PYTHONPATH`` (whatever the user had there stays after it)."""
+    env = dict(os.environ, **overrides)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return env
 
 
 def saved_state(workdir, step=None):

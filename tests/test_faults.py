@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import precision
-from helpers import assert_bitwise_equal, saved_leaves
+from helpers import assert_bitwise_equal, saved_leaves, subprocess_env
 from train import create_train_state, make_train_step, run
 from train.checkpoint import CheckpointError, Checkpointer, fingerprint
 from train.config import from_dict
@@ -115,7 +115,7 @@ def _config_file(tmp_path, workdir, **changes) -> str:
 def _cli(args, fault=None, timeout=300) -> subprocess.CompletedProcess:
     prefix = [sys.executable, str(ROOT / "tests" / "fault_injection.py"), *fault, "--"] if fault else \
         [sys.executable, "-m", "train"]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env = subprocess_env(JAX_PLATFORMS="cpu")
     return subprocess.run(prefix + list(args), env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
@@ -149,7 +149,7 @@ def test_a_run_sigkilled_at_random_moments_still_ends_identical(tmp_path, straig
     """Killed at a random moment (seeded) three times in a row, then let finish."""
     workdir = tmp_path / "random"
     config = _config_file(tmp_path, workdir)
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env = subprocess_env(JAX_PLATFORMS="cpu")
     rng = random.Random(4)
     for _ in range(3):
         proc = subprocess.Popen([sys.executable, "-m", "train", config], env=env, cwd=ROOT,

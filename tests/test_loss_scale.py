@@ -106,6 +106,8 @@ class StaticAndNoOpTest(chex.TestCase):
     def test_adjust_rejects_non_scalar_bool(self):
         with pytest.raises(TypeError, match="scalar bool"):
             DynamicLossScale(2.0).adjust(jnp.array([True, False]))
+        with pytest.raises(AssertionError, match="expected boolean scalar"):  # what jmp raises
+            DynamicLossScale(2.0).adjust(jnp.array([True, False]))
 
 
 def test_all_finite_and_select_tree():
@@ -119,6 +121,10 @@ def test_all_finite_and_select_tree():
     chex.assert_trees_all_equal(precision.select_tree(F, a, b), b)
     with pytest.raises(TypeError, match="scalar bool"):
         precision.select_tree(jnp.array(1.0), a, b)
+    # jmp asserts: code written against jmp catches AssertionError.
+    with pytest.raises(AssertionError, match="expected boolean scalar"):
+        precision.select_tree(jnp.ones([1]), a, b)
+    assert issubclass(precision.ScalarBoolError, TypeError) and issubclass(precision.ScalarBoolError, AssertionError)
 
 
 def test_get_loss_scale():
@@ -171,14 +177,58 @@ def test_checkpoint_round_trip(tmp_path):
         np.testing.assert_array_equal(getattr(restored, field.name), getattr(ls, field.name))
     assert restored.hysteresis_left.dtype == jnp.int32 and restored.loss_scale.dtype == jnp.float32
 
+class JmpConstructionsTest(chex.TestCase):
+    """Whatever jmp accepts, we accept, with jmp's meaning."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_factor_divides_on_a_non_finite_step_as_in_jmp(self):
+        adjust = self.variant(lambda ls, f: ls.adjust(f))
+        for factor in (2, 3, 4.5):
+            ours = adjust(DynamicLossScale(10.0, 0, 20, factor=factor), F)
+            theirs = adjust(jmp.DynamicLossScale(jnp.float32(10), jnp.int32(0), 20, factor), F)
+            assert float(ours.loss_scale) == float(theirs.loss_scale)  # as jmp: 10 / 3, not 10 * 0.5
+            assert ours.backoff_factor == 1 / factor
+        # Positional, as jmp's signature: (loss_scale, counter, period, factor, min_loss_scale).
+        ls = adjust(DynamicLossScale(jnp.float32(27), jnp.int32(0), 5, 3, jnp.float32(2)), F)
+        assert float(ls.loss_scale) == 9.0
+        # An explicit backoff_factor still wins.
+        assert float(adjust(DynamicLossScale(10.0, factor=3, backoff_factor=0.5), F).loss_scale) == 5.0
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_an_initial_scale_above_2_24_raises_the_default_cap(self):
+        adjust = self.variant(lambda ls, f: ls.adjust(f))
+        ls = DynamicLossScale(jnp.float32(3e38), period=1)
+        assert float(ls.max_loss_scale) == float(jnp.float32(3e38))
+        for _ in range(3):
+            ls = adjust(ls, T)
+            assert np.isfinite(float(ls.loss_scale))  # never inf
+        assert float(DynamicLossScale(2.0 ** 30).max_loss_scale) == 2.0 ** 30
+        assert float(DynamicLossScale(2.0 ** 10).max_loss_scale) == 2.0 ** 24
+
+    def test_jmp_valid_arguments_are_accepted(self):
+        ls = DynamicLossScale(jnp.float32(10), jnp.int32(0), 5.0, 2.0, jnp.asarray(0.0))
+        assert ls.period == 5 and isinstance(ls.period, int) and float(ls.min_loss_scale) == 0.0
+        assert int(jax.jit(lambda ls: ls.adjust(T))(ls).counter) == 1
+        assert float(StaticLossScale(0.0).loss_scale) == 0.0
+        assert float(StaticLossScale(0).loss_scale) == 0.0
+        below_min = DynamicLossScale(jnp.float32(0.5))  # jmp: min_loss_scale 1 applies from the next back-off
+        assert float(below_min.adjust(F).loss_scale) == float(jmp.DynamicLossScale(jnp.float32(0.5)).adjust(F).loss_scale)
+        assert DynamicLossScale(2.0, factor=1).adjust(F).loss_scale == 2.0  # factor 1: a scale that never moves
+        numpy_meta = DynamicLossScale(8.0, period=np.int32(2), factor=jnp.float32(4))  # static fields must hash
+        assert float(jax.jit(lambda ls: ls.adjust(F))(numpy_meta).loss_scale) == 2.0
+
+
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(loss_scale=0.0), "loss_scale must be finite"),
+    (dict(loss_scale=-1.0), "loss_scale must be finite and >= 0"),
     (dict(loss_scale=float("inf")), "loss_scale must be finite"),
+    (dict(loss_scale=2.0, min_loss_scale=float("nan")), "min_loss_scale must be finite"),
     (dict(loss_scale=2.0, period=0), "period"),
-    (dict(loss_scale=2.0, factor=1), "factor"),
+    (dict(loss_scale=2.0, period=2.5), "period must be a whole number"),
+    (dict(loss_scale=2.0, period="5"), "period must be a whole number"),
+    (dict(loss_scale=2.0, factor=0.5), "factor"),
     (dict(loss_scale=2.0, backoff_factor=1.5), "backoff_factor"),
     (dict(loss_scale=2.0, hysteresis=0), "hysteresis"),
-    (dict(loss_scale=2.0, min_loss_scale=4.0), r"must lie in \[min_loss_scale"),
+    (dict(loss_scale=8.0, max_loss_scale=4.0), "must not exceed max_loss_scale"),
     (dict(loss_scale=2.0, min_loss_scale=4.0, max_loss_scale=3.0), "must not exceed"),
 ])
 def test_bad_arguments(kwargs, match):

@@ -60,6 +60,22 @@ def test_str_round_trips(p, c, o):
     assert hash(get_policy(str(policy))) == hash(policy)
 
 
+def test_str_prints_the_first_of_dtype_to_names_and_jmp_parses_it():
+    from precision.policy import dtype_to_names
+
+    assert str(get_policy("full")) == "p=f32,c=f32,o=f32"  # jmp prints p=full,...: both parse in both
+    assert str(get_policy("mixed_bf16")) == "p=f32,c=bf16,o=f32"
+    for dtype in (np.float16, jnp.float16, jnp.bfloat16, np.float32, jnp.float32, np.dtype("float64")):
+        policy = Policy(dtype, dtype, dtype)
+        assert str(policy) == "p={0},c={0},o={0}".format(dtype_to_names[dtype][0])
+        assert _dtypes(jmp.get_policy(str(policy))) == _dtypes(policy)
+    from jmp._src.policy import dtype_to_names as jmp_names
+
+    assert set(dtype_to_names["float32"]) >= set(jmp_names[jnp.float32])
+    with pytest.raises(KeyError):
+        dtype_to_names[jnp.int8]
+
+
 def test_defaults_follow_params_then_compute():
     assert get_policy("c=f16") == Policy("f32", "f16", "f16")
     assert get_policy("p=bf16") == Policy("bf16", "bf16", "bf16")
@@ -153,6 +169,14 @@ def test_bad_specs_name_the_token_and_position(spec, token, position):
     assert err.token == token and err.position == position
     message = str(err)
     assert "p|params" in message and "bf16" in message and "mixed_bf16" in message
+
+
+@pytest.mark.parametrize("spec", ["compute_float16", "p=f32,c=f17", "float8", "p="])
+def test_dtype_errors_say_unknown_dtype_as_jmp_does(spec):
+    with pytest.raises(PolicyError, match="Unknown dtype"):
+        get_policy(spec)
+    with pytest.raises(ValueError, match="Unknown dtype"):
+        jmp.get_policy(spec)
 
 
 @pytest.mark.parametrize("spec,suggestion", [

@@ -19,6 +19,7 @@ scale.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 from typing import Any
@@ -76,6 +77,11 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address, num_processes, process_id,
                                initialization_timeout=timeout_seconds)
+    # Leave through the shutdown barrier while everything is still alive: JAX does not shut its
+    # runtime down at exit, and interpreter teardown may destroy process 0's coordination service
+    # while the others are still in their barrier ("Shutdown barrier has failed", seen on jax 0.11).
+    # Registered now, it runs after the exit handlers registered later (orbax's async saves).
+    atexit.register(jax.distributed.shutdown)
     return True
 
 
