@@ -3,7 +3,9 @@ every model, and the three headline ratios.
 
 Prints a table, writes ``benchmarks/results/<device>[-quick].{json,md}`` and
 prints as its last line one JSON object with ``overhead_ratio``,
-``loss_scale_overhead_ratio`` and ``memory_ratio``.
+``loss_scale_overhead_ratio`` and ``memory_ratio``. Compiled programs are kept
+in a persistent cache (:mod:`train.compile_cache`; ``--cache-dir``,
+``--no-cache``), so a second run compiles nothing it compiled before.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 import jax
 
 from benchmarks import report, suite
+from train import compile_cache
 from benchmarks.workloads import MODELS, POLICY_NAMES, SIZES, workload
 
 
@@ -30,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="timed steps per median (default 20; at least 20)")
     p.add_argument("--rounds", type=int, help="alternating rounds per ratio (default 10; 20 on a GPU)")
     p.add_argument("--out", default=str(report.RESULTS), help="results directory")
+    p.add_argument("--cache-dir", help=f"persistent compilation cache (default: ${compile_cache.ENV}, "
+                                       f"$JAX_COMPILATION_CACHE_DIR or ~/.cache/flax-mixed-precision/jax)")
+    p.add_argument("--no-cache", action="store_true", help="compile everything afresh, cache nothing")
     return p
 
 
@@ -38,12 +44,14 @@ def main(argv: list[str] | None = None) -> dict:
     args = _parser().parse_args(argv)
     if args.steps is not None and args.steps < 20:
         _parser().error(f"--steps must be at least 20 (medians over fewer steps are noise), got {args.steps}")
+    cache = None if args.no_cache else compile_cache.enable(args.cache_dir)
     if "fp32" not in args.policies:
         args.policies.insert(0, "fp32")  # the baseline every ratio is against
     size = args.size or ("quick" if args.quick else ("gpu" if jax.default_backend() == "gpu" else "full"))
     rounds, per_round = {"quick": (10, 3), "full": (10, 2), "gpu": (20, 5)}[size]
     settings = suite.Settings(size=size, steps=args.steps or 20, rounds=args.rounds or rounds,
                               steps_per_round=per_round, models=tuple(args.models), policies=tuple(args.policies))
+    print(f"compilation cache: {cache or 'off'}", flush=True)
     start = time.perf_counter()
     results = suite.run(settings, log=lambda line: print(line, flush=True))
     results.update(

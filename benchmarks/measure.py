@@ -7,6 +7,7 @@ import contextlib
 import io
 import re
 import statistics
+import threading
 import time
 from typing import Any, Callable
 
@@ -63,30 +64,81 @@ def alternating_ratio(a: Callable[[Any], Any], a_carry: Any, b: Callable[[Any], 
             "a_seconds": statistics.median(a_times), "b_seconds": statistics.median(b_times)}
 
 
-_RESIDUAL = re.compile(r"^([a-z]+)(\d*)\[([0-9,]*)\]\s+(.*)$")
-_BYTES = {"bool": 1, "pred": 1}
+def _residuals_api() -> Callable[..., list[tuple[Any, str]]] | None:
+    """JAX's data-returning ``saved_residuals(fn, *args) -> [(aval, source), ...]``:
+    public in newer JAX, internal (``jax._src.ad_checkpoint``) in older; None if neither."""
+    public = getattr(jax.ad_checkpoint, "saved_residuals", None)
+    if public is not None:
+        return public
+    try:
+        from jax._src import ad_checkpoint as internal
+    except ImportError:  # pragma: no cover - a JAX without the internal module
+        return None
+    return getattr(internal, "saved_residuals", None)
 
 
-def saved_residuals(fn: Callable, *args: Any) -> list[tuple[str, tuple[int, ...], int, str]]:
-    """What reverse-mode differentiation of ``fn(*args)`` keeps for the backward pass.
+def _short_dtype(dtype: Any) -> str:
+    """``float32`` -> ``f32``, ``bfloat16`` -> ``bf16``, ``int8`` -> ``i8``, ``uint8`` -> ``u8``, ``bool``."""
+    name = np.dtype(dtype).name
+    for long, short in (("complex", "c"), ("float", "f"), ("uint", "u"), ("int", "i")):
+        name = name.replace(long, short)
+    return name
 
-    Reads :func:`jax.ad_checkpoint.print_saved_residuals` (the traced program's
-    residuals, independent of the backend). Returns ``(dtype, shape, bytes,
-    source)`` per residual; ``source`` starts with "from the argument" for
-    inputs that are kept (params, batch), which are not activations.
-    """
+
+def _residual_row(shape: Any, dtype: Any, source: str) -> tuple[str, tuple[int, ...], int, str] | None:
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # PRNG keys: not activations, no itemsize
+        return None
+    shape = tuple(int(d) for d in shape)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    return _short_dtype(dtype), shape, nbytes, source
+
+
+_RESIDUAL = re.compile(r"^([a-z]+\d*)\[([0-9,]*)\]\s+(.*)$")
+_PRINT_LOCK = threading.Lock()
+
+
+def _printed_residuals(fn: Callable, *args: Any) -> list[tuple[str, tuple[int, ...], int, str]]:
+    """Fallback for a JAX with no data API: parses ``print_saved_residuals``, one
+    thread at a time (``redirect_stdout`` swaps the process-wide ``sys.stdout``)."""
     text = io.StringIO()
-    with contextlib.redirect_stdout(text):
+    with _PRINT_LOCK, contextlib.redirect_stdout(text):
         jax.ad_checkpoint.print_saved_residuals(fn, *args)
     out = []
     for line in text.getvalue().splitlines():
         match = _RESIDUAL.match(line.strip())
         if match is None:
             continue
-        kind, bits, dims, source = match.groups()
-        shape = tuple(int(d) for d in dims.split(",") if d)
-        itemsize = int(bits) // 8 if bits else _BYTES.get(kind, 4)
-        out.append((f"{kind}{bits}", shape, int(np.prod(shape, dtype=np.int64)) * itemsize, source))
+        name, dims, source = match.groups()
+        kind, bits = re.match(r"([a-z]+)(\d*)$", name).groups()
+        long = {"f": "float", "bf": "bfloat", "i": "int", "u": "uint", "c": "complex"}.get(kind, kind)
+        row = _residual_row([d for d in dims.split(",") if d], jax.numpy.dtype(long + bits), source)
+        if row is not None:
+            out.append(row)
+    return out
+
+
+def saved_residuals(fn: Callable, *args: Any) -> list[tuple[str, tuple[int, ...], int, str]]:
+    """What reverse-mode differentiation of ``fn(*args)`` keeps for the backward pass.
+
+    Reads JAX's ``saved_residuals`` (the data behind
+    :func:`jax.ad_checkpoint.print_saved_residuals`: the traced program's
+    residuals, independent of the backend) as data, so it is safe to call from
+    several threads at once. Returns ``(dtype, shape, bytes, source)`` per
+    residual (``dtype`` short, as JAX prints it: ``f32``, ``bf16``, ``bool``);
+    ``source`` starts with "from the argument" for inputs that are kept (params,
+    batch), which are not activations. PRNG-key residuals are left out.
+    """
+    api = _residuals_api()
+    if api is None:  # pragma: no cover - depends on the JAX version
+        return _printed_residuals(fn, *args)
+    out = []
+    for aval, source in api(fn, *args):
+        shape, dtype = getattr(aval, "shape", None), getattr(aval, "dtype", None)
+        if shape is None or dtype is None:
+            continue
+        row = _residual_row(shape, dtype, source)
+        if row is not None:
+            out.append(row)
     return out
 
 
@@ -162,7 +214,8 @@ def peak_flops(device: Any, math: str) -> float | None:
     kind = getattr(device, "device_kind", "").lower()
     if getattr(device, "platform", "") != "gpu":
         return None
-    for key, peaks in _PEAKS:
-        if key in kind:
+    words = re.split(r"[^a-z0-9]+", kind)
+    for key, peaks in _PEAKS:  # whole words: "l4" is not "NVIDIA L40S"
+        if all(word in words for word in key.split()):
             return peaks[math]
     return None

@@ -114,7 +114,8 @@ def markdown(results: dict[str, Any]) -> str:
     out += ["", "- `overhead_ratio`: our `train.make_train_step` / a hand-written JAX + optax step with the same "
             "model, bf16 casts and AdamW, per model: "
             + ", ".join(f"{o['model']} {o['ratio']:.3f} (first-step loss difference {o['first_step_loss_difference']:.1e})"
-                        for o in results["overhead"]) + "; the worst is reported.",
+                        + (f" (the programs of {o['same_programs_as']}: not timed again)" if o.get("same_programs_as")
+                           else "") for o in results["overhead"]) + "; the worst is reported.",
             "- `loss_scale_overhead_ratio`: mixed_f16 with dynamic loss scaling / mixed_f16 without, per model: "
             + ", ".join(f"{o['model']} {o['ratio']:.3f}" for o in results["loss_scale_overhead"])
             + "; the worst is reported.",
@@ -123,7 +124,8 @@ def markdown(results: dict[str, Any]) -> str:
             f"{_mib(results['memory']['mixed_bf16']['bytes'])} / {_mib(results['memory']['fp32']['bytes'])} MiB "
             f"= {results['memory']['ratio']:.3f}; with the shipped config's float32 softmax "
             f"{results['memory']['ratio_f32_softmax']:.3f}. From the traced program "
-            f"(`jax.ad_checkpoint.print_saved_residuals`), so the same on every backend.",
+            f"(JAX's `saved_residuals`, what `jax.ad_checkpoint.print_saved_residuals` prints), so the same "
+            f"on every backend.",
             "", "## Per model and policy", "", table(results), "",
             "Models: " + "; ".join(f"`{k}`: {v}" for k, v in results["models"].items()) + ".", "",
             "Columns: *fwd* is the forward pass and float32 loss alone; *bwd+update* the rest of the step. "

@@ -9,6 +9,14 @@ Both run the same model under the same policy and donate their buffers, as a
 real train step does, so the ratio is the wrapper's cost alone. Prints a table and writes it to ``benchmarks/results/``.
 
     python -m benchmarks.wrapper_overhead [--steps 60] [--batch 256] [--width 1024]
+
+``--bytes`` compares instead what XLA's cost model says each compiled step reads
+and writes (``compiled.cost_analysis()["bytes accessed"]``: no timing, so no
+noise) for the suite's models: ``train.make_train_step`` (mixed_bf16, no loss
+scale, AdamW) against the suite's hand-written JAX + optax step of the same
+dtypes, for each ``skip_with``:
+
+    python -m benchmarks.wrapper_overhead --bytes [--size quick] [--models mlp resnet gpt]
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ import jax.numpy as jnp
 import optax
 
 import precision
+import train
+from train import compile_cache
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -105,15 +115,72 @@ def measure(policy: str, width: int, batch: int, steps: int, skip_with: str) -> 
             "ratio_of_medians": statistics.median(wrapped_times) / statistics.median(plain_times)}
 
 
+def bytes_accessed(name: str, size: str = "quick", skip_with: tuple[str, ...] = ("select", "auto")) -> dict:
+    """XLA bytes accessed of our train step (per ``skip_with``) and of the hand-written
+    step for the benchmark model ``name``, and their ratios. Compiles, runs nothing."""
+    from benchmarks import measure, suite
+    from benchmarks.workloads import workload
+
+    w = workload(name, size)
+    variables, batch = suite.initial_variables(w), w.batch()
+    row: dict = {"model": name, "size": size, "backend": jax.default_backend()}
+    hand = None
+    for skip in skip_with:
+        ours = suite._state(w, "mixed_bf16", "none", (), variables, skip)
+        if hand is None:
+            hand_jit, hand_state = suite._hand_written_step(w, jnp.bfloat16, ours.params, ours.model_state)
+            hand = measure.compiled_bytes_accessed(suite._compile(hand_jit, hand_state, batch)[1])
+            row["hand_written_bytes"] = hand
+        _, step, _ = suite._compile(train.make_train_step(donate=True), ours, batch)
+        row[f"{skip}_bytes"] = measure.compiled_bytes_accessed(step)
+        row[f"{skip}_ratio"] = row[f"{skip}_bytes"] / hand
+    return row
+
+
+def bytes_main(args) -> list[dict]:
+    skips = tuple(args.skip_with.split(","))
+    rows = [bytes_accessed(name, args.size, skips) for name in args.models]
+    header = "| model | hand-written step (MB) | " + " | ".join(f"skip_with={k}: MB (ratio)" for k in skips) + " |"
+    lines = [f"XLA bytes accessed of one train step ({jax.default_backend()}, jax {jax.__version__}, {args.size} "
+             f"models, mixed_bf16, AdamW): `train.make_train_step` / the hand-written JAX + optax step. "
+             f"`skip_with=auto` is `cond` on CPU, `select` elsewhere. Reproduce: "
+             f"`python -m benchmarks.wrapper_overhead --bytes --size {args.size}`.", "",
+             header, "|---|---|" + "---|" * len(skips)]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['hand_written_bytes'] / 1e6:.2f} | "
+                     + " | ".join(f"{r[f'{k}_bytes'] / 1e6:.2f} ({r[f'{k}_ratio']:.4f})" for k in skips) + " |")
+    table = "\n".join(lines)
+    print(table)
+    out = pathlib.Path(args.out or RESULTS / f"wrapper_bytes_{jax.default_backend()}.md")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(table + "\n")
+    out.with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n")
+    print(json.dumps({f"{r['model']}/{k}": round(r[f"{k}_ratio"], 4) for r in rows for k in skips}))
+    return rows
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--policies", default="fp32,mixed_f16")
-    parser.add_argument("--skip-with", default="auto,select", help="skip strategies to time")
-    parser.add_argument("--out", default=str(RESULTS / f"wrapper_overhead_{jax.default_backend()}.md"))
+    parser.add_argument("--skip-with", default=None, help="skip strategies (default auto,select; select,auto "
+                                                           "with --bytes)")
+    parser.add_argument("--out", default=None, help="markdown file to write (a .json is written beside it)")
+    parser.add_argument("--bytes", action="store_true", help="compare XLA bytes accessed of the suite's models instead")
+    parser.add_argument("--size", default="quick", help="with --bytes: the suite's model size")
+    parser.add_argument("--models", nargs="+", default=["mlp", "resnet", "gpt"], help="with --bytes: suite models")
+    parser.add_argument("--cache-dir", help="persistent compilation cache (see train.compile_cache)")
+    parser.add_argument("--no-cache", action="store_true")
     args = parser.parse_args(argv)
+    if not args.no_cache:
+        compile_cache.enable(args.cache_dir)
+    if args.bytes:
+        args.skip_with = args.skip_with or "select,auto"
+        return bytes_main(args)
+    args.skip_with = args.skip_with or "auto,select"
+    args.out = args.out or str(RESULTS / f"wrapper_overhead_{jax.default_backend()}.md")
     rows = [measure(p, args.width, args.batch, args.steps, k)
             for p in args.policies.split(",") for k in args.skip_with.split(",")]
     header = ("| policy | skip_with | MLP | batch | plain optax (ms) | wrapper + dynamic scale (ms) | median of ratios "

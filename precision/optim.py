@@ -13,6 +13,13 @@ that takes the gradients of the *scaled* loss and
    inner state and master weights are selected unchanged;
 5. adjusts the loss scale.
 
+With ``skip_with="select"`` it adds one pass over the params to what plain
+optax does: the check reads each gradient once (one reduction per leaf).
+Unscaling fuses into the optimizer's own elementwise pass, and each state leaf
+is selected where it is computed, with the updates computed from the selected
+state, so the update stays one pass per leaf, in place in donated buffers, with
+no second copy of the state for the skip.
+
 When params are stored in half precision (``p=f16``, ``p=bf16``, O2) it keeps a
 float32 master copy in its state, updates that, and returns updates that move
 the half params to the rounded master, so small updates accumulate instead of
@@ -26,7 +33,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+from jax.extend import source_info_util
+from jax.extend.core import Literal
 
 from precision.loss_scale import DynamicLossScale, LossScale, select_tree
 from precision.policy import cast_to_full
@@ -71,11 +81,17 @@ def mixed_precision(inner: optax.GradientTransformation,
         threshold multiplied by the loss scale).
       skip_with: how a non-finite step is skipped, both bit-exact and traceable:
         ``"select"`` computes the update and selects the old state (no control
-        flow, the usual choice on accelerators); ``"cond"`` runs the update
-        under ``lax.cond`` (on CPU a select over donated buffers forces copies of
-        the whole optimizer state: 1.51x the plain optax step against 1.03x with
-        cond for mixed_f16, ``benchmarks/results/wrapper_overhead_cpu.md``);
-        ``"auto"`` is cond on CPU, select elsewhere.
+        flow, the usual choice on accelerators): each state leaf is selected
+        where it is made and the updates read the selected state, so the whole
+        update is one pass per leaf as in plain optax, in place in donated
+        buffers (XLA bytes accessed of a train step within 0.1-2.5% of a
+        hand-written optax step, ``python -m benchmarks.wrapper_overhead
+        --bytes``); ``"cond"`` runs the update under ``lax.cond``, which
+        materialises the updates and costs more bytes, but on XLA:CPU it is
+        faster: there the update's fusions read a gradient stored transposed
+        (as the backward matmul leaves it) element by element, slowly, while a
+        cond passes it in transposed once; ``"auto"`` is cond on CPU, select
+        elsewhere.
 
     Returns:
       A transformation whose ``update(scaled_grads, state, params)`` returns
@@ -112,17 +128,23 @@ def mixed_precision(inner: optax.GradientTransformation,
         # 1.8e19 before unscaling), which count as an overflow too. The norm is taken of the scaled
         # gradients and unscaled as a scalar; the gradients themselves are unscaled inside the
         # update, where the multiply fuses into the optimizer's own elementwise pass.
-        squares = _leaf_squared_norms(scaled)
+        strategy = skip_with if skip_with != "auto" else ("cond" if jax.default_backend() == "cpu" else "select")
+        squares = _leaf_squared_norms(scaled, one_loop=strategy == "select")
         grad_norm = state.loss_scale.unscale(jnp.sqrt(sum(squares)))
         finite = jnp.isfinite(grad_norm)
         ref = params if params is not None else scaled
 
-        def step(inner_state, master):
+        def step(inner_state, master, selected):
             grads = state.loss_scale.unscale(scaled)
-            updates, new_inner = inner.update(grads, inner_state,
-                                              master if master is not None else params, **extra_args)
+            inner_params = master if master is not None else params
+            if selected:
+                updates, new_inner = _update_on_selected_state(inner, finite, grads, inner_state, inner_params,
+                                                               extra_args)
+            else:
+                updates, new_inner = inner.update(grads, inner_state, inner_params, **extra_args)
             if master is not None:
-                master = optax.apply_updates(master, updates)
+                new_master = optax.apply_updates(master, updates)
+                master = select_tree(finite, new_master, master) if selected else new_master
                 # Updates that land the half params exactly on the rounded master.
                 updates = jax.tree_util.tree_map(
                     lambda m, p: m.astype(p.dtype).astype(jnp.float32) - p.astype(jnp.float32), master, params)
@@ -131,12 +153,16 @@ def mixed_precision(inner: optax.GradientTransformation,
         def skip(inner_state, master):
             return _identity_updates(ref), inner_state, master
 
-        strategy = skip_with if skip_with != "auto" else ("cond" if jax.default_backend() == "cpu" else "select")
         if strategy == "cond":
-            updates, new_inner, master = jax.lax.cond(finite, step, skip, state.inner_state, state.master_params)
+            updates, new_inner, master = jax.lax.cond(finite, lambda s, m: step(s, m, False), skip,
+                                                      state.inner_state, state.master_params)
         else:
-            updates, new_inner, master = select_tree(finite, step(state.inner_state, state.master_params),
-                                                     skip(state.inner_state, state.master_params))
+            # One pass over each leaf, as plain optax: the new state is selected where it is
+            # made and the updates are computed from the selected state (equal to the new one
+            # whenever they are kept), so nothing reads the old state after its buffer is
+            # overwritten and donated buffers need no copies.
+            updates, new_inner, master = step(state.inner_state, state.master_params, True)
+            updates = select_tree(finite, updates, _identity_updates(ref))
         return updates, MixedPrecisionState(
             inner_state=new_inner,
             loss_scale=state.loss_scale.adjust(finite),
@@ -148,8 +174,96 @@ def mixed_precision(inner: optax.GradientTransformation,
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _leaf_squared_norms(grads: Any) -> list[jax.Array]:
-    return [jnp.sum(jnp.square(g)) for g in jax.tree_util.tree_leaves(grads)] or [jnp.zeros([], jnp.float32)]
+def _update_on_selected_state(inner: optax.GradientTransformationExtraArgs, finite: jax.Array, grads: Any,
+                              inner_state: Any, params: Any, extra_args: dict) -> tuple[Any, Any]:
+    """``inner.update`` with every new state leaf replaced, where it is computed, by
+    ``select(finite, new, old)``; returns ``(updates, selected new state)``.
+
+    Every later use of a new state leaf (Adam's update reads its new moments) then
+    reads the selected one. Exact: when ``finite`` the selected state is the new
+    one; when not, the caller discards the updates and the state is the old one.
+    What it saves: selecting the state only at the end leaves the updates reading
+    the *old* moments (XLA recomputes the new ones inside the update's fusion),
+    after the selected moments were written over the old ones in their donated
+    buffers, so XLA copies the whole optimizer state first.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten((grads, inner_state, params, extra_args))
+    old_state = jax.tree_util.tree_leaves(inner_state)
+    arrays = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray, np.generic))]
+
+    def call(*traced):
+        flat = list(leaves)  # anything else (a Python number among the extra args) stays as it is
+        for i, x in zip(arrays, traced):
+            flat[i] = x
+        g, s, p, e = jax.tree_util.tree_unflatten(treedef, flat)
+        return inner.update(g, s, p, **e)
+
+    closed, shapes = jax.make_jaxpr(call, return_shape=True)(*[leaves[i] for i in arrays])
+    jaxpr = closed.jaxpr
+    n_updates = len(jax.tree_util.tree_leaves(shapes[0]))
+    state_vars = jaxpr.outvars[n_updates:]
+    inputs = set(jaxpr.invars)
+    olds: dict[Any, list] = {}
+    for var, old in zip(state_vars, old_state, strict=True):
+        if not isinstance(var, Literal) and var not in inputs:
+            olds.setdefault(var, []).append(old)
+    # A leaf returned in two places of the state with different old values is selected at the end.
+    replace = {v: o[0] for v, o in olds.items()
+               if len(o) == 1 and jnp.shape(o[0]) == v.aval.shape and jnp.result_type(o[0]) == v.aval.dtype}
+
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts))
+    env.update(zip(jaxpr.invars, [leaves[i] for i in arrays], strict=True))
+
+    def read(v):
+        return v.val if isinstance(v, Literal) else env[v]
+
+    for eqn in jaxpr.eqns:
+        bind_params = eqn.primitive.get_bind_params(eqn.params)
+        subfuns, bind_params = bind_params if isinstance(bind_params, tuple) else ((), bind_params)  # JAX < 0.5
+        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+            outs = eqn.primitive.bind(*subfuns, *map(read, eqn.invars), **bind_params)
+        outs = outs if eqn.primitive.multiple_results else [outs]
+        for var, out in zip(eqn.outvars, outs, strict=True):
+            if var in replace:
+                out = jax.lax.select(finite, out, replace[var])
+            env[var] = out
+    out = [read(v) for v in jaxpr.outvars]
+    selected = [x if v in replace or x is old else jax.lax.select(finite, x, old)
+                for v, x, old in zip(state_vars, out[n_updates:], old_state, strict=True)]
+    updates = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes[0]), out[:n_updates])
+    return updates, jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes[1]), selected)
+
+
+def _leaf_squared_norms(grads: Any, one_loop: bool = False) -> list[jax.Array]:
+    """Per leaf, the float32 sum of squares: non-finite iff an element is (or the sum overflows).
+
+    ``one_loop``: as one two-output reduction per leaf (:func:`_one_loop_squared_norm`).
+    """
+    norm = _one_loop_squared_norm if one_loop else (lambda g: jnp.sum(jnp.square(g.astype(jnp.float32))))
+    return [norm(jnp.asarray(g)) for g in jax.tree_util.tree_leaves(grads)] or [jnp.zeros([], jnp.float32)]
+
+
+def _one_loop_squared_norm(g: jax.Array) -> jax.Array:
+    """The sum of squares of ``g`` as one two-output reduction, (sum of squares, max |g|),
+    that reads ``g`` once as it is stored (half, transposed).
+
+    XLA:CPU hands a plain sum to a library kernel (YNNPACK) that needs its operand in
+    memory, so it first writes the float32 squares out and reads them back: 5x the bytes
+    of a half gradient, the most expensive pass of a select-skipped update. The two-output
+    reduction is one loop instead; it moves the fewest bytes, though on CPU the loop
+    (single-threaded, strided through a transposed gradient) takes longer than the library
+    sum: the cond strategy, CPU's default, keeps the plain sum. The max is used (the sum is
+    non-finite whenever the max is, and ``total + peak`` is then that same inf or nan), so
+    XLA keeps the pair.
+    """
+    if g.ndim == 0 or g.size == 0:
+        return jnp.sum(jnp.square(g.astype(jnp.float32)))
+    g = g.astype(jnp.float32)
+    zero = jnp.zeros([], jnp.float32)
+    total, peak = jax.lax.reduce((jnp.square(g), jnp.abs(g)), (zero, zero),
+                                 lambda a, b: (a[0] + b[0], jnp.maximum(a[1], b[1])), tuple(range(g.ndim)))
+    return jnp.where(jnp.isfinite(peak), total, total + peak)
 
 
 def _first_nonfinite(squares: list[jax.Array], finite: jax.Array) -> jax.Array:

@@ -5,10 +5,22 @@ Tests marked ``gpu`` need JAX's default backend to be a GPU (run them with
 """
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Runs (and the CLI subprocesses tests start) share one compilation cache for the session,
+# never the user's ~/.cache.
+_OWN_CACHE = None
+if "MP_COMPILE_CACHE_DIR" not in os.environ:
+    _OWN_CACHE = os.environ["MP_COMPILE_CACHE_DIR"] = tempfile.mkdtemp(prefix="mp-test-compile-cache-")
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE is not None:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 from hypothesis import settings  # noqa: E402
 

@@ -279,6 +279,10 @@ class ExperimentConfig(_Schema):
     inference_dtypes: list[InferenceDtype] = Field(list(INFERENCE_DTYPES), description=(
         "half dtypes whose inference accuracy is compared with float32 at the end ([] to skip)"))
     progress: bool = Field(True, description="show a progress bar")
+    compile_cache: str | None = Field("auto", description="persistent compilation cache directory, so a rerun or "
+                                                          "resumption compiles nothing (auto: $MP_COMPILE_CACHE_DIR, "
+                                                          "$JAX_COMPILATION_CACHE_DIR or ~/.cache/flax-mixed-precision"
+                                                          "/jax; null: off)")
     task: Task = Field("auto", description=f"the loss: auto (from the data), classification, lm (or language_model), "
                                            f"or a function reference {FUNCTION_REFERENCE[1]} to "
                                            f"fn(outputs, batch) -> (loss, metrics)")

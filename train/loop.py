@@ -24,7 +24,7 @@ import numpy as np
 import yaml
 
 import precision
-from train import config as config_lib
+from train import compile_cache, config as config_lib
 from train.checkpoint import CheckpointError, Checkpointer
 from train.config import ConfigError, ExperimentConfig
 from train.builders import build_data, build_model, build_optimizer, build_task, check_model_fits_data, model_options
@@ -41,7 +41,7 @@ __all__ = ["NonFiniteError", "build_experiment", "build_model", "build_optimizer
            "run"]
 
 #: Config keys that may change between a run and its resumption.
-RESUMABLE_CHANGES = ("steps", "workdir", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
+RESUMABLE_CHANGES = ("steps", "workdir", "compile_cache", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
                      "max_nonfinite_steps", "inference_dtypes", "progress", "precision.strict", "data.eval_batch_size",
                      "data.eval_batches", "data.prefetch", "data.path", "mesh.data", "mesh.fsdp",
                      "mesh.fsdp_min_size", "distributed.coordinator_address", "distributed.num_processes",
@@ -85,6 +85,8 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
         or none of the existing ones is intact.
     """
     out = sys.stdout if out is None else out
+    if config.compile_cache is not None:
+        compile_cache.enable(None if config.compile_cache == "auto" else config.compile_cache)
     try:
         initialize_distributed(**config.distributed.model_dump())
         layout = Layout(make_mesh(config.mesh.data, config.mesh.fsdp), config.mesh.fsdp_min_size)

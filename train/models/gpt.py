@@ -1,8 +1,15 @@
 """A decoder-only, GPT-style Transformer for character-level language modelling.
 
-The attention probabilities come from their own :class:`Softmax` module, so a
-precision rule (``("Softmax", "f32")``, or preset O1) can keep them in float32
-without the model knowing about precision.
+Attention goes through :func:`jax.nn.dot_product_attention` with
+``is_causal=True``: cuDNN's fused (flash) attention on a GPU when the model
+computes in float16/bfloat16, XLA's implementation elsewhere (its softmax runs
+in float32, the two matmuls in the operands' dtype). No causal mask is kept for
+the backward pass: the backward pass rebuilds it (a remat policy that saves no
+boolean value), so the only ``(B, H, T, T)`` values saved are the softmax's.
+
+With attention dropout active (``dropout > 0`` and ``train=True``) the
+probabilities must exist to be dropped, so that case computes them explicitly in
+a :class:`Softmax` module (which a rule such as ``("Softmax", "f32")`` can target).
 """
 
 from typing import Any
@@ -10,6 +17,14 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+#: ``attention_impl`` values: ``None`` picks cuDNN for half-precision operands on a GPU, XLA otherwise.
+ATTENTION_IMPLS = (None, "xla", "cudnn")
+
+_HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+# Primitives making booleans or indices (a mask, an iota): recomputed in the backward pass, never saved.
+_MASK_PRIMITIVES = frozenset({"eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor", "iota"})
 
 
 class Softmax(nn.Module):
@@ -22,27 +37,81 @@ class Softmax(nn.Module):
         return jax.nn.softmax(x, axis=self.axis)
 
 
+def _saves_no_masks(prim: Any, *avals: Any, **params: Any) -> bool:
+    """Remat policy: save floating values only, never a mask or the index arithmetic building it.
+
+    JAX calls it with a primitive and its *input* avals: comparisons make
+    booleans, and a primitive whose inputs are all boolean or integer
+    (broadcasting or combining a mask, shifting an ``iota``) makes no float.
+    """
+    del params
+    if prim.name in _MASK_PRIMITIVES:
+        return False
+    dtypes = [getattr(a, "dtype", None) for a in avals]
+    return not (dtypes and all(d is not None and not jnp.issubdtype(d, jnp.inexact) for d in dtypes))
+
+
+def _implementation(q: jax.Array, requested: str | None) -> str | None:
+    if requested is not None:
+        return None if requested == "xla" else requested
+    if jax.default_backend() == "gpu" and np.dtype(q.dtype) in _HALF:
+        return "cudnn"
+    return None
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str | None = None) -> jax.Array:
+    """Causal softmax(q k^T) v over ``(batch, length, heads, head_dim)`` operands, ``q`` already scaled.
+
+    ``implementation``: ``None`` (cuDNN for half operands on a GPU, else XLA),
+    ``"xla"`` or ``"cudnn"``. Where cuDNN cannot take the shapes (head_dim over
+    its limit, no cuDNN), the automatic choice falls back to XLA.
+    """
+    impl = _implementation(q, implementation)
+
+    def attend(q, k, v, impl=impl):
+        return jax.nn.dot_product_attention(q, k, v, scale=1.0, is_causal=True, implementation=impl)
+
+    if impl == "cudnn" and implementation is None:
+        try:
+            return attend(q, k, v)
+        except (NotImplementedError, RuntimeError, ValueError):  # checked while tracing: shapes, cuDNN version
+            impl = None
+    if impl == "cudnn":
+        return attend(q, k, v)  # its backward keeps q, k, v, the output and softmax statistics: no mask
+    return jax.checkpoint(lambda q, k, v: attend(q, k, v, None), policy=_saves_no_masks)(q, k, v)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention where each position sees only earlier ones."""
 
     num_heads: int
     dropout: float = 0.0
     dtype: Any = None  # every layer's computation dtype, the way Flax examples pass it; None: inputs'/params'
+    attention_impl: str | None = None  # None (automatic), "xla" or "cudnn": see causal_attention
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
         batch, length, features = x.shape
         head_dim = features // self.num_heads
         qkv = nn.Dense(3 * features, dtype=self.dtype, name="qkv")(x)
         q, k, v = jnp.split(qkv.reshape(batch, length, 3 * self.num_heads, head_dim), 3, axis=2)
-        q = q * (head_dim ** -0.5)  # scale before the product: keeps the logits in range
+        q = q * (head_dim ** -0.5)  # scale before the product: keeps half-precision logits in range
+        if train and self.dropout > 0:
+            out = self._attention_with_dropout(q, k, v)
+        else:
+            out = causal_attention(q, k, v, self.attention_impl)
+        return nn.Dense(features, dtype=self.dtype, name="proj")(out.reshape(batch, length, features))
+
+    def _attention_with_dropout(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        length = q.shape[1]
         logits = jnp.einsum("bqhd,bkhd->bhqk", q, k)
         causal = jnp.tril(jnp.ones((length, length), dtype=bool))
         logits = jnp.where(causal, logits, jnp.finfo(logits.dtype).min)
         probs = Softmax(name="softmax")(logits)
-        probs = nn.Dropout(self.dropout, deterministic=not train)(probs)
-        out = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v)
-        return nn.Dense(features, dtype=self.dtype, name="proj")(out.reshape(batch, length, features))
+        probs = nn.Dropout(self.dropout, deterministic=False)(probs)
+        return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v)
 
 
 class TransformerBlock(nn.Module):
@@ -52,11 +121,12 @@ class TransformerBlock(nn.Module):
     mlp_ratio: int = 4
     dropout: float = 0.0
     dtype: Any = None  # every layer's computation dtype, the way Flax examples pass it; None: inputs'/params'
+    attention_impl: str | None = None  # None (automatic), "xla" or "cudnn": see causal_attention
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
         features = x.shape[-1]
-        x = x + CausalSelfAttention(self.num_heads, self.dropout, self.dtype, name="attn")(
+        x = x + CausalSelfAttention(self.num_heads, self.dropout, self.dtype, self.attention_impl, name="attn")(
             nn.LayerNorm(dtype=self.dtype)(x), train)
         y = nn.Dense(self.mlp_ratio * features, dtype=self.dtype)(nn.LayerNorm(dtype=self.dtype)(x))
         y = nn.Dense(features, dtype=self.dtype)(nn.gelu(y))
@@ -75,6 +145,7 @@ class GPT(nn.Module):
     mlp_ratio: int = 4
     dropout: float = 0.0
     dtype: Any = None  # every layer's computation dtype, the way Flax examples pass it; None: inputs'/params'
+    attention_impl: str | None = None  # None (automatic), "xla" or "cudnn": see causal_attention
 
     @nn.compact
     def __call__(self, tokens: jax.Array, train: bool = False) -> jax.Array:
@@ -87,5 +158,6 @@ class GPT(nn.Module):
         x = x + nn.Embed(self.block_size, self.d_model, dtype=self.dtype, name="positions")(jnp.arange(length))[None]
         x = nn.Dropout(self.dropout, deterministic=not train)(x)
         for i in range(self.num_layers):
-            x = TransformerBlock(self.num_heads, self.mlp_ratio, self.dropout, self.dtype, name=f"block_{i}")(x, train)
+            x = TransformerBlock(self.num_heads, self.mlp_ratio, self.dropout, self.dtype, self.attention_impl,
+                                 name=f"block_{i}")(x, train)
         return nn.Dense(self.vocab_size, dtype=self.dtype, name="head")(nn.LayerNorm(dtype=self.dtype, name="ln_f")(x))
