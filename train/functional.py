@@ -132,9 +132,10 @@ class NNXModel:
         self._rngs = rngs
         self._streams = sorted({v.tag for v in jax.tree_util.tree_leaves(
             rngs, is_leaf=lambda x: isinstance(x, nnx.Variable)) if isinstance(v, nnx.RngKey)})
-        self._initial = {"params": self._params.to_tree(params)}
+        initial = {"params": self._params.to_tree(params)}
         if self._rest.paths:
-            self._initial["state"] = self._rest.to_tree(rest)
+            initial["state"] = self._rest.to_tree(rest)
+        self._initial = jax.device_get(initial)  # on the host: no second copy of the model on the device
 
     def __repr__(self) -> str:
         return f"NNXModel({self.module_type.__name__}, {str(self.policy)!r})"

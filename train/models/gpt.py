@@ -12,7 +12,8 @@ probabilities must exist to be dropped, so that case computes them explicitly in
 a :class:`Softmax` module (which a rule such as ``("Softmax", "f32")`` can target).
 """
 
-from typing import Any
+import typing
+from typing import Any, Literal
 
 import flax.linen as nn
 import jax
@@ -133,9 +134,40 @@ class TransformerBlock(nn.Module):
         return x + nn.Dropout(self.dropout, deterministic=not train)(y)
 
 
+#: ``remat`` values: what a block's backward pass may keep of its forward pass.
+Remat = Literal["none", "full", "dots"]
+_REMAT_POLICIES = {"full": None,  # keep nothing: recompute the whole block
+                   "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}  # keep the Dense outputs
+
+
+def _block_class(remat: str) -> type:
+    """``TransformerBlock``, or it under ``nn.remat`` with the policy ``remat`` names."""
+    if remat == "none":
+        return TransformerBlock
+    return nn.remat(TransformerBlock, policy=_REMAT_POLICIES[remat], static_argnums=(2,))  # (self, x, train)
+
+
+class _ScannedBlock(nn.Module):
+    """One step of ``nn.scan`` over identical blocks: ``(x, _) -> (block(x), None)``."""
+
+    block: dict  # TransformerBlock's fields
+    remat: str
+    train: bool
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _: Any) -> tuple[jax.Array, None]:
+        return _block_class(self.remat)(**self.block, name="block")(x, self.train), None
+
+
 class GPT(nn.Module):
     """Token and position embeddings, ``num_layers`` Transformer blocks, a final
-    LayerNorm and a linear head over the vocabulary."""
+    LayerNorm and a linear head over the vocabulary.
+
+    ``scan_layers`` runs the blocks as one ``nn.scan`` over stacked params
+    (``blocks/block/...`` with a leading layer axis): one block to compile
+    whatever the depth. ``remat`` recomputes each block's forward pass in its
+    backward pass: ``full`` keeps nothing, ``dots`` keeps the Dense outputs.
+    """
 
     vocab_size: int = 128
     block_size: int = 128
@@ -146,18 +178,28 @@ class GPT(nn.Module):
     dropout: float = 0.0
     dtype: Any = None  # every layer's computation dtype, the way Flax examples pass it; None: inputs'/params'
     attention_impl: str | None = None  # None (automatic), "xla" or "cudnn": see causal_attention
+    scan_layers: bool = False
+    remat: Remat = "none"
 
     @nn.compact
     def __call__(self, tokens: jax.Array, train: bool = False) -> jax.Array:
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})")
+        if self.remat not in typing.get_args(Remat):
+            raise ValueError(f"remat must be one of {typing.get_args(Remat)}, got {self.remat!r}")
         length = tokens.shape[1]
         if length > self.block_size:
             raise ValueError(f"sequence length {length} exceeds block_size {self.block_size}")
         x = nn.Embed(self.vocab_size, self.d_model, dtype=self.dtype, name="tokens")(tokens)
         x = x + nn.Embed(self.block_size, self.d_model, dtype=self.dtype, name="positions")(jnp.arange(length))[None]
         x = nn.Dropout(self.dropout, deterministic=not train)(x)
-        for i in range(self.num_layers):
-            x = TransformerBlock(self.num_heads, self.mlp_ratio, self.dropout, self.dtype, self.attention_impl,
-                                 name=f"block_{i}")(x, train)
+        block = {"num_heads": self.num_heads, "mlp_ratio": self.mlp_ratio, "dropout": self.dropout,
+                 "dtype": self.dtype, "attention_impl": self.attention_impl}
+        if self.scan_layers:
+            layers = nn.scan(_ScannedBlock, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
+                             length=self.num_layers)
+            x, _ = layers(block, self.remat, train, name="blocks")(x, None)
+        else:
+            for i in range(self.num_layers):
+                x = _block_class(self.remat)(**block, name=f"block_{i}")(x, train)
         return nn.Dense(self.vocab_size, dtype=self.dtype, name="head")(nn.LayerNorm(dtype=self.dtype, name="ln_f")(x))
