@@ -176,6 +176,15 @@ def test_bad_user_data_says_what_is_expected():
         from_user_function(lambda: {"train": {"inputs": np.zeros((4, 2))}}, {})
     with pytest.raises(DataError, match="one row per example"):
         UserData("bad", {"inputs": np.zeros((4, 2)), "labels": np.zeros(3)}, {"inputs": np.zeros((2, 2))})
+    class Source:
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return {"inputs": np.zeros(2, np.float32), "labels": np.int32(i % 2)}
+
+    with pytest.raises(DataError, match="give num_classes with a classification source"):
+        UserData("bad", Source(), Source())
     with pytest.raises(DataError, match="need an 'inputs' entry"):
         UserData("bad", {"x": np.zeros((4, 2))}, {"x": np.zeros((2, 2))})
 

@@ -190,6 +190,9 @@ def check_model_fits_data(model: Any, data: Any, name: str = "model", task: Task
             raise ConfigError(f"task: {task.name} cannot take the outputs of model '{name}' "
                               f"({one_line(e)})") from None
         return
+    if not data.num_classes:
+        raise ConfigError(f"task: {task.name} needs the number of classes, and {data.name} gives none; return "
+                          f"num_classes from your data function, or set task to your own loss")
     expected = (2,) + ((data.input_shape[0],) if task.name == "language_model" else ()) + (data.num_classes,)
     if tuple(getattr(outputs, "shape", ())) != expected:
         what = " per token" if task.name == "language_model" else ""

@@ -76,17 +76,14 @@ class UserData:
         self.train = _Split(train, f"{name}: train split")
         self.eval = _Split(evaluation, f"{name}: eval split")
         self._order = EpochOrder(self.train.size, name)
-        labels = self.train.example.get("labels")
         self.task = task or _infer_task(self.train.example)
-        if num_classes is None and labels is not None and np.issubdtype(np.asarray(labels).dtype, np.integer):
-            num_classes = int(max(self._max_label(self.train), self._max_label(self.eval))) + 1
+        if num_classes is None and self.task is not None:
+            splits = (self.train.arrays, self.eval.arrays)
+            if any(arrays is None or "labels" not in arrays for arrays in splits):
+                raise DataError(f"{name}: give num_classes with a {self.task} source (sources are not scanned "
+                                f"for their largest label)")
+            num_classes = int(max(np.max(arrays["labels"]) for arrays in splits)) + 1
         self.num_classes = num_classes
-
-    @staticmethod
-    def _max_label(split: _Split) -> int:
-        if split.arrays is not None:
-            return int(np.max(split.arrays["labels"])) if "labels" in split.arrays else 0
-        return 0  # a source is not scanned; give num_classes
 
     @property
     def input_shape(self) -> tuple[int, ...]:
