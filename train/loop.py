@@ -11,16 +11,13 @@ params, as an uninterrupted one.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
 import sys
-import time
 from typing import Any, Callable, TextIO
 
 import jax
-import numpy as np
 import yaml
 
 import precision
@@ -32,10 +29,10 @@ from train.data import prefetch_to_device, train_batches
 from train.distributed import Layout, MeshError, host_rows, initialize_distributed, make_mesh, to_host
 from train.inference import inference_report
 from train.metrics import MetricsWriter, NullWriter, Progress
+from train.tracker import NonFiniteError, Tracker, format_summary, model_label
 from train.models import MODELS
 from train.state import TrainState, create_train_state
 from train.step import evaluate, make_eval_step, make_train_step
-from train.tree_paths import leaf_names
 
 __all__ = ["NonFiniteError", "build_experiment", "build_model", "build_optimizer", "check_model_fits_data",
            "run"]
@@ -48,10 +45,6 @@ RESUMABLE_CHANGES = ("steps", "workdir", "compile_cache", "log_every", "eval_eve
                      "distributed.process_id", "distributed.cluster_detect", "distributed.timeout_seconds")
 
 
-class NonFiniteError(RuntimeError):
-    """Gradients stayed non-finite at the minimum loss scale; training cannot recover by itself."""
-
-
 def build_experiment(config: ExperimentConfig) -> tuple[Any, Any, Any]:
     """The data, task and (unwrapped) model ``config`` names, checked to fit
     each other before any compute (:class:`ConfigError` / ``DataError`` if not)."""
@@ -60,12 +53,6 @@ def build_experiment(config: ExperimentConfig) -> tuple[Any, Any, Any]:
     model = build_model(config.model, data, config.seed)
     check_model_fits_data(model, data, config.model.name, task)
     return data, task, model
-
-
-def model_label(name: str) -> str:
-    """A model name for people: ``MLP (nnx_mlp.py)`` for a reference to user code."""
-    where, sep, attr = name.rpartition(":")
-    return f"{attr} ({os.path.basename(where)})" if sep else name
 
 
 def run(config: ExperimentConfig, *, out: TextIO | None = None,
@@ -151,7 +138,7 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
         print(f"resuming from the checkpoint at step {start} in {checkpoints.directory}", file=out)
 
     progress = Progress(config.steps, start, primary and config.progress and start < config.steps)
-    tracker = _Tracker(config, state, data, task, writer, progress, on_record)
+    tracker = Tracker(config, state, data, task, writer, progress, on_record)
     print(f"{model_label(config.model.name)} on {data.describe()}; policy {state.policy} ({config.precision.policy}), "
           f"loss scale {type(state.loss_scale).__name__}; steps {start} -> {config.steps}; "
           f"{_describe_layout(layout)}; workdir {workdir}", file=out)
@@ -282,7 +269,7 @@ def _get(tree: dict, dotted: str) -> Any:
     return tree
 
 
-def _save_on_interrupt(checkpoints: Checkpointer, state: TrainState, resolved: dict, tracker: "_Tracker") -> str:
+def _save_on_interrupt(checkpoints: Checkpointer, state: TrainState, resolved: dict, tracker: Tracker) -> str:
     try:
         step = checkpoints.save(state, {"data_position": int(to_host(state.step)), "config": resolved})
         checkpoints.close()
@@ -293,186 +280,3 @@ def _save_on_interrupt(checkpoints: Checkpointer, state: TrainState, resolved: d
                    f"checkpoint is at step {checkpoints.latest_step()}")
     tracker.record({"kind": "interrupted", "step": tracker.last_step, "message": message})
     return f"{message} in {checkpoints.directory}; rerun the same command to resume"
-
-
-#: Metrics of every train step; the others are the task's (accuracy, a user loss's).
-_STEP_METRICS = ("loss", "loss_scale", "grads_finite", "grad_norm", "skipped_steps", "nonfinite_streak",
-                 "at_min_scale", "nonfinite_leaf", "learning_rate")
-
-
-class _Tracker:
-    """Host-side bookkeeping: interval means, loss-scale events, throughput, the
-    non-finite stop rule, and records to the metrics writer."""
-
-    def __init__(self, config: ExperimentConfig, state: TrainState, data: Any, task: Any, writer: MetricsWriter,
-                 progress: Progress, on_record: Callable[[dict], None] | None):
-        self.config, self.data, self.writer, self.on_record = config, data, writer, on_record
-        self.language_model = task.name == "language_model"
-        self.progress = progress
-        self.leaf_paths = ["params/" + name for name in leaf_names(state.params)]
-        scale = to_host(state.loss_scale)
-        self.initial_scale = float(np.asarray(getattr(scale, "loss_scale", 1.0)))
-        self.last_scale = self.initial_scale
-        self.increases = self.decreases = 0
-        self.skipped_start = int(np.asarray(getattr(scale, "skipped_steps", 0)))
-        self.skipped = self.skipped_start
-        self.streak_start: tuple[int, int] | None = None
-        self.interval: list[dict] = []
-        self.last_step = int(to_host(state.step))
-        self.last_train: dict = {}
-        self.examples_per_step = config.data.batch_size * config.accum_steps
-        self.tokens_per_example = data.input_shape[0] if self.language_model else 1
-        self.first_step_seconds: float | None = None
-        self.train_seconds = 0.0
-        self.steps_timed = 0
-        self._mark = time.perf_counter()
-        self._paused = 0.0
-        self._interval_seconds = 0.0
-        self._interval_steps = 0
-
-    @contextlib.contextmanager
-    def paused(self):
-        """A context whose time does not count as training time."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._paused += time.perf_counter() - start
-
-    def record(self, record: dict) -> None:
-        self.writer.write(record)
-        if self.on_record is not None:
-            self.on_record(record)
-
-    def observe(self, steps: list[tuple[int, Any]]) -> None:
-        """Reads the metrics of ``steps`` (``(step, metrics)`` in order) in one transfer and
-        books them: loss-scale moves, the non-finite stop rule, interval means, logs."""
-        if not steps:
-            return
-        host = to_host([metrics for _, metrics in steps])
-        now = time.perf_counter()
-        elapsed, self._mark, self._paused = now - self._mark - self._paused, now, 0.0
-        timed = len(steps)
-        if self.first_step_seconds is None:  # the first read is of the first step alone, compilation included
-            self.first_step_seconds, elapsed, timed = elapsed, 0.0, 0
-        self.train_seconds += elapsed
-        self.steps_timed += timed
-        self._interval_seconds += elapsed
-        self._interval_steps += timed
-        for (step, _), metrics in zip(steps, host):
-            self._book(step, {k: np.asarray(v).item() for k, v in metrics.items()})
-
-    def _book(self, step: int, m: dict) -> None:
-        self.last_step = step
-        scale = m["loss_scale"]
-        if scale > self.last_scale:
-            self.increases += 1
-        elif scale < self.last_scale:
-            self.decreases += 1
-        self.last_scale = scale
-        self.skipped = int(m["skipped_steps"])
-        self.interval.append(m)
-        self._check_finite(step, m)
-        if step % self.config.log_every == 0 or step == self.config.steps:
-            self._log(step, m)
-
-    def _check_finite(self, step: int, m: dict) -> None:
-        if m["grads_finite"]:
-            self.streak_start = None
-            return
-        if self.streak_start is None or m["nonfinite_streak"] == 1:
-            self.streak_start = (step, int(m["nonfinite_leaf"]))
-        k = self.config.max_nonfinite_steps
-        if m["nonfinite_streak"] >= k and m["at_min_scale"]:
-            first_step, leaf = self.streak_start
-            path = self.leaf_paths[leaf] if 0 <= leaf < len(self.leaf_paths) else "an unknown parameter"
-            message = (f"training stopped at step {step}: gradients were non-finite for {int(m['nonfinite_streak'])} "
-                       f"consecutive steps (since step {first_step}) at the minimum loss scale {m['loss_scale']:g} "
-                       f"(max_nonfinite_steps={k}). The first non-finite gradient, at step {first_step}, was in "
-                       f"{path}. Try a lower optimizer.lr, optimizer.max_grad_norm, or precision.policy=mixed_bf16.")
-            self._log(step, m)
-            self.record({"kind": "error", "step": step, "message": message, "param": path,
-                         "first_nonfinite_step": first_step})
-            raise NonFiniteError(message)
-
-    def _log(self, step: int, m: dict) -> None:
-        finite = [x for x in self.interval if x["grads_finite"]]
-
-        def mean(key: str) -> float:
-            return float(np.mean([x[key] for x in finite])) if finite else float("nan")
-
-        rate = self._interval_steps / self._interval_seconds if self._interval_seconds > 0 else float("nan")
-        task_metrics = {k: mean(k) for k in m if k not in _STEP_METRICS}
-        record = {"kind": "train", "step": step, "loss": mean("loss"), **task_metrics,
-                  "loss_scale": m["loss_scale"], "grads_finite": bool(m["grads_finite"]),
-                  "grad_norm": m["grad_norm"], "skipped_steps": int(m["skipped_steps"]),
-                  "nonfinite_steps": len(self.interval) - len(finite),
-                  "learning_rate": m.get("learning_rate", float("nan")), "steps_per_sec": rate,
-                  "examples_per_sec": rate * self.examples_per_step}
-        if self.language_model:
-            record["tokens_per_sec"] = rate * self.examples_per_step * self.tokens_per_example
-        self.last_train = record
-        self.record(record)
-        self.interval, self._interval_seconds, self._interval_steps = [], 0.0, 0
-        self.progress.update(0, loss=record["loss"], scale=record["loss_scale"], steps_s=rate)
-
-    def summary(self, state: TrainState, eval_metrics: dict | None, report: dict, start: int,
-                workdir: str) -> dict:
-        final_scale = float(np.asarray(getattr(to_host(state.loss_scale), "loss_scale", 1.0)))
-        self.increases += final_scale > self.last_scale  # the last step may have moved the scale
-        self.decreases += final_scale < self.last_scale
-        self.last_scale = final_scale
-        rate = self.steps_timed / self.train_seconds if self.train_seconds > 0 else None
-        return {
-            "workdir": workdir,
-            "model": model_label(self.config.model.name),
-            "dataset": self.data.name,
-            "policy": str(state.policy),
-            "policy_spec": self.config.precision.policy,
-            "loss_scale_type": type(state.loss_scale).__name__,
-            "steps": int(to_host(state.step)),
-            "start_step": start,
-            "first_step_seconds": self.first_step_seconds,
-            "train_seconds": self.train_seconds,
-            "steps_per_sec": rate,
-            "examples_per_sec": rate * self.examples_per_step if rate else None,
-            "tokens_per_sec": rate * self.examples_per_step * self.tokens_per_example
-            if rate and self.language_model else None,
-            "final_train_loss": self.last_train.get("loss"),
-            "eval": eval_metrics,
-            "loss_scale": {"initial": self.initial_scale, "final": self.last_scale,
-                           "increases": self.increases, "decreases": self.decreases,
-                           "skipped_steps": self.skipped, "skipped_this_run": self.skipped - self.skipped_start},
-            "inference": report,
-        }
-
-
-def format_summary(s: dict) -> str:
-    """The end-of-run summary as a few readable lines."""
-    ev = s["eval"] or {}
-    lines = [f"== summary: {s['model']} on {s['dataset']}, policy {s['policy_spec']} ({s['policy']}), "
-             f"{s['loss_scale_type']} =="]
-    if s["steps_per_sec"]:
-        lines.append(f"steps {s['start_step']} -> {s['steps']}: {s['steps_per_sec']:.1f} steps/s, "
-                     f"{s['examples_per_sec']:,.0f} examples/s"
-                     + (f", {s['tokens_per_sec']:,.0f} tokens/s" if s.get("tokens_per_sec") else "")
-                     + f" ({s['train_seconds']:.1f} s after a first step of "
-                     f"{s['first_step_seconds']:.1f} s with compilation)")
-    else:
-        lines.append(f"steps {s['start_step']} -> {s['steps']}")
-    final = s["final_train_loss"]
-    parts = [f"final train loss {final:.4f}" if final is not None else "no training this run",
-             f"eval loss {ev.get('loss', float('nan')):.4f}"]
-    parts += [f"{k} {v:.4f}" for k, v in ev.items() if k != "loss"]
-    lines.append(", ".join(parts))
-    ls = s["loss_scale"]
-    lines.append(f"loss scale {ls['initial']:g} -> {ls['final']:g}: {ls['increases']} increases, "
-                 f"{ls['decreases']} decreases, {ls['skipped_this_run']} skipped steps this run "
-                 f"({ls['skipped_steps']} in all)")
-    if s["inference"] and "accuracy" in s["inference"]["float32"]:
-        f32 = s["inference"]["float32"]["accuracy"]
-        halves = ", ".join(f"{d} {m['accuracy']:.4f} ({m['accuracy_delta']:+.4f})"
-                           for d, m in s["inference"].items() if d != "float32")
-        lines.append(f"inference accuracy: float32 {f32:.4f}, {halves}")
-    lines.append(f"outputs in {s['workdir']}: metrics.jsonl, config.yaml, summary.json, checkpoints/, tensorboard/")
-    return "\n".join(lines)
