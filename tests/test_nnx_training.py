@@ -172,3 +172,32 @@ def test_an_nnx_state_starts_from_given_float32_variables_under_o2():
     with pytest.raises(ValueError, match="do not match the model at state/bn/mean"):
         create_train_state(model, "O2", optax.sgd(0.1), jax.random.key(1), DIGITS.sample_input(2),
                            variables={"params": trained.params})
+
+
+class NNXSowing(nnx.Module):
+    """Sows an intermediate value (nnx.Intermediate) before its BatchNorm."""
+
+    def __init__(self, *, rngs):
+        self.l1 = nnx.Linear(64, 8, rngs=rngs)
+        self.bn = nnx.BatchNorm(8, rngs=rngs)
+        self.l2 = nnx.Linear(8, 10, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.l1(x.reshape(x.shape[0], -1))
+        self.sow(nnx.Intermediate, "hidden", h)
+        return self.l2(self.bn(h))
+
+
+def test_values_an_nnx_model_sows_never_enter_its_state():
+    state, _ = _train(NNXSowing(rngs=nnx.Rngs(0)), "mixed_bf16", steps=2)
+    assert set(state.model_state["state"]) == {"bn"}
+    assert state.model_state["state"]["bn"]["mean"].shape == (8,)
+
+
+def test_a_named_training_keyword_is_set_the_way_it_means():
+    model = DeterministicLinen()
+    state = create_train_state(model, "fp32", optax.sgd(0.1), jax.random.key(0), DIGITS.sample_input(2))
+    batch = DIGITS.train_batch(0, 64, 0)
+    named, _ = make_train_step(donate=False, train_kwarg="deterministic")(state, batch)
+    auto, _ = make_train_step(donate=False)(state, batch)
+    chex.assert_trees_all_equal(named.params, auto.params)  # deterministic=False while training: dropout on

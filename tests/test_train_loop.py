@@ -127,3 +127,12 @@ def test_python_m_train_default_config_entry_point(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "== summary: mlp on digits, policy mixed_f16" in proc.stdout
     assert "Traceback" not in proc.stderr
+
+
+def test_a_run_resumes_after_its_model_gained_fields(tmp_path):
+    run(_config(tmp_path / "run", steps=2))
+    path = tmp_path / "run" / "config.yaml"
+    old = yaml.safe_load(path.read_text())
+    del old["model"]["dtype"]  # as written before the model had this field
+    path.write_text(yaml.safe_dump(old))
+    run(_config(tmp_path / "run", steps=3))

@@ -193,3 +193,13 @@ def test_module_references_import_like_python():
     assert resolve("train.data:load_dataset", "data.name") is load_dataset
     with pytest.raises(UserCodeError, match="is not a reference"):
         resolve("just_a_name", "model.name")
+
+
+def test_a_user_loss_may_not_shadow_the_step_metrics():
+    task = get_task(f"{__file__}:_shadowing_loss")
+    with pytest.raises(UserCodeError, match=r"returns metrics named \['grad_norm'\]"):
+        task.loss(np.zeros((2, 2), np.float32), {})
+
+
+def _shadowing_loss(outputs, batch):
+    return outputs.mean(), {"grad_norm": outputs.mean()}

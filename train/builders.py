@@ -186,6 +186,7 @@ def check_model_fits_data(model: Any, data: Any, name: str = "model", task: Task
     if not task.builtin:
         try:
             jax.eval_shape(task.loss, outputs, batch)
+            jax.eval_shape(task.eval_sums, outputs, {**batch, "mask": np.ones(2, bool)})  # per example
         except Exception as e:  # noqa: BLE001 - the user's loss does not fit the model's outputs
             raise ConfigError(f"task: {task.name} cannot take the outputs of model '{name}' "
                               f"({one_line(e)})") from None

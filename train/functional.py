@@ -88,7 +88,7 @@ class _Layout:
 
     def to_tree(self, state: nnx.State) -> dict:
         tree: dict = {}
-        for path, leaf in zip(self.paths, jax.tree_util.tree_leaves(state)):
+        for path, leaf in zip(self.paths, jax.tree_util.tree_leaves(state), strict=True):
             node = tree
             for key in path[:-1]:
                 node = node.setdefault(key, {})
@@ -170,13 +170,17 @@ class NNXModel:
         out = wrapped(*args, **call_mode_kwargs(self.module_type.__call__, train), **kwargs)
         if not mutable:
             return out
-        new = {"state": self._rest.to_tree(nnx.state(wrapped, nnx.Not(nnx.Any(nnx.Param, nnx.RngState))))}
+        # The state it had before the call: not the values a call sows (nnx.Intermediate).
+        kept = nnx.Not(nnx.Any(nnx.Param, nnx.RngState, nnx.Intermediate))
+        new = {"state": self._rest.to_tree(nnx.state(wrapped, kept))}
         return out, (new if self._rest.paths else {})
 
     def cast_params(self, variables: Any, *args: Any, **kwargs: Any) -> dict:
-        """Variables with their (float32) params cast to the policy's param dtypes."""
-        return self.with_policy(self.policy, self.rules, variables)._initial | {
-            k: v for k, v in variables.items() if k != "params"}
+        """Variables with their (float32) params cast to the policy's param dtypes,
+        where they are (sharded arrays stay sharded)."""
+        params = jax.tree_util.tree_map(lambda v, ref: v.astype(ref.dtype), variables["params"],
+                                        self._initial["params"])
+        return {**variables, "params": params}
 
     def with_policy(self, policy: "str | precision.Policy", rules: Any = None, variables: Any = None
                     ) -> "NNXModel":

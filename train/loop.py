@@ -242,6 +242,10 @@ def _check_same_experiment(workdir: str, resolved: dict) -> None:
     with open(path, encoding="utf-8") as f:
         previous = yaml.safe_load(f) or {}
     defaults = config_lib.to_dict(ExperimentConfig())  # keys added since the run began hold their defaults
+    name = resolved["model"]["name"]
+    if name in MODELS:  # and so do fields a built-in model gained
+        defaults["model"] = {"name": name, **{k: list(d) if isinstance(d, tuple) else d
+                                             for k, (_, d) in config_lib.model_fields(name).items()}}
     changed = [key for key in _flat_keys(resolved) | _flat_keys(previous)
                if key not in RESUMABLE_CHANGES and _get(resolved, key) != _get(previous, key)
                and not (_get(previous, key) is None and _get(resolved, key) == _get(defaults, key))]

@@ -18,7 +18,7 @@ import optax
 
 import precision
 from train.distributed import Layout, to_host
-from train.functional import NNXModel, mode_kwargs
+from train.functional import TRAIN_KEYWORDS, NNXModel, mode_kwargs
 from train.state import TrainState
 from train.tasks import Task, cross_entropy, get_task  # noqa: F401 - cross_entropy re-exported
 
@@ -28,7 +28,9 @@ Metrics = dict[str, jax.Array]
 def _mode(model: Any, train: bool, train_kwarg: str | None) -> dict[str, bool]:
     if train_kwarg == "auto" or isinstance(model, NNXModel):
         return mode_kwargs(model, train)
-    return {train_kwarg: train} if train_kwarg else {}
+    if not train_kwarg:
+        return {}
+    return {train_kwarg: train if TRAIN_KEYWORDS.get(train_kwarg, True) else not train}  # deterministic: inverted
 
 
 def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], Any] | None = None,

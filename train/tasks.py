@@ -25,6 +25,10 @@ __all__ = ["Task", "get_task", "cross_entropy", "TASK_NAMES"]
 Metrics = dict[str, jax.Array]
 LossFn = Callable[[Any, dict], tuple[jax.Array, Metrics]]
 
+#: Metric names the train step reports itself; a user's loss may not return them.
+RESERVED_METRICS = ("loss", "loss_scale", "grads_finite", "grad_norm", "skipped_steps", "nonfinite_streak",
+                    "at_min_scale", "nonfinite_leaf", "learning_rate", "count", "correct")
+
 #: Built-in task names (``lm`` is short for ``language_model``).
 TASK_NAMES = ("auto", "classification", "language_model", "lm")
 
@@ -119,6 +123,10 @@ def _checked(fn: Callable, name: str, key: str) -> LossFn:
         if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict)):
             raise UserCodeError(f"{key}: {name} must return (loss, metrics dict), got {type(result).__name__}")
         loss, metrics = result
+        reserved = sorted(set(metrics) & set(RESERVED_METRICS))
+        if reserved:
+            raise UserCodeError(f"{key}: {name} returns metrics named {reserved}, which the train step reports "
+                                f"itself; rename them")
         shapes = {"loss": jnp.shape(loss), **{f"metrics[{k!r}]": jnp.shape(v) for k, v in metrics.items()}}
         bad = {k: s for k, s in shapes.items() if s != ()}
         if bad:

@@ -15,6 +15,7 @@ from train.config import ExperimentConfig
 from train.distributed import to_host
 from train.metrics import MetricsWriter, Progress
 from train.state import TrainState
+from train.tasks import RESERVED_METRICS
 from train.tree_paths import leaf_names
 
 __all__ = ["NonFiniteError", "Tracker", "format_summary", "model_label"]
@@ -28,11 +29,6 @@ def model_label(name: str) -> str:
 
 class NonFiniteError(RuntimeError):
     """Gradients stayed non-finite at the minimum loss scale; training cannot recover by itself."""
-
-
-#: Metrics of every train step; the others are the task's (accuracy, a user loss's).
-_STEP_METRICS = ("loss", "loss_scale", "grads_finite", "grad_norm", "skipped_steps", "nonfinite_streak",
-                 "at_min_scale", "nonfinite_leaf", "learning_rate")
 
 
 class Tracker:
@@ -137,7 +133,7 @@ class Tracker:
             return float(np.mean([x[key] for x in finite])) if finite else float("nan")
 
         rate = self._interval_steps / self._interval_seconds if self._interval_seconds > 0 else float("nan")
-        task_metrics = {k: mean(k) for k in m if k not in _STEP_METRICS}
+        task_metrics = {k: mean(k) for k in m if k not in RESERVED_METRICS}
         record = {"kind": "train", "step": step, "loss": mean("loss"), **task_metrics,
                   "loss_scale": m["loss_scale"], "grads_finite": bool(m["grads_finite"]),
                   "grad_norm": m["grad_norm"], "skipped_steps": int(m["skipped_steps"]),

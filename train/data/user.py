@@ -27,11 +27,12 @@ from typing import Any, Iterator
 import numpy as np
 
 from train.data.base import Batch, DataError, EpochOrder, padded_batches
+from train.references import one_line
 
 __all__ = ["UserData", "from_user_function"]
 
 _EVAL_KEYS = ("eval", "test", "validation")
-_PROTOCOL = ("task", "num_classes", "input_shape", "describe", "sample_input", "train_batch", "eval_batches")
+_PROTOCOL = ("name", "task", "num_classes", "input_shape", "describe", "sample_input", "train_batch", "eval_batches")
 
 
 class _Split:
@@ -127,8 +128,8 @@ def from_user_function(fn: Any, options: dict, key: str = "data.name") -> Any:
     name = getattr(fn, "__name__", "user data")
     try:
         result = fn(**options)
-    except TypeError as e:
-        raise DataError(f"{key}: calling {name}(**data.options) failed: {e}") from None
+    except Exception as e:  # noqa: BLE001 - the user's function raised
+        raise DataError(f"{key}: calling {name}(**data.options) failed: {one_line(e)}") from None
     if all(hasattr(result, attr) for attr in _PROTOCOL):
         return result
     if not isinstance(result, dict) or "train" not in result:
