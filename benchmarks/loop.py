@@ -25,7 +25,7 @@ import jax
 
 import train
 from benchmarks import report
-from train.builders import build_optimizer
+from train.builders import build_train_state
 from train.loop import build_experiment
 
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
@@ -36,13 +36,8 @@ def bare_steps_per_second(config: train.ExperimentConfig, steps: int, repeats: i
     """Steps/s of the jitted train step alone (built as the loop builds it: same
     layout, policy, loss scale) on one device-resident batch (median of ``repeats``)."""
     data, task, model = build_experiment(config)
-    tx, schedule = build_optimizer(config.optimizer, config.steps)
     layout = train.Layout(train.make_mesh(config.mesh.data, config.mesh.fsdp), config.mesh.fsdp_min_size)
-    state = train.create_train_state(
-        model, config.precision.policy, tx, jax.random.PRNGKey(config.seed), data.sample_input(1),
-        rules=config.precision.rules, loss_scale=train.config.build_loss_scale(config.precision),
-        max_grad_norm=config.optimizer.max_grad_norm, skip_with=config.precision.skip_with, layout=layout,
-        ops=train.config.build_op_lists(config.precision), autocast=config.precision.autocast)
+    state, schedule = build_train_state(config, model, data, layout)
     step = train.make_train_step(accum_steps=config.accum_steps, learning_rate_fn=schedule, layout=layout,
                                  task=task)
     size = config.data.batch_size * config.accum_steps

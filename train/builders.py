@@ -17,6 +17,8 @@ import optax
 import flax.linen as nn
 from flax import nnx
 
+import precision
+
 from train import config as config_lib
 from train.config import ConfigError
 from train.data import DATASETS, DataError, load_dataset
@@ -24,10 +26,11 @@ from train.data.user import from_user_function
 from train.functional import bind, mode_kwargs
 from train.models import MODELS
 from train.references import UserCodeError, one_line, resolve
+from train.state import create_train_state
 from train.tasks import Task, get_task
 
-__all__ = ["build_data", "build_model", "build_optimizer", "build_task", "check_model_fits_data",
-           "model_options"]
+__all__ = ["build_data", "build_model", "build_optimizer", "build_task", "build_train_state",
+           "check_model_fits_data", "model_options"]
 
 
 def build_data(data_config: Any, seed: int) -> Any:
@@ -224,3 +227,27 @@ def build_optimizer(opt: Any, steps: int) -> tuple[optax.GradientTransformation,
         if opt.weight_decay:
             tx = optax.chain(optax.add_decayed_weights(opt.weight_decay), tx)
     return tx, schedule
+
+
+def build_train_state(config: Any, model: Any, data: Any, layout: Any = None) -> tuple[Any, optax.Schedule]:
+    """The train state ``config`` starts from (policy, rules, op lists, loss scale,
+    optimizer, clipping, layout) and its learning-rate schedule.
+
+    Raises:
+      ConfigError: the model cannot be built from the data's inputs, or
+        ``precision.strict`` and the policy leaves its matmuls in float32.
+    """
+    tx, schedule = build_optimizer(config.optimizer, config.steps)
+    try:
+        state = create_train_state(
+            model, config.precision.policy, tx, jax.random.PRNGKey(config.seed), data.sample_input(1),
+            rules=config.precision.rules, loss_scale=config_lib.build_loss_scale(config.precision),
+            max_grad_norm=config.optimizer.max_grad_norm, skip_with=config.precision.skip_with, layout=layout,
+            ops=config_lib.build_op_lists(config.precision), autocast=config.precision.autocast,
+            strict=config.precision.strict)
+    except precision.CoverageError as e:
+        raise ConfigError(f"precision.strict: {e}") from None
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"model '{config.model.name}' with {config.model.options or 'its defaults'} "
+                          f"cannot be built: {str(e).removeprefix('create_train_state: ')}") from None
+    return state, schedule

@@ -20,18 +20,18 @@ from typing import Any, Callable, TextIO
 import jax
 import yaml
 
-import precision
 from train import compile_cache, config as config_lib
 from train.checkpoint import CheckpointError, Checkpointer
 from train.config import ConfigError, ExperimentConfig
-from train.builders import build_data, build_model, build_optimizer, build_task, check_model_fits_data, model_options
+from train.builders import (build_data, build_model, build_optimizer, build_task, build_train_state,  # noqa: F401
+                            check_model_fits_data, model_options)
 from train.data import prefetch_to_device, train_batches
 from train.distributed import Layout, MeshError, host_rows, initialize_distributed, make_mesh, to_host
 from train.inference import inference_report
 from train.metrics import MetricsWriter, NullWriter, Progress
 from train.tracker import NonFiniteError, Tracker, format_summary, model_label
 from train.models import MODELS
-from train.state import TrainState, create_train_state
+from train.state import TrainState
 from train.step import evaluate, make_eval_step, make_train_step
 
 __all__ = ["NonFiniteError", "build_experiment", "build_model", "build_optimizer", "check_model_fits_data",
@@ -94,19 +94,7 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
     workdir = os.path.abspath(config.workdir)
     _check_same_experiment(workdir, resolved)
 
-    tx, schedule = build_optimizer(config.optimizer, config.steps)
-    try:
-        state = create_train_state(
-            model, config.precision.policy, tx, jax.random.PRNGKey(config.seed), data.sample_input(1),
-            rules=config.precision.rules, loss_scale=config_lib.build_loss_scale(config.precision),
-            max_grad_norm=config.optimizer.max_grad_norm, skip_with=config.precision.skip_with, layout=layout,
-            ops=config_lib.build_op_lists(config.precision), autocast=config.precision.autocast,
-            strict=config.precision.strict)
-    except precision.CoverageError as e:
-        raise ConfigError(f"precision.strict: {e}") from None
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"model '{config.model.name}' with {config.model.options or 'its defaults'} "
-                          f"cannot be built: {str(e).removeprefix('create_train_state: ')}") from None
+    state, schedule = build_train_state(config, model, data, layout)
     os.makedirs(workdir, exist_ok=True)
     if primary:
         with open(os.path.join(workdir, "config.yaml"), "w", encoding="utf-8") as f:

@@ -103,7 +103,8 @@ def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], A
 
         zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
         first = jax.tree_util.tree_map(lambda x: x[0], micro)
-        shapes = jax.eval_shape(lambda: grad_fn(state.params, state.model_state, first, rng, state, loss_scale))
+        # The forward pass alone gives the shapes of the loss and metrics to sum (no backward trace).
+        shapes = jax.eval_shape(lambda: loss_fn(state.params, state.model_state, first, rng, state, loss_scale))
         sums = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes[1][:2])
         (grads, model_state, (loss, metrics)), _ = jax.lax.scan(body, (zeros, state.model_state, sums),
                                                                 (micro, jnp.arange(accum_steps)))
