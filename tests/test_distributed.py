@@ -21,10 +21,10 @@ from flax import nnx
 
 import precision
 from helpers import saved_state, subprocess_env
-from train import create_train_state, make_eval_step, make_train_step
+from train import create_train_state, make_eval_step, make_multi_step, make_train_step
 from train.checkpoint import Checkpointer
 from train.config import ConfigError, from_dict
-from train.data import load_synthetic
+from train.data import load_synthetic, train_batch_stack
 from train.distributed import Layout, MeshError, host_rows, initialize_distributed, make_mesh, to_host
 from train.models import MLP
 
@@ -186,6 +186,25 @@ def test_multidevice_data_parallel_and_fsdp_match_one_device(policy, optimizer, 
 
 
 @needs8
+@pytest.mark.parametrize("data,fsdp", [(8, 1), (2, 4)])
+def test_multidevice_steps_in_one_call_match_one_call_per_step(data, fsdp):
+    layout = _layout(data, fsdp)
+    step_fn = make_train_step(accum_steps=2, layout=layout, donate=False)
+    singles, _ = _train(layout)
+    state = create_train_state(MLP(hidden=(64, 64), num_classes=4), "mixed_f16", optax.adam(1e-2),
+                               jax.random.PRNGKey(0), DATA.sample_input(1),
+                               loss_scale=precision.DynamicLossScale(2.0 ** 15, period=2), layout=layout)
+    multi = make_multi_step(step_fn, 3, donate=False)
+    for first, count in [(0, 3), (3, 2)]:
+        stack = layout.global_batch(train_batch_stack(DATA, first, count, 3, BATCH, 0), BATCH, stacked=True)
+        assert stack["inputs"].sharding.spec == jax.sharding.PartitionSpec(None, ("data", "fsdp"))
+        state, metrics = multi(state, stack, count)
+    assert int(to_host(state.step)) == 5 and bool(to_host(metrics["grads_finite"])[1])
+    _assert_close(state.params, singles.params, 0.0)
+    _assert_close(state.opt_state, singles.opt_state, 0.0)
+
+
+@needs8
 def test_multidevice_fsdp_really_splits_params_and_optimizer_state():
     state, _ = _train(_layout(2, 4), steps=1)
     kernel = state.params["Dense_1"]["kernel"]  # 64 x 64
@@ -321,7 +340,8 @@ def test_two_processes_train_checkpoint_resume_and_match_one_process(tmp_path):
               "optimizer.schedule=constant"]  # a schedule spanning `steps` would change when steps grows
     multi = str(tmp_path / "multi")
     for steps in (6, 10):
-        results = _two_processes(common + [f"workdir={multi}", f"steps={steps}"])
+        # Calls of up to 4 steps: each process feeds its rows of a stack of batches.
+        results = _two_processes(common + [f"workdir={multi}", f"steps={steps}", "steps_per_call=4"])
         # Both processes' output: when one fails, the other typically reports only a secondary error
         # (a failed shutdown barrier or collective), so the first failure alone hides the cause.
         assert all(r.returncode == 0 for r in results), _outputs(results)

@@ -19,7 +19,7 @@ from train.loop import NonFiniteError, build_experiment, run
 from train.references import UserCodeError
 from train.metrics import MetricsWriter, read_metrics
 from train.state import TrainState, create_train_state
-from train.step import evaluate, make_eval_step, make_train_step, summarize_eval
+from train.step import evaluate, make_eval_step, make_multi_step, make_train_step, summarize_eval
 from train.tasks import Task, cross_entropy, get_task
 
 __all__ = ["CheckpointError", "Checkpointer", "ConfigError", "DataError", "Layout", "MeshError",
@@ -27,5 +27,5 @@ __all__ = ["CheckpointError", "Checkpointer", "ConfigError", "DataError", "Layou
            "Task", "TrainState", "UserCodeError", "UserData", "bind", "build_data", "build_experiment",
            "build_model", "build_optimizer", "build_task", "cast_for_inference", "check_model_fits_data",
            "create_train_state", "cross_entropy", "evaluate", "full_precision_params", "get_task", "help_text",
-           "inference_report", "load_config", "load_dataset", "make_eval_step", "make_train_step", "mode_kwargs",
+           "inference_report", "load_config", "load_dataset", "make_eval_step", "make_multi_step", "make_train_step", "mode_kwargs",
            "read_metrics", "run", "summarize_eval"]

@@ -198,15 +198,21 @@ class Layout:
             raise MeshError(f"{what}={batch_size} does not split over the {self.data_shards} devices of the "
                             f"mesh {dict(self.mesh.shape)}; use a multiple of {self.data_shards}")
 
-    def global_batch(self, local: Any, global_size: int) -> Any:
-        """A global batch array from this process's rows (see :func:`host_rows`)."""
-        sharding = self.batch()
+    def global_batch(self, local: Any, global_size: int, stacked: bool = False) -> Any:
+        """A global batch array from this process's rows (see :func:`host_rows`).
+
+        ``stacked``: ``local`` stacks several batches along a new leading axis
+        (the input of :func:`train.make_multi_step`); the rows are the second axis.
+        """
+        sharding = NamedSharding(self.mesh, PartitionSpec(None, DATA_AXES)) if stacked else self.batch()
         if jax.process_count() == 1:  # every row is local: one transfer for the whole batch
             return jax.device_put(local, sharding)
+        lead = 1 if stacked else 0
 
         def make(x):
             x = np.asarray(x)
-            return jax.make_array_from_process_local_data(sharding, x, (global_size,) + x.shape[1:])
+            shape = x.shape[:lead] + (global_size,) + x.shape[lead + 1:]
+            return jax.make_array_from_process_local_data(sharding, x, shape)
 
         return jax.tree_util.tree_map(make, local)
 

@@ -15,7 +15,7 @@ import io
 import json
 import os
 import sys
-from typing import Any, Callable, TextIO
+from typing import Any, Callable, Iterator, TextIO
 
 import jax
 import yaml
@@ -25,20 +25,20 @@ from train.checkpoint import CheckpointError, Checkpointer
 from train.config import ConfigError, ExperimentConfig
 from train.builders import (build_data, build_model, build_optimizer, build_task, build_train_state,  # noqa: F401
                             check_model_fits_data, model_options)
-from train.data import prefetch_to_device, train_batches
+from train.data import prefetch_to_device, train_batch_stack
 from train.distributed import Layout, MeshError, host_rows, initialize_distributed, make_mesh, to_host
 from train.inference import inference_report
 from train.metrics import MetricsWriter, NullWriter, Progress
 from train.tracker import NonFiniteError, Tracker, format_summary, model_label
 from train.models import MODELS
 from train.state import TrainState
-from train.step import evaluate, make_eval_step, make_train_step
+from train.step import evaluate, make_eval_step, make_multi_step, make_train_step
 
 __all__ = ["NonFiniteError", "build_experiment", "build_model", "build_optimizer", "check_model_fits_data",
-           "run"]
+           "plan_calls", "run"]
 
 #: Config keys that may change between a run and its resumption.
-RESUMABLE_CHANGES = ("steps", "workdir", "compile_cache", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
+RESUMABLE_CHANGES = ("steps", "steps_per_call", "workdir", "compile_cache", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
                      "max_nonfinite_steps", "inference_dtypes", "progress", "precision.strict", "data.eval_batch_size",
                      "data.eval_batches", "data.prefetch", "data.path", "mesh.data", "mesh.fsdp",
                      "mesh.fsdp_min_size", "distributed.coordinator_address", "distributed.num_processes",
@@ -151,26 +151,30 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
         with tracker.paused():
             checkpoints.save(state, {"data_position": int(to_host(state.step)), "config": resolved})
 
-    batch_size = config.data.batch_size * config.accum_steps
+    batch_size, per_call = config.data.batch_size * config.accum_steps, config.steps_per_call
+    every = (config.eval_every, config.checkpoint_every)
     batches = prefetch_to_device(
-        (b for _, b in train_batches(data, batch_size, config.seed, start, host_rows(batch_size))),
-        config.data.prefetch, lambda b: layout.global_batch(b, batch_size))
+        _train_inputs(data, plan_calls(start, config.steps, per_call, every), per_call, batch_size, config.seed),
+        config.data.prefetch, lambda b: layout.global_batch(b, batch_size, stacked=per_call > 1))
+    step_fn = make_multi_step(train_step, per_call) if per_call > 1 else (lambda s, b, _: train_step(s, b))
     try:
-        pending: list[tuple[int, Any]] = []  # dispatched steps whose metrics are still on the device
-        for step in range(start + 1, config.steps + 1):
-            state, metrics = train_step(state, next(batches))
-            progress.update(1)
-            pending.append((step, metrics))
+        pending: list[tuple[int, int | None, Any]] = []  # dispatched calls whose metrics are still on the device
+        observed = start
+        for first, n in plan_calls(start, config.steps, per_call, every):
+            state, metrics = step_fn(state, next(batches), n)
+            step = first + n
+            progress.update(n)
+            pending.append((first + 1, None if per_call == 1 else n, metrics))
             due_eval = config.eval_every and step % config.eval_every == 0 and step < config.steps
             due_checkpoint = config.checkpoint_every and step % config.checkpoint_every == 0
-            if step == start + 1 or due_eval or due_checkpoint or step == config.steps:
+            if first == start or due_eval or due_checkpoint or step == config.steps:
                 tracker.observe(pending)  # all of them (the first: its time includes compilation)
-                pending = []
-            elif (step - 1) % config.log_every == 0:
-                # The steps up to the last logged one, while this one computes: one read per log
-                # interval, and the device always has a step queued.
+                pending, observed = [], step
+            elif first // config.log_every > observed // config.log_every:
+                # The calls through the last logged step, while this one computes: one read per log
+                # interval, and the device always has a call queued.
                 tracker.observe(pending[:-1])
-                pending = pending[-1:]
+                pending, observed = pending[-1:], first
             if due_checkpoint:
                 checkpoint_now(state)
             if due_eval:
@@ -211,6 +215,34 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
             json.dump(summary, f, indent=2)
     print(format_summary(summary), file=out)
     return summary
+
+
+def plan_calls(start: int, end: int, steps_per_call: int, every: tuple[int, ...] = ()) -> Iterator[tuple[int, int]]:
+    """The device calls that train from step ``start`` to ``end``: ``(first, count)``
+    pairs, a call training steps ``first + 1 .. first + count`` on batches ``first ..
+    first + count - 1``.
+
+    The first call is one step (its time includes compilation); the others hold
+    up to ``steps_per_call`` steps and end on every multiple of each nonzero
+    interval in ``every`` (evaluations, checkpoints), where the loop needs the state.
+    """
+    first = start
+    while first < end:
+        stop = min(end, first + (1 if first == start else steps_per_call))
+        for interval in every:
+            if interval:
+                stop = min(stop, (first // interval + 1) * interval)
+        yield first, stop - first
+        first = stop
+
+
+def _train_inputs(data: Any, calls: Iterator[tuple[int, int]], per_call: int, batch_size: int, seed: int
+                  ) -> Iterator[dict]:
+    """This process's rows of each call's batch (``per_call == 1``) or stack of batches."""
+    rows = host_rows(batch_size)
+    for first, count in calls:
+        yield (data.train_batch(first, batch_size, seed, rows) if per_call == 1
+               else train_batch_stack(data, first, count, per_call, batch_size, seed, rows))
 
 
 def _describe_layout(layout: Layout) -> str:

@@ -151,6 +151,47 @@ def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], A
     return jax.jit(train_step, donate_argnums=(0,) if donate else ())
 
 
+def make_multi_step(train_step: Callable[[TrainState, dict], tuple[TrainState, Metrics]], steps_per_call: int,
+                    *, donate: bool = True) -> Callable[[TrainState, dict, Any], tuple[TrainState, Metrics]]:
+    """Builds the jitted ``multi_step(state, batches, count) -> (state, metrics)``:
+    ``count`` (at most ``steps_per_call``) consecutive ``train_step`` calls in one
+    device program.
+
+    For models whose step takes about as long as the host needs to launch it (a
+    millisecond or less), one call per step leaves the device waiting on Python.
+    Here the host launches, transfers batches and reads metrics once per
+    ``steps_per_call`` steps. Every step is the same computation as
+    ``train_step`` (its dropout key is still folded from the step number), so a
+    run's result does not depend on how its steps were grouped into calls.
+
+    ``batches`` stacks ``steps_per_call`` batches along a new leading axis (see
+    :func:`train.data.train_batch_stack`); those past ``count`` are ignored, so
+    a call of fewer steps (up to an evaluation or a checkpoint) needs no second
+    program. ``metrics`` are ``train_step``'s, stacked: entry ``i`` is step ``i``'s
+    for ``i < count``, zeros after.
+    """
+    if not isinstance(steps_per_call, int) or steps_per_call < 1:
+        raise ValueError(f"steps_per_call must be an integer >= 1, got {steps_per_call!r}")
+
+    def multi_step(state: TrainState, batches: dict, count: Any) -> tuple[TrainState, Metrics]:
+        length = jax.tree_util.tree_leaves(batches)[0].shape[0]
+        if length != steps_per_call:
+            raise ValueError(f"multi_step: batches stack {length} batches, expected steps_per_call={steps_per_call}")
+        take = lambda i: jax.tree_util.tree_map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False),
+                                                batches)  # noqa: E731
+        shapes = jax.eval_shape(train_step, state, take(0))[1]
+        stacked = jax.tree_util.tree_map(lambda m: jnp.zeros((steps_per_call,) + m.shape, m.dtype), shapes)
+
+        def body(i, carry):
+            state, stacked = carry
+            state, metrics = train_step(state, take(i))
+            return state, jax.tree_util.tree_map(lambda buf, m: buf.at[i].set(m), stacked, metrics)
+
+        return jax.lax.fori_loop(0, jnp.minimum(count, steps_per_call), body, (state, stacked))
+
+    return jax.jit(multi_step, donate_argnums=(0,) if donate else ())
+
+
 def _at_min_scale(loss_scale: Any) -> jax.Array:
     minimum = getattr(loss_scale, "min_loss_scale", None)
     if minimum is None:  # none / static: the scale never moves, so it is its own minimum

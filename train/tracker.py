@@ -75,23 +75,32 @@ class Tracker:
         if self.on_record is not None:
             self.on_record(record)
 
-    def observe(self, steps: list[tuple[int, Any]]) -> None:
-        """Reads the metrics of ``steps`` (``(step, metrics)`` in order) in one transfer and
-        books them: loss-scale moves, the non-finite stop rule, interval means, logs."""
-        if not steps:
+    def observe(self, calls: list[tuple[int, int | None, Any]]) -> None:
+        """Reads the metrics of ``calls`` in one transfer and books them, step by step:
+        loss-scale moves, the non-finite stop rule, interval means, logs.
+
+        A call is ``(first_step, count, metrics)``: ``count`` steps whose metrics are
+        stacked (:func:`train.make_multi_step`), or ``None`` for one step's scalars.
+        """
+        if not calls:
             return
-        host = to_host([metrics for _, metrics in steps])
+        host = to_host([metrics for _, _, metrics in calls])
         now = time.perf_counter()
         elapsed, self._mark, self._paused = now - self._mark - self._paused, now, 0.0
-        timed = len(steps)
+        timed = sum(1 if count is None else count for _, count, _ in calls)
         if self.first_step_seconds is None:  # the first read is of the first step alone, compilation included
             self.first_step_seconds, elapsed, timed = elapsed, 0.0, 0
         self.train_seconds += elapsed
         self.steps_timed += timed
         self._interval_seconds += elapsed
         self._interval_steps += timed
-        for (step, _), metrics in zip(steps, host):
-            self._book(step, {k: np.asarray(v).item() for k, v in metrics.items()})
+        for (first, count, _), metrics in zip(calls, host):
+            if count is None:
+                self._book(first, {k: np.asarray(v).item() for k, v in metrics.items()})
+                continue
+            columns = {k: np.asarray(v)[:count].tolist() for k, v in metrics.items()}
+            for i in range(count):
+                self._book(first + i, {k: v[i] for k, v in columns.items()})
 
     def _book(self, step: int, m: dict) -> None:
         self.last_step = step

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from train.data.base import (Batch, ClassificationData, DataError, TextData, prefetch_to_device,
-                             train_batches)
+                             train_batch_stack, train_batches)
 from train.data.digits import load_digits_data
 from train.data.fashion_mnist import load_fashion_mnist, read_idx
 from train.data.synthetic import load_synthetic, load_synthetic_text
@@ -43,4 +43,4 @@ def load_dataset(name: str, **options: Any) -> ClassificationData | TextData:
 
 __all__ = ["DATASETS", "Batch", "ClassificationData", "DataError", "TextData", "encode", "load_dataset",
            "load_digits_data", "load_fashion_mnist", "load_synthetic", "load_synthetic_text", "load_text",
-           "prefetch_to_device", "read_idx", "shakespeare_files", "train_batches"]
+           "prefetch_to_device", "read_idx", "shakespeare_files", "train_batch_stack", "train_batches"]

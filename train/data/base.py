@@ -53,6 +53,12 @@ class ClassificationData:
         idx = self._order.indices(index, batch_size, seed, rows)
         return {"inputs": self.x_train[idx], "labels": self.y_train[idx]}
 
+    def train_batch_stack(self, first: int, count: int, batch_size: int, seed: int,
+                          rows: slice = slice(None)) -> Batch:
+        """Batches ``first .. first + count - 1`` stacked (leading axis ``count``), in one gather."""
+        idx = self._order.stacked_indices(first, count, batch_size, seed, rows)
+        return {"inputs": self.x_train[idx], "labels": self.y_train[idx]}
+
     @property
     def _order(self) -> "EpochOrder":
         if not hasattr(self, "_epoch_order"):
@@ -100,6 +106,13 @@ class TextData:
             0, len(self.train_ids) - self.seq_len - 1, batch_size)[rows]
         return _windows(self.train_ids, starts, self.seq_len)
 
+    def train_batch_stack(self, first: int, count: int, batch_size: int, seed: int,
+                          rows: slice = slice(None)) -> Batch:
+        """Batches ``first .. first + count - 1`` stacked (leading axis ``count``), in one gather."""
+        starts = np.stack([np.random.default_rng([seed, index]).integers(
+            0, len(self.train_ids) - self.seq_len - 1, batch_size)[rows] for index in range(first, first + count)])
+        return _windows(self.train_ids, starts, self.seq_len)
+
     def eval_batches(self, batch_size: int, max_batches: int | None = None) -> Iterator[Batch]:
         """Consecutive non-overlapping windows of the validation text."""
         count = (len(self.val_ids) - 1) // self.seq_len
@@ -130,11 +143,15 @@ class EpochOrder:
         epoch, within = divmod(index, per_epoch)
         return self._permutation(seed, epoch)[within * batch_size:(within + 1) * batch_size][rows]
 
+    def stacked_indices(self, first: int, count: int, batch_size: int, seed: int,
+                        rows: slice = slice(None)) -> np.ndarray:
+        """Example indices of batches ``first .. first + count - 1``, shape ``(count, rows)``."""
+        return np.stack([self.indices(index, batch_size, seed, rows) for index in range(first, first + count)])
+
 
 def _windows(ids: np.ndarray, starts: np.ndarray, seq_len: int) -> Batch:
-    offsets = starts[:, None] + np.arange(seq_len + 1)[None]
-    tokens = ids[offsets]
-    return {"inputs": tokens[:, :-1], "labels": tokens[:, 1:]}
+    tokens = ids[starts[..., None] + np.arange(seq_len + 1)]
+    return {"inputs": tokens[..., :-1], "labels": tokens[..., 1:]}
 
 
 def _padded_batches(x: np.ndarray, y: np.ndarray, batch_size: int,
@@ -163,6 +180,25 @@ def train_batches(data: Any, batch_size: int, seed: int, start: int = 0, rows: s
     while True:
         yield index, data.train_batch(index, batch_size, seed, rows)
         index += 1
+
+
+def train_batch_stack(data: Any, first: int, count: int, length: int, batch_size: int, seed: int,
+                      rows: slice = slice(None)) -> Batch:
+    """Batches ``first .. first + count - 1`` of ``data`` stacked along a new leading
+    axis and zero-padded to ``length``: the input of one multi-step call
+    (:func:`train.make_multi_step`), which trains on the first ``count`` only.
+
+    Uses the dataset's ``train_batch_stack`` (one gather) when it has one, else
+    stacks ``train_batch`` calls: the batches are the same either way.
+    """
+    if hasattr(data, "train_batch_stack"):
+        stack = data.train_batch_stack(first, count, batch_size, seed, rows)
+    else:
+        batches = [data.train_batch(index, batch_size, seed, rows) for index in range(first, first + count)]
+        stack = {k: np.stack([np.asarray(b[k]) for b in batches]) for k in batches[0]}
+    if count == length:
+        return stack
+    return {k: np.concatenate([v, np.zeros((length - count,) + v.shape[1:], v.dtype)]) for k, v in stack.items()}
 
 
 def prefetch_to_device(iterator: Iterator[Any], size: int = 2,

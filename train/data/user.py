@@ -106,6 +106,12 @@ class UserData:
         """Batch ``index`` of endless epochs of fresh permutations (``rows`` of it)."""
         return self.train.take(self._order.indices(index, batch_size, seed, rows))
 
+    def train_batch_stack(self, first: int, count: int, batch_size: int, seed: int,
+                          rows: slice = slice(None)) -> Batch:
+        """Batches ``first .. first + count - 1`` stacked (leading axis ``count``), in one read."""
+        idx = self._order.stacked_indices(first, count, batch_size, seed, rows)
+        return {k: v.reshape(idx.shape + v.shape[1:]) for k, v in self.train.take(idx.ravel()).items()}
+
     def eval_batches(self, batch_size: int, max_batches: int | None = None) -> Iterator[Batch]:
         """The eval split in order, the last batch padded (``mask`` marks real examples)."""
         yield from padded_batches(self.eval.size, self.eval.take, batch_size, max_batches)
