@@ -112,6 +112,8 @@ def matmul_flops(hlo_text: str) -> MatmulFlops:
             continue
         (dtype, lhs), (_, rhs) = operands[0], operands[1]
         if opcode == "dot":
+            algorithm = re.search(r"algorithm=dot_(bf16|f16)_\1_(?:f32|\1)\b", rest)
+            dtype = algorithm.group(1) if algorithm else dtype  # both operands rounded to half by the algorithm
             flops = _dot_flops(out, lhs, _ints(re.search(r"lhs_contracting_dims=\{([^}]*)\}", rest).group(1))
                                if "lhs_contracting_dims" in rest else [])
         elif opcode == "convolution":

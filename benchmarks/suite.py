@@ -174,11 +174,6 @@ def _hand_written_step(w: Workload, compute_dtype: Any, params: Any, model_state
     model, tx = w.model, _optimizer()
     if getattr(model, "dtype", None) is not None:  # a pinned model: written in the half dtype instead
         model = model.clone(dtype=compute_dtype)
-    if hasattr(model, "attention_impl"):
-        # Autocast traces the model in float32, where the GPT's attention is XLA's; a GPT written in
-        # half would pick cuDNN's on a GPU. The same attention on both sides keeps the ratio the
-        # train step's cost alone.
-        model = model.clone(attention_impl="xla")
     params, model_state = jax.tree_util.tree_map(jnp.copy, (params, model_state))
 
     def cast(tree):

@@ -22,7 +22,8 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 from jax.extend import linear_util as lu
 
-from precision.interpreter import HIGHER_ORDER, Context, Kind, Site, Val, bind, const_val, evaluate
+from precision import fused_attention
+from precision.interpreter import HIGHER_ORDER, Context, Kind, Site, Val, bind, const_val, evaluate, log, outputs
 from precision.regions import module_path, region_dtype
 
 try:  # moves constvars of a jaxpr to leading invars (remat needs a jaxpr without consts)
@@ -96,10 +97,28 @@ def _closed_parts(closed: Any) -> tuple[Any, Sequence[Any]]:
 
 
 def _jit(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
+    if fused_attention.is_marked(site.eqn) and fused_attention.wants_cudnn(site.eqn, site.region):
+        out = _cudnn_attention(site, ins, ctx)
+        if out is not None:
+            return out
     jaxpr, consts = _closed_parts(site.eqn.params["jaxpr"])
     closed, specs, records = retrace(jaxpr, consts, [Spec.of(v) for v in ins], ctx.at(site.scope))
     _commit(ctx, records)
     return _vals(site, specs, bind(site, [v.array for v in ins], jaxpr=closed))
+
+
+def _cudnn_attention(site: Site, ins: list[Val], ctx: Context) -> list[Val] | None:
+    """A ``jax.nn.dot_product_attention`` call made again as cuDNN's, query, key and
+    value in the region's compute dtype (see :mod:`precision.fused_attention`);
+    ``None`` where cuDNN cannot take it."""
+    names = fused_attention.argument_names(site.eqn)
+    arrays = [v.as_dtype(site.region if name in fused_attention.QKV else var.aval.dtype) if v.managed else v.array
+              for name, v, var in zip(names, ins, site.eqn.invars, strict=True)]
+    results = fused_attention.call_cudnn(site.eqn, arrays)
+    if results is None:
+        return None
+    log(ctx, site, site.region, "fused attention (cuDNN)")
+    return outputs(site, results, Kind.HALF)
 
 
 def _inline(site: Site, ins: list[Val], ctx: Context) -> list[Val]:

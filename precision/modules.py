@@ -27,7 +27,7 @@ import numpy as np
 import flax.linen as nn
 from flax import nnx
 
-from precision import transform as autocast_lib
+from precision import fused_attention, transform as autocast_lib
 from precision.interpreter import Val
 from precision.op_lists import OpLists
 from precision.policy import Policy, _cast_floating, get_policy
@@ -142,7 +142,7 @@ class LinenWithPolicy:
 
     def _record_structure(self, variables: Any, *args: Any, **kwargs: Any) -> None:
         classes: PathClasses = {}
-        with self._recording(classes):
+        with self._recording(classes), fused_attention.marking():  # traced in float32, as autocast traces
             jax.eval_shape(functools.partial(self.module.apply, **kwargs), variables, *args)
         self._classes = classes
 

@@ -104,12 +104,23 @@ class MatmulOp(NamedTuple):
         return bool(jnp.issubdtype(self.dtype, jnp.floating)) and self.dtype.itemsize < 4
 
 
+#: Dot algorithms that round both operands to one half-precision pass, whatever their stored dtypes
+#: (JAX's bfloat16 attention computes its backward matmuls with a float32 operand this way).
+_HALF_ALGORITHMS = {"BF16_BF16_F32": np.dtype(jnp.bfloat16), "BF16_BF16_BF16": np.dtype(jnp.bfloat16),
+                    "F16_F16_F32": np.dtype(np.float16), "F16_F16_F16": np.dtype(np.float16)}
+
+
+def _algorithm_dtype(eqn: Any) -> np.dtype | None:
+    """The operand dtype a dot's ``precision`` algorithm computes in, when it is a half one."""
+    return _HALF_ALGORITHMS.get(getattr(eqn.params.get("precision"), "name", None))
+
+
 def matmul_ops(jaxpr: Any) -> list[MatmulOp]:
     """The matmuls and convolutions of a program, with their operand dtype and FLOPs."""
     found = []
     for op in iter_ops(jaxpr):
         if op.primitive in MATMUL_PRIMITIVES:
             floats = [d for d in op.in_dtypes if jnp.issubdtype(d, jnp.floating)]
-            dtype = max(floats, key=lambda d: d.itemsize) if floats else op.in_dtypes[0]
+            dtype = _algorithm_dtype(op.eqn) or (max(floats, key=lambda d: d.itemsize) if floats else op.in_dtypes[0])
             found.append(MatmulOp(op.primitive, op.path, dtype, matmul_flops(op.eqn) * op.repeat, op.backward))
     return found

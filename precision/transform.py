@@ -14,7 +14,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import numpy as np
 
-from precision import higher_order  # noqa: F401  (registers the higher-order rules)
+from precision import fused_attention, higher_order  # noqa: F401  (registers the higher-order rules)
 from precision.interpreter import F32, Context, Val, const_val, evaluate, is_policy_float, make_val
 from precision.op_lists import OpLists
 from precision.policy import Policy, _canonical, get_policy
@@ -77,7 +77,8 @@ def _run(fn: Callable, args: tuple, kwargs: dict, compute_dtype: Any, ops: OpLis
     """Traces ``fn`` with policy floats seen as float32 and evaluates it under
     autocast: (output Vals, their traced shapes, the flattened call)."""
     flat = flatten_call(fn, args, kwargs)
-    closed, shapes = jax.make_jaxpr(flat.fn, return_shape=True)(*map(_widened, flat.arrays))
+    with fused_attention.marking():
+        closed, shapes = jax.make_jaxpr(flat.fn, return_shape=True)(*map(_widened, flat.arrays))
     ctx = Context(root=np.dtype(compute_dtype), ops=ops or OpLists(), log=log)
     vals = evaluate(closed.jaxpr, [const_val(c) for c in closed.consts], [make_val(x) for x in flat.arrays], ctx)
     return vals, shapes, flat
