@@ -88,7 +88,8 @@ def table(rows: list[dict]) -> str:
              "|---|---|---|---|---|---|"]
     for r in rows:
         name = pathlib.Path(r["config"]).name + "".join(f" {o}" for o in r["overrides"])
-        lines.append(f"| {name} | {r['policy']} | {r['steps_per_call']} | {r['loop_steps_per_sec']:.1f} | {r['bare_steps_per_sec']:.1f} | "
+        lines.append(f"| {name} | {r['policy']} | {r['steps_per_call']} | {r['loop_steps_per_sec']:.1f} | "
+                     f"{r['bare_steps_per_sec']:.1f} | "
                      f"{r['efficiency']:.3f} |")
     return "\n".join(lines)
 

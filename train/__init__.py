@@ -27,5 +27,6 @@ __all__ = ["CheckpointError", "Checkpointer", "ConfigError", "DataError", "Layou
            "Task", "TrainState", "UserCodeError", "UserData", "bind", "build_data", "build_experiment",
            "build_model", "build_optimizer", "build_task", "cast_for_inference", "check_model_fits_data",
            "create_train_state", "cross_entropy", "evaluate", "full_precision_params", "get_task", "help_text",
-           "inference_report", "load_config", "load_dataset", "make_eval_step", "make_multi_step", "make_train_step", "mode_kwargs",
+           "inference_report", "load_config", "load_dataset", "make_eval_step", "make_multi_step", "make_train_step",
+           "mode_kwargs",
            "read_metrics", "run", "summarize_eval"]

@@ -38,7 +38,8 @@ __all__ = ["NonFiniteError", "build_experiment", "build_model", "build_optimizer
            "plan_calls", "run"]
 
 #: Config keys that may change between a run and its resumption.
-RESUMABLE_CHANGES = ("steps", "steps_per_call", "workdir", "compile_cache", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
+RESUMABLE_CHANGES = ("steps", "steps_per_call", "workdir", "compile_cache", "log_every", "eval_every",
+                     "checkpoint_every", "keep_checkpoints",
                      "max_nonfinite_steps", "inference_dtypes", "progress", "precision.strict", "data.eval_batch_size",
                      "data.eval_batches", "data.prefetch", "data.path", "mesh.data", "mesh.fsdp",
                      "mesh.fsdp_min_size", "distributed.coordinator_address", "distributed.num_processes",
