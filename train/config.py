@@ -271,7 +271,8 @@ class ExperimentConfig(_Schema):
     steps: Count = Field(1000, description="optimizer steps to train to (a larger value continues a finished run)")
     accum_steps: Count = Field(1, description="micro-batches accumulated per optimizer step")
     steps_per_call: Count = Field(1, description="train steps per device call: more (e.g. 50) for a model whose "
-                                                 "step is too short to hide the host's per-call work")
+                                                 "step is too short to hide the host's per-call work (a call's "
+                                                 "batches go to the device together)")
     log_every: Count = Field(50, description="steps between metrics records")
     eval_every: NonNegative = Field(0, description="steps between evaluations (0: only at the end)")
     checkpoint_every: NonNegative = Field(500, description="steps between checkpoints (0: only at the end)")

@@ -177,8 +177,10 @@ def make_multi_step(train_step: Callable[[TrainState, dict], tuple[TrainState, M
         length = jax.tree_util.tree_leaves(batches)[0].shape[0]
         if length != steps_per_call:
             raise ValueError(f"multi_step: batches stack {length} batches, expected steps_per_call={steps_per_call}")
-        take = lambda i: jax.tree_util.tree_map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False),
-                                                batches)  # noqa: E731
+
+        def take(i):
+            return jax.tree_util.tree_map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), batches)
+
         shapes = jax.eval_shape(train_step, state, take(0))[1]
         stacked = jax.tree_util.tree_map(lambda m: jnp.zeros((steps_per_call,) + m.shape, m.dtype), shapes)
 
