@@ -97,14 +97,17 @@ def _closed_parts(closed: Any) -> tuple[Any, Sequence[Any]]:
 
 
 def _jit(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
-    if fused_attention.is_marked(site.eqn) and fused_attention.wants_cudnn(site.eqn, site.region):
-        out = _cudnn_attention(site, ins, ctx)
-        if out is not None:
-            return out
+    updates = {}
+    if fused_attention.is_marked(site.eqn):
+        if fused_attention.wants_cudnn(site.eqn, site.region):
+            out = _cudnn_attention(site, ins, ctx)
+            if out is not None:
+                return out
+        updates["name"] = "dot_product_attention"  # rewritten as any program: the mark has served
     jaxpr, consts = _closed_parts(site.eqn.params["jaxpr"])
     closed, specs, records = retrace(jaxpr, consts, [Spec.of(v) for v in ins], ctx.at(site.scope))
     _commit(ctx, records)
-    return _vals(site, specs, bind(site, [v.array for v in ins], jaxpr=closed))
+    return _vals(site, specs, bind(site, [v.array for v in ins], jaxpr=closed, **updates))
 
 
 def _cudnn_attention(site: Site, ins: list[Val], ctx: Context) -> list[Val] | None:

@@ -140,6 +140,7 @@ def test_off_gpu_every_attention_matmul_is_half_and_the_softmax_float32(policy):
     out = wrapped.apply({"params": params}, x, lengths)
     np.testing.assert_allclose(out, model.apply({"params": params}, x, lengths), atol=0.05, rtol=0.05)
     jax.block_until_ready(jax.jit(jax.grad(loss))(params))  # and compiles (float16 dot algorithms would not on CPU)
+    assert fused_attention.MARK not in jax.jit(jax.grad(loss)).lower(params).as_text()  # the mark is gone
 
 
 def _eqns(jaxpr):
