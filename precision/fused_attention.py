@@ -58,6 +58,8 @@ def _marked_attention(*args: Any, **kwargs: Any) -> Any:
     bound = _SIGNATURE.bind(*args, **kwargs)
     arrays = {k: v for k, v in bound.arguments.items() if isinstance(v, (jax.Array, np.ndarray))}
     static = {k: v for k, v in bound.arguments.items() if k not in arrays}
+    if not all(k in arrays for k in QKV):  # query, key or value given as a list: left as it is
+        return _ORIGINAL(*args, **kwargs)
     try:
         avals = tuple((tuple(np.shape(v)), str(np.dtype(v.dtype))) for v in arrays.values())
         call = (tuple(arrays), avals, static)
@@ -69,7 +71,7 @@ def _marked_attention(*args: Any, **kwargs: Any) -> Any:
         return _ORIGINAL(*args, **kwargs)
 
     traced = dict(static)
-    if static.get("implementation") == "cudnn" and np.dtype(bound.arguments["query"].dtype) not in _HALF:
+    if static.get("implementation") == "cudnn" and np.dtype(arrays["query"].dtype) not in _HALF:
         traced["implementation"] = None  # cuDNN takes no float32: XLA's stands in the float32 trace
 
     def attention(*values):
@@ -127,9 +129,8 @@ def wants_cudnn(eqn: Any, dtype: Any) -> bool:
     choice open and the operands are half on a GPU. Otherwise autocast rewrites
     the traced (XLA) attention op by op, as any other program."""
     implementation = _call(eqn)[2].get("implementation")
-    if implementation == "cudnn":
-        return True
-    return implementation is None and np.dtype(dtype) in _HALF and jax.default_backend() == "gpu"
+    chosen = implementation == "cudnn" or (implementation is None and jax.default_backend() == "gpu")
+    return chosen and np.dtype(dtype) in _HALF
 
 
 def call_cudnn(eqn: Any, arrays: list) -> list | None:

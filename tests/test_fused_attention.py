@@ -197,3 +197,17 @@ def test_an_attention_imported_before_is_cast_op_by_op():
     ops = matmul_ops(jaxpr)
     assert ops and all(op.half for op in ops)
     np.testing.assert_allclose(precision.autocast(f, "mixed_bf16")(q), f(q), rtol=0.02)
+
+
+def test_a_model_pinned_to_cudnn_still_runs_under_autocast_where_there_is_none():
+    from train.models import GPT
+
+    gpt = GPT(vocab_size=16, block_size=8, num_layers=1, num_heads=2, d_model=16)
+    tokens = jnp.arange(16).reshape(2, 8) % 16
+    params = gpt.init(jax.random.key(0), tokens)["params"]
+    pinned = precision.with_policy(gpt.clone(attention_impl="cudnn"), "mixed_bf16")
+    if jax.default_backend() == "gpu":
+        pytest.skip("this checks the fallback where cuDNN is missing")
+    got = pinned.apply({"params": params}, tokens)  # cuDNN refused here: the traced attention, cast op by op
+    want = precision.with_policy(gpt, "mixed_bf16").apply({"params": params}, tokens)
+    np.testing.assert_array_equal(got, want)
