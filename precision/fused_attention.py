@@ -18,9 +18,12 @@ The float32 softmax guarantee holds either way: cuDNN keeps its softmax
 statistics in float32, and the op-by-op rewrite keeps ``exp`` and its sums in
 float32 (the deny list). A float32 region (a rule) is never sent to cuDNN.
 
-Only calls made through the ``jax.nn`` module attribute are seen; a name
-imported before (``from jax.nn import dot_product_attention``) runs XLA's
-attention, cast op by op as any other code.
+Only calls traced through the ``jax.nn`` module attribute while autocast
+traces are seen. A name imported before (``from jax.nn import
+dot_product_attention``), or a ``jax.jit``-decorated helper whose trace JAX
+cached outside autocast, runs XLA's attention, cast op by op as any other code
+(correct, not fused). Conversely a marked trace JAX reuses outside autocast is
+the same attention (the mark is a name).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import threading
 from typing import Any, Iterator
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["MARK", "QKV", "argument_names", "call_cudnn", "is_marked", "marking", "wants_cudnn"]
@@ -44,7 +48,7 @@ MARK = "precision_fused_attention_"
 
 _ORIGINAL = jax.nn.dot_product_attention
 _SIGNATURE = inspect.signature(_ORIGINAL)
-_HALF = (np.dtype(np.float16), np.dtype(jax.numpy.bfloat16))
+_HALF = (np.dtype(np.float16), np.dtype(jnp.bfloat16))
 _local = threading.local()
 _lock = threading.Lock()
 _installed = 0
@@ -60,16 +64,6 @@ def _marked_attention(*args: Any, **kwargs: Any) -> Any:
     static = {k: v for k, v in bound.arguments.items() if k not in arrays}
     if not all(k in arrays for k in QKV):  # query, key or value given as a list: left as it is
         return _ORIGINAL(*args, **kwargs)
-    try:
-        avals = tuple((tuple(np.shape(v)), str(np.dtype(v.dtype))) for v in arrays.values())
-        call = (tuple(arrays), avals, static)
-        name = MARK + repr(call).encode().hex()
-        described = ast.literal_eval(bytes.fromhex(name[len(MARK):]).decode()) == call
-    except (TypeError, ValueError, SyntaxError):
-        described = False
-    if not described:  # a static argument that does not survive repr: the call stays unmarked
-        return _ORIGINAL(*args, **kwargs)
-
     traced = dict(static)
     if static.get("implementation") == "cudnn" and np.dtype(arrays["query"].dtype) not in _HALF:
         traced["implementation"] = None  # cuDNN takes no float32: XLA's stands in the float32 trace
@@ -77,10 +71,27 @@ def _marked_attention(*args: Any, **kwargs: Any) -> Any:
     def attention(*values):
         return _ORIGINAL(**dict(zip(arrays, values)), **traced)
 
+    try:
+        outs = jax.eval_shape(attention, *[jax.ShapeDtypeStruct(np.shape(v), v.dtype) for v in arrays.values()])
+        call = (tuple(arrays), _avals(arrays.values()), _avals(jax.tree_util.tree_leaves(outs)), static)
+        name = MARK + repr(call).encode().hex()
+        described = _decode(name) == call
+    except (TypeError, ValueError, SyntaxError):
+        described = False
+    if not described:  # a static argument that does not survive repr: the call stays unmarked
+        return _ORIGINAL(*args, **kwargs)
     # The call is described in the name itself: a traced program that JAX caches
     # and reuses in a later trace stays self-describing.
     attention.__name__ = name
     return jax.jit(attention)(*arrays.values())
+
+
+def _avals(values: Any) -> tuple:
+    return tuple((tuple(np.shape(v)), str(np.dtype(v.dtype))) for v in values)
+
+
+def _decode(name: str) -> Any:
+    return ast.literal_eval(bytes.fromhex(name[len(MARK):]).decode())
 
 
 @contextlib.contextmanager
@@ -105,17 +116,19 @@ def marking() -> Iterator[None]:
 
 
 def is_marked(eqn: Any) -> bool:
-    """Whether ``eqn`` is a whole marked attention call. (A transformation that
-    splits a ``jit``, JAX's partial evaluation, keeps its name on the parts; a
-    part has other operands and is rewritten as any other program.)"""
+    """Whether ``eqn`` is a whole marked attention call: its operands and results
+    are the call's. (A transformation inside the traced function, such as
+    ``jax.grad``, splits a ``jit`` into parts that keep its name but take or
+    return other values; those are rewritten as any other program.)"""
     if not str(eqn.params.get("name", "")).startswith(MARK):
         return False
-    _, avals, _ = _call(eqn)
-    return [(tuple(v.aval.shape), str(np.dtype(v.aval.dtype))) for v in eqn.invars] == list(avals)
+    _, ins, outs, _ = _call(eqn)
+    return (_avals(v.aval for v in eqn.invars) == ins
+            and _avals(v.aval for v in eqn.outvars) == outs)
 
 
-def _call(eqn: Any) -> tuple[tuple[str, ...], tuple, dict]:
-    return ast.literal_eval(bytes.fromhex(str(eqn.params["name"])[len(MARK):]).decode())
+def _call(eqn: Any) -> tuple[tuple[str, ...], tuple, tuple, dict]:
+    return _decode(str(eqn.params["name"]))
 
 
 def argument_names(eqn: Any) -> tuple[str, ...]:
@@ -125,21 +138,48 @@ def argument_names(eqn: Any) -> tuple[str, ...]:
 
 def wants_cudnn(eqn: Any, dtype: Any) -> bool:
     """Whether the marked call ``eqn`` should run as cuDNN's fused attention with
-    query, key and value in ``dtype``: the model asked for cuDNN, or left the
-    choice open and the operands are half on a GPU. Otherwise autocast rewrites
-    the traced (XLA) attention op by op, as any other program."""
-    implementation = _call(eqn)[2].get("implementation")
-    chosen = implementation == "cudnn" or (implementation is None and jax.default_backend() == "gpu")
+    query, key and value in ``dtype``: half operands, and the model asked for
+    cuDNN or left the choice open on a GPU cuDNN's attention supports (compute
+    capability 8.0 or more). Otherwise autocast rewrites the traced (XLA)
+    attention op by op, as any other program."""
+    implementation = _call(eqn)[3].get("implementation")
+    chosen = implementation == "cudnn" or (implementation is None and _cudnn_capable())
     return chosen and np.dtype(dtype) in _HALF
+
+
+def _cudnn_capable() -> bool:
+    if jax.default_backend() != "gpu":
+        return False
+    return float(getattr(jax.devices()[0], "compute_capability", "0") or 0) >= 8.0
 
 
 def call_cudnn(eqn: Any, arrays: list) -> list | None:
     """The marked call ``eqn`` made again as cuDNN's fused attention on ``arrays``
-    (query, key and value already in the compute dtype); its output arrays, or
-    ``None`` where cuDNN cannot take it (shapes, head size, cuDNN version)."""
-    names, _, static = _call(eqn)
+    (query, key and value already in the compute dtype; a bias is brought to
+    it, saturating); its output arrays, or ``None`` where cuDNN cannot take it
+    (shapes, head size, cuDNN version, or a backward pass it cannot run)."""
+    names, _, _, static = _call(eqn)
+    kwargs = dict(zip(names, arrays, strict=True))
+    half = kwargs["query"].dtype
+    if "bias" in kwargs and kwargs["bias"].dtype != half:
+        bound = float(jnp.finfo(half).max)
+        kwargs["bias"] = jnp.clip(kwargs["bias"], -bound, bound).astype(half)
+    static = {**static, "implementation": "cudnn"}
+
+    def attend(*values):
+        return _ORIGINAL(**dict(zip(kwargs, values)), **static)
+
     try:
-        out = _ORIGINAL(**dict(zip(names, arrays, strict=True)), **{**static, "implementation": "cudnn"})
+        # cuDNN checks some cases only when the backward pass is built, which may happen
+        # later, outside this call (under jax.checkpoint): build it now, abstractly.
+        specs = [jax.ShapeDtypeStruct(np.shape(v), v.dtype) for v in kwargs.values()]
+        jax.eval_shape(lambda *xs: _pull_back(attend, xs), *specs)
+        out = attend(*kwargs.values())
     except (NotImplementedError, RuntimeError, ValueError, TypeError):
         return None
     return list(out) if isinstance(out, tuple) else [out]
+
+
+def _pull_back(fn: Any, args: tuple) -> Any:
+    out, pull = jax.vjp(fn, *args)
+    return pull(jax.tree_util.tree_map(jnp.ones_like, out))

@@ -47,6 +47,7 @@ def gpu(monkeypatch):
 
     class Recorder(list):
         cudnn = True
+        backward = True  # False: cuDNN refuses only when its backward pass is built
 
     calls = Recorder()
 
@@ -57,11 +58,25 @@ def gpu(monkeypatch):
             if not calls.cudnn:
                 raise NotImplementedError("cuDNN is not available")  # what an old cuDNN says
             kwargs = {**kwargs, "implementation": None}
+            if not calls.backward:
+                return _forward_only(lambda: original(*args, **kwargs), query)
         return original(*args, **kwargs)
 
     monkeypatch.setattr(fused_attention, "_ORIGINAL", pretend)
-    monkeypatch.setattr(fused_attention.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(fused_attention, "_cudnn_capable", lambda: True)
     return calls
+
+
+def _forward_only(compute, query):
+    @jax.custom_vjp
+    def attention(q):
+        return compute()
+
+    def backward(_, ct):
+        raise ValueError("cuDNN: this case is not supported in training")  # as cuDNN's backward checks say
+
+    attention.defvjp(lambda q: (compute(), None), backward)
+    return attention(query)
 
 
 def _model_and_params(**options):
@@ -76,7 +91,8 @@ def test_on_a_gpu_attention_is_called_again_as_cudnn_in_half(gpu, causal, with_b
     gpu.clear()
     out = precision.with_policy(model, "mixed_bf16").apply({"params": params}, x, lengths)
     # Traced in float32 (once or twice: the module structure is recorded once), then made again.
-    assert gpu[-1] == (np.dtype(jnp.bfloat16), "cudnn") and set(gpu[:-1]) == {(np.dtype(np.float32), None)}
+    assert gpu[-1] == (np.dtype(jnp.bfloat16), "cudnn")
+    assert set(gpu) == {(np.dtype(np.float32), None), (np.dtype(jnp.bfloat16), "cudnn")}
     reference = model.apply({"params": params}, x, lengths)
     assert out.dtype == jnp.float32
     np.testing.assert_allclose(out, reference, atol=0.05, rtol=0.05)
@@ -91,8 +107,33 @@ def test_where_cudnn_cannot_take_it_the_attention_is_cast_op_by_op(gpu):
     gpu.clear()
     out = precision.with_policy(model, "mixed_bf16").apply({"params": params}, x, lengths)
     # cuDNN tried, refused: the traced attention is rewritten instead.
-    assert gpu[-1] == (np.dtype(jnp.bfloat16), "cudnn") and set(gpu[:-1]) == {(np.dtype(np.float32), None)}
+    assert gpu[-1] == (np.dtype(jnp.bfloat16), "cudnn")
+    assert set(gpu) == {(np.dtype(np.float32), None), (np.dtype(jnp.bfloat16), "cudnn")}
     np.testing.assert_allclose(out, model.apply({"params": params}, x, lengths), atol=0.05, rtol=0.05)
+
+
+def test_grad_inside_autocast_on_a_gpu_makes_the_whole_call_again(gpu):
+    q = jax.random.normal(jax.random.key(2), (B, T, H, D))
+
+    def f(q):  # the transformation runs inside the autocast function: JAX splits the marked call
+        return jax.grad(lambda q: jax.nn.dot_product_attention(q, q, q, is_causal=True).sum())(q)
+
+    got = precision.autocast(f, "mixed_bf16")(q)
+    np.testing.assert_allclose(got, f(q), atol=0.1, rtol=0.1)
+
+
+def test_a_cudnn_call_whose_backward_cuDNN_refuses_falls_back_before_any_gradient(gpu):
+    gpu.backward = False
+    model, params, x, lengths = _model_and_params()
+    remat = precision.with_policy(nn.remat(UserAttention)(), "mixed_bf16")  # its backward is built later
+
+    def loss(p):
+        return remat.apply({"params": p}, x, lengths).astype(jnp.float32).sum()
+
+    grads = jax.grad(loss)(params)
+    reference = jax.grad(lambda p: model.apply({"params": p}, x, lengths).sum())(params)
+    for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(reference)):
+        np.testing.assert_allclose(g, r, atol=0.1, rtol=0.1)
 
 
 def test_float32_compute_never_goes_to_cudnn(gpu):
