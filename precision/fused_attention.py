@@ -155,15 +155,10 @@ def _cudnn_capable() -> bool:
 
 def call_cudnn(eqn: Any, arrays: list) -> list | None:
     """The marked call ``eqn`` made again as cuDNN's fused attention on ``arrays``
-    (query, key and value already in the compute dtype; a bias is brought to
-    it, saturating); its output arrays, or ``None`` where cuDNN cannot take it
+    (query, key, value and any bias already in the compute dtype); its output arrays, or ``None`` where cuDNN cannot take it
     (shapes, head size, cuDNN version, or a backward pass it cannot run)."""
     names, _, _, static = _call(eqn)
     kwargs = dict(zip(names, arrays, strict=True))
-    half = kwargs["query"].dtype
-    if "bias" in kwargs and kwargs["bias"].dtype != half:
-        bound = float(jnp.finfo(half).max)
-        kwargs["bias"] = jnp.clip(kwargs["bias"], -bound, bound).astype(half)
     static = {**static, "implementation": "cudnn"}
 
     def attend(*values):

@@ -23,7 +23,8 @@ from jax.custom_derivatives import SymbolicZero
 from jax.extend import linear_util as lu
 
 from precision import fused_attention
-from precision.interpreter import HIGHER_ORDER, Context, Kind, Site, Val, bind, const_val, evaluate, log, outputs
+from precision.interpreter import (HIGHER_ORDER, Context, Kind, Site, Val, _cast, bind, const_val, evaluate, log,
+                                   outputs)
 from precision.regions import module_path, region_dtype
 
 try:  # moves constvars of a jaxpr to leading invars (remat needs a jaxpr without consts)
@@ -117,6 +118,9 @@ def _cudnn_attention(site: Site, ins: list[Val], ctx: Context) -> list[Val] | No
     names = fused_attention.argument_names(site.eqn)
     arrays = [v.as_dtype(site.region if name in fused_attention.QKV else var.aval.dtype) if v.managed else v.array
               for name, v, var in zip(names, ins, site.eqn.invars, strict=True)]
+    if "bias" in names:  # cuDNN takes a bias in the operands' dtype; a -1e9 mask bias saturates, never inf
+        i = names.index("bias")
+        arrays[i] = _cast(arrays[i], site.region, saturate=True)
     results = fused_attention.call_cudnn(site.eqn, arrays)
     if results is None:
         return None

@@ -123,6 +123,27 @@ def test_a_call_of_several_steps_equals_the_steps_one_by_one_bit_for_bit():
     assert multi._cache_size() == 1
 
 
+def test_an_nnx_model_pinned_to_float32_with_batchnorm_trains_the_same_in_calls():
+    from flax import nnx
+
+    from tests.user_models import PinnedNNXMLP
+
+    data = load_dataset("synthetic", num_train=256, num_test=8, input_shape=[12], num_classes=5)
+    model = PinnedNNXMLP(12, 32, 5, rngs=nnx.Rngs(0))
+    state = create_train_state(model, "mixed_bf16", optax.adam(3e-3), jax.random.key(0), data.sample_input(1))
+    step = make_train_step(donate=False)
+    singles = state
+    for i in range(5):
+        singles, _ = step(singles, jax.device_put(data.train_batch(i, 16, 0)))
+    multi = make_multi_step(step, 3, donate=False)
+    grouped = state
+    for first, count in [(0, 3), (3, 2)]:
+        grouped, metrics = multi(grouped, jax.device_put(train_batch_stack(data, first, count, 3, 16, 0)), count)
+    assert_bitwise_equal(jax.tree_util.tree_leaves((singles.params, singles.model_state, singles.opt_state)),
+                         jax.tree_util.tree_leaves((grouped.params, grouped.model_state, grouped.opt_state)))
+    assert jax.tree_util.tree_leaves(grouped.model_state)  # BatchNorm statistics were carried through the loop
+
+
 def test_a_short_call_trains_only_its_steps():
     data, state = _state_and_batches()
     multi = make_multi_step(make_train_step(donate=False), 5, donate=False)
