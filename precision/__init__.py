@@ -36,9 +36,7 @@ from precision.rules import (
     get_rules,
     norm_rules,
 )
-from precision.op_lists import ALLOW, DENY, OpLists, op_lists
-from precision.regions import compute_in
-from precision.transform import autocast
+from precision.autocast import ALLOW, DENY, OpLists, autocast, compute_in, op_lists
 from precision.modules import LinenWithPolicy, NNXWithPolicy, with_policy
 from precision.explain import (CoverageError, Explanation, PrecisionWarning, check_coverage, explain)
 from precision.optim import (
@@ -64,3 +62,13 @@ __all__ = (
     "MixedPrecisionState", "current_loss_scale", "find_mixed_precision_state",
     "full_precision_params", "mixed_precision", "needs_master_weights",
 )
+
+# Before the autocast package, its modules lived at the top level: their import paths
+# (``from precision.op_lists import OpLists``, ``from precision import fused_attention``) keep working.
+import sys as _sys  # noqa: E402
+
+from precision.autocast import fused_attention, higher_order, interpreter, program, regions, transform  # noqa: E402
+
+for _name in ("fused_attention", "higher_order", "interpreter", "op_lists", "program", "regions", "transform"):
+    _sys.modules.setdefault(f"{__name__}.{_name}", _sys.modules[f"{__name__}.autocast.{_name}"])
+del _sys, _name

@@ -25,11 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from precision import interpreter, transform
+from precision.autocast import transform
+from precision.autocast.op_lists import OpLists
+from precision.autocast.program import MATMUL_PRIMITIVES, MatmulOp, matmul_ops
+from precision.autocast.values import REGION
 from precision.modules import LinenWithPolicy, NNXWithPolicy, with_policy
-from precision.op_lists import OpLists
 from precision.policy import Policy, PolicyError, get_policy
-from precision.program import MATMUL_PRIMITIVES, MatmulOp, matmul_ops
 
 __all__ = ["explain", "Explanation", "ModuleReport", "Island", "check_coverage", "PrecisionWarning",
            "CoverageError"]
@@ -320,7 +321,7 @@ def _summarize(traced: _Traced, policy: Policy, autocast: bool) -> Explanation:
         if total > half:
             f32_prims = {m.primitive for m in ops if not m.half}
             logged = {reasons.get((path, p)) for p in f32_prims}
-            reason = (RULE if interpreter.REGION in logged else AUTOCAST_OFF if not autocast
+            reason = (RULE if REGION in logged else AUTOCAST_OFF if not autocast
                       else next((r for r in logged if r), NOT_REACHED))
         dtypes = tuple(dict.fromkeys(_short(m.dtype.name) for m in ops if not m.backward))
         modules.append(ModuleReport(path, traced.params.get(path, ()), dtypes, half, total, reason))

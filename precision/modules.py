@@ -6,7 +6,7 @@ params are stored in the param dtype, outputs leave in the output dtype, and
 the forward pass runs under :func:`precision.autocast`: every matmul and
 convolution in the compute dtype whatever ``dtype=`` its layers pin, softmax,
 norm statistics and other deny-listed ops in float32. Modules a rule matches
-compute in the rule's dtype (a region, :mod:`precision.regions`). The casts sit
+compute in the rule's dtype (a region, :mod:`precision.autocast.regions`). The casts sit
 inside the differentiated function, so gradients with respect to float32
 params come back in float32. Module state other than params (BatchNorm
 statistics) stays in its own dtype whatever the compute dtype.
@@ -27,11 +27,11 @@ import numpy as np
 import flax.linen as nn
 from flax import nnx
 
-from precision import fused_attention, transform as autocast_lib
-from precision.interpreter import Val
-from precision.op_lists import OpLists
+from precision.autocast import fused_attention, transform as autocast_lib
+from precision.autocast.op_lists import OpLists
+from precision.autocast.regions import compute_in
+from precision.autocast.values import Val
 from precision.policy import Policy, _cast_floating, get_policy
-from precision.regions import compute_in
 from precision.rules import Resolver, Rule, as_rules, class_names_of, get_rules
 
 __all__ = ["with_policy", "LinenWithPolicy", "NNXWithPolicy"]

@@ -1,14 +1,13 @@
 """The autocast interpreter: evaluates a traced program again under a compute dtype.
 
-``autocast(fn, "mixed_bf16")`` traces ``fn`` (with its floating inputs seen as
-float32, so whatever dtypes its layers pin, the traced program is the float32
-one) and evaluates the traced program again, equation by equation, deciding
-for each floating value the dtype it is held in:
+It walks the equations of a program traced in float32 (:mod:`.tracing`) and
+binds each one again, deciding for each floating value the dtype it is held in
+(its :class:`~precision.autocast.values.Kind`):
 
 - **allow-listed** ops (matmuls, convolutions) run in the compute dtype;
 - **deny-listed** ops (exp, log, rsqrt, sums...) run in float32, and so do the
-  elementwise ops whose results only feed them (the ``x - max`` of a softmax,
-  the ``x * x`` of a variance): *float32 islands*;
+  elementwise ops whose results only feed them (:mod:`.islands`): *float32
+  islands*;
 - every other op **follows** its inputs: half if a half value reaches it,
   float32 if an island does. An island ends where its value leaves the module
   (named scope) that computed it, or meets a matmul, so activations between
@@ -19,133 +18,47 @@ for each floating value the dtype it is held in:
   value) are honoured; explicit downcasts follow the policy.
 
 Higher-order primitives (jit, scan, while, cond, remat, custom_jvp,
-custom_vjp, shard_map) are rewritten recursively (:mod:`precision.higher_order`).
-The result binds ordinary primitives on whatever trace calls it, so it works
-under ``jax.grad``, ``jax.jit``, ``vmap`` and shardings; it adds only the
-casts it needs, each value cast at most once per dtype.
+custom_vjp, shard_map) are rewritten by the rules the context carries
+(:mod:`.higher_order`). The result binds ordinary primitives on whatever trace
+calls it, so it works under ``jax.grad``, ``jax.jit``, ``vmap`` and shardings;
+it adds only the casts it needs, each value cast at most once per dtype.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import enum
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.extend import source_info_util
 from jax.extend.core import DropVar, Literal
 
-from precision.op_lists import OpClass, OpLists
-from precision.regions import module_path, region_dtype, scope_names, within
+from precision.autocast.islands import demanded_vars
+from precision.autocast.op_lists import OpClass, OpLists
+from precision.autocast.program import binders
+from precision.autocast.regions import module_path, region_dtype, scope_names, within
+from precision.autocast.values import (AS_TRACED, DENIED, F32, FOLLOWS_F32, REGION, STATISTICS, UPCAST, Kind, Record,
+                                       Val, is_policy_float, literal_val)
 
-__all__ = ["Kind", "Val", "Record", "Context", "Site", "evaluate", "HIGHER_ORDER"]
-
-F32 = np.dtype(np.float32)
-_POLICY_FLOATS = frozenset({np.dtype(np.float16), np.dtype(jnp.bfloat16), F32})
-
-
-class Kind(enum.IntEnum):
-    """What decides a value's dtype in the rewritten program."""
-
-    NEUTRAL = 0  # constant-like: takes the dtype of what it meets
-    HALF = 1  # policy-managed: held in the region's compute dtype
-    FULL = 2  # a float32 island
-    KEEP = 3  # not managed (integers, keys, float64, fp8): passes untouched
-
-
-class Record(NamedTuple):
-    """One decision of autocast, for :func:`precision.explain`."""
-
-    path: tuple[str, ...]  # module path (named scopes) of the op
-    primitive: str
-    dtype: np.dtype  # the dtype the op computed in
-    reason: str
-
-
-# Reasons an op computed in float32 (or as traced).
-DENIED = "deny-listed op"
-STATISTICS = "feeds a deny-listed op"
-FOLLOWS_F32 = "follows a float32 value"
-UPCAST = "explicit upcast in the model"
-REGION = "float32 region (a rule)"
-AS_TRACED = "kept as traced (dtype-sensitive op)"
-
-
-def is_policy_float(dtype: Any) -> bool:
-    """float16, bfloat16 or float32: the dtypes a policy manages."""
-    try:
-        return np.dtype(dtype) in _POLICY_FLOATS
-    except TypeError:
-        return False
-
-
-def _cast(x: Any, dtype: np.dtype, saturate: bool) -> Any:
-    """``x`` in ``dtype``; ``saturate`` clips to the finite range instead of overflowing."""
-    if saturate and jnp.finfo(dtype).max < jnp.finfo(x.dtype).max:
-        bound = float(jnp.finfo(dtype).max)
-        if isinstance(x, (np.ndarray, np.generic)):
-            return np.asarray(np.clip(x, -bound, bound), dtype)
-        x = lax.clamp(np.asarray(-bound, x.dtype), x, np.asarray(bound, x.dtype))
-    if isinstance(x, (np.ndarray, np.generic)):
-        return np.asarray(x, dtype)
-    return lax.convert_element_type(x, dtype)
-
-
-class Val:
-    """A value of the rewritten program: its kind, the module path that made it,
-    and its array in one or more dtypes (casts are made once and kept)."""
-
-    __slots__ = ("kind", "path", "array", "_casts")
-
-    def __init__(self, kind: Kind, array: Any, path: tuple[str, ...] = (), casts: dict | None = None):
-        self.kind = kind
-        self.array = array
-        self.path = path
-        self._casts = {} if casts is None else casts
-
-    @property
-    def dtype(self) -> Any:
-        dtype = self.array.dtype
-        return dtype if jax.dtypes.issubdtype(dtype, jax.dtypes.extended) else np.dtype(dtype)
-
-    @property
-    def managed(self) -> bool:
-        return self.kind is not Kind.KEEP
-
-    def as_dtype(self, dtype: Any) -> Any:
-        """The array in ``dtype`` (cast on first use; constants saturate)."""
-        dtype = np.dtype(dtype)
-        if not self.managed or dtype == self.dtype:
-            return self.array
-        if dtype not in self._casts:
-            self._casts[dtype] = _cast(self.array, dtype, saturate=self.kind is Kind.NEUTRAL)
-        return self._casts[dtype]
-
-    def retag(self, kind: Kind, path: tuple[str, ...] | None = None) -> "Val":
-        """The same array (and casts) under another kind or path."""
-        return Val(kind, self.array, self.path if path is None else path, self._casts)
-
-
-def make_val(array: Any, kind: Kind = Kind.HALF, path: tuple[str, ...] = ()) -> Val:
-    """A Val for an input array: ``kind`` if it is a policy float, KEEP otherwise."""
-    return Val(kind if is_policy_float(getattr(array, "dtype", None)) else Kind.KEEP, array, path)
+__all__ = ["Context", "Site", "Rule", "evaluate", "bind", "log", "outputs"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Context:
     """What every equation's rule needs: the root compute dtype, the op lists,
-    the scope of the enclosing equation, and where to log decisions."""
+    the rules for higher-order primitives, the scope of the enclosing equation,
+    and where to log decisions."""
 
     root: np.dtype
     ops: OpLists
+    rules: Mapping[str, "Rule"]  # primitive name -> rule (jit, scan, cond... see higher_order.RULES)
     prefix: tuple[str, ...] = ()
     log: list | None = None
 
     def at(self, prefix: tuple[str, ...], log: Any = ...) -> "Context":
+        """The context of a sub-program at scope ``prefix`` (``log``: where its decisions go)."""
         return dataclasses.replace(self, prefix=prefix, log=self.log if log is ... else log)
 
 
@@ -164,19 +77,8 @@ class Site:
         return self.eqn.primitive.name
 
 
+#: How a higher-order primitive is rewritten: (site, input Vals, context) -> output Vals.
 Rule = Callable[[Site, list[Val], Context], list[Val]]
-#: Rules for higher-order primitives, filled in by :mod:`precision.higher_order`.
-HIGHER_ORDER: dict[str, Rule] = {}
-
-
-def binders(jaxpr: Any) -> list[Any]:
-    """Constvars then invars (``Jaxpr.all_invars`` where JAX has it)."""
-    return list(jaxpr.all_invars) if hasattr(jaxpr, "all_invars") else [*jaxpr.constvars, *jaxpr.invars]
-
-
-def literal_val(lit: Any) -> Val:
-    array = np.asarray(lit.val, lit.aval.dtype) if hasattr(lit.aval, "dtype") else lit.val
-    return make_val(array, Kind.NEUTRAL)
 
 
 def evaluate(jaxpr: Any, consts: Sequence[Val], args: Sequence[Val], ctx: Context) -> list[Val]:
@@ -184,7 +86,7 @@ def evaluate(jaxpr: Any, consts: Sequence[Val], args: Sequence[Val], ctx: Contex
     env: dict[Any, Val] = {}
     for var, val in zip(binders(jaxpr), [*consts, *args], strict=True):
         env[var] = val
-    demanded = demanded_vars(jaxpr, [v.kind for v in [*consts, *args]], ctx)
+    demanded = demanded_vars(jaxpr, [v.kind for v in [*consts, *args]], ctx.prefix, ctx.ops)
     here = module_path(ctx.prefix)
 
     def read(var: Any, consumer: tuple[str, ...]) -> Val:
@@ -210,77 +112,8 @@ def evaluate(jaxpr: Any, consts: Sequence[Val], args: Sequence[Val], ctx: Contex
     return [read(v, here) for v in jaxpr.outvars]
 
 
-def static_kinds(jaxpr: Any, in_kinds: Sequence[Kind], ctx: Context) -> tuple[dict, dict]:
-    """The kind each variable will have, worked out without binding anything
-    (sub-programs count as half): (kinds, module path of each producer)."""
-    kinds: dict[Any, Kind] = dict(zip(binders(jaxpr), in_kinds))
-    paths: dict[Any, tuple[str, ...]] = {v: module_path(ctx.prefix) for v in kinds}
-    for eqn in jaxpr.eqns:
-        path = module_path(ctx.prefix + scope_names(eqn.source_info.name_stack))
-        ins = []
-        for v in eqn.invars:
-            kind = Kind.NEUTRAL if isinstance(v, Literal) else kinds[v]
-            if kind is Kind.FULL and not isinstance(v, Literal) and not within(path, paths[v]):
-                kind = Kind.HALF
-            ins.append(kind)
-        managed = [k for k in ins if k is not Kind.KEEP]
-        name, cls = eqn.primitive.name, ctx.ops.classify(eqn.primitive.name)
-        outs = [v for v in eqn.outvars if not isinstance(v, DropVar)]
-        if all(k is Kind.NEUTRAL for k in managed):
-            out = [Kind.NEUTRAL] * len(outs)
-        elif cls is OpClass.EACH and len(outs) == len(ins):
-            out = ins
-        elif name == "convert_element_type":
-            src, dst = np.dtype(eqn.invars[0].aval.dtype), np.dtype(eqn.params["new_dtype"])
-            upcast = is_policy_float(src) and is_policy_float(dst) and dst.itemsize > src.itemsize
-            out = [Kind.FULL if upcast else ins[0] if src == dst else Kind.HALF]
-        else:
-            full = cls is OpClass.DENY or (cls is OpClass.FOLLOW and Kind.FULL in managed)
-            out = [Kind.FULL if full else Kind.HALF] * len(outs)
-        for v, kind in zip(outs, out):
-            kinds[v] = kind if is_policy_float(v.aval.dtype) else Kind.KEEP
-            paths[v] = path
-    return kinds, paths
-
-
-def demanded_vars(jaxpr: Any, in_kinds: Sequence[Kind], ctx: Context) -> set:
-    """Floating variables every use of which computes in float32.
-
-    Walks the equations backwards: a deny-listed op demands float32 operands,
-    and so does a follow op (or a convert) that computes in float32: because
-    its own outputs are demanded, or because another operand is a float32
-    island. So ``reduce_sum(x * x)`` squares in float32, ``x - max`` of a
-    softmax subtracts in float32, while ``x``, also used by half ops, stays half.
-    Demand stays inside the module that consumes: a norm does not make the
-    module feeding it compute in float32.
-    """
-    kinds, paths = static_kinds(jaxpr, in_kinds, ctx)
-    uses: collections.Counter = collections.Counter()
-    for eqn in jaxpr.eqns:
-        uses.update(v for v in eqn.invars if not isinstance(v, Literal))
-    uses.update(v for v in jaxpr.outvars if not isinstance(v, Literal))
-    demand: collections.Counter = collections.Counter()
-    demanded: set = set()
-    for eqn in reversed(jaxpr.eqns):
-        outs = [v for v in eqn.outvars if not isinstance(v, DropVar) and is_policy_float(v.aval.dtype)]
-        all_demanded = bool(outs) and all(uses[v] and demand[v] == uses[v] for v in outs)
-        if all_demanded:
-            demanded.update(outs)
-        name = eqn.primitive.name
-        cls = ctx.ops.classify(name)
-        floats = [v for v in eqn.invars if not isinstance(v, Literal) and is_policy_float(v.aval.dtype)]
-        path = module_path(ctx.prefix + scope_names(eqn.source_info.name_stack))
-        if cls is OpClass.FOLLOW or name == "convert_element_type":
-            island = any(kinds[v] is Kind.FULL and within(path, paths[v]) for v in floats)
-            demanding = all_demanded or island
-        else:
-            demanding = cls is OpClass.DENY
-        if demanding:  # within a module: a module's inputs are not computed in float32 for it
-            demand.update(v for v in floats if within(path, paths[v]))
-    return demanded
-
-
 def log(ctx: Context, site: Site, dtype: np.dtype, reason: str) -> None:
+    """Records a decision (for explain) when the context collects them."""
     if ctx.log is not None:
         ctx.log.append(Record(site.path, site.name, np.dtype(dtype), reason))
 
@@ -293,12 +126,13 @@ def outputs(site: Site, results: Any, kind: Kind) -> list[Val]:
 
 
 def bind(site: Site, args: Sequence[Any], **param_updates: Any) -> Any:
+    """Binds the site's primitive again on ``args``, its params updated."""
     return site.eqn.primitive.bind(*args, **{**site.eqn.params, **param_updates})
 
 
 def rewrite_eqn(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
     """Rewrites one equation under the policy; returns its output Vals."""
-    rule = HIGHER_ORDER.get(site.name)
+    rule = ctx.rules.get(site.name)
     if rule is not None:
         return rule(site, ins, ctx)
     if site.name == "convert_element_type":
@@ -412,8 +246,3 @@ def _convert(site: Site, v: Val, ctx: Context) -> Val:
         log(ctx, site, dst, UPCAST)
         return Val(Kind.FULL, v.as_dtype(dst), site.path)
     return Val(Kind.HALF, v.as_dtype(site.region), site.path)
-
-
-def const_val(c: Any) -> Val:
-    """Consts of a traced program: closed-over tracers are data, concrete arrays constants."""
-    return make_val(c, Kind.HALF if isinstance(c, jax.core.Tracer) else Kind.NEUTRAL)

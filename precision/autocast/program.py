@@ -14,9 +14,9 @@ from typing import Any, Iterator, NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
-from precision.regions import module_path, scope_names
+from precision.autocast.regions import module_path, scope_names
 
-__all__ = ["Op", "iter_ops", "MatmulOp", "matmul_ops", "matmul_flops", "MATMUL_PRIMITIVES", "HALF_DTYPES"]
+__all__ = ["Op", "binders", "iter_ops", "MatmulOp", "matmul_ops", "matmul_flops", "MATMUL_PRIMITIVES", "HALF_DTYPES"]
 
 MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated", "ragged_dot_general")
 HALF_DTYPES = frozenset(np.dtype(d) for d in ("float16", "bfloat16"))
@@ -41,6 +41,11 @@ class Op(NamedTuple):
     @property
     def out_dtypes(self) -> tuple[np.dtype, ...]:
         return tuple(np.dtype(v.aval.dtype) for v in self.eqn.outvars if hasattr(v.aval, "dtype"))
+
+
+def binders(jaxpr: Any) -> list[Any]:
+    """A program's constvars then invars (``Jaxpr.all_invars`` where JAX has it)."""
+    return list(jaxpr.all_invars) if hasattr(jaxpr, "all_invars") else [*jaxpr.constvars, *jaxpr.invars]
 
 
 def _sub_jaxprs(eqn: Any) -> Iterator[tuple[Any, float]]:

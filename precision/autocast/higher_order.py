@@ -14,6 +14,7 @@ backward gets cotangents cast to the dtypes of the rewritten inputs.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -22,17 +23,18 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 from jax.extend import linear_util as lu
 
-from precision import fused_attention
-from precision.interpreter import (HIGHER_ORDER, Context, Kind, Site, Val, _cast, bind, const_val, evaluate, log,
-                                   outputs)
-from precision.regions import module_path, region_dtype
+from precision.autocast import fused_attention
+from precision.autocast.interpreter import Context, Rule, Site, bind, evaluate, log, outputs
+from precision.autocast.regions import module_path, region_dtype
+from precision.autocast.tracing import evaluate_call
+from precision.autocast.values import Kind, Val, cast, const_val
 
 try:  # moves constvars of a jaxpr to leading invars (remat needs a jaxpr without consts)
     from jax._src.interpreters.partial_eval import convert_constvars_jaxpr
 except ImportError:  # pragma: no cover - a JAX without it fails loudly at the first remat
     convert_constvars_jaxpr = None
 
-__all__ = ["Spec", "retrace"]
+__all__ = ["RULES", "Spec", "retrace"]
 
 
 class Spec(NamedTuple):
@@ -120,7 +122,7 @@ def _cudnn_attention(site: Site, ins: list[Val], ctx: Context) -> list[Val] | No
               for name, v, var in zip(names, ins, site.eqn.invars, strict=True)]
     if "bias" in names:  # cuDNN takes a bias in the operands' dtype; a -1e9 mask bias saturates, never inf
         i = names.index("bias")
-        arrays[i] = _cast(arrays[i], site.region, saturate=True)
+        arrays[i] = cast(arrays[i], site.region, saturate=True)
     results = fused_attention.call_cudnn(site.eqn, arrays)
     if results is None:
         return None
@@ -284,10 +286,10 @@ def _custom_vjp(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
 
     region = region_dtype(site.scope, ctx.root)
 
-    def new_bwd(*args):  # the user's backward, itself under autocast
-        from precision.transform import call_vals
-
-        out = call_vals(bwd.call_wrapped, args, {}, compute_dtype=region, ops=ctx.ops)
+    def new_bwd(*args):  # the user's backward, itself under autocast (its decisions not logged)
+        vals, _, flat = evaluate_call(bwd.call_wrapped, args, {}, dataclasses.replace(ctx, root=region, prefix=(),
+                                                                                      log=None))
+        out = flat.unflatten(vals)
         with_logs = isinstance(out, tuple)  # JAX >= 0.11: (cts, logs), logs possibly None
         cts, logs = out if with_logs else (out, None)
         cts = [_cast_cotangent(ct, s.dtype) for ct, s in zip(cts, primal_specs, strict=True)]
@@ -337,11 +339,12 @@ def _shard_map(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
     return _vals(site, out_specs, mapped(*(v.array for v in ins)))
 
 
-HIGHER_ORDER.update({
+#: The rule of each higher-order primitive (by name), for :class:`~precision.autocast.interpreter.Context`.
+RULES: dict[str, Rule] = {
     "jit": _jit, "pjit": _jit,
     "closed_call": _inline, "core_call": _inline, "eval_jaxpr": _inline, "call": _inline,
     "remat2": _remat, "checkpoint": _remat,
     "scan": _scan, "while": _while, "cond": _cond,
     "custom_jvp_call": _custom_jvp, "custom_vjp_call": _custom_vjp,
     "shard_map": _shard_map,
-})
+}
