@@ -122,56 +122,62 @@ def mixed_precision(inner: optax.GradientTransformation,
     def update_fn(scaled_grads, state, params=None, **extra_args):
         if state.master_params is not None and params is None:
             raise ValueError("mixed_precision with half-precision params needs `params` in update()")
-        scaled = cast_to_full(scaled_grads)
-        # One reduction per leaf gives the metric, the check and the culprit: the norm is finite
-        # iff every element is, except for finite gradients whose squares overflow float32 (norm >
-        # 1.8e19 before unscaling), which count as an overflow too. The norm is taken of the scaled
-        # gradients and unscaled as a scalar; the gradients themselves are unscaled inside the
-        # update, where the multiply fuses into the optimizer's own elementwise pass.
         strategy = skip_with if skip_with != "auto" else ("cond" if jax.default_backend() == "cpu" else "select")
-        squares = _leaf_squared_norms(scaled, one_loop=strategy == "select")
-        grad_norm = state.loss_scale.unscale(jnp.sqrt(sum(squares)))
-        finite = jnp.isfinite(grad_norm)
-        ref = params if params is not None else scaled
-
-        def step(inner_state, master, selected):
-            grads = state.loss_scale.unscale(scaled)
-            inner_params = master if master is not None else params
-            if selected:
-                updates, new_inner = _update_on_selected_state(inner, finite, grads, inner_state, inner_params,
-                                                               extra_args)
-            else:
-                updates, new_inner = inner.update(grads, inner_state, inner_params, **extra_args)
-            if master is not None:
-                new_master = optax.apply_updates(master, updates)
-                master = select_tree(finite, new_master, master) if selected else new_master
-                # Updates that land the half params exactly on the rounded master.
-                updates = jax.tree_util.tree_map(
-                    lambda m, p: m.astype(p.dtype).astype(jnp.float32) - p.astype(jnp.float32), master, params)
-            return _cast_updates(updates, ref), new_inner, master
-
-        def skip(inner_state, master):
-            return _identity_updates(ref), inner_state, master
-
-        if strategy == "cond":
-            updates, new_inner, master = jax.lax.cond(finite, lambda s, m: step(s, m, False), skip,
-                                                      state.inner_state, state.master_params)
-        else:
-            # One pass over each leaf, as plain optax: the new state is selected where it is
-            # made and the updates are computed from the selected state (equal to the new one
-            # whenever they are kept), so nothing reads the old state after its buffer is
-            # overwritten and donated buffers need no copies.
-            updates, new_inner, master = step(state.inner_state, state.master_params, True)
-            updates = select_tree(finite, updates, _identity_updates(ref))
-        return updates, MixedPrecisionState(
-            inner_state=new_inner,
-            loss_scale=state.loss_scale.adjust(finite),
-            master_params=master,
-            grads_finite=finite,
-            grad_norm=grad_norm,
-            nonfinite_leaf=_first_nonfinite(squares, finite))
+        return _update(inner, strategy, cast_to_full(scaled_grads), state, params, extra_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _update(inner: optax.GradientTransformationExtraArgs, strategy: str, scaled: Any, state: MixedPrecisionState,
+            params: Any, extra_args: dict) -> tuple[Any, MixedPrecisionState]:
+    """The wrapper's update from float32 gradients of the scaled loss: check, unscale,
+    update (or skip, by ``strategy``: ``"cond"`` or ``"select"``), adjust the scale."""
+    # One reduction per leaf gives the metric, the check and the culprit: the norm is finite
+    # iff every element is, except for finite gradients whose squares overflow float32 (norm >
+    # 1.8e19 before unscaling), which count as an overflow too. The norm is taken of the scaled
+    # gradients and unscaled as a scalar; the gradients themselves are unscaled inside the
+    # update, where the multiply fuses into the optimizer's own elementwise pass.
+    squares = _leaf_squared_norms(scaled, one_loop=strategy == "select")
+    grad_norm = state.loss_scale.unscale(jnp.sqrt(sum(squares)))
+    finite = jnp.isfinite(grad_norm)
+    ref = params if params is not None else scaled
+
+    def step(inner_state, master, selected):
+        grads = state.loss_scale.unscale(scaled)  # inside the cond's branch: no second copy of the gradients
+        inner_params = master if master is not None else params
+        if selected:
+            updates, new_inner = _update_on_selected_state(inner, finite, grads, inner_state, inner_params,
+                                                           extra_args)
+        else:
+            updates, new_inner = inner.update(grads, inner_state, inner_params, **extra_args)
+        if master is not None:
+            new_master = optax.apply_updates(master, updates)
+            master = select_tree(finite, new_master, master) if selected else new_master
+            # Updates that land the half params exactly on the rounded master.
+            updates = jax.tree_util.tree_map(
+                lambda m, p: m.astype(p.dtype).astype(jnp.float32) - p.astype(jnp.float32), master, params)
+        return _cast_updates(updates, ref), new_inner, master
+
+    def skip(inner_state, master):
+        return _identity_updates(ref), inner_state, master
+
+    if strategy == "cond":
+        updates, new_inner, master = jax.lax.cond(finite, lambda s, m: step(s, m, False), skip,
+                                                  state.inner_state, state.master_params)
+    else:
+        # One pass over each leaf, as plain optax: the new state is selected where it is
+        # made and the updates are computed from the selected state (equal to the new one
+        # whenever they are kept), so nothing reads the old state after its buffer is
+        # overwritten and donated buffers need no copies.
+        updates, new_inner, master = step(state.inner_state, state.master_params, True)
+        updates = select_tree(finite, updates, _identity_updates(ref))
+    return updates, MixedPrecisionState(
+        inner_state=new_inner,
+        loss_scale=state.loss_scale.adjust(finite),
+        master_params=master,
+        grads_finite=finite,
+        grad_norm=grad_norm,
+        nonfinite_leaf=_first_nonfinite(squares, finite))
 
 
 def _update_on_selected_state(inner: optax.GradientTransformationExtraArgs, finite: jax.Array, grads: Any,
