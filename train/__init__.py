@@ -1,32 +1,41 @@
 """train: the training framework on top of :mod:`precision`.
 
-A train state pytree, jitted train / eval steps (with gradient accumulation),
-the training loop with metrics, checkpoints and resume, models, offline
-datasets, and experiments launched from YAML configs
-(``python -m train CONFIG key=value ...``) with built-in or user models
-(Linen or NNX), data and losses.
+The Python API, for your own loop:
+  :mod:`train.binding` (any Flax model, Linen or NNX, under a policy as ``init`` / ``apply``),
+  :mod:`train.state` (``TrainState``, ``create_train_state``), :mod:`train.step` (jitted train
+  and eval steps, gradient accumulation, several steps per call), :mod:`train.tasks` (losses),
+  :mod:`train.inference` (half-precision serving), :mod:`train.distributed` (meshes, shardings,
+  processes), :mod:`train.checkpoint`, :mod:`train.metrics`.
+
+Experiments from YAML, ``python -m train CONFIG key=value ...``:
+  :mod:`train.cli` → :mod:`train.config` (schema, files, overrides, errors, help) →
+  :mod:`train.builders` (data, task, model, optimizer, state; user code through
+  :mod:`train.references`) → :mod:`train.loop` (``run``, phase by phase; host bookkeeping in
+  :mod:`train.tracker`, the workdir's identity in :mod:`train.workdir`).
+
+Batteries: :mod:`train.models` (plain Linen MLP, ResNet, GPT) and :mod:`train.data`
+(offline datasets, your own data).
 """
 
+from train.binding import NNXModel, bind, cast_variables, mode_kwargs, rebind
+from train.builders import build_data, build_model, build_optimizer, build_task, check_model_fits_data
 from train.checkpoint import CheckpointError, Checkpointer
 from train.config import ConfigError, ExperimentConfig, help_text, load_config
 from train.data import DataError, load_dataset
+from train.data.user import UserData
 from train.distributed import Layout, MeshError, initialize_distributed, make_mesh
 from train.inference import cast_for_inference, full_precision_params, inference_report
-from train.builders import build_data, build_model, build_optimizer, build_task, check_model_fits_data
-from train.data.user import UserData
-from train.functional import NNXModel, bind, mode_kwargs
 from train.loop import NonFiniteError, build_experiment, run
-from train.references import UserCodeError
 from train.metrics import MetricsWriter, read_metrics
+from train.references import UserCodeError
 from train.state import TrainState, create_train_state
 from train.step import evaluate, make_eval_step, make_multi_step, make_train_step, summarize_eval
 from train.tasks import Task, cross_entropy, get_task
 
-__all__ = ["CheckpointError", "Checkpointer", "ConfigError", "DataError", "Layout", "MeshError",
-           "initialize_distributed", "make_mesh", "ExperimentConfig", "MetricsWriter", "NNXModel", "NonFiniteError",
-           "Task", "TrainState", "UserCodeError", "UserData", "bind", "build_data", "build_experiment",
-           "build_model", "build_optimizer", "build_task", "cast_for_inference", "check_model_fits_data",
-           "create_train_state", "cross_entropy", "evaluate", "full_precision_params", "get_task", "help_text",
-           "inference_report", "load_config", "load_dataset", "make_eval_step", "make_multi_step", "make_train_step",
-           "mode_kwargs",
-           "read_metrics", "run", "summarize_eval"]
+__all__ = ["CheckpointError", "Checkpointer", "ConfigError", "DataError", "ExperimentConfig", "Layout", "MeshError",
+           "MetricsWriter", "NNXModel", "NonFiniteError", "Task", "TrainState", "UserCodeError", "UserData", "bind",
+           "build_data", "build_experiment", "build_model", "build_optimizer", "build_task", "cast_for_inference",
+           "cast_variables", "check_model_fits_data", "create_train_state", "cross_entropy", "evaluate",
+           "full_precision_params", "get_task", "help_text", "inference_report", "initialize_distributed",
+           "load_config", "load_dataset", "make_eval_step", "make_mesh", "make_multi_step", "make_train_step",
+           "mode_kwargs", "read_metrics", "rebind", "run", "summarize_eval"]

@@ -23,7 +23,7 @@ from train import config as config_lib
 from train.config import ConfigError
 from train.data import DATASETS, DataError, load_dataset
 from train.data.user import from_user_function
-from train.functional import bind, mode_kwargs
+from train.binding import bind, mode_kwargs
 from train.models import MODELS
 from train.references import UserCodeError, one_line, resolve
 from train.state import create_train_state

@@ -10,7 +10,7 @@ from __future__ import annotations
 import precision
 from train import config as config_lib
 from train.config import ExperimentConfig
-from train.functional import bind
+from train.binding import bind
 from train.loop import build_experiment
 from train.state import explain_model
 

@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterable
 import jax.numpy as jnp
 
 import precision
+from train.binding import cast_variables, rebind
 from train.distributed import Layout
 from train.state import TrainState
 from train.step import evaluate, make_eval_step
@@ -26,8 +27,8 @@ def cast_for_inference(state: TrainState, dtype: Any, rules: Any = None) -> Trai
     stay float32 (and BatchNorm statistics always do).
     """
     policy = precision.Policy(dtype, dtype, jnp.float32)
-    model = state.model.with_policy(policy, state.model.rules if rules is None else rules)
-    params = model.cast_params({"params": full_precision_params(state)})["params"]
+    model = rebind(state.model, policy, rules)
+    params = cast_variables(model, {"params": full_precision_params(state)})["params"]
     return state.replace(model=model, params=params)
 
 

@@ -1,7 +1,9 @@
 """The training loop: an experiment config in, a trained, checkpointed, evaluated
-model and a summary out.
+model and a summary out. :func:`run` reads as the algorithm, one named phase a line:
 
-    data → train_step → metrics.jsonl / TensorBoard / progress → checkpoints → eval
+    devices → experiment (data, task, model) → workdir → train state → restore
+      → train: batches → train_step → metrics.jsonl / TensorBoard / progress → checkpoints, evaluations
+      → finish: checkpoint → evaluate → half-precision inference → summary
 
 Rerunning the same config resumes from the newest checkpoint in its workdir; a
 larger ``steps`` continues a finished run. Batches are a pure function of
@@ -18,42 +20,23 @@ import sys
 from typing import Any, Callable, Iterator, TextIO
 
 import jax
-import yaml
 
-from train import compile_cache, config as config_lib
+from train import compile_cache
+from train.builders import (build_data, build_model, build_optimizer, build_task, build_train_state,  # noqa: F401
+                            check_model_fits_data)
 from train.checkpoint import CheckpointError, Checkpointer
 from train.config import ConfigError, ExperimentConfig
-from train.builders import (build_data, build_model, build_optimizer, build_task, build_train_state,  # noqa: F401
-                            check_model_fits_data, model_options)
 from train.data import prefetch_to_device, train_batch_stack
 from train.distributed import Layout, MeshError, host_rows, initialize_distributed, make_mesh, to_host
 from train.inference import inference_report
 from train.metrics import MetricsWriter, NullWriter, Progress
-from train.tracker import NonFiniteError, Tracker, format_summary, model_label
-from train.models import MODELS
 from train.state import TrainState
 from train.step import evaluate, make_eval_step, make_multi_step, make_train_step
+from train.tracker import NonFiniteError, Tracker, format_summary, model_label
+from train.workdir import RESUMABLE_CHANGES, check_same_experiment, resolved_config, write_config  # noqa: F401
 
 __all__ = ["NonFiniteError", "build_experiment", "build_model", "build_optimizer", "check_model_fits_data",
            "plan_calls", "run"]
-
-#: Config keys that may change between a run and its resumption.
-RESUMABLE_CHANGES = ("steps", "steps_per_call", "workdir", "compile_cache", "log_every", "eval_every",
-                     "checkpoint_every", "keep_checkpoints",
-                     "max_nonfinite_steps", "inference_dtypes", "progress", "precision.strict", "data.eval_batch_size",
-                     "data.eval_batches", "data.prefetch", "data.path", "mesh.data", "mesh.fsdp",
-                     "mesh.fsdp_min_size", "distributed.coordinator_address", "distributed.num_processes",
-                     "distributed.process_id", "distributed.cluster_detect", "distributed.timeout_seconds")
-
-
-def build_experiment(config: ExperimentConfig) -> tuple[Any, Any, Any]:
-    """The data, task and (unwrapped) model ``config`` names, checked to fit
-    each other before any compute (:class:`ConfigError` / ``DataError`` if not)."""
-    data = build_data(config.data, config.seed)
-    task = build_task(config.task, data)
-    model = build_model(config.model, data, config.seed)
-    check_model_fits_data(model, data, config.model.name, task)
-    return data, task, model
 
 
 def run(config: ExperimentConfig, *, out: TextIO | None = None,
@@ -73,149 +56,29 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
         or none of the existing ones is intact.
     """
     out = sys.stdout if out is None else out
-    if config.compile_cache is not None:
-        compile_cache.enable(None if config.compile_cache == "auto" else config.compile_cache)
-    try:
-        initialize_distributed(**config.distributed.model_dump())
-        layout = Layout(make_mesh(config.mesh.data, config.mesh.fsdp), config.mesh.fsdp_min_size)
-        layout.check_batch_size(config.data.batch_size)
-        layout.check_batch_size(config.data.eval_batch_size, "data.eval_batch_size")
-    except MeshError as e:
-        raise ConfigError(str(e)) from None
-    primary = jax.process_index() == 0
-    if not primary:
+    layout = _start_devices(config)
+    if jax.process_index() != 0:
         out = io.StringIO()  # only process 0 reports
     data, task, model = build_experiment(config)
-    resolved = config_lib.to_dict(config)
-    if config.model.name in MODELS:
-        resolved["model"].update({k: list(v) if isinstance(v, tuple) else v for k, v in
-                                  ((f, getattr(model, f)) for f in config_lib.model_fields(config.model.name))})
-    else:
-        resolved["model"].update(model_options(config.model, data))
-    workdir = os.path.abspath(config.workdir)
-    _check_same_experiment(workdir, resolved)
-
+    resolved = resolved_config(config, model, data)
+    check_same_experiment(os.path.abspath(config.workdir), resolved)
     state, schedule = build_train_state(config, model, data, layout)
-    os.makedirs(workdir, exist_ok=True)
-    if primary:
-        with open(os.path.join(workdir, "config.yaml"), "w", encoding="utf-8") as f:
-            yaml.safe_dump(resolved, f, sort_keys=False)
+    outputs = _Outputs(config, resolved, out, on_record)
+    state, start = _restore(outputs, state)
+    tracker = _start_tracking(config, state, start, data, task, layout, outputs)
+    evaluator = _Evaluator(config, data, task, layout, tracker)
+    state = _train(config, state, start, data, task, layout, schedule, outputs, tracker, evaluator)
+    return _finish(config, state, start, task, layout, outputs, tracker, evaluator)
 
-    writer = MetricsWriter(workdir) if primary else NullWriter()
-    checkpoints = Checkpointer(os.path.join(workdir, "checkpoints"), config.keep_checkpoints)
 
-    def corrupt(step: int, reason: str) -> None:
-        print(f"warning: {reason}; falling back to the previous checkpoint", file=out)
-        record = {"kind": "checkpoint_corrupt", "step": step, "message": reason}
-        writer.write(record)
-        if on_record is not None:
-            on_record(record)
-
-    start = 0
-    try:
-        restored = checkpoints.restore_latest_good(state, on_corrupt=corrupt)
-    except CheckpointError:
-        checkpoints.close()
-        writer.close()
-        raise
-    if restored is not None:
-        state, meta = restored
-        start = int(to_host(state.step))
-        if meta.get("data_position") != start:
-            raise ConfigError(f"checkpoint at step {start} in {checkpoints.directory} records data position "
-                              f"{meta.get('data_position')}, expected {start}: it was not written by this run")
-        print(f"resuming from the checkpoint at step {start} in {checkpoints.directory}", file=out)
-
-    progress = Progress(config.steps, start, primary and config.progress and start < config.steps)
-    tracker = Tracker(config, state, data, task, writer, progress, on_record)
-    print(f"{model_label(config.model.name)} on {data.describe()}; policy {state.policy} ({config.precision.policy}), "
-          f"loss scale {type(state.loss_scale).__name__}; steps {start} -> {config.steps}; "
-          f"{_describe_layout(layout)}; workdir {workdir}", file=out)
-    train_step = make_train_step(accum_steps=config.accum_steps, learning_rate_fn=schedule, layout=layout,
-                                 task=task)
-    eval_step = make_eval_step(layout=layout, task=task)
-    eval_size = config.data.eval_batch_size
-
-    def eval_batches():
-        rows = host_rows(eval_size)
-        local = ({k: v[rows] for k, v in b.items()}
-                 for b in data.eval_batches(eval_size, config.data.eval_batches))
-        return prefetch_to_device(local, config.data.prefetch, lambda b: layout.global_batch(b, eval_size))
-
-    def evaluate_now(state):
-        with tracker.paused():
-            metrics = evaluate(eval_step, state, eval_batches(), task.name)
-            tracker.record({"kind": "eval", "step": int(to_host(state.step)), **metrics})
-        return metrics
-
-    def checkpoint_now(state):
-        with tracker.paused():
-            checkpoints.save(state, {"data_position": int(to_host(state.step)), "config": resolved})
-
-    batch_size, per_call = config.data.batch_size * config.accum_steps, config.steps_per_call
-    every = (config.eval_every, config.checkpoint_every)
-    batches = prefetch_to_device(
-        _train_inputs(data, plan_calls(start, config.steps, per_call, every), per_call, batch_size, config.seed),
-        config.data.prefetch, lambda b: layout.global_batch(b, batch_size, stacked=per_call > 1))
-    step_fn = make_multi_step(train_step, per_call) if per_call > 1 else (lambda s, b, _: train_step(s, b))
-    try:
-        pending: list[tuple[int, int | None, Any]] = []  # dispatched calls whose metrics are still on the device
-        observed = start
-        for first, n in plan_calls(start, config.steps, per_call, every):
-            state, metrics = step_fn(state, next(batches), n)
-            step = first + n
-            progress.update(n)
-            pending.append((first + 1, None if per_call == 1 else n, metrics))
-            due_eval = config.eval_every and step % config.eval_every == 0 and step < config.steps
-            due_checkpoint = config.checkpoint_every and step % config.checkpoint_every == 0
-            if first == start or due_eval or due_checkpoint or step == config.steps:
-                tracker.observe(pending)  # all of them (the first: its time includes compilation)
-                pending, observed = [], step
-            elif first // config.log_every > observed // config.log_every:
-                # The calls through the last logged step, while this one computes: one read per log
-                # interval, and the device always has a call queued.
-                tracker.observe(pending[:-1])
-                pending, observed = pending[-1:], first
-            if due_checkpoint:
-                checkpoint_now(state)
-            if due_eval:
-                evaluate_now(state)
-    except KeyboardInterrupt:
-        saved = _save_on_interrupt(checkpoints, state, resolved, tracker)
-        writer.close()
-        raise KeyboardInterrupt(saved) from None
-    except NonFiniteError as e:
-        # Skipped steps leave params and optimizer state untouched, so the
-        # current state holds the params of the last finite step.
-        try:
-            checkpoint_now(state)
-            checkpoints.close()
-            note = (f" Skipped steps leave params unchanged: the last good state is checkpointed at step "
-                    f"{int(to_host(state.step))} in {checkpoints.directory}.")
-        except CheckpointError as save_error:
-            note = f" Saving the last good state failed: {save_error}"
-        writer.close()
-        raise NonFiniteError(str(e) + note) from None
-    except CheckpointError:
-        writer.close()
-        raise
-    finally:
-        progress.close()
-    checkpoint_now(state)
-    checkpoints.close()
-    eval_metrics = evaluate_now(state)
-    report = {}
-    if config.inference_dtypes:
-        report = inference_report(state, eval_batches, task, config.inference_dtypes, layout=layout)
-        for dtype, metrics in report.items():
-            tracker.record({"kind": "inference", "step": int(to_host(state.step)), "dtype": dtype, **metrics})
-    writer.close()
-    summary = tracker.summary(state, eval_metrics, report, start, workdir)
-    if primary:
-        with open(os.path.join(workdir, "summary.json"), "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=2)
-    print(format_summary(summary), file=out)
-    return summary
+def build_experiment(config: ExperimentConfig) -> tuple[Any, Any, Any]:
+    """The data, task and (unwrapped) model ``config`` names, checked to fit
+    each other before any compute (:class:`ConfigError` / ``DataError`` if not)."""
+    data = build_data(config.data, config.seed)
+    task = build_task(config.task, data)
+    model = build_model(config.model, data, config.seed)
+    check_model_fits_data(model, data, config.model.name, task)
+    return data, task, model
 
 
 def plan_calls(start: int, end: int, steps_per_call: int, every: tuple[int, ...] = ()) -> Iterator[tuple[int, int]]:
@@ -237,6 +100,194 @@ def plan_calls(start: int, end: int, steps_per_call: int, every: tuple[int, ...]
         first = stop
 
 
+# ----------------------------------------------------------------------------- phases
+
+
+def _start_devices(config: ExperimentConfig) -> Layout:
+    """The compilation cache, the processes of a multi-process run, and the device mesh."""
+    if config.compile_cache is not None:
+        compile_cache.enable(None if config.compile_cache == "auto" else config.compile_cache)
+    try:
+        initialize_distributed(**config.distributed.model_dump())
+        layout = Layout(make_mesh(config.mesh.data, config.mesh.fsdp), config.mesh.fsdp_min_size)
+        layout.check_batch_size(config.data.batch_size)
+        layout.check_batch_size(config.data.eval_batch_size, "data.eval_batch_size")
+    except MeshError as e:
+        raise ConfigError(str(e)) from None
+    return layout
+
+
+class _Outputs:
+    """What a run writes to its workdir (``config.yaml``, metrics records and
+    checkpoints; process 0 all but its checkpoint shards) and to the console."""
+
+    def __init__(self, config: ExperimentConfig, resolved: dict, out: TextIO,
+                 on_record: Callable[[dict], None] | None):
+        self.workdir = os.path.abspath(config.workdir)
+        self.resolved, self.out, self.on_record = resolved, out, on_record
+        primary = jax.process_index() == 0
+        os.makedirs(self.workdir, exist_ok=True)
+        if primary:
+            write_config(self.workdir, resolved)
+        self.writer = MetricsWriter(self.workdir) if primary else NullWriter()
+        self.checkpoints = Checkpointer(os.path.join(self.workdir, "checkpoints"), config.keep_checkpoints)
+
+    def record(self, record: dict) -> None:
+        self.writer.write(record)
+        if self.on_record is not None:
+            self.on_record(record)
+
+    def checkpoint(self, state: TrainState) -> int:
+        """Saves ``state`` with the data position it resumes from."""
+        return self.checkpoints.save(state, {"data_position": int(to_host(state.step)), "config": self.resolved})
+
+    def close(self) -> None:
+        self.checkpoints.close()
+        self.writer.close()
+
+
+def _restore(outputs: _Outputs, state: TrainState) -> tuple[TrainState, int]:
+    """The newest intact checkpoint of the workdir and its step (``state`` and 0 if none).
+    Corrupt ones are set aside, reported and skipped."""
+    def corrupt(step: int, reason: str) -> None:
+        print(f"warning: {reason}; falling back to the previous checkpoint", file=outputs.out)
+        outputs.record({"kind": "checkpoint_corrupt", "step": step, "message": reason})
+
+    try:
+        restored = outputs.checkpoints.restore_latest_good(state, on_corrupt=corrupt)
+    except CheckpointError:
+        outputs.close()
+        raise
+    if restored is None:
+        return state, 0
+    state, meta = restored
+    start = int(to_host(state.step))
+    if meta.get("data_position") != start:
+        outputs.close()
+        raise ConfigError(f"checkpoint at step {start} in {outputs.checkpoints.directory} records data position "
+                          f"{meta.get('data_position')}, expected {start}: it was not written by this run")
+    print(f"resuming from the checkpoint at step {start} in {outputs.checkpoints.directory}", file=outputs.out)
+    return state, start
+
+
+def _start_tracking(config: ExperimentConfig, state: TrainState, start: int, data: Any, task: Any, layout: Layout,
+                    outputs: _Outputs) -> Tracker:
+    """The progress bar and the host-side bookkeeping; announces the run."""
+    primary = jax.process_index() == 0
+    progress = Progress(config.steps, start, primary and config.progress and start < config.steps)
+    tracker = Tracker(config, state, data, task, outputs.writer, progress, outputs.on_record)
+    print(f"{model_label(config.model.name)} on {data.describe()}; policy {state.policy} ({config.precision.policy}), "
+          f"loss scale {type(state.loss_scale).__name__}; steps {start} -> {config.steps}; "
+          f"{_describe_layout(layout)}; workdir {outputs.workdir}", file=outputs.out)
+    return tracker
+
+
+class _Evaluator:
+    """Evaluation on the eval split, timed apart from training and recorded."""
+
+    def __init__(self, config: ExperimentConfig, data: Any, task: Any, layout: Layout, tracker: Tracker):
+        self.config, self.data, self.task, self.layout, self.tracker = config, data, task, layout, tracker
+        self.step = make_eval_step(layout=layout, task=task)
+
+    def batches(self) -> Iterator[dict]:
+        """This process's rows of each eval batch, on their devices."""
+        size = self.config.data.eval_batch_size
+        rows = host_rows(size)
+        split = self.data.eval_batches(size, self.config.data.eval_batches)
+        local = ({k: v[rows] for k, v in b.items()} for b in split)
+        return prefetch_to_device(local, self.config.data.prefetch, lambda b: self.layout.global_batch(b, size))
+
+    def __call__(self, state: TrainState) -> dict:
+        with self.tracker.paused():
+            metrics = evaluate(self.step, state, self.batches(), self.task.name)
+            self.tracker.record({"kind": "eval", "step": int(to_host(state.step)), **metrics})
+        return metrics
+
+
+def _train(config: ExperimentConfig, state: TrainState, start: int, data: Any, task: Any, layout: Layout,
+           schedule: Any, outputs: _Outputs, tracker: Tracker, evaluate_now: _Evaluator) -> TrainState:
+    """Trains from step ``start`` to ``config.steps``; an interrupt or a non-finite
+    stop checkpoints the state first (skipped steps never change params)."""
+    train_step = make_train_step(accum_steps=config.accum_steps, learning_rate_fn=schedule, layout=layout,
+                                 task=task)
+    per_call = config.steps_per_call
+    step_fn = make_multi_step(train_step, per_call) if per_call > 1 else (lambda s, b, _: train_step(s, b))
+    calls = plan_calls(start, config.steps, per_call, (config.eval_every, config.checkpoint_every))
+    batch_size = config.data.batch_size * config.accum_steps
+    batches = prefetch_to_device(
+        _train_inputs(data, calls, per_call, batch_size, config.seed),
+        config.data.prefetch, lambda b: layout.global_batch(b, batch_size, stacked=per_call > 1))
+    holder = [state]  # the newest state, also when a call is interrupted
+    try:
+        _train_calls(config, holder, start, step_fn, batches, outputs, tracker, evaluate_now)
+    except KeyboardInterrupt:
+        saved = _save_on_interrupt(outputs, holder[0], tracker)
+        outputs.writer.close()
+        raise KeyboardInterrupt(saved) from None
+    except NonFiniteError as e:
+        raise NonFiniteError(str(e) + _save_last_good(outputs, holder[0], tracker)) from None
+    except CheckpointError:
+        outputs.writer.close()
+        raise
+    finally:
+        tracker.progress.close()
+    return holder[0]
+
+
+def _train_calls(config: ExperimentConfig, holder: list, start: int, step_fn: Callable, batches: Iterator,
+                 outputs: _Outputs, tracker: Tracker, evaluate_now: _Evaluator) -> None:
+    """The device calls of :func:`plan_calls`, their metrics read once per log
+    interval (the device always has a call queued), checkpoints and evaluations
+    on their steps. ``holder[0]`` is the newest state."""
+    per_call = config.steps_per_call
+    pending: list[tuple[int, int | None, Any]] = []  # dispatched calls whose metrics are still on the device
+    observed = start
+    for first, n in plan_calls(start, config.steps, per_call, (config.eval_every, config.checkpoint_every)):
+        holder[0], metrics = step_fn(holder[0], next(batches), n)
+        step = first + n
+        tracker.progress.update(n)
+        pending.append((first + 1, None if per_call == 1 else n, metrics))
+        due_eval = config.eval_every and step % config.eval_every == 0 and step < config.steps
+        due_checkpoint = config.checkpoint_every and step % config.checkpoint_every == 0
+        if first == start or due_eval or due_checkpoint or step == config.steps:
+            tracker.observe(pending)  # all of them (the first: its time includes compilation)
+            pending, observed = [], step
+        elif first // config.log_every > observed // config.log_every:
+            # The calls through the last logged step, while this one computes.
+            tracker.observe(pending[:-1])
+            pending, observed = pending[-1:], first
+        if due_checkpoint:
+            with tracker.paused():
+                outputs.checkpoint(holder[0])
+        if due_eval:
+            evaluate_now(holder[0])
+
+
+def _finish(config: ExperimentConfig, state: TrainState, start: int, task: Any, layout: Layout, outputs: _Outputs,
+            tracker: Tracker, evaluate_now: _Evaluator) -> dict[str, Any]:
+    """The last checkpoint, the final evaluation, the trained model served in half
+    precision, and the summary (printed and in ``summary.json``)."""
+    with tracker.paused():
+        outputs.checkpoint(state)
+    outputs.checkpoints.close()
+    eval_metrics = evaluate_now(state)
+    report = {}
+    if config.inference_dtypes:
+        report = inference_report(state, evaluate_now.batches, task, config.inference_dtypes, layout=layout)
+        for dtype, metrics in report.items():
+            tracker.record({"kind": "inference", "step": int(to_host(state.step)), "dtype": dtype, **metrics})
+    outputs.writer.close()
+    summary = tracker.summary(state, eval_metrics, report, start, outputs.workdir)
+    if jax.process_index() == 0:
+        with open(os.path.join(outputs.workdir, "summary.json"), "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=2)
+    print(format_summary(summary), file=outputs.out)
+    return summary
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
 def _train_inputs(data: Any, calls: Iterator[tuple[int, int]], per_call: int, batch_size: int, seed: int
                   ) -> Iterator[dict]:
     """This process's rows of each call's batch (``per_call == 1``) or stack of batches."""
@@ -256,47 +307,24 @@ def _describe_layout(layout: Layout) -> str:
     return f"{where}, mesh data={shape['data']} fsdp={shape['fsdp']}"
 
 
-def _check_same_experiment(workdir: str, resolved: dict) -> None:
-    path = os.path.join(workdir, "config.yaml")
-    if not os.path.exists(os.path.join(workdir, "checkpoints")) or not os.path.exists(path):
-        return
-    with open(path, encoding="utf-8") as f:
-        previous = yaml.safe_load(f) or {}
-    defaults = config_lib.to_dict(ExperimentConfig())  # keys added since the run began hold their defaults
-    name = resolved["model"]["name"]
-    if name in MODELS:  # and so do fields a built-in model gained
-        defaults["model"] = {"name": name, **{k: list(d) if isinstance(d, tuple) else d
-                                             for k, (_, d) in config_lib.model_fields(name).items()}}
-    changed = [key for key in _flat_keys(resolved) | _flat_keys(previous)
-               if key not in RESUMABLE_CHANGES and _get(resolved, key) != _get(previous, key)
-               and not (_get(previous, key) is None and _get(resolved, key) == _get(defaults, key))]
-    if changed:
-        details = "; ".join(f"{k}: {_get(previous, k)!r} -> {_get(resolved, k)!r}" for k in sorted(changed))
-        raise ConfigError(f"workdir {workdir} holds checkpoints of a different experiment ({details}). "
-                          f"Resuming would mix them; set workdir=NEW_DIR, or delete {workdir} to start over.")
-
-
-def _flat_keys(tree: dict, prefix: str = "") -> set[str]:
-    keys = set()
-    for k, v in tree.items():
-        if isinstance(v, dict):  # a section (no field's value is a mapping)
-            keys |= _flat_keys(v, f"{prefix}{k}.")
-        else:
-            keys.add(prefix + k)
-    return keys
-
-
-def _get(tree: dict, dotted: str) -> Any:
-    for part in dotted.split("."):
-        if not isinstance(tree, dict) or part not in tree:
-            return None
-        tree = tree[part]
-    return tree
-
-
-def _save_on_interrupt(checkpoints: Checkpointer, state: TrainState, resolved: dict, tracker: Tracker) -> str:
+def _save_last_good(outputs: _Outputs, state: TrainState, tracker: Tracker) -> str:
+    """Checkpoints the state after a non-finite stop; what to add to its message."""
     try:
-        step = checkpoints.save(state, {"data_position": int(to_host(state.step)), "config": resolved})
+        with tracker.paused():
+            outputs.checkpoint(state)
+        outputs.checkpoints.close()
+        note = (f" Skipped steps leave params unchanged: the last good state is checkpointed at step "
+                f"{int(to_host(state.step))} in {outputs.checkpoints.directory}.")
+    except CheckpointError as save_error:
+        note = f" Saving the last good state failed: {save_error}"
+    outputs.writer.close()
+    return note
+
+
+def _save_on_interrupt(outputs: _Outputs, state: TrainState, tracker: Tracker) -> str:
+    checkpoints = outputs.checkpoints
+    try:
+        step = outputs.checkpoint(state)
         checkpoints.close()
         message = f"interrupted; saved a checkpoint at step {step}"
     except Exception as e:  # a buffer donated to a step that never returned cannot be saved

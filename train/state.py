@@ -12,7 +12,7 @@ from flax import struct
 import precision
 from precision.loss_scale import LossScale
 from train.distributed import Layout
-from train.functional import NNXModel, bind, call_mode_kwargs, mode_kwargs
+from train.binding import NNXModel, bind, call_mode_kwargs, cast_variables, mode_kwargs
 from train.tree_paths import leaf_shapes
 
 
@@ -99,7 +99,7 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
     else:
         expected = jax.eval_shape(lambda k, x: wrapped.init(k, x, **mode), keys, sample_input)
         _check_variables(variables, expected)
-        variables = wrapped.cast_params(dict(variables), sample_input, **mode)
+        variables = cast_variables(wrapped, dict(variables), sample_input, **mode)
     params = variables["params"]
     model_state = {k: v for k, v in variables.items() if k != "params"}
     tx = _mixed_precision_optimizer(optimizer, params, wrapped.policy, loss_scale, max_grad_norm, skip_with)

@@ -18,7 +18,7 @@ import optax
 
 import precision
 from train.distributed import Layout, to_host
-from train.functional import TRAIN_KEYWORDS, NNXModel, mode_kwargs
+from train.binding import TRAIN_KEYWORDS, NNXModel, mode_kwargs
 from train.state import TrainState
 from train.tasks import Task, cross_entropy, get_task  # noqa: F401 - cross_entropy re-exported
 
@@ -72,83 +72,89 @@ def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], A
     task = get_task(task)
 
     def loss_fn(params, model_state, batch, rng, state, loss_scale):
+        """The scaled loss of one (micro-)batch, and (loss, task metrics, new model state)."""
         if layout is not None:
             params = layout.gather(params)
-        variables = {"params": params, **model_state}
         mutable = list(model_state)
-        out = state.model.apply(variables, batch["inputs"], rngs={"dropout": rng}, mutable=mutable or False,
-                                **_mode(state.model, True, train_kwarg))
+        out = state.model.apply({"params": params, **model_state}, batch["inputs"], rngs={"dropout": rng},
+                                mutable=mutable or False, **_mode(state.model, True, train_kwarg))
         outputs, new_model_state = out if mutable else (out, model_state)
         loss, task_metrics = task.loss(outputs, batch)
         return loss_scale.scale(loss), (loss, task_metrics, new_model_state)
-
-    grad_fn = jax.grad(loss_fn, has_aux=True)
-
-    def accumulate(state, batch, rng, loss_scale):
-        leading = jax.tree_util.tree_leaves(batch)[0].shape[0]
-        if leading % accum_steps:
-            raise ValueError(f"batch size {leading} is not divisible by accum_steps={accum_steps}")
-        # Micro-batch i takes rows i, i + accum_steps, ...: a strided split keeps
-        # every micro-batch spread over all the devices the batch is split over.
-        micro = jax.tree_util.tree_map(
-            lambda x: jnp.swapaxes(x.reshape((leading // accum_steps, accum_steps) + x.shape[1:]), 0, 1), batch)
-
-        def body(carry, xs):
-            grads_sum, model_state, sums = carry
-            mb, i = xs
-            grads, (loss, metrics, model_state) = grad_fn(state.params, model_state, mb,
-                                                          jax.random.fold_in(rng, i), state, loss_scale)
-            grads_sum = jax.tree_util.tree_map(lambda s, g: s + g.astype(jnp.float32), grads_sum, grads)
-            return (grads_sum, model_state, jax.tree_util.tree_map(jnp.add, sums, (loss, metrics))), None
-
-        zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-        first = jax.tree_util.tree_map(lambda x: x[0], micro)
-        # The forward pass alone gives the shapes of the loss and metrics to sum (no backward trace).
-        shapes = jax.eval_shape(lambda: loss_fn(state.params, state.model_state, first, rng, state, loss_scale))
-        sums = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes[1][:2])
-        (grads, model_state, (loss, metrics)), _ = jax.lax.scan(body, (zeros, state.model_state, sums),
-                                                                (micro, jnp.arange(accum_steps)))
-        mean = lambda tree: jax.tree_util.tree_map(lambda x: x / accum_steps, tree)  # noqa: E731
-        return mean(grads), mean(loss), mean(metrics), model_state
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, Metrics]:
         if layout is not None:
             batch = layout.constrain_batch(batch)
         loss_scale = precision.current_loss_scale(state.opt_state)
         rng = jax.random.fold_in(state.rng, state.step)
-        if accum_steps == 1:
-            grads, (loss, task_metrics, model_state) = grad_fn(state.params, state.model_state, batch, rng,
-                                                               state, loss_scale)
-        else:
-            grads, loss, task_metrics, model_state = accumulate(state, batch, rng, loss_scale)
+        grads, loss, task_metrics, model_state = _gradients(loss_fn, state, batch, rng, loss_scale, accum_steps)
         if layout is not None:
             grads = layout.constrain_state(grads)
         updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        mp = precision.find_mixed_precision_state(opt_state)
-        new_scale = mp.loss_scale
-        metrics = {
-            **task_metrics,
-            "loss": loss,
-            "loss_scale": loss_scale.loss_scale.astype(jnp.float32),
-            "grads_finite": mp.grads_finite,
-            "grad_norm": mp.grad_norm,
-            "skipped_steps": new_scale.skipped_steps,
-            "nonfinite_streak": new_scale.nonfinite_streak,
-            "at_min_scale": _at_min_scale(new_scale),
-            "nonfinite_leaf": mp.nonfinite_leaf,
-        }
+        metrics = {**task_metrics, "loss": loss, **_optimizer_metrics(loss_scale, opt_state)}
         if learning_rate_fn is not None:
             applied = state.step - loss_scale.skipped_steps
             metrics["learning_rate"] = jnp.asarray(learning_rate_fn(applied), jnp.float32)
-        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
-                                  model_state=model_state)
+        new_state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                                  opt_state=opt_state, model_state=model_state)
         if layout is not None:
             new_state = layout.constrain_state(new_state)
             metrics = jax.lax.with_sharding_constraint(metrics, layout.replicated())
         return new_state, metrics
 
     return jax.jit(train_step, donate_argnums=(0,) if donate else ())
+
+
+def _gradients(loss_fn: Callable, state: TrainState, batch: dict, rng: jax.Array, loss_scale: Any,
+               accum_steps: int) -> tuple[Any, jax.Array, Metrics, Any]:
+    """Gradients of the scaled loss over ``batch`` (summed in float32 over
+    ``accum_steps`` micro-batches in one ``lax.scan``, then averaged), the mean
+    loss and task metrics, and the new model state."""
+    grad_fn = jax.grad(loss_fn, has_aux=True)
+    if accum_steps == 1:
+        grads, (loss, metrics, model_state) = grad_fn(state.params, state.model_state, batch, rng, state, loss_scale)
+        return grads, loss, metrics, model_state
+    leading = jax.tree_util.tree_leaves(batch)[0].shape[0]
+    if leading % accum_steps:
+        raise ValueError(f"batch size {leading} is not divisible by accum_steps={accum_steps}")
+    # Micro-batch i takes rows i, i + accum_steps, ...: a strided split keeps
+    # every micro-batch spread over all the devices the batch is split over.
+    micro = jax.tree_util.tree_map(
+        lambda x: jnp.swapaxes(x.reshape((leading // accum_steps, accum_steps) + x.shape[1:]), 0, 1), batch)
+
+    def body(carry, xs):
+        grads_sum, model_state, sums = carry
+        mb, i = xs
+        grads, (loss, metrics, model_state) = grad_fn(state.params, model_state, mb, jax.random.fold_in(rng, i),
+                                                      state, loss_scale)
+        grads_sum = jax.tree_util.tree_map(lambda s, g: s + g.astype(jnp.float32), grads_sum, grads)
+        return (grads_sum, model_state, jax.tree_util.tree_map(jnp.add, sums, (loss, metrics))), None
+
+    zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+    first = jax.tree_util.tree_map(lambda x: x[0], micro)
+    # The forward pass alone gives the shapes of the loss and metrics to sum (no backward trace).
+    shapes = jax.eval_shape(lambda: loss_fn(state.params, state.model_state, first, rng, state, loss_scale))
+    sums = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes[1][:2])
+    (grads, model_state, (loss, metrics)), _ = jax.lax.scan(body, (zeros, state.model_state, sums),
+                                                            (micro, jnp.arange(accum_steps)))
+    mean = lambda tree: jax.tree_util.tree_map(lambda x: x / accum_steps, tree)  # noqa: E731
+    return mean(grads), mean(loss), mean(metrics), model_state
+
+
+def _optimizer_metrics(loss_scale: Any, opt_state: Any) -> Metrics:
+    """What the mixed-precision optimizer did this step: the scale it used, the
+    finiteness check, the gradient norm, skips, and where a gradient went non-finite."""
+    mp = precision.find_mixed_precision_state(opt_state)
+    new_scale = mp.loss_scale
+    return {
+        "loss_scale": loss_scale.loss_scale.astype(jnp.float32),
+        "grads_finite": mp.grads_finite,
+        "grad_norm": mp.grad_norm,
+        "skipped_steps": new_scale.skipped_steps,
+        "nonfinite_streak": new_scale.nonfinite_streak,
+        "at_min_scale": _at_min_scale(new_scale),
+        "nonfinite_leaf": mp.nonfinite_leaf,
+    }
 
 
 def make_multi_step(train_step: Callable[[TrainState, dict], tuple[TrainState, Metrics]], steps_per_call: int,

@@ -1,86 +1,38 @@
 """The experiment schema: typed sections whose validation fails before any
-compute with one line naming the key (reading files and overrides:
-:mod:`train.config_files`).
+compute with one line naming the key.
 
 A config file is YAML with the sections ``model``, ``data``, ``optimizer``,
 ``precision``, ``mesh`` and ``distributed`` plus top-level run settings; every
 field has a default, so a file only says what differs. ``python -m train --help``
 lists every field.
 
-Why pydantic (v2), rather than draccus or the hand-written schema this module
-was: fields are typed declarations (``Field(default, description=...)``,
-``Literal`` choices, ``ge``/``gt`` ranges) that pydantic checks; ``extra="forbid"``
-rejects unknown keys; every error has its exact location (``loc``), which
-:func:`train.config_errors.error_message` turns into one line naming the dotted key; the same declarations
-give ``--help`` and a JSON schema (``ExperimentConfig.model_json_schema()``); and it
-is ubiquitous and well kept. draccus maps dataclasses to argparse but leaves the
-validation and its messages to us. Fields are strict (``"10"`` is not an integer,
-``1`` is not ``true``), except that numbers accept YAML 1.1's ``1e-3`` strings.
+Why pydantic (v2), rather than draccus or a hand-written schema: fields are
+typed declarations (``Field(default, description=...)``, ``Literal`` choices,
+``ge``/``gt`` ranges) that pydantic checks; ``extra="forbid"`` rejects unknown
+keys; every error has its exact location (``loc``), which
+:func:`train.config.errors.error_message` turns into one line naming the dotted
+key; the same declarations give ``--help`` and a JSON schema
+(``ExperimentConfig.model_json_schema()``); and it is ubiquitous and well kept.
+draccus maps dataclasses to argparse but leaves the validation and its messages
+to us. Fields are strict (``"10"`` is not an integer, ``1`` is not ``true``),
+except that numbers accept YAML 1.1's ``1e-3`` strings.
 """
 
-import dataclasses
-import difflib
-import functools
-import typing
 from typing import Annotated, Any, Literal
 
-import jax.numpy as jnp
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
-                      create_model, field_validator, model_validator)
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 import precision
-from train.config_errors import ConfigError, error_message, invalid
-from train.references import is_reference
+from train.config.errors import ConfigError, error_message, invalid
+from train.config.fields import (CLASS_REFERENCE, FUNCTION_REFERENCE, INFERENCE_DTYPES, OPTIMIZERS, SCHEDULES, Count,
+                                 DataName, InferenceDtype, ModelName, NonNegative, Number, Optimizer, Schedule, Task,
+                                 options_schema)
 from train.data import DATASETS
 from train.models import MODELS
+from train.references import is_reference
 
-__all__ = ["ConfigError", "ExperimentConfig", "ModelConfig", "DataConfig", "OptimizerConfig",
-           "PrecisionConfig", "MeshConfig", "DistributedConfig", "OPTIMIZERS", "SCHEDULES", "INFERENCE_DTYPES",
-           "load_config", "from_dict", "to_dict", "apply_overrides", "distributed_settings", "build_loss_scale",
-           "build_op_lists", "model_fields", "is_reference", "help_text"]
-
-Optimizer = Literal["adam", "adamw", "sgd", "lion"]
-Schedule = Literal["constant", "cosine", "linear"]
-InferenceDtype = Literal["float16", "bfloat16"]
-OPTIMIZERS, SCHEDULES, INFERENCE_DTYPES = (typing.get_args(t) for t in (Optimizer, Schedule, InferenceDtype))
-TASKS = ("auto", "classification", "lm", "language_model")  # language_model: an alias of lm
-
-CLASS_REFERENCE = ("class", "package.module:Name / path/to/file.py:Name")
-FUNCTION_REFERENCE = ("function", "module:function / path/to/file.py:function")
-
-
-def _yaml_number(value: Any) -> Any:
-    try:  # YAML 1.1 reads 1e-3 (no dot) as a string
-        return float(value) if isinstance(value, str) else value
-    except ValueError:
-        return value
-
-
-Number = Annotated[float, BeforeValidator(_yaml_number)]
-Count = Annotated[int, Field(ge=1)]
-NonNegative = Annotated[int, Field(ge=0)]
-
-
-def _named(key: str, kind: str, builtins: Any, reference: tuple[str, str]) -> AfterValidator:
-    """Accepts a name in ``builtins`` or a reference; else an error naming the nearest built-in."""
-    noun, form = reference
-
-    def check(value: str) -> str:
-        if value in builtins or is_reference(value):
-            return value
-        if ":" in value:
-            raise invalid(f"{key}: {value!r} is not a {noun} reference of the form {form}")
-        close = difflib.get_close_matches(value, list(builtins), n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise invalid(f"{key}: unknown {kind} {value!r}.{hint} Valid: {', '.join(builtins)}, or a {noun} reference "
-                       f"{form}")
-    return AfterValidator(check)
-
-
-ModelName = Annotated[str, _named("model.name", "model", MODELS, CLASS_REFERENCE)]
-DataName = Annotated[str, _named("data.name", "dataset", DATASETS, FUNCTION_REFERENCE)]
-Task = Annotated[str, _named("task", "task", TASKS, ("loss function", FUNCTION_REFERENCE[1])),
-                 AfterValidator(lambda task: "lm" if task == "language_model" else task)]
+__all__ = ["ExperimentConfig", "ModelConfig", "DataConfig", "OptimizerConfig", "PrecisionConfig", "MeshConfig",
+           "DistributedConfig", "SECTIONS", "build_loss_scale", "build_op_lists"]
 
 
 class _Schema(BaseModel):
@@ -95,7 +47,7 @@ class _Schema(BaseModel):
         except ValidationError as e:
             if name in self.__dict__:  # pydantic has set the value when a model validator fails: undo
                 self.__dict__[name] = before
-            prefix = next((k for k, cls in _SECTIONS.items() if cls is type(self)), None)
+            prefix = next((k for k, cls in SECTIONS.items() if cls is type(self)), None)
             raise ConfigError(error_message(e.errors()[0], type(self), (prefix,) if prefix else ())) from None
 
 
@@ -118,7 +70,7 @@ class ModelConfig(_Schema):
     @model_validator(mode="after")  # (a model validator reruns when either field is assigned)
     def _model_fields(self) -> "ModelConfig":
         if self.name in MODELS:  # a class reference's signature is checked when the model is built
-            schema = _options_schema(self.name)
+            schema = options_schema(self.name)
             try:
                 checked = schema.model_validate({**self.options, "name": self.name})
             except ValidationError as e:
@@ -302,43 +254,12 @@ class ExperimentConfig(_Schema):
         return {} if section is None else section  # a section header with nothing under it
 
 
-_SECTIONS = {name: f.annotation for name, f in ExperimentConfig.model_fields.items()
+#: The sections of an experiment config, by key.
+SECTIONS = {name: f.annotation for name, f in ExperimentConfig.model_fields.items()
              if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)}
 
 
-# ----------------------------------------------------------------------------- built-in models
-
-
-def model_fields(name: str) -> dict[str, tuple[Any, Any]]:
-    """The configurable fields of built-in model ``name``: ``{field: (type, default)}``."""
-    cls = MODELS[name]
-    hints = typing.get_type_hints(cls)
-    return {f.name: (hints.get(f.name, Any), f.default) for f in dataclasses.fields(cls)
-            if f.name not in ("parent", "name") and f.init}
-
-
-def _floating_dtype(value: Any) -> Any:
-    try:
-        ok = value is None or jnp.issubdtype(jnp.dtype(value), jnp.floating)
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise invalid(f"model.dtype: {value!r} is not a floating dtype; valid: float32, bfloat16, float16 (or null)")
-    return value
-
-
-@functools.cache
-def _options_schema(name: str) -> type[BaseModel]:
-    """A pydantic model of ``name`` and the fields of built-in model ``name``."""
-    fields: dict[str, Any] = {"name": (str, name)}
-    for key, (tp, default) in model_fields(name).items():
-        tp = Annotated[Any, AfterValidator(_floating_dtype)] if key == "dtype" else Number if tp is float else tp
-        fields[key] = (tp, default)
-    config = ConfigDict(extra="forbid", strict=True, arbitrary_types_allowed=True)
-    return create_model(f"{MODELS[name].__name__}Fields", __config__=config, **fields)
-
-
-# ----------------------------------------------------------------------------- precision
+# ----------------------------------------------------------------------------- the precision section's objects
 
 
 def build_op_lists(p: PrecisionConfig) -> precision.OpLists | None:
@@ -371,9 +292,3 @@ def build_loss_scale(p: PrecisionConfig) -> precision.LossScale:
         for old, new in names.items():
             message = message.replace(old, new)
         raise ConfigError(f"precision: {message}") from None
-
-
-# Reading configs (YAML files, overrides, --help) lives in train.config_files; its
-# names are re-exported here, where users and tests have always found them.
-from train.config_files import (apply_overrides, distributed_settings, from_dict, help_text,  # noqa: E402
-                                load_config, to_dict)

@@ -1,12 +1,15 @@
-"""Any Flax model, Linen or NNX, under a policy, as pure functions of arrays.
+"""Any Flax model, Linen or NNX, bound to a policy as pure functions of arrays.
 
 The train state, steps, checkpoints and layouts handle one model contract, the
 Linen one: ``init(key, inputs) -> variables`` and ``apply(variables, inputs,
 rngs=, mutable=, train=...)``, with variables ``{"params": ..., **state}`` as
-nested dicts of arrays. A Linen module under :func:`precision.with_policy`
-has it already; :class:`NNXModel` gives an NNX module the same contract, so
-NNX models get the same train state, steps, accumulation, sharding and
-bit-exact checkpoints as Linen ones, through the same code.
+nested dicts of arrays. :func:`bind` puts a model under its policy, through the
+one door for that, :func:`precision.with_policy`: a Linen module under it has
+the contract already; an NNX one gets it from :class:`NNXModel`, a functional
+view, so NNX models get the same train state, steps, accumulation, sharding and
+bit-exact checkpoints as Linen ones, through the same code. :func:`rebind`
+(another policy, e.g. for half-precision inference) and :func:`cast_variables`
+(float32 weights to the param dtypes) work on either.
 
 Models signal training in different ways (``train=True``,
 ``deterministic=False``, ``training=True``, none at all, or NNX's
@@ -25,7 +28,7 @@ from flax import nnx
 
 import precision
 
-__all__ = ["NNXModel", "bind", "mode_kwargs", "call_mode_kwargs", "TRAIN_KEYWORDS"]
+__all__ = ["NNXModel", "bind", "rebind", "cast_variables", "mode_kwargs", "call_mode_kwargs", "TRAIN_KEYWORDS"]
 
 #: Call keywords by which models learn that they are training, and their value when training.
 TRAIN_KEYWORDS = {"train": True, "training": True, "is_training": True, "deterministic": False}
@@ -175,17 +178,23 @@ class NNXModel:
         new = {"state": self._rest.to_tree(nnx.state(wrapped, kept))}
         return out, (new if self._rest.paths else {})
 
-    def cast_params(self, variables: Any, *args: Any, **kwargs: Any) -> dict:
-        """Variables with their (float32) params cast to the policy's param dtypes,
-        where they are (sharded arrays stay sharded)."""
-        params = jax.tree_util.tree_map(lambda v, ref: v.astype(ref.dtype), variables["params"],
-                                        self._initial["params"])
-        return {**variables, "params": params}
 
-    def with_policy(self, policy: "str | precision.Policy", rules: Any = None, variables: Any = None
-                    ) -> "NNXModel":
-        """The same module under another policy, holding ``variables`` (default:
-        its initial ones; params are cast to the new param dtypes)."""
-        module = self.merge(self._initial if variables is None else variables).module  # fresh variables
-        rules = self.rules if rules is None else rules
-        return NNXModel(precision.with_policy(module, policy, rules, ops=self.ops, autocast=self.autocast))
+def rebind(model: Any, policy: "str | precision.Policy", rules: Any = None) -> Any:
+    """A bound model (:func:`bind`) under another policy: the same module, its
+    rules (unless ``rules`` are given), op lists and autocast setting kept."""
+    rules = model.rules if rules is None else rules
+    if isinstance(model, NNXModel):  # the unwrapped module, bound afresh
+        return bind(model.module, policy, rules, ops=model.ops, autocast=model.autocast)
+    return model.with_policy(policy, rules)  # a Linen wrapper keeps the module structure it recorded
+
+
+def cast_variables(model: Any, variables: Any, *sample_args: Any, **sample_kwargs: Any) -> dict:
+    """``variables`` (float32 weights, e.g. trained ones) with their params cast
+    to the bound model's param dtypes, where they are (sharded arrays stay
+    sharded). Sample inputs, traced abstractly, are needed only by a Linen model
+    that has not run yet and whose rules match class names."""
+    if isinstance(model, NNXModel):
+        stored = model.init()["params"]
+        params = jax.tree_util.tree_map(lambda v, ref: v.astype(ref.dtype), variables["params"], stored)
+        return {**variables, "params": params}
+    return model.cast_params(variables, *sample_args, **sample_kwargs)

@@ -1,0 +1,93 @@
+"""The types of config values: numbers (YAML 1.1's ``1e-3`` strings accepted),
+counts, names of built-ins or references to user code, and the fields of each
+built-in model (checked as a schema of their own)."""
+
+import dataclasses
+import difflib
+import functools
+import typing
+from typing import Annotated, Any, Literal
+
+import jax.numpy as jnp
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, create_model
+
+from train.config.errors import invalid
+from train.data import DATASETS
+from train.models import MODELS
+from train.references import is_reference
+
+__all__ = ["Optimizer", "Schedule", "InferenceDtype", "OPTIMIZERS", "SCHEDULES", "INFERENCE_DTYPES", "TASKS",
+           "CLASS_REFERENCE", "FUNCTION_REFERENCE", "Number", "Count", "NonNegative", "ModelName", "DataName", "Task",
+           "model_fields", "options_schema"]
+
+Optimizer = Literal["adam", "adamw", "sgd", "lion"]
+Schedule = Literal["constant", "cosine", "linear"]
+InferenceDtype = Literal["float16", "bfloat16"]
+OPTIMIZERS, SCHEDULES, INFERENCE_DTYPES = (typing.get_args(t) for t in (Optimizer, Schedule, InferenceDtype))
+TASKS = ("auto", "classification", "lm", "language_model")  # language_model: an alias of lm
+
+CLASS_REFERENCE = ("class", "package.module:Name / path/to/file.py:Name")
+FUNCTION_REFERENCE = ("function", "module:function / path/to/file.py:function")
+
+
+def _yaml_number(value: Any) -> Any:
+    try:  # YAML 1.1 reads 1e-3 (no dot) as a string
+        return float(value) if isinstance(value, str) else value
+    except ValueError:
+        return value
+
+
+Number = Annotated[float, BeforeValidator(_yaml_number)]
+Count = Annotated[int, Field(ge=1)]
+NonNegative = Annotated[int, Field(ge=0)]
+
+
+def _named(key: str, kind: str, builtins: Any, reference: tuple[str, str]) -> AfterValidator:
+    """Accepts a name in ``builtins`` or a reference; else an error naming the nearest built-in."""
+    noun, form = reference
+
+    def check(value: str) -> str:
+        if value in builtins or is_reference(value):
+            return value
+        if ":" in value:
+            raise invalid(f"{key}: {value!r} is not a {noun} reference of the form {form}")
+        close = difflib.get_close_matches(value, list(builtins), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise invalid(f"{key}: unknown {kind} {value!r}.{hint} Valid: {', '.join(builtins)}, or a {noun} reference "
+                       f"{form}")
+    return AfterValidator(check)
+
+
+ModelName = Annotated[str, _named("model.name", "model", MODELS, CLASS_REFERENCE)]
+DataName = Annotated[str, _named("data.name", "dataset", DATASETS, FUNCTION_REFERENCE)]
+Task = Annotated[str, _named("task", "task", TASKS, ("loss function", FUNCTION_REFERENCE[1])),
+                 AfterValidator(lambda task: "lm" if task == "language_model" else task)]
+
+
+def model_fields(name: str) -> dict[str, tuple[Any, Any]]:
+    """The configurable fields of built-in model ``name``: ``{field: (type, default)}``."""
+    cls = MODELS[name]
+    hints = typing.get_type_hints(cls)
+    return {f.name: (hints.get(f.name, Any), f.default) for f in dataclasses.fields(cls)
+            if f.name not in ("parent", "name") and f.init}
+
+
+def _floating_dtype(value: Any) -> Any:
+    try:
+        ok = value is None or jnp.issubdtype(jnp.dtype(value), jnp.floating)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise invalid(f"model.dtype: {value!r} is not a floating dtype; valid: float32, bfloat16, float16 (or null)")
+    return value
+
+
+@functools.cache
+def options_schema(name: str) -> type[BaseModel]:
+    """A pydantic model of ``name`` and the fields of built-in model ``name``."""
+    fields: dict[str, Any] = {"name": (str, name)}
+    for key, (tp, default) in model_fields(name).items():
+        tp = Annotated[Any, AfterValidator(_floating_dtype)] if key == "dtype" else Number if tp is float else tp
+        fields[key] = (tp, default)
+    config = ConfigDict(extra="forbid", strict=True, arbitrary_types_allowed=True)
+    return create_model(f"{MODELS[name].__name__}Fields", __config__=config, **fields)

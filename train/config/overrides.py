@@ -1,0 +1,47 @@
+"""``key=value`` overrides of a config: dotted keys, YAML values."""
+
+import copy
+from typing import Any
+
+import yaml
+
+from train.config.errors import ConfigError, unknown_key
+from train.config.schema import SECTIONS, ExperimentConfig
+
+__all__ = ["apply_overrides"]
+
+
+def _set_dotted(raw: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"cannot set '{key}': '{part}' is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Applies ``key=value`` overrides (dotted keys, YAML values) to a copy of a raw config dict."""
+    raw = copy.deepcopy(raw)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. optimizer.lr=3e-4)")
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: value is not valid YAML ({e.problem})") from None
+        top = key.split(".")[0]
+        if top not in ExperimentConfig.model_fields:
+            raise ConfigError(f"override {item!r}: {unknown_key((top,), ExperimentConfig)}")
+        if top not in SECTIONS and "." in key:
+            raise ConfigError(f"override {item!r}: '{top}' is a value, not a section")
+        if top in SECTIONS and "." not in key:
+            raise ConfigError(f"override {item!r}: '{top}' is a section; set one of its keys, e.g. {top}.name=...")
+        _set_dotted(raw, key, value)
+    return raw
