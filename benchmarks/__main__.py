@@ -1,8 +1,9 @@
 """``python -m benchmarks [--quick]``: speed, memory and FLOPs of every policy on
 every model, and the three headline ratios.
 
-Prints a table, writes ``benchmarks/results/<device>[-quick].{json,md}`` and
-prints as its last line one JSON object with ``overhead_ratio``,
+Prints a table, writes ``benchmarks/results/<device>.{json,md}`` (a quick run:
+``runs/benchmarks/<device>-quick.{json,md}``, so it never overwrites the
+committed tables; ``--out DIR`` for elsewhere) and prints as its last line one JSON object with ``overhead_ratio``,
 ``loss_scale_overhead_ratio`` and ``memory_ratio``. Compiled programs are kept
 in a persistent cache (:mod:`train.compile_cache`; ``--cache-dir``,
 ``--no-cache``), so a second run compiles nothing it compiled before.
@@ -32,7 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", nargs="+", choices=POLICY_NAMES, default=list(POLICY_NAMES))
     p.add_argument("--steps", type=int, help="timed steps per median (default 20; at least 20)")
     p.add_argument("--rounds", type=int, help="alternating rounds per ratio (default 10; 20 on a GPU)")
-    p.add_argument("--out", default=str(report.RESULTS), help="results directory")
+    p.add_argument("--out", help=f"results directory (default: {report.RESULTS.relative_to(report.RESULTS.parent.parent)} "
+                                 f"for full sizes, runs/benchmarks for quick ones)")
     p.add_argument("--cache-dir", help=f"persistent compilation cache (default: ${compile_cache.ENV}, "
                                        f"$JAX_COMPILATION_CACHE_DIR or ~/.cache/flax-mixed-precision/jax)")
     p.add_argument("--no-cache", action="store_true", help="compile everything afresh, cache nothing")
@@ -59,7 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                                       "policies": list(settings.policies)},
         models={m: workload(m, size).describe() for m in settings.models},
         command=shlex.join(["python", "-m", "benchmarks", *argv]), wall_seconds=time.perf_counter() - start)
-    json_path, md_path = report.save(results, pathlib.Path(args.out))
+    json_path, md_path = report.save(results, report.results_dir(args.out, size))
     print()
     print(report.table(results))
     print(f"\nwrote {json_path} and {md_path} ({results['wall_seconds']:.0f} s)")

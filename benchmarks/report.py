@@ -14,7 +14,10 @@ import flax
 import jax
 import optax
 
+#: The committed tables (full sizes, or ``--out benchmarks/results``).
 RESULTS = pathlib.Path(__file__).parent / "results"
+#: Where a quick run writes unless told otherwise: never over the committed tables.
+SCRATCH = pathlib.Path(__file__).resolve().parent.parent / "runs" / "benchmarks"
 
 GOALS = {"overhead_ratio": 1.03, "loss_scale_overhead_ratio": 1.05, "memory_ratio": 0.6}
 
@@ -147,6 +150,12 @@ def markdown(results: dict[str, Any]) -> str:
                 "and its memory plan barely moves with precision. The activation bytes are the "
                 "backend-independent memory measure."]
     return "\n".join(out) + "\n"
+
+
+def results_dir(out: str | None, size: str) -> pathlib.Path:
+    """Where a suite run of ``size`` writes: ``out`` when given, else the committed
+    tables for full sizes and a scratch directory for quick ones."""
+    return pathlib.Path(out) if out else SCRATCH if size == "quick" else RESULTS
 
 
 def save(results: dict[str, Any], directory: pathlib.Path = RESULTS) -> tuple[pathlib.Path, pathlib.Path]:

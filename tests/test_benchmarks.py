@@ -1,6 +1,6 @@
 """The benchmark suite's own measurements: HLO FLOP counting, saved-residual
 bytes, timing ratios, reports and the parity comparison. The suite itself is
-run by hand (`python -m benchmarks --quick`), not in tests."""
+run by hand (`python -m benchmarks --quick`), not in tests: only its command line is."""
 
 import time
 
@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from benchmarks import hlo, measure, parity, report
+from benchmarks import hlo, measure, parity, report, suite
 from benchmarks.__main__ import main as benchmarks_main
 
 
@@ -105,6 +105,22 @@ def test_benchmarks_cli_refuses_fewer_than_20_timed_steps(capsys):
     with pytest.raises(SystemExit):
         benchmarks_main(["--quick", "--steps", "5"])
     assert "at least 20" in capsys.readouterr().err
+
+
+def test_a_quick_run_never_overwrites_the_committed_tables(monkeypatch, tmp_path):
+    """``--quick`` writes to a scratch directory unless ``--out`` says otherwise;
+    a full-size run writes the committed tables."""
+    written = []
+    monkeypatch.setattr(suite, "run", lambda settings, log: {})
+    monkeypatch.setattr(report, "save", lambda results, directory: written.append(directory) or (directory, directory))
+    monkeypatch.setattr(report, "table", lambda results: "")
+    monkeypatch.setattr(report, "headline", lambda results: {})
+    benchmarks_main(["--quick", "--no-cache", "--models", "mlp"])
+    benchmarks_main(["--quick", "--no-cache", "--models", "mlp", "--out", str(tmp_path)])
+    benchmarks_main(["--size", "full", "--no-cache", "--models", "mlp"])
+    assert written == [report.SCRATCH, tmp_path, report.RESULTS]
+    assert report.RESULTS.resolve() not in report.SCRATCH.resolve().parents
+    assert report.SCRATCH.resolve() != report.RESULTS.resolve()
 
 
 def _run(steps, accuracies, losses, scales=(1.0,)):
