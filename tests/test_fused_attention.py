@@ -184,6 +184,21 @@ def test_off_gpu_every_attention_matmul_is_half_and_the_softmax_float32(policy):
     assert fused_attention.MARK not in jax.jit(jax.grad(loss)).lower(params).as_text()  # the mark is gone
 
 
+def test_parts_of_a_marked_call_split_off_by_a_transformation_lose_the_mark_too():
+    """``jax.grad`` inside the autocast function splits the marked call into parts that keep
+    its name; rewritten op by op, none may keep the long mark as the name of a program (eagerly
+    compiled, it named a persistent-cache file too long for the filesystem)."""
+    q = jax.random.normal(jax.random.key(2), (B, T, H, D))
+
+    def f(q):
+        return jax.grad(lambda q: jax.nn.dot_product_attention(q, q, q, is_causal=True).sum())(q)
+
+    jaxpr = jax.make_jaxpr(precision.autocast(f, "mixed_bf16"))(q)
+    names = [str(e.params.get("name", "")) for e in _eqns(jaxpr.jaxpr)]
+    assert not [n for n in names if n.startswith(fused_attention.MARK)]
+    np.testing.assert_allclose(precision.autocast(f, "mixed_bf16")(q), f(q), atol=0.1, rtol=0.1)
+
+
 def _eqns(jaxpr):
     for eqn in jaxpr.eqns:
         yield eqn

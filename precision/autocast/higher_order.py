@@ -101,12 +101,14 @@ def _closed_parts(closed: Any) -> tuple[Any, Sequence[Any]]:
 
 def _jit(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
     updates = {}
-    if fused_attention.is_marked(site.eqn):
-        if fused_attention.wants_cudnn(site.eqn, site.region):
-            out = _cudnn_attention(site, ins, ctx)
-            if out is not None:
-                return out
-        updates["name"] = "dot_product_attention"  # rewritten as any program: the mark has served
+    if fused_attention.is_marked(site.eqn) and fused_attention.wants_cudnn(site.eqn, site.region):
+        out = _cudnn_attention(site, ins, ctx)
+        if out is not None:
+            return out
+    if str(site.eqn.params.get("name", "")).startswith(fused_attention.MARK):
+        # Rewritten as any program (a whole call, or a part a transformation split off): the mark
+        # has served, and its long name would be the name of a compiled program (and a cache file).
+        updates["name"] = "dot_product_attention"
     jaxpr, consts = _closed_parts(site.eqn.params["jaxpr"])
     closed, specs, records = retrace(jaxpr, consts, [Spec.of(v) for v in ins], ctx.at(site.scope))
     _commit(ctx, records)
@@ -115,7 +117,7 @@ def _jit(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
 
 def _cudnn_attention(site: Site, ins: list[Val], ctx: Context) -> list[Val] | None:
     """A ``jax.nn.dot_product_attention`` call made again as cuDNN's, query, key and
-    value in the region's compute dtype (see :mod:`precision.fused_attention`);
+    value in the region's compute dtype (see :mod:`precision.autocast.fused_attention`);
     ``None`` where cuDNN cannot take it."""
     names = fused_attention.argument_names(site.eqn)
     arrays = [v.as_dtype(site.region if name in fused_attention.QKV else var.aval.dtype) if v.managed else v.array
