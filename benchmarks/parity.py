@@ -174,14 +174,19 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m benchmarks.parity``."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.parity", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=1000, help="training steps per run (default 1000)")
     p.add_argument("--runs", default=str(ROOT / "runs" / "parity"), help="where the runs' workdirs go")
     p.add_argument("--report-only", action="store_true", help="only report runs already trained")
     p.add_argument("--out", default=str(RESULTS), help="where the tables go")
     p.add_argument("--docs", default=str(DOCS), help="where the plots go")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parser().parse_args(argv)
     runs_dir = pathlib.Path(args.runs)
     if not args.report_only:
         train_all(runs_dir, args.steps)

@@ -41,7 +41,7 @@ def main(argv=None):
     x_train, y_train, x_test, y_test = x[:1500], y[:1500], x[1500:], y[1500:]
 
     try:
-        policy = precision.get_policy(args.policy)
+        policy = precision.get_policy(args.policy)  # "params=f32,compute=f16" by default
     except precision.PolicyError as e:
         parser.error(str(e))
     model = precision.with_policy(MLP(), policy)

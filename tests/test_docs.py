@@ -1,0 +1,262 @@
+"""The docs cannot rot. For README.md and every page of docs/:
+
+- every relative link resolves: to a file, and to a heading for a ``#fragment``;
+- every ``python`` block runs (a page's blocks in order, in one namespace), and an
+  output block marked ``<!-- docs-check: output -->`` after it shows lines it printed;
+  a block marked ``<!-- docs-check: excerpt of FILE -->`` is made of lines of FILE,
+  which a test runs;
+- every command of a ``bash`` block runs: experiments (``python -m train``) on tiny data
+  for two steps, examples and benchmarks at small sizes, ``--help`` / ``--print-config`` /
+  ``--explain`` as written; a command shown with its output (``$ command``) prints that
+  output. The README's quick start is what CI runs (``.ci/run``, exactly as written); a
+  command that needs several hosts is run by the named test that does the same on one
+  machine; one that needs what CI has not (a GPU cluster) is listed below with the
+  reason. A command in none of these fails the check: add it here.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import gzip
+import io
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from docs_pages import ROOT, Command, anchors, blocks, commands, links, pages
+from helpers import subprocess_env
+
+#: Commands run by a test that does the same on one machine: prefix -> that test.
+RUN_BY_TESTS = {
+    "python -m train configs/fmnist_resnet_mixed_bf16.yaml workdir=/shared/runs/fmnist distributed.":
+        "tests/test_distributed.py::test_two_processes_train_checkpoint_resume_and_match_one_process",
+}
+#: Commands CI cannot run, and why.
+NOT_HERE = {
+    "srun ": "needs a SLURM cluster of GPU nodes",
+}
+#: Overrides that make an experiment tiny: two steps, no half-precision inference report, in a temporary workdir.
+TINY_RUN = ["steps=2", "log_every=1", "eval_every=0", "checkpoint_every=0", "data.eval_batches=1",
+            "inference_dtypes=[]", "progress=false", "compile_cache=null"]
+#: Arguments that make each benchmark small ({tmp}: a temporary directory, {fmnist}: tiny Fashion-MNIST files).
+SMALL_BENCHMARKS = {
+    "benchmarks": ["--size", "quick", "--models", "mlp", "--policies", "fp32", "mixed_bf16", "--steps", "20",
+                   "--rounds", "1", "--no-cache", "--out", "{tmp}"],
+    "benchmarks.underflow": ["--steps", "2", "--batch", "64", "--probe-every", "1", "--data", "{fmnist}",
+                             "--out", "{tmp}", "--docs", "{tmp}"],
+    "benchmarks.wrapper_overhead": ["--steps", "2", "--batch", "8", "--width", "16", "--models", "mlp", "--no-cache",
+                                    "--out", "{tmp}/overhead.md"],
+    "benchmarks.loop": ["--steps", "3", "--rounds", "1", "--out", "{tmp}", "compile_cache=null"],
+}
+#: Benchmarks too long for CI (hours of training): their documented arguments are parsed, their parts tested.
+PARSED_ONLY = {"benchmarks.parity": "tests/test_benchmarks.py::test_parity_compares_against_fp32_with_the_goals"}
+
+
+# ----------------------------------------------------------------------------- links
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda p: p.name)
+def test_every_link_resolves(page):
+    broken = []
+    for target in links(page):
+        if target.startswith(("http://", "https://", "mailto:")):
+            continue
+        path, _, fragment = target.partition("#")
+        resolved = (page.parent / path).resolve() if path else page
+        if not resolved.exists():
+            broken.append(f"{target}: no such file")
+        elif fragment and fragment not in anchors(resolved):
+            broken.append(f"{target}: no heading with anchor #{fragment} in {resolved.relative_to(ROOT)}")
+    assert not broken, f"{page.relative_to(ROOT)}: " + "; ".join(broken)
+
+
+def test_the_readme_is_a_map_with_the_two_commands_first():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 250
+    first = [b for b in blocks(ROOT / "README.md") if b.lang == "bash"][:2]
+    assert [b.section for b in first] == ["Quick start", "Quick start"]
+    assert "python -m train configs/default.yaml" in first[0].text and "python -m pytest" in first[1].text
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        assert f"docs/{page.name}" in text, f"README.md does not link docs/{page.name}"
+
+
+def test_ci_runs_the_readme_quick_start_exactly_as_written():
+    script = (ROOT / ".ci" / "run").read_text()
+    assert 'bash -c "$(python3 tests/docs_pages.py quickstart 1)"' in script
+    assert 'bash -c "$(python3 tests/docs_pages.py quickstart 2)"' in script
+
+
+# ----------------------------------------------------------------------------- python blocks
+
+
+def _file_lines(path: str) -> set[str]:
+    return {line.strip() for line in (ROOT / path).read_text().splitlines()}
+
+
+def _shown(expected: str, printed: str) -> list[str]:
+    """Lines of an output block that the output does not hold ("..." stands for lines left out;
+    a line ending in "..." for the rest of that line)."""
+    lines = [line.rstrip() for line in printed.splitlines()]
+    missing = []
+    for want in expected.strip("\n").splitlines():
+        want = want.rstrip()
+        if want == "...":
+            continue
+        if want.endswith("..."):
+            if not any(line.startswith(want[:-3]) for line in lines):
+                missing.append(want)
+        elif want not in lines:
+            missing.append(want)
+    return missing
+
+
+@pytest.mark.parametrize("page", [p for p in pages() if any(b.lang == "python" for b in blocks(p))],
+                         ids=lambda p: p.name)
+def test_python_blocks_run_and_print_what_they_show(page):
+    namespace: dict = {"__name__": f"docs_{page.stem}"}
+    printed = ""
+    for block in blocks(page):
+        where = f"{page.relative_to(ROOT)}:{block.line}"
+        if block.marker.startswith("excerpt of "):
+            source = block.marker.removeprefix("excerpt of ")
+            foreign = [line for line in block.text.splitlines() if line.strip() and line.strip() not in
+                       _file_lines(source)]
+            assert not foreign, f"{where}: lines not in {source} (update the excerpt): {foreign}"
+        elif block.marker == "output":
+            missing = _shown(block.text, printed)
+            assert not missing, f"{where}: shown output not printed by the block before it: {missing}"
+        elif block.lang == "python":
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                exec(compile(block.text, where, "exec"), namespace)  # noqa: S102 - the docs' own examples
+            printed = out.getvalue()
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def _shown_commands() -> list[tuple[Command, str]]:
+    """Every command of the pages, with the output shown under it (``$ command`` in a
+    plain block), once each."""
+    found, seen = [], set()
+    for page in pages():
+        for block in blocks(page):
+            if block.lang == "bash" and block.section != "Quick start":
+                items = [(c, "") for c in commands(block)]
+            elif block.lang == "" and block.text.startswith("$ "):
+                text = block.text.split("\n", 1)
+                items = [(c, text[1] if len(text) > 1 else "") for c in
+                         commands(block._replace(text=text[0].removeprefix("$ ") + "\n"))]
+            else:
+                continue
+            for command, output in items:
+                if command.text not in seen:
+                    seen.add(command.text)
+                    found.append((command, output))
+    return found
+
+
+def _tiny_fashion_mnist(directory: pathlib.Path) -> pathlib.Path:
+    rng = np.random.default_rng(0)
+    for stem, shape in (("train-images-idx3-ubyte", (256, 28, 28)), ("train-labels-idx1-ubyte", (256,)),
+                        ("t10k-images-idx3-ubyte", (128, 28, 28)), ("t10k-labels-idx1-ubyte", (128,))):
+        values = rng.integers(0, 10 if len(shape) == 1 else 256, shape, dtype=np.uint8)
+        header = bytes([0, 0, 8, len(shape)]) + b"".join(n.to_bytes(4, "big") for n in shape)
+        with gzip.open(directory / f"{stem}.gz", "wb") as f:
+            f.write(header + values.tobytes())
+    return directory
+
+
+TINY_TEXT = ("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings and "
+             "arrows of outrageous fortune, or to take arms against a sea of troubles.\n") * 120
+
+
+def _workspace(tmp_path: pathlib.Path) -> tuple[pathlib.Path, dict]:
+    """A working directory holding the configs and examples, and tiny data."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    for name in ("configs", "examples"):
+        (cwd / name).symlink_to(ROOT / name)
+    data = tmp_path / "data"
+    (data / "fmnist").mkdir(parents=True)
+    _tiny_fashion_mnist(data / "fmnist")
+    (data / "plays.txt").write_text(TINY_TEXT)
+    return cwd, {"tmp": str(tmp_path / "out"), "fmnist": str(data / "fmnist"), "text": str(data / "plays.txt")}
+
+
+def _train_argv(argv: list[str], cwd: pathlib.Path, paths: dict) -> list[str]:
+    """A ``python -m train`` command made tiny, on tiny data where it reads files CI lacks."""
+    if {"--help", "--print-config", "--explain"} & set(argv):
+        return argv
+    from train.config import load_config
+
+    config = load_config(cwd / argv[3], [a for a in argv[4:] if "=" in a])
+    extra = [*TINY_RUN, f"workdir={paths['tmp']}/run"]
+    if config.data.name in ("fashion_mnist", "shakespeare"):
+        tiny = paths["fmnist"] if config.data.name == "fashion_mnist" else paths["text"]
+        if config.data.path is None:
+            extra.append(f"data.path={tiny}")
+        elif not (cwd / config.data.path).exists():  # a file the page asks the reader to bring
+            (cwd / config.data.path).symlink_to(tiny)
+    return [*argv, *extra]
+
+
+def _runnable(command: Command, cwd: pathlib.Path, paths: dict) -> list[str] | str:
+    """The argv to run for ``command``, or why it is not run here."""
+    for prefix, test in RUN_BY_TESTS.items():
+        if command.text.startswith(prefix):
+            return f"run by {test}"
+    for prefix, reason in NOT_HERE.items():
+        if command.text.startswith(prefix):
+            return reason
+    argv = command.argv
+    if argv[:1] != ["python"]:
+        raise AssertionError(f"{command.where}: `{command.text}` is not checked: run it in tests/test_docs.py, "
+                             f"or list it in RUN_BY_TESTS / NOT_HERE with the reason")
+    if argv[1:3] == ["-m", "train"]:
+        return _train_argv(argv, cwd, paths)
+    if argv[1] == "-m" and argv[2] in SMALL_BENCHMARKS:
+        return [*argv, *(a.format(**paths) for a in SMALL_BENCHMARKS[argv[2]])]
+    if argv[1] == "-m" and argv[2] in PARSED_ONLY:
+        return f"parsed only; its parts run by {PARSED_ONLY[argv[2]]}"
+    if argv[1].startswith("examples/"):
+        return argv
+    raise AssertionError(f"{command.where}: `{command.text}` is not checked: add it to tests/test_docs.py")
+
+
+@pytest.mark.parametrize("command, output", _shown_commands(), ids=lambda c: c.text if isinstance(c, Command) else "")
+def test_shown_commands_run(command, output, tmp_path):
+    cwd, paths = _workspace(tmp_path)
+    argv = command.argv if output else _runnable(command, cwd, paths)  # shown with its output: as written
+    if isinstance(argv, str):
+        _check_not_run(command, argv)
+        return
+    env = subprocess_env(**command.env, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, *argv[1:]], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=600)
+    if output:  # a command shown with its output: exactly what it prints, failure or not
+        missing = _shown(output, proc.stdout + proc.stderr)
+        assert not missing, f"{command.where}: `{command.text}` did not print {missing}:\n{proc.stderr[-3000:]}"
+        return
+    assert proc.returncode == 0, f"{command.where}: `{' '.join(argv)}` exited {proc.returncode}:\n" \
+                                 f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    assert "Traceback" not in proc.stderr
+
+
+def _check_not_run(command: Command, why: str) -> None:
+    """What stands in for a command not run: the named test exists, the arguments parse."""
+    if why.startswith(("run by ", "parsed only")):
+        test = why.split(" by ")[-1]
+        path, _, name = test.partition("::")
+        defined = {node.name for node in ast.walk(ast.parse((ROOT / path).read_text()))
+                   if isinstance(node, ast.FunctionDef)}
+        assert name in defined, f"{command.where}: {why}, but {test} does not exist"
+    if why.startswith("parsed only"):
+        from benchmarks import parity
+
+        parity.parser().parse_args(command.argv[3:])
