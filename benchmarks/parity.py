@@ -23,7 +23,7 @@ import subprocess
 import sys
 from typing import Any
 
-from benchmarks.report import RESULTS, environment
+from benchmarks.report import RESULTS, environment, pyplot
 from train.metrics import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -110,10 +110,11 @@ def _config(workdir: str) -> dict:
 
 
 def plot(runs: dict[str, dict[str, Any]], directory: pathlib.Path = DOCS) -> list[pathlib.Path]:
-    """One PNG per experiment: train loss, validation loss and accuracy, loss scale, per policy."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """One PNG per experiment: train loss, validation loss and accuracy, loss scale, per
+    policy (none without matplotlib)."""
+    plt = pyplot()
+    if plt is None:
+        return []
 
     paths = []
     for experiment, by_policy in runs.items():

@@ -152,6 +152,19 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` (off-screen), or ``None`` with a note when it is not
+    installed: the tables do not need it, only the plots (``pip install -e ".[bench]"``)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print('plots skipped: matplotlib is not installed (pip install -e ".[bench]")', flush=True)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
 def results_dir(out: str | None, size: str) -> pathlib.Path:
     """Where a suite run of ``size`` writes: ``out`` when given, else the committed
     tables for full sizes and a scratch directory for quick ones."""

@@ -37,7 +37,7 @@ import numpy as np
 import optax
 
 import precision
-from benchmarks.report import RESULTS, environment
+from benchmarks.report import RESULTS, environment, pyplot
 from train.data import load_fashion_mnist
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -128,11 +128,12 @@ def train_case(name: str, x_train: np.ndarray, x_test: np.ndarray, steps: int, b
             "skipped_steps": int(mp.loss_scale.skipped_steps), "seconds": time.perf_counter() - start}
 
 
-def plot(results: dict[str, Any], path: pathlib.Path) -> pathlib.Path:
-    """Training loss and loss scale, test error and underflow fraction, per case."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot(results: dict[str, Any], path: pathlib.Path) -> pathlib.Path | None:
+    """Training loss and loss scale, test error and underflow fraction, per case
+    (``None`` without matplotlib)."""
+    plt = pyplot()
+    if plt is None:
+        return None
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     styles = {"fp32": dict(linestyle="--", linewidth=3, alpha=0.6)}
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     docs.mkdir(parents=True, exist_ok=True)
     plot_path = plot(results, docs / "underflow.png")
     summary = {"environment": environment(), "steps": args.steps, "batch": args.batch, "cases": results,
-               "plot": os.path.relpath(plot_path, ROOT)}
+               "plot": os.path.relpath(plot_path, ROOT) if plot_path else None}
     (out / "underflow.json").write_text(json.dumps(summary, indent=1) + "\n")
     (out / "underflow.md").write_text(markdown(summary))
     final = {name: round(r["final_test_mse"], 5) for name, r in results.items()}
