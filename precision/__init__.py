@@ -67,7 +67,7 @@ __all__ = (
 # (``from precision.op_lists import OpLists``, ``from precision import fused_attention``) keep working.
 import sys as _sys  # noqa: E402
 
-from precision.autocast import fused_attention, higher_order, interpreter, program, regions, transform  # noqa: E402
+from precision.autocast import fused_attention, higher_order, interpreter, program, regions, transform  # noqa: E402,F401
 
 for _name in ("fused_attention", "higher_order", "interpreter", "op_lists", "program", "regions", "transform"):
     _sys.modules.setdefault(f"{__name__}.{_name}", _sys.modules[f"{__name__}.autocast.{_name}"])

@@ -20,7 +20,6 @@ import ast
 import contextlib
 import gzip
 import io
-import os
 import pathlib
 import subprocess
 import sys
