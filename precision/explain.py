@@ -209,8 +209,8 @@ def _trace_linen(wrapped: LinenWithPolicy, args: tuple, kwargs: dict, backward: 
 
     log: list = []
     fwd, bwd = _trace(fn, variables.get("params", {}), state, backward, log)
-    root = type(wrapped.module).__name__
-    return _Traced(fwd, bwd, log, _param_dtypes(variables.get("params", {})), root, root, wrapped)
+    name = type(wrapped.module).__name__
+    return _Traced(fwd, bwd, log, _param_dtypes(variables.get("params", {})), "", name, wrapped)
 
 
 def _trace_nnx(wrapped: NNXWithPolicy, args: tuple, kwargs: dict, backward: bool) -> _Traced:

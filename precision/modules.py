@@ -19,6 +19,7 @@ cast to the compute dtype at the module boundary, which layers that pin their
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable, Iterable, Sequence
 
 import jax
@@ -29,7 +30,7 @@ from flax import nnx
 
 from precision.autocast import fused_attention, transform as autocast_lib
 from precision.autocast.op_lists import OpLists
-from precision.autocast.regions import compute_in
+from precision.autocast.regions import compute_in, in_module
 from precision.autocast.values import Val
 from precision.policy import Policy, _cast_floating, get_policy
 from precision.rules import Resolver, Rule, as_rules, class_names_of, get_rules
@@ -206,12 +207,14 @@ class LinenWithPolicy:
         def cast_calls(next_fun, call_args, call_kwargs, context):
             if not _intercepted(context):
                 return next_fun(*call_args, **call_kwargs)
-            compute = resolve(tuple(context.module.path)).compute_dtype
+            path = tuple(context.module.path)
+            compute = resolve(path).compute_dtype
             caller = callers[-1]
             call_args, call_kwargs = _cast_floating((call_args, call_kwargs), compute)
             callers.append(compute)
             try:
-                out = next_fun(*call_args, **call_kwargs)
+                with in_module(path):
+                    out = next_fun(*call_args, **call_kwargs)
             finally:
                 callers.pop()
             return out if compute == caller else _cast_floating(out, caller)
@@ -227,21 +230,24 @@ class LinenWithPolicy:
 
 
 def _region_interceptor(resolve: Resolver, root: np.dtype):
-    """A Linen interceptor opening a region wherever a module's compute dtype
-    differs from its caller's (a rule matched it)."""
+    """A Linen interceptor marking every method call with its module's path, and
+    opening a region wherever a module's compute dtype differs from its caller's
+    (a rule matched it)."""
     callers: list[np.dtype] = [root]
 
     def push_region(next_fun, call_args, call_kwargs, context):
         if not _intercepted(context):
             return next_fun(*call_args, **call_kwargs)
-        compute = resolve(tuple(context.module.path)).compute_dtype
+        path = tuple(context.module.path)
+        compute = resolve(path).compute_dtype
         caller = callers[-1]
         callers.append(compute)
         try:
-            if compute == caller:
-                return next_fun(*call_args, **call_kwargs)
-            with compute_in(compute):
-                return next_fun(*call_args, **call_kwargs)
+            with in_module(path):
+                if compute == caller:
+                    return next_fun(*call_args, **call_kwargs)
+                with compute_in(compute):
+                    return next_fun(*call_args, **call_kwargs)
         finally:
             callers.pop()
 
@@ -281,39 +287,67 @@ def _map_params(variables: Any, fn: Callable[[Any], Any]) -> Any:
 # ----------------------------------------------------------------------------- NNX
 
 
+def _module_methods(cls: type) -> tuple[str, ...]:
+    """The methods through which a call enters an NNX module of class ``cls``:
+    ``__call__`` and every public method its classes define (``Embed.attend``),
+    not NNX's own (``train``, ``sow``...)."""
+    base = set(dir(nnx.Module))
+    names = {"__call__"} if callable(getattr(cls, "__call__", None)) else set()
+    for klass in cls.__mro__:
+        if issubclass(klass, nnx.Module) and klass is not nnx.Module:
+            names.update(name for name, value in vars(klass).items()
+                         if inspect.isfunction(value) and not name.startswith("_") and name not in base)
+    return tuple(sorted(names))
+
+
 @functools.cache
 def _casting_class(cls: type, compute: np.dtype, caller: np.dtype) -> type:
-    """A subclass of ``cls`` whose call computes in ``compute`` and returns ``caller``."""
+    """A subclass of ``cls`` whose methods compute in ``compute`` and return ``caller``."""
 
-    def __call__(self, *args, **kwargs):
-        args, kwargs = _cast_floating((args, kwargs), compute)
-        return _cast_floating(cls.__call__(self, *args, **kwargs), caller)
+    def casting(method):
+        def call(self, *args, **kwargs):
+            args, kwargs = _cast_floating((args, kwargs), compute)
+            return _cast_floating(method(self, *args, **kwargs), caller)
+        return functools.wraps(method)(call)
 
-    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
+    methods = {name: casting(getattr(cls, name)) for name in _module_methods(cls)}
+    return type(cls.__name__, (cls,), {**methods, "__module__": cls.__module__})
 
 
 def _submodules(model: nnx.Module, resolve: Resolver):
-    """``(module, name, compute dtype, caller's compute dtype)`` for every
+    """``(module, path, compute dtype, caller's compute dtype)`` for every
     submodule of an NNX model, from the rules."""
     for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Module) and path:
             names = tuple(map(str, path))
-            yield node, names[-1], resolve(names).compute_dtype, resolve(names[:-1]).compute_dtype
+            parent = next((names[:i] for i in range(len(names) - 1, -1, -1)
+                           if isinstance(_at(model, path[:i]), nnx.Module)), ())
+            yield node, names, resolve(names).compute_dtype, resolve(parent).compute_dtype
+
+
+def _at(model: Any, path: tuple) -> Any:
+    node = model
+    for key in path:
+        node = node[key] if isinstance(key, int) or not hasattr(node, str(key)) else getattr(node, str(key))
+    return node
 
 
 @functools.cache
-def _scoped_class(cls: type, name: str, region: np.dtype | None) -> type:
-    """A subclass of ``cls`` whose call runs in a named scope (its path component,
-    so autocast and explain see module paths) and, if given, a region."""
+def _scoped_class(cls: type, path: tuple[str, ...], region: np.dtype | None) -> type:
+    """A subclass of ``cls`` whose methods run tagged with the module's ``path``
+    (so autocast and explain see module paths) and, if given, in a region."""
 
-    def __call__(self, *args, **kwargs):
-        with jax.named_scope(name):
-            if region is None:
-                return cls.__call__(self, *args, **kwargs)
-            with compute_in(region):
-                return cls.__call__(self, *args, **kwargs)
+    def scoped(method):
+        def call(self, *args, **kwargs):
+            with in_module(path):
+                if region is None:
+                    return method(self, *args, **kwargs)
+                with compute_in(region):
+                    return method(self, *args, **kwargs)
+        return functools.wraps(method)(call)
 
-    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
+    methods = {name: scoped(getattr(cls, name)) for name in _module_methods(cls)}
+    return type(cls.__name__, (cls,), {**methods, "__module__": cls.__module__})
 
 
 class NNXWithPolicy(nnx.Module):
@@ -357,9 +391,10 @@ class NNXWithPolicy(nnx.Module):
 
         def run(state, args, kwargs):
             model = nnx.merge(graphdef, state)
-            for node, name, compute, caller in _submodules(model, resolve):
-                node.__class__ = _scoped_class(type(node), name, None if compute == caller else compute)
-            return model(*args, **kwargs), nnx.state(model)
+            for node, path, compute, caller in _submodules(model, resolve):
+                node.__class__ = _scoped_class(type(node), path, None if compute == caller else compute)
+            with in_module(()):
+                return model(*args, **kwargs), nnx.state(model)
 
         out, new_state = autocast_lib.call_vals(run, (state, args, kwargs), {},
                                                 compute_dtype=resolve(()).compute_dtype, ops=self.ops, log=log)

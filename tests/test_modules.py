@@ -51,7 +51,7 @@ def program_dtypes(fn, *args):
     jaxpr = jax.make_jaxpr(fn)(*args)
     matmuls = {}
     for m in matmul_ops(jaxpr):
-        matmuls.setdefault("/".join(m.path[1:]), set()).add(m.dtype.name)
+        matmuls.setdefault("/".join(m.path), set()).add(m.dtype.name)  # module paths, as params and rules
     ops = {}
     for op in iter_ops(jaxpr):
         ops.setdefault(op.primitive, set()).update(d.name for d in op.in_dtypes if jnp.issubdtype(d, jnp.floating))

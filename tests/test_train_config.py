@@ -127,7 +127,8 @@ def test_a_user_model_takes_any_options_and_a_user_data_function_its_options():
     assert to_dict(c)["model"] == {"name": "my_models.py:Net", **c.model.options} and from_dict(to_dict(c)) == c
     c = load_config(ROOT / "configs" / "default.yaml", ["model.name=pkg.nets:Net", "model.block.depth=2",
                                                         "data.name=pkg.data:load", "data.options.n=5", "task=lm"])
-    assert c.model.options == {"hidden": [256, 256], "block": {"depth": 2}} and c.data.options == {"n": 5}
+    # another model.name replaces the file's model: its hidden (the built-in MLP's) is dropped
+    assert c.model.options == {"block": {"depth": 2}} and c.data.options == {"n": 5}
     assert from_dict({"task": "language_model"}).task == "lm" and DataConfig().options == {}
     assert from_dict({"model": {"name": "mlp", "options": {"hidden": [3]}}}).model.options == {"hidden": [3]}
 
@@ -217,3 +218,29 @@ def test_cli_errors_are_one_paragraph_without_traceback_and_before_compute(tmp_p
 def test_the_config_reference_page_matches_the_code():
     page = (ROOT / "docs" / "config.md").read_text()
     assert help_text() in page, "docs/config.md is stale: regenerate it from train.config.help_text()"
+
+
+def test_a_model_name_on_the_command_line_replaces_the_files_model():
+    """The file's other model keys were written for the file's model: another model.name drops them,
+    while model.* overrides given with it apply; the same name keeps them."""
+    mlp = str(ROOT / "examples" / "user_models" / "nnx_mlp.py") + ":MLP"
+    assert load_config(ROOT / "configs" / "default.yaml", [f"model.name={mlp}"]).model.options == {}
+    given = load_config(ROOT / "configs" / "default.yaml",
+                        ["model.hidden=64", f"model.name={mlp}", "model.in_features=64"])
+    assert given.model.options == {"hidden": 64, "in_features": 64}
+    assert load_config(ROOT / "configs" / "default.yaml", ["model.name=mlp"]).model.options["hidden"] == [256, 256]
+
+
+@pytest.mark.parametrize("where", ["file", "command line"])
+def test_a_model_argument_the_model_does_not_take_names_its_value_and_where_it_came_from(tmp_path, where):
+    from train import build_experiment
+
+    mlp = str(ROOT / "examples" / "user_models" / "nnx_mlp.py") + ":MLP"
+    config = tmp_path / "c.yaml"
+    widths = "  widths: [256, 256]\n" if where == "file" else ""
+    config.write_text(f"model:\n  name: {mlp}\n  in_features: 64\n{widths}")
+    overrides = ["model.widths=[256, 256]"] if where == "command line" else []
+    origin = str(config) if where == "file" else "the command line"
+    with pytest.raises(ConfigError, match=rf"model.widths: MLP takes no argument 'widths'.* \(model.widths=\[256, "
+                                          rf"256\] \(from {origin}\)\)"):
+        build_experiment(load_config(config, overrides))

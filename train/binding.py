@@ -169,7 +169,9 @@ class NNXModel:
         wrapped = self.merge(variables, train=train)
         if rngs is not None and self._streams:
             key = rngs.get("dropout", next(iter(rngs.values()))) if isinstance(rngs, dict) else rngs
-            nnx.reseed(wrapped, **{name: jax.random.fold_in(key, i) for i, name in enumerate(self._streams)})
+            # A stream of stacked layers (nnx.split_rngs + nnx.vmap) holds one key per layer: each gets its own.
+            nnx.reseed(wrapped, policy="match_shape",
+                       **{name: jax.random.fold_in(key, i) for i, name in enumerate(self._streams)})
         out = wrapped(*args, **call_mode_kwargs(self.module_type.__call__, train), **kwargs)
         if not mutable:
             return out

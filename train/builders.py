@@ -27,7 +27,7 @@ from train.binding import bind, mode_kwargs
 from train.models import MODELS
 from train.references import UserCodeError, one_line, resolve
 from train.state import create_train_state
-from train.tasks import Task, get_task
+from train.tasks import Task, describe_outputs, get_task
 
 __all__ = ["build_data", "build_model", "build_optimizer", "build_task", "build_train_state",
            "check_model_fits_data", "model_options"]
@@ -48,10 +48,11 @@ def build_data(data_config: Any, seed: int) -> Any:
     return from_user_function(fn, dict(getattr(data_config, "options", {}) or {}))
 
 
-def build_task(spec: str, data: Any) -> Task:
-    """The task ``spec`` (``auto``: the data's) as a :class:`train.tasks.Task`."""
+def build_task(spec: str, data: Any, output: str | int | None = None) -> Task:
+    """The task ``spec`` (``auto``: the data's) as a :class:`train.tasks.Task`, reading
+    the ``output`` field of the model's output (``model.output``)."""
     try:
-        return get_task(spec, getattr(data, "task", None))
+        return get_task(spec, getattr(data, "task", None), output=output)
     except UserCodeError as e:
         raise ConfigError(str(e)) from None
 
@@ -89,11 +90,12 @@ def build_model(model_config: Any, data: Any, seed: int = 0) -> Any:
         options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
         return MODELS[model_config.name](**options)
     target = _resolve_model(model_config.name)
-    kwargs = _constructor_kwargs(target, options, seed)
+    kwargs = _constructor_kwargs(target, options, seed, model_config)
     try:
         model = target(**kwargs)
     except Exception as e:  # noqa: BLE001 - the user's constructor raised
-        raise ConfigError(f"model.name: {model_config.name}(**model) raised {one_line(e)}") from None
+        raise ConfigError(f"model.name: {model_config.name}(**model) raised {one_line(e)}"
+                          f"{_with_options(model_config)}") from None
     if not isinstance(model, (nn.Module, nnx.Module)):
         raise ConfigError(f"model.name: {model_config.name} gave a {type(model).__name__}, not a flax.linen.Module "
                           f"or flax.nnx.Module")
@@ -123,17 +125,17 @@ def _parameters(target: Any) -> dict[str, inspect.Parameter]:
     return {k: p for k, p in params.items() if not (linen and k in ("parent", "name"))}
 
 
-def _constructor_kwargs(target: Any, options: dict[str, Any], seed: int) -> dict[str, Any]:
+def _constructor_kwargs(target: Any, options: dict[str, Any], seed: int, model_config: Any) -> dict[str, Any]:
     """``options`` checked against ``target``'s signature; dataclass arguments built."""
     params = _parameters(target)
     name = getattr(target, "__name__", str(target))
     takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
-    for key in options:
+    for key, value in options.items():
         if key not in params and not takes_any:
             close = difflib.get_close_matches(key, list(params), n=1)
             hint = f" Did you mean 'model.{close[0]}'?" if close else ""
             raise ConfigError(f"model.{key}: {name} takes no argument '{key}'.{hint} Its arguments: "
-                              f"{', '.join(params) or 'none'}")
+                              f"{', '.join(params) or 'none'} (model.{key}={value!r}{_origin(model_config, key)})")
     kwargs = dict(options)
     if "rngs" in params and "rngs" not in kwargs:
         kwargs["rngs"] = nnx.Rngs(seed)
@@ -171,10 +173,12 @@ def _build_dataclass(cls: type, values: dict, key: str) -> Any:
         raise ConfigError(f"{key}: {cls.__name__}(...) raised {one_line(e)}") from None
 
 
-def check_model_fits_data(model: Any, data: Any, name: str = "model", task: Task | None = None) -> None:
+def check_model_fits_data(model: Any, data: Any, name: str = "model", task: Task | None = None,
+                          model_config: Any = None) -> None:
     """Raises :class:`ConfigError` unless ``model`` takes the data's inputs and the
     task takes its outputs: one logit per class (per token for language models)
-    for the built-in tasks, a scalar loss for a user's. Checked abstractly."""
+    for the built-in tasks, a scalar loss for a user's. Checked abstractly.
+    ``model_config`` (its options, and where each was set) is named in the errors."""
     task = task or get_task("auto", data.task)
     batch = data.train_batch(0, 2, 0)
     bound = bind(model, "fp32")
@@ -185,24 +189,62 @@ def check_model_fits_data(model: Any, data: Any, name: str = "model", task: Task
         outputs = jax.eval_shape(lambda v, x: bound.apply(v, x, **mode), variables, sample)
     except Exception as e:  # noqa: BLE001 - any failure here is a model/data mismatch
         raise ConfigError(f"model '{name}' cannot take {data.name} inputs of shape {tuple(np.shape(sample))[1:]} "
-                          f"({one_line(e)})") from None
+                          f"({one_line(e)}){_with_options(model_config)}") from None
+    try:
+        selected = task.select(outputs)
+    except UserCodeError as e:
+        raise ConfigError(str(e)) from None
     if not task.builtin:
-        try:
-            jax.eval_shape(task.loss, outputs, batch)
-            jax.eval_shape(task.eval_sums, outputs, {**batch, "mask": np.ones(2, bool)})  # per example
-        except Exception as e:  # noqa: BLE001 - the user's loss does not fit the model's outputs
-            raise ConfigError(f"task: {task.name} cannot take the outputs of model '{name}' "
-                              f"({one_line(e)})") from None
+        _check_user_loss(task, outputs, batch, name)
         return
     if not data.num_classes:
         raise ConfigError(f"task: {task.name} needs the number of classes, and {data.name} gives none; return "
                           f"num_classes from your data function, or set task to your own loss")
     expected = (2,) + ((data.input_shape[0],) if task.name == "language_model" else ()) + (data.num_classes,)
-    if tuple(getattr(outputs, "shape", ())) != expected:
-        what = " per token" if task.name == "language_model" else ""
-        raise ConfigError(f"model '{name}' outputs logits of shape {tuple(getattr(outputs, 'shape', ()))[1:]} for "
-                          f"{data.name}, whose {task.name} needs {expected[1:]} ({data.num_classes} classes{what}); "
-                          f"set the model's num_classes / vocab_size / block_size to the data's or leave them unset")
+    what = " per token" if task.name == "language_model" else ""
+    needs = f"{data.name}, whose {task.name} needs {expected[1:]} ({data.num_classes} classes{what})"
+    if not hasattr(selected, "shape"):
+        raise ConfigError(f"model '{name}' outputs {describe_outputs(selected)} for {needs}: set model.output to "
+                          f"the key, attribute or index holding the logits, e.g. model.output: "
+                          f"{_logits_field(selected, expected)}")
+    if tuple(selected.shape) != expected:
+        raise ConfigError(f"model '{name}' outputs logits of shape {tuple(selected.shape)[1:]} for {needs}; set the "
+                          f"model's num_classes / vocab_size / block_size to the data's or leave them unset")
+
+
+def _with_options(model_config: Any) -> str:
+    """``; its options: hidden=[256, 256] (from configs/default.yaml)``: what the model was built with."""
+    if model_config is None or not model_config.options:
+        return ""
+    options = model_config.options.items()
+    return "; its options: " + ", ".join(f"{k}={v!r}{_origin(model_config, k)}" for k, v in options)
+
+
+def _origin(model_config: Any, key: str) -> str:
+    """Where ``model.<key>`` was set, when the config was read from a file (see ``ModelConfig.origin``)."""
+    origin = getattr(model_config, "origin", None)
+    return origin(key) if callable(origin) else ""
+
+
+def _logits_field(outputs: Any, shape: tuple) -> str:
+    """The first field of ``outputs`` holding an array of ``shape`` (else ``logits``)."""
+    if isinstance(outputs, dict):
+        fields = list(outputs.items())
+    elif isinstance(outputs, (tuple, list)):
+        fields = [(str(i), x) for i, x in enumerate(outputs)]
+    elif dataclasses.is_dataclass(outputs):
+        fields = [(f.name, getattr(outputs, f.name)) for f in dataclasses.fields(outputs)]
+    else:
+        fields = []
+    return next((k for k, x in fields if tuple(getattr(x, "shape", ())) == shape), "logits")
+
+
+def _check_user_loss(task: Task, outputs: Any, batch: dict, name: str) -> None:
+    try:
+        jax.eval_shape(task.loss, outputs, batch)
+        jax.eval_shape(task.eval_sums, outputs, {**batch, "mask": np.ones(2, bool)})  # per example
+    except Exception as e:  # noqa: BLE001 - the user's loss does not fit the model's outputs
+        raise ConfigError(f"task: {task.name} cannot take the outputs of model '{name}' ({one_line(e)})") from None
 
 
 def build_optimizer(opt: Any, steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:

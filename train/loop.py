@@ -75,9 +75,9 @@ def build_experiment(config: ExperimentConfig) -> tuple[Any, Any, Any]:
     """The data, task and (unwrapped) model ``config`` names, checked to fit
     each other before any compute (:class:`ConfigError` / ``DataError`` if not)."""
     data = build_data(config.data, config.seed)
-    task = build_task(config.task, data)
+    task = build_task(config.task, data, config.model.output)
     model = build_model(config.model, data, config.seed)
-    check_model_fits_data(model, data, config.model.name, task)
+    check_model_fits_data(model, data, config.model.name, task, config.model)
     return data, task, model
 
 

@@ -12,7 +12,8 @@ padded eval rows never count.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+import dataclasses
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ import optax
 
 from train.references import UserCodeError, is_reference, resolve
 
-__all__ = ["Task", "get_task", "cross_entropy", "TASK_NAMES"]
+__all__ = ["Task", "get_task", "cross_entropy", "describe_outputs", "TASK_NAMES"]
 
 Metrics = dict[str, jax.Array]
 LossFn = Callable[[Any, dict], tuple[jax.Array, Metrics]]
@@ -41,22 +42,44 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.
 
 
 class Task(NamedTuple):
-    """A loss with its metrics; ``builtin`` tasks take logits and integer labels."""
+    """A loss with its metrics; ``builtin`` tasks take logits and integer labels.
+
+    ``output`` picks what the loss reads from a model whose output is not one
+    array: a key or attribute (``"logits"``: a dict, a Hugging Face ``ModelOutput``,
+    a dataclass) or an index (a tuple); ``None`` reads the output as it is.
+    """
 
     name: str
     loss_fn: LossFn
     builtin: bool
+    output: str | int | None = None
+
+    def select(self, outputs: Any) -> Any:
+        """The part of the model's ``outputs`` the loss reads (see ``output``)."""
+        if self.output is None:
+            return outputs
+        field = self.output
+        try:
+            if isinstance(field, int) or isinstance(outputs, Mapping):
+                return outputs[field]
+            return getattr(outputs, field)
+        except (KeyError, IndexError, AttributeError, TypeError):
+            raise UserCodeError(f"model.output: {field!r} is not in the model's output, "
+                                f"{describe_outputs(outputs)}") from None
 
     def loss(self, outputs: Any, batch: dict) -> tuple[jax.Array, Metrics]:
         """Batch-mean float32 loss and metrics of ``outputs`` (cast to float32 first)."""
-        loss, metrics = self.loss_fn(_float32(outputs), batch)
+        return self._loss(_float32(self.select(outputs)), batch)
+
+    def _loss(self, selected: Any, batch: dict) -> tuple[jax.Array, Metrics]:
+        loss, metrics = self.loss_fn(selected, batch)
         return jnp.asarray(loss, jnp.float32), {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
 
     def eval_sums(self, outputs: Any, batch: dict) -> Metrics:
         """Sums over the real (``mask``) examples of the loss (``loss_sum``) and the
         metrics (built-in: ``correct``; a user's: ``<name>_sum``), and ``count``
         (examples, or tokens for a language model), so batches add up exactly."""
-        outputs = _float32(outputs)
+        outputs = _float32(self.select(outputs))
         mask = batch.get("mask")
         if self.builtin:
             loss, correct = cross_entropy(outputs, batch["labels"])
@@ -67,11 +90,31 @@ class Task(NamedTuple):
                     "count": jnp.sum(weights)}
         inputs = {k: v for k, v in batch.items() if k != "mask"}
         one = lambda x: x[None]  # noqa: E731 - each example as a batch of one
-        losses, metrics = jax.vmap(lambda o, b: self.loss(jax.tree_util.tree_map(one, o),
-                                                          jax.tree_util.tree_map(one, b)))(outputs, inputs)
+        losses, metrics = jax.vmap(lambda o, b: self._loss(jax.tree_util.tree_map(one, o),
+                                                           jax.tree_util.tree_map(one, b)))(outputs, inputs)
         weights = jnp.ones(losses.shape[:1], jnp.float32) if mask is None else mask.astype(jnp.float32)
         sums = {f"{k}_sum": jnp.sum(v * weights) for k, v in metrics.items()}
         return {**sums, "loss_sum": jnp.sum(losses * weights), "count": jnp.sum(weights)}
+
+
+def describe_outputs(outputs: Any) -> str:
+    """A model's output in words, per example: ``an array (10,) float32``, ``a dict
+    with logits (10,) float32, hidden (32,) float32``, ``a tuple with [0] ...``."""
+    def array(x: Any) -> str:
+        return f"{tuple(jnp.shape(x))[1:]} {getattr(x, 'dtype', type(x).__name__)}"
+
+    if hasattr(outputs, "shape") and hasattr(outputs, "dtype"):
+        return f"an array {array(outputs)}"
+    if isinstance(outputs, Mapping):
+        fields = list(outputs.items())
+    elif isinstance(outputs, (tuple, list)):
+        fields = [(f"[{i}]", x) for i, x in enumerate(outputs)]
+    elif dataclasses.is_dataclass(outputs):
+        fields = [(f.name, getattr(outputs, f.name)) for f in dataclasses.fields(outputs)]
+    else:
+        return f"a {type(outputs).__name__}"
+    parts = [f"{k} {array(x)}" if hasattr(x, "shape") else f"{k} ({type(x).__name__})" for k, x in fields]
+    return f"a {type(outputs).__name__} with {', '.join(parts) or 'nothing'}"
 
 
 def _float32(tree: Any) -> Any:
@@ -84,19 +127,21 @@ def _cross_entropy_task(outputs: jax.Array, batch: dict) -> tuple[jax.Array, Met
     return loss.mean(), {"accuracy": correct.mean(dtype=jnp.float32)}
 
 
-def get_task(spec: "str | Callable | Task" = "auto", data_task: str | None = None, key: str = "task") -> Task:
+def get_task(spec: "str | Callable | Task" = "auto", data_task: str | None = None, key: str = "task",
+             output: str | int | None = None) -> Task:
     """The task ``spec`` names: ``auto`` (the data's own), ``classification``,
     ``lm`` / ``language_model``, a reference ``module:function`` /
-    ``file.py:function`` or a function ``fn(outputs, batch) -> (loss, metrics)``.
+    ``file.py:function`` or a function ``fn(outputs, batch) -> (loss, metrics)``;
+    ``output`` picks the field of the model's output it reads (see :class:`Task`).
 
     Raises:
       UserCodeError: naming ``key``, for an unknown name, a bad reference, or
         ``auto`` with data that declares no task.
     """
     if isinstance(spec, Task):
-        return spec
+        return spec if output is None else spec._replace(output=output)
     if callable(spec):
-        return Task(getattr(spec, "__name__", "custom"), spec, False)
+        return Task(getattr(spec, "__name__", "custom"), spec, False, output)
     name = str(spec).strip()
     if name == "auto":
         if data_task not in ("classification", "language_model"):
@@ -104,7 +149,7 @@ def get_task(spec: "str | Callable | Task" = "auto", data_task: str | None = Non
                                 f"classification, lm, or your loss as module:function")
         name = data_task
     if name in ("classification", "language_model", "lm"):
-        return Task("language_model" if name == "lm" else name, _cross_entropy_task, True)
+        return Task("language_model" if name == "lm" else name, _cross_entropy_task, True, output)
     if not is_reference(name):
         raise UserCodeError(f"{key}: unknown task {name!r}; valid: {', '.join(TASK_NAMES)}, or a loss "
                             f"module:function / path/to/file.py:function")
@@ -112,7 +157,7 @@ def get_task(spec: "str | Callable | Task" = "auto", data_task: str | None = Non
     if not callable(fn):
         raise UserCodeError(f"{key}: {name} is a {type(fn).__name__}, not a function fn(outputs, batch) -> "
                             f"(loss, metrics)")
-    return Task(name, _checked(fn, name, key), False)
+    return Task(name, _checked(fn, name, key), False, output)
 
 
 def _checked(fn: Callable, name: str, key: str) -> LossFn:

@@ -6,25 +6,32 @@ dtype other than the policy's (a module a rule keeps in float32, say). It is a
 tracing, nested jits, scans, remat and autodiff (JAX keeps name stacks on
 every equation), and autocast reads it back from each equation.
 
-The same name stack gives the module path of every equation (Flax Linen pushes
-each module's name; :mod:`precision.modules` pushes them for NNX), which
-:mod:`precision.explain` reports and autocast uses to end float32 islands
-where a value leaves the module that computed it.
+The same name stack gives the module path of every equation: the Flax adapters
+(:mod:`precision.modules`) open a scope tagged with the module's whole path,
+``precision.module=encoder/layers/0/attn`` (the path of its params and of its
+rules), around every method call of a Linen or NNX module. The innermost tag,
+followed by any scope the user's code opens inside it, is the module path that
+:mod:`precision.explain` reports and that autocast uses to end float32 islands
+where a value leaves the module that computed it. A program with no tag (a plain
+function) takes its path from its named scopes.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
+from urllib.parse import quote, unquote
 
 import jax
 import numpy as np
 
 from precision.policy import _canonical
 
-__all__ = ["compute_in", "TAG_PREFIX", "tag", "scope_names", "region_dtype", "module_path", "within"]
+__all__ = ["compute_in", "TAG_PREFIX", "MODULE_PREFIX", "tag", "module_tag", "in_module", "scope_names", "region_dtype",
+           "module_path", "within"]
 
 TAG_PREFIX = "precision:"
+MODULE_PREFIX = "precision.module="
 
 
 def tag(dtype: Any) -> str:
@@ -42,6 +49,18 @@ def compute_in(dtype: Any) -> Iterator[None]:
     autocast it only names a scope.
     """
     with jax.named_scope(tag(_canonical(dtype))):
+        yield
+
+
+def module_tag(path: Sequence[Any]) -> str:
+    """The scope name marking the calls of the module at ``path`` (``/`` in a name escaped)."""
+    return MODULE_PREFIX + "/".join(quote(str(p), safe="") for p in path)
+
+
+@contextlib.contextmanager
+def in_module(path: Sequence[Any]) -> Iterator[None]:
+    """Ops traced inside belong to the module at ``path`` (for explain, rules and islands)."""
+    with jax.named_scope(module_tag(path)):
         yield
 
 
@@ -64,14 +83,25 @@ _JAX_SCOPES = frozenset({"rematted_computation", "checkpoint"})
 
 
 def module_path(scope: tuple[str, ...]) -> tuple[str, ...]:
-    """The module (or user named-scope) path of a scope: region tags, JAX's own
-    scopes and ``jnp.einsum`` specs dropped, a scope repeated by a method that
-    calls its parent class's (``SelfAttention_0/SelfAttention_0``) counted once."""
+    """The module path of a scope: the innermost module tag's path followed by the
+    scopes opened inside it (region tags, JAX's own scopes and ``jnp.einsum``
+    specs dropped). Without a tag, the named scopes themselves, a scope repeated
+    by a method that calls its parent class's (``SelfAttention_0/SelfAttention_0``)
+    counted once."""
+    for i in range(len(scope) - 1, -1, -1):
+        if scope[i].startswith(MODULE_PREFIX):
+            body = scope[i][len(MODULE_PREFIX):]
+            base = tuple(unquote(p) for p in body.split("/")) if body else ()
+            return base + _named(scope[i + 1:], collapse=False)
+    return _named(scope, collapse=True)
+
+
+def _named(scope: tuple[str, ...], collapse: bool) -> tuple[str, ...]:
     path: list[str] = []
     for name in scope:
-        if name.startswith(TAG_PREFIX) or name in _JAX_SCOPES or "->" in name:
+        if name.startswith(TAG_PREFIX) or name.startswith(MODULE_PREFIX) or name in _JAX_SCOPES or "->" in name:
             continue
-        if not path or path[-1] != name:
+        if not collapse or not path or path[-1] != name:
             path.append(name)
     return tuple(path)
 

@@ -29,7 +29,8 @@ def from_dict(raw: Any) -> ExperimentConfig:
 def to_dict(config: ExperimentConfig) -> dict:
     """The config as plain data (model options flattened into ``model``)."""
     out = config.model_dump()
-    out["model"] = {"name": config.model.name, **out["model"]["options"]}
+    out["model"] = {"name": config.model.name, **({"output": config.model.output} if config.model.output is not None
+                                                  else {}), **out["model"]["options"]}
     return out
 
 
@@ -59,9 +60,13 @@ def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> Experimen
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of keys to values, got {type(raw).__name__}")
     try:
-        return from_dict(_beside(path, apply_overrides(raw, list(overrides))))
+        config = from_dict(_beside(path, apply_overrides(raw, list(overrides))))
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
+    given = {item.partition("=")[0].strip() for item in overrides}
+    config.model._origins = {key: "the command line" if {f"model.{key}", f"model.options.{key}"} & given else path
+                             for key in config.model.options}
+    return config
 
 
 def _beside(config_path: str, raw: dict) -> dict:

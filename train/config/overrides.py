@@ -1,4 +1,9 @@
-"""``key=value`` overrides of a config: dotted keys, YAML values."""
+"""``key=value`` overrides of a config: dotted keys, YAML values.
+
+A ``model.name`` naming another model than the file's replaces the file's model:
+the file's other ``model.*`` keys were written for its model and are dropped
+(``model.*`` overrides given on the command line still apply).
+"""
 
 import copy
 from typing import Any
@@ -6,7 +11,7 @@ from typing import Any
 import yaml
 
 from train.config.errors import ConfigError, unknown_key
-from train.config.schema import SECTIONS, ExperimentConfig
+from train.config.schema import SECTIONS, ExperimentConfig, ModelConfig
 
 __all__ = ["apply_overrides"]
 
@@ -25,8 +30,12 @@ def _set_dotted(raw: dict, key: str, value: Any) -> None:
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """Applies ``key=value`` overrides (dotted keys, YAML values) to a copy of a raw config dict."""
+    """Applies ``key=value`` overrides (dotted keys, YAML values) to a copy of a raw config
+    dict; a ``model.name`` of another model drops the file's other ``model.*`` keys."""
     raw = copy.deepcopy(raw)
+    file_model = raw.get("model") if isinstance(raw.get("model"), dict) else {}
+    file_model_name = file_model.get("name", ModelConfig.model_fields["name"].default)
+    given: list[str] = []
     for item in overrides:
         key, sep, text = item.partition("=")
         key = key.strip()
@@ -43,5 +52,10 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             raise ConfigError(f"override {item!r}: '{top}' is a value, not a section")
         if top in SECTIONS and "." not in key:
             raise ConfigError(f"override {item!r}: '{top}' is a section; set one of its keys, e.g. {top}.name=...")
+        if key == "model.name" and value != file_model_name and isinstance(raw.get("model"), dict):
+            for name in [k for k in raw["model"] if k != "name"]:
+                if not any(g == f"model.{name}" or g.startswith(f"model.{name}.") for g in given):
+                    del raw["model"][name]  # the file's, meant for its own model
         _set_dotted(raw, key, value)
+        given.append(key)
     return raw

@@ -20,7 +20,8 @@ except that numbers accept YAML 1.1's ``1e-3`` strings.
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, field_validator,
+                      model_validator)
 
 import precision
 from train.config.errors import ConfigError, error_message, invalid
@@ -52,19 +53,29 @@ class _Schema(BaseModel):
 
 
 class ModelConfig(_Schema):
-    """``name`` picks the model; every other key of the ``model`` section lands in ``options``:
-    the fields of a built-in model (checked here) or a class reference's constructor keyword
+    """``name`` picks the model and ``output`` the part of its output the loss reads;
+    every other key of the ``model`` section lands in ``options``: the fields of a
+    built-in model (checked here) or a class reference's constructor keyword
     arguments (taken as they are). A mapping under ``model.options`` is merged in too."""
 
     name: ModelName = Field("mlp", description=f"model: {', '.join(MODELS)}, or a class reference {CLASS_REFERENCE[1]}")
     options: dict[str, Any] = Field({}, description="the model's own fields (listed below per model)")
+    output: str | int | None = Field(None, description="for a model whose output is not one array (a dict, a "
+                                                       "ModelOutput, a dataclass, a tuple): the key, attribute or "
+                                                       "index the loss reads, e.g. logits (null: the whole output)")
+    _origins: dict[str, str] = PrivateAttr(default_factory=dict)  # option -> where it was set: a file, the command line
+
+    def origin(self, key: str) -> str:
+        """`` (from FILE)`` or `` (from the command line)`` for an option read by :func:`load_config`, else ``""``."""
+        return f" (from {self._origins[key]})" if key in self._origins else ""
 
     @model_validator(mode="before")
     @classmethod
     def _gather_options(cls, raw: Any) -> Any:
         if isinstance(raw, dict) and isinstance(raw.get("options", {}), dict):
-            rest = {k: v for k, v in raw.items() if k not in ("name", "options")}
-            raw = {**{k: raw[k] for k in ("name",) if k in raw}, "options": {**raw.get("options", {}), **rest}}
+            rest = {k: v for k, v in raw.items() if k not in ("name", "options", "output")}
+            raw = {**{k: raw[k] for k in ("name", "output") if k in raw},
+                   "options": {**raw.get("options", {}), **rest}}
         return raw
 
     @model_validator(mode="after")  # (a model validator reruns when either field is assigned)
