@@ -169,3 +169,57 @@ def test_a_model_output_field_that_is_not_there_names_what_is(tmp_path):
     with pytest.raises(train.ConfigError, match=r"model.output: 'probs' is not in the model's output, a dict with "
                                                 r"hidden \(32,\) float32, logits \(10,\) float32"):
         train.build_experiment(_config(tmp_path, "model.output=probs"))
+
+
+# ----------------------------------------------------------------------------- deny-listed ops in the backward pass
+
+
+def _eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    yield from _eqns(inner)
+
+
+@pytest.mark.parametrize("policy", ["mixed_bf16", "mixed_f16"])
+def test_the_exp_of_exact_gelus_derivative_runs_in_float32_in_the_backward_pass(policy):
+    from foreign_models import ExactGeluMLP
+
+    x = jax.random.normal(jax.random.key(0), (16, 8, 8))
+    model = precision.with_policy(ExactGeluMLP(), policy)
+    params = model.init(jax.random.key(1), x)["params"]
+
+    def loss(p, apply):
+        return jnp.sum(apply({"params": p}, x).astype(jnp.float32) ** 2)
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss), static_argnums=1)(params, model.apply).jaxpr
+    exps = [e for e in _eqns(jaxpr) if e.primitive.name == "exp"]
+    erfs = [e for e in _eqns(jaxpr) if e.primitive.name in ("erf", "erfc")]
+    assert exps and all(e.outvars[0].aval.dtype == jnp.float32 for e in exps)  # the derivative's exp
+    assert erfs and all(e.outvars[0].aval.dtype != jnp.float32 for e in erfs)  # GELU itself stays half
+    reference = jax.grad(loss)(params, ExactGeluMLP().apply)
+    got = jax.jit(jax.grad(loss), static_argnums=1)(params, model.apply)
+    for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(reference)):
+        np.testing.assert_allclose(g, r, rtol=0.05, atol=0.05 * float(jnp.abs(r).max()))
+
+
+# ----------------------------------------------------------------------------- the GPT written in half by hand
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_the_gpt_written_in_half_by_hand_compiles_and_trains_on_this_backend(dtype):
+    from train.models import GPT
+
+    tokens = jnp.arange(64).reshape(2, 32) % 65
+    full = GPT(vocab_size=65, block_size=32, num_layers=1)
+    variables = full.init(jax.random.key(0), tokens)
+    half = jax.tree_util.tree_map(lambda x: x.astype(dtype), variables)
+    model = GPT(vocab_size=65, block_size=32, num_layers=1, dtype=dtype)
+    out = jax.jit(model.apply)(half, tokens)
+    assert out.dtype == dtype
+    np.testing.assert_allclose(out.astype(jnp.float32), full.apply(variables, tokens), atol=0.1)
+    grads = jax.jit(jax.grad(lambda v: model.apply(v, tokens).astype(jnp.float32).sum()))(half)
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree_util.tree_leaves(grads))

@@ -14,7 +14,8 @@ module under :func:`precision.with_policy`):
    (:mod:`.op_lists`: allow, deny, follow) and the float32 islands planned
    beforehand (:mod:`.islands`) give it; jit, scan, while, cond, remat,
    custom_jvp/vjp and shard_map are rewritten recursively (:mod:`.higher_order`),
-   a marked attention is made again as cuDNN's on a GPU.
+   a marked attention is made again as cuDNN's on a GPU, and ops whose derivative
+   needs a deny-listed op get it in float32 (:mod:`.derivatives`).
 3. :mod:`.transform` is the entry point: outputs back in the dtypes ``fn``
    gives them, or as values that remember their kind (for the Flax adapters and
    :func:`precision.explain`).

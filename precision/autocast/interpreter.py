@@ -35,6 +35,7 @@ import numpy as np
 from jax.extend import source_info_util
 from jax.extend.core import DropVar, Literal
 
+from precision.autocast.derivatives import HALF_WITH_FLOAT32_DERIVATIVE
 from precision.autocast.islands import demanded_vars
 from precision.autocast.op_lists import OpClass, OpLists
 from precision.autocast.program import binders
@@ -163,6 +164,9 @@ def rewrite_eqn(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
         return outputs(site, _bind_in(site, ins, F32), Kind.FULL)
     if site.region == F32 and ctx.root != F32:
         log(ctx, site, F32, REGION)
+    if site.name in HALF_WITH_FLOAT32_DERIVATIVE and site.region != F32 and not site.eqn.params:
+        (x,) = ins  # erf, erfc: half here, their derivative's exp in float32 (deny-listed in both passes)
+        return outputs(site, HALF_WITH_FLOAT32_DERIVATIVE[site.name](x.as_dtype(site.region)), Kind.HALF)
     return outputs(site, _bind_in(site, ins, site.region), Kind.HALF)
 
 

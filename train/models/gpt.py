@@ -70,6 +70,10 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: s
     impl = _implementation(q, implementation)
 
     def attend(q, k, v, impl=impl):
+        if impl is None and np.dtype(q.dtype) == np.float16 and jax.default_backend() == "cpu":
+            # jax.nn's XLA attention asks float16 logits for the F16_F16_F32 dot algorithm, which
+            # XLA:CPU cannot compile (its fallback only catches errors raised while tracing).
+            return explicit_causal_attention(q, k, v)
         return jax.nn.dot_product_attention(q, k, v, scale=1.0, is_causal=True, implementation=impl)
 
     if impl == "cudnn" and implementation is None:
@@ -80,6 +84,21 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: s
     if impl == "cudnn":
         return attend(q, k, v)  # its backward keeps q, k, v, the output and softmax statistics: no mask
     return jax.checkpoint(lambda q, k, v: attend(q, k, v, None), policy=_saves_no_masks)(q, k, v)
+
+
+def explicit_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, softmax: Any = jax.nn.softmax,
+                              dropout: Any = None, logits_dtype: Any = jnp.float32) -> jax.Array:
+    """Causal attention written out: logits (in ``logits_dtype``; ``None``: the
+    operands'), the causal mask, ``softmax`` (a :class:`Softmax` module, so rules can
+    target it), optional ``dropout`` of the probabilities, which go back to the
+    values' dtype for the second product."""
+    length = q.shape[1]
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=logits_dtype)
+    causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+    probs = softmax(jnp.where(causal, logits, jnp.finfo(logits.dtype).min))
+    if dropout is not None:
+        probs = dropout(probs)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v)
 
 
 class CausalSelfAttention(nn.Module):
@@ -106,13 +125,8 @@ class CausalSelfAttention(nn.Module):
         return nn.Dense(features, dtype=self.dtype, name="proj")(out.reshape(batch, length, features))
 
     def _attention_with_dropout(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        length = q.shape[1]
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k)
-        causal = jnp.tril(jnp.ones((length, length), dtype=bool))
-        logits = jnp.where(causal, logits, jnp.finfo(logits.dtype).min)
-        probs = Softmax(name="softmax")(logits)
-        probs = nn.Dropout(self.dropout, deterministic=False)(probs)
-        return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v)
+        return explicit_causal_attention(q, k, v, Softmax(name="softmax"),
+                                         nn.Dropout(self.dropout, deterministic=False), logits_dtype=None)
 
 
 class TransformerBlock(nn.Module):
