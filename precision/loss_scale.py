@@ -94,6 +94,14 @@ def _pytree(data_fields: tuple[str, ...], meta_fields: tuple[str, ...] = ()):
     return register
 
 
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _float32_scale(v: float | None) -> bool:
+    """A loss-scale value stored in float32: finite there too, and not negative."""
+    return v is None or (math.isfinite(v) and 0 <= v <= _F32_MAX)
+
+
 def _concrete(x: Any) -> float | None:
     try:
         return float(np.asarray(x))
@@ -170,8 +178,9 @@ class StaticLossScale:
 
     def __post_init__(self):
         value = _concrete(self.loss_scale)
-        if value is not None and not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"StaticLossScale: loss_scale must be finite and >= 0, got {value}")
+        if not _float32_scale(value):
+            raise ValueError(f"StaticLossScale: loss_scale must be finite and >= 0 in float32 (at most "
+                             f"{_F32_MAX:.4g}), got {value}")
         object.__setattr__(self, "loss_scale", _f32(self.loss_scale))
 
     def scale(self, tree: T) -> T:
@@ -261,10 +270,10 @@ class DynamicLossScale:
         scale, lo = _concrete(self.loss_scale), _concrete(self.min_loss_scale)
         hi = None if self.max_loss_scale is None else _concrete(self.max_loss_scale)
         for name, v in (("loss_scale", scale), ("min_loss_scale", lo)):
-            if v is not None and not (math.isfinite(v) and v >= 0):
-                fail(f"{name} must be finite and >= 0, got {v}")
-        if hi is not None and not (math.isfinite(hi) and hi > 0):
-            fail(f"max_loss_scale must be finite and > 0, got {hi}")
+            if not _float32_scale(v):
+                fail(f"{name} must be finite and >= 0 in float32 (at most {_F32_MAX:.4g}), got {v}")
+        if not _float32_scale(hi) or hi == 0:
+            fail(f"max_loss_scale must be finite and > 0 in float32 (at most {_F32_MAX:.4g}), got {hi}")
         if lo is not None and hi is not None and lo > hi:
             fail(f"min_loss_scale ({lo}) must not exceed max_loss_scale ({hi})")
         if scale is not None and hi is not None and scale > hi:

@@ -91,10 +91,12 @@ _KEYS = {"p": "param", "params": "param", "c": "compute", "compute": "compute",
 def _canonical(dtype: Any) -> np.dtype:
     if isinstance(dtype, str):
         return parse_dtype(dtype)
+    if dtype is None:  # np.dtype(None) is float64: never a silent default
+        raise PolicyError(f"None is not a dtype; valid: {', '.join(_VALID_DTYPE_NAMES)}")
     try:
         dt = np.dtype(dtype)
-    except TypeError as e:
-        raise PolicyError(f"{dtype!r} is not a dtype; valid: {', '.join(_VALID_DTYPE_NAMES)}") from e
+    except (TypeError, ValueError) as e:
+        raise PolicyError(f"{_short(repr(dtype))} is not a dtype; valid: {', '.join(_VALID_DTYPE_NAMES)}") from None
     if dt not in _DTYPE_NAMES:
         raise PolicyError(
             f"dtype {dt} is not a floating dtype a policy can use; valid: "
@@ -184,15 +186,28 @@ def _suggest(token: str, choices) -> str:
     return f" Did you mean {close[0]!r}?" if close else ""
 
 
+#: The longest spec or token an error message quotes whole; longer ones are cut around the error.
+_QUOTED = 80
+
+
+def _short(text: str, at: int = 0) -> str:
+    """``text`` whole when short, else a window of it around position ``at`` with ``...`` for the rest."""
+    if len(text) <= _QUOTED:
+        return text
+    start = max(0, min(at - _QUOTED // 2, len(text) - _QUOTED))
+    return ("..." if start else "") + text[start:start + _QUOTED] + ("..." if start + _QUOTED < len(text) else "")
+
+
 def _error(spec: str, token: str, position: int, what: str, choices=(), *,
            bad_dtype: bool = False) -> PolicyError:
-    where = f"at position {position}" if position >= 0 else ""
+    where = f" at position {position}" if position >= 0 else ""
     dtypes, keys = ", ".join(_VALID_DTYPE_NAMES), "p|params, c|compute, o|output"
     # jmp says "Unknown dtype" for a bad dtype: code matching that phrase keeps working.
     valid = (f"Unknown dtype: the valid ones are {dtypes}; valid keys: {keys};" if bad_dtype
              else f"Valid keys: {keys}; valid dtypes: {dtypes};")
-    msg = (f"Invalid precision policy {spec!r}: {what} {token!r} {where}.".replace("  ", " ")
-           + _suggest(token.lower(), choices)
+    shown = repr(_short(spec, position)) + (f" ({len(spec)} characters)" if len(spec) > _QUOTED else "")
+    msg = (f"Invalid precision policy {shown}: {what} {_short(token)!r}{where}."
+           + _suggest(token.lower()[:_QUOTED], choices)
            + f" {valid} presets: {', '.join(PRESETS)}."
            " Example: 'params=f32,compute=f16,output=f32'.")
     return PolicyError(msg, spec=spec, token=token, position=position)

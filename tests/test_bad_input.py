@@ -1,6 +1,8 @@
 """Bad input fails early and clearly: property tests of the policy grammar and of
 configs, and model/data mismatches caught before any compute."""
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -176,3 +178,188 @@ def test_a_config_file_that_is_not_a_config(tmp_path):
         path.write_text(text)
         with pytest.raises(ConfigError, match=message):
             load_config(path)
+
+
+# ----------------------------------------------------------------------------- everything before compute: --check
+
+
+def _sys_dir_unwritable():
+    try:
+        with open("/sys/.mp-write-probe", "w"):
+            pass
+    except OSError:
+        return True
+    os.remove("/sys/.mp-write-probe")
+    return False
+
+
+USER_FILES = {
+    "models.py": """
+import flax.linen as nn, jax.numpy as jnp
+class NoParams(nn.Module):
+    num_classes: int = 10
+    @nn.compact
+    def __call__(self, x):
+        return jnp.zeros((x.shape[0], self.num_classes)) + x.reshape(x.shape[0], -1)[:, :1]
+class IntParam(nn.Module):
+    num_classes: int = 10
+    @nn.compact
+    def __call__(self, x):
+        x = x.reshape(x.shape[0], -1)
+        w = self.param("w", lambda k, s: jnp.ones(s, jnp.int32), (x.shape[1], self.num_classes))
+        return x @ w.astype(jnp.float32)
+""",
+    "exits.py": "import sys\nsys.exit(0)\n",
+    "data.py": """
+import numpy as np
+X = np.ones((20, 4), np.float32)
+def ragged():
+    return {"train": {"inputs": [[1.0, 2.0], [1.0]], "labels": [0, 1]}, "eval": {"inputs": [[1.0, 2.0]], "labels": [0]}}
+def eval_shape():
+    return {"train": {"inputs": X, "labels": np.zeros(20, int)},
+            "eval": {"inputs": np.ones((8, 5), np.float32), "labels": np.zeros(8, int)}}
+def labels(value, num_classes=None):
+    y = np.zeros(20, int)
+    y[3] = value
+    out = {"train": {"inputs": X, "labels": y}, "eval": {"inputs": X, "labels": np.zeros(20, int)}}
+    return {**out, "num_classes": num_classes} if num_classes else out
+""",
+}
+
+
+@pytest.fixture
+def user_files(tmp_path):
+    for name, text in USER_FILES.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "afile").write_text("x")
+    return tmp_path
+
+
+def _check(args, capsys):
+    """``python -m train configs/default.yaml ARGS --check``: (exit status, stderr lines)."""
+    from train.cli import main
+
+    code = main([str(ROOT / "configs" / "default.yaml"), "progress=false", *args, "--check"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    return code, err
+
+
+CHECKED = [
+    (["workdir={d}/afile"], "workdir: {d}/afile is a file, not a directory"),
+    (["workdir={d}/afile/run"], "workdir: {d}/afile is a file, not a directory"),
+    (["workdir=''"], "workdir must not be empty"),
+    (["compile_cache={d}/afile"], "compile_cache: {d}/afile is a file, not a directory"),
+    (["data.name=synthetic", "data.input_shape=[-3]"], "data.input_shape[0] must be >= 1, got -3"),
+    (["model.hidden=[1000000000000]"], "model 'mlp' has 7.7e+13 parameters: its train state"),
+    (["data.name={d}/data.py:ragged"], "'inputs' rows differ in shape"),
+    (["data.name={d}/data.py:eval_shape", "data.batch_size=8"], "the eval split's inputs have shape (5,), the train split's (4,)"),
+    (["model.name={d}/models.py:NoParams"], "has no parameters (no 'params' collection)"),
+    (["model.name={d}/models.py:IntParam"], "has params that are not floating point (w)"),
+    (["model.name={d}/exits.py:Net"], "called sys.exit(0)"),
+    (["data.name={d}/data.py:labels", "data.options={{value: 900000000}}", "data.batch_size=8"],
+     "model 'mlp' has 2.31e+11 parameters"),
+    (["data.name={d}/data.py:labels", "data.options={{value: 12, num_classes: 10}}", "data.batch_size=8"],
+     "label 12 is outside [0, 10)"),
+    (["data.name={d}/data.py:labels", "data.options={{value: -1}}", "data.batch_size=8"], "label -1 is outside"),
+    (["optimizer.lr=.inf"], "optimizer.lr must be a finite number, got inf"),
+    (["optimizer.b1=1.5"], "optimizer.b1 must be < 1, got 1.5"),
+    (["optimizer.b2=-0.1"], "optimizer.b2 must be >= 0"),
+    (["optimizer.eps=0"], "optimizer.eps must be > 0, got 0"),
+    (["optimizer.eps=.nan"], "optimizer.eps must be > 0, got nan"),
+    (["optimizer.weight_decay=.nan"], "optimizer.weight_decay"),
+    (["optimizer.min_lr=-1"], "optimizer.min_lr must be >= 0"),
+    (["optimizer.name=sgd", "optimizer.momentum=-1"], "optimizer.momentum must be >= 0"),
+    (["model.dropout=1.5"], "model.dropout must be < 1, got 1.5"),
+    (["model.dropout=.nan"], "model.dropout must be a finite number"),
+    (["precision.initial_scale=1e39"], "precision: initial_scale must be finite and >= 0 in float32 (at most 3.403e+38), got 1e+39"),
+    (["precision.policy=mixed_bf16", "precision.growth_factor=0.5"], "precision: growth_factor must be a number > 1"),
+    (["precision.backoff_factor=2"], "precision: backoff_factor must be a number in (0, 1], got 2.0"),
+    (["precision.policy=p=f32,  c=f17"], "Invalid precision policy 'p=f32,  c=f17': unknown dtype 'f17' at position 10"),
+]
+
+
+@pytest.mark.parametrize("args, message", CHECKED, ids=[" ".join(a) for a, _ in CHECKED])
+def test_bad_input_is_one_line_exit_2_before_any_compute(args, message, user_files, capsys):
+    code, err = _check([a.format(d=user_files) for a in args], capsys)
+    assert code == 2 and len(err) == 1, err
+    assert message.format(d=user_files) in err[0] and "Traceback" not in err[0]
+
+
+@pytest.mark.skipif(not _sys_dir_unwritable(), reason="needs a directory this user cannot write (/sys)")
+@pytest.mark.parametrize("workdir", ["/sys/mp-test/run", "/sys/kernel"])
+def test_a_workdir_that_cannot_be_written_is_one_line(workdir, capsys):
+    code, err = _check([f"workdir={workdir}"], capsys)
+    assert code == 2 and len(err) == 1
+    assert re.fullmatch(rf"error: {ROOT / 'configs' / 'default.yaml'}: workdir: {workdir} is not writable "
+                        rf"\((Permission denied|Operation not permitted)\); give a directory you can write to", err[0])
+
+
+def test_check_writes_nothing_and_says_what_it_checked(tmp_path, capsys):
+    from train.cli import main
+
+    code = main([str(ROOT / "configs" / "default.yaml"), f"workdir={tmp_path / 'new' / 'run'}", "--check"])
+    assert code == 0 and capsys.readouterr().out.startswith("ok: mlp on digits")
+    assert not (tmp_path / "new").exists()
+
+
+def test_steps_per_call_far_beyond_steps_is_capped_at_the_steps_to_run(tmp_path):
+    from train import load_config, run
+
+    config = load_config(ROOT / "configs" / "default.yaml", ["steps=3", "steps_per_call=1000000", "progress=false",
+                                                              "inference_dtypes=[]", f"workdir={tmp_path}",
+                                                              "compile_cache=null"])
+    assert run(config, out=open(os.devnull, "w"))["steps"] == 3
+
+
+def test_an_unreachable_coordinator_is_one_line_naming_the_key(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = [sys.executable, "-m", "train", "configs/default.yaml", f"workdir={tmp_path}",
+            f"distributed.coordinator_address=127.0.0.1:{port}", "distributed.num_processes=2",
+            "distributed.process_id=1", "distributed.timeout_seconds=3"]
+    result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
+    assert f"distributed.coordinator_address 127.0.0.1:{port}: no coordinator answered within 3 s" in lines[0]
+
+
+# ----------------------------------------------------------------------------- generated bad configs
+
+BAD_VALUES = {
+    "optimizer.lr": ["0", "-1", ".inf", ".nan", "'x'"], "optimizer.b1": ["1", "1.5", "-0.5", ".nan"],
+    "optimizer.b2": ["1.0", "2", ".inf"], "optimizer.eps": ["0", "-1e-8", ".nan"],
+    "optimizer.weight_decay": ["-1", ".inf", ".nan"], "optimizer.min_lr": ["-0.1", ".nan"],
+    "optimizer.momentum": ["-0.5", "1", ".nan"], "optimizer.max_grad_norm": ["0", "-1", ".inf"],
+    "model.dropout": ["1", "-0.1", ".nan", "2"], "model.hidden": ["[-1]", "[1000000000000]", "[0]"],
+    "precision.initial_scale": ["1e39", "-1", ".inf"], "precision.growth_factor": ["0.5", ".nan"],
+    "precision.backoff_factor": ["0", "2", ".nan"], "precision.min_scale": ["-1", "1e39"],
+    "precision.max_scale": ["0", "1e40"], "precision.growth_interval": ["0", "-3"], "precision.hysteresis": ["0"],
+    "precision.policy": ["p=f32,,c=f16", "f17", "p=f32, c=f32 ,c=f16"], "workdir": ["''", "{d}/afile"],
+    "compile_cache": ["{d}/afile"], "data.batch_size": ["0", "-8"], "data.input_shape": ["[-1]", "[0, 4]"],
+    "steps": ["0"], "seed": ["-1"], "accum_steps": ["0"], "data.val_fraction": ["1", "0", ".nan"],
+}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(sorted(BAD_VALUES)), min_size=1, max_size=3, unique=True), st.data())
+def test_a_generated_bad_config_is_exit_2_and_one_line(keys, data):
+    """Any mix of known-bad values, through the command line: exit 2, one line on stderr, no traceback."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "afile").write_text("x")
+        args = [f"{k}={data.draw(st.sampled_from(BAD_VALUES[k]))}".format(d=d) for k in keys]
+        if "data.input_shape" in keys:
+            args.append("data.name=synthetic")
+        from train.cli import main
+        import contextlib
+        import io
+
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = main([str(ROOT / "configs" / "default.yaml"), f"workdir={d}/run", *args, "--check"])
+        lines = [line for line in err.getvalue().splitlines() if line.strip()]
+        assert code == 2 and len(lines) == 1 and "Traceback" not in lines[0], (args, lines)

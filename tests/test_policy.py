@@ -196,3 +196,28 @@ def test_non_string_specs_raise_policy_error(bad):
 def test_policy_rejects_non_float_dtypes():
     with pytest.raises(PolicyError):
         Policy(jnp.int8, jnp.float32, jnp.float32)
+
+
+def test_a_policy_error_quotes_the_spec_as_given_and_its_position_points_into_it():
+    spec = "p=f32,  c=f17"
+    with pytest.raises(PolicyError) as error:
+        get_policy(spec)
+    assert f"Invalid precision policy {spec!r}: unknown dtype 'f17' at position 10" in str(error.value)
+    assert spec[error.value.position:].startswith("f17")
+
+
+def test_a_huge_spec_gives_a_short_message_around_the_error():
+    spec = "p=f32,c=f16," + "x" * 1_000_000
+    with pytest.raises(PolicyError) as error:
+        get_policy(spec)
+    message = str(error.value)
+    assert len(message) < 1000 and f"({len(spec)} characters)" in message and error.value.position == 12
+
+
+def test_objects_that_are_not_dtypes_are_policy_errors_never_float64():
+    from unittest import mock
+
+    with pytest.raises(PolicyError, match="is not a dtype"):
+        get_policy(mock.Mock())  # looks like a jmp policy, its dtypes are not dtypes
+    with pytest.raises(PolicyError, match="None is not a dtype"):
+        Policy(None, "f32", "f32")

@@ -12,6 +12,7 @@ import typing
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import flax.linen as nn
@@ -22,6 +23,7 @@ import precision
 from train import config as config_lib
 from train.config import ConfigError
 from train.data import DATASETS, DataError, load_dataset
+from train.data.base import host_memory_bytes
 from train.data.user import from_user_function
 from train.binding import bind, mode_kwargs
 from train.models import MODELS
@@ -190,6 +192,7 @@ def check_model_fits_data(model: Any, data: Any, name: str = "model", task: Task
     except Exception as e:  # noqa: BLE001 - any failure here is a model/data mismatch
         raise ConfigError(f"model '{name}' cannot take {data.name} inputs of shape {tuple(np.shape(sample))[1:]} "
                           f"({one_line(e)}){_with_options(model_config)}") from None
+    _check_params(variables, name, model_config)
     try:
         selected = task.select(outputs)
     except UserCodeError as e:
@@ -210,6 +213,47 @@ def check_model_fits_data(model: Any, data: Any, name: str = "model", task: Task
     if tuple(selected.shape) != expected:
         raise ConfigError(f"model '{name}' outputs logits of shape {tuple(selected.shape)[1:]} for {needs}; set the "
                           f"model's num_classes / vocab_size / block_size to the data's or leave them unset")
+
+
+#: Bytes of train state per float32 param, at least: the param (or its float32 master), its
+#: gradient and an optimizer's two moments.
+TRAIN_STATE_BYTES_PER_PARAM = 16
+
+
+def _check_params(variables: Any, name: str, model_config: Any) -> None:
+    """The model has float params to train, and its train state fits in this machine's memory."""
+    params = variables.get("params") if hasattr(variables, "get") else None
+    leaves = jax.tree_util.tree_leaves_with_path(params or {})
+    if not leaves:
+        raise ConfigError(f"model '{name}' has no parameters (no 'params' collection): there is nothing to train")
+    integer = [jax.tree_util.keystr(path, simple=True, separator="/") for path, x in leaves
+               if not jnp.issubdtype(x.dtype, jnp.inexact)]
+    if integer:
+        raise ConfigError(f"model '{name}' has params that are not floating point ({', '.join(integer[:5])}): "
+                          f"gradients need floats; keep integer state in another collection "
+                          f"(self.variable('constants', ...)) or an nnx.Variable that is not a Param")
+    count = sum(int(np.prod(x.shape)) for _, x in leaves)
+    need, have = count * TRAIN_STATE_BYTES_PER_PARAM, _memory_bytes()
+    if have and need > have:
+        raise ConfigError(f"model '{name}' has {count:.3g} parameters: its train state (params or float32 masters, "
+                          f"gradients, optimizer moments) needs about {_bytes(need)}, more than the {_bytes(have)} of "
+                          f"memory here{_with_options(model_config)}")
+
+
+def _memory_bytes() -> int | None:
+    """The memory the train state can use: the local accelerators' (as they report it), else the host's RAM."""
+    devices = jax.local_devices()
+    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices if d.platform != "cpu"]
+    if limits and all(limits):
+        return int(sum(limits))
+    return host_memory_bytes()
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} bytes"
 
 
 def _with_options(model_config: Any) -> str:

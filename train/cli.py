@@ -33,11 +33,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--explain", action="store_true",
                         help="print what the precision policy does to the model (per module: param and "
                              "matmul dtypes, half-precision share, float32 islands) and exit without training")
+    parser.add_argument("--check", action="store_true",
+                        help="check everything a run checks before it computes (config, data, model, task, mesh, "
+                             "workdir) and exit without training")
     return parser
 
 
 def _fail(message: str, code: int) -> int:
-    print("error: " + " ".join(message.split()), file=sys.stderr)  # one line, no traceback
+    print("error: " + " ".join(line.strip() for line in message.splitlines()), file=sys.stderr)  # one line
     return code
 
 
@@ -66,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.explain:
         return _explain(args.config, config)
+    if args.check:
+        return _check(args.config, config)
     from train.checkpoint import CheckpointError
     from train.loop import NonFiniteError, run  # heavy imports (jax, orbax) only when training
 
@@ -79,6 +84,16 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(e), 3)
     except KeyboardInterrupt as e:
         return _fail(str(e) or "interrupted", 130)
+    return 0
+
+
+def _check(path: str, config) -> int:
+    from train.loop import check_experiment
+
+    try:
+        print("ok: " + check_experiment(config))
+    except (ConfigError, DataError) as e:
+        return _fail(f"{path}: {e}", 2)
     return 0
 
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import socket
+import time
 from typing import Any
 
 import jax
@@ -75,6 +77,8 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
                         "call train.initialize_distributed(...) first thing in your program (the CLI does)")
     if "cpu" in (os.environ.get("JAX_PLATFORMS") or "cpu").split(","):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if explicit and process_id != 0:
+        _wait_for_coordinator(coordinator_address, timeout_seconds)
     jax.distributed.initialize(coordinator_address, num_processes, process_id,
                                initialization_timeout=timeout_seconds)
     # Leave through the shutdown barrier while everything is still alive: JAX does not shut its
@@ -83,6 +87,25 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     # Registered now, it runs after the exit handlers registered later (orbax's async saves).
     atexit.register(jax.distributed.shutdown)
     return True
+
+
+def _wait_for_coordinator(address: str, timeout_seconds: float) -> None:
+    """Waits until process 0's coordinator accepts connections at ``address``; a
+    :class:`MeshError` naming it after ``timeout_seconds`` (where JAX's own client
+    would abort the process with a C++ stack trace)."""
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout_seconds
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=min(2.0, timeout_seconds)):
+                return
+        except (OSError, ValueError) as e:
+            last = e
+            time.sleep(0.25)
+    raise MeshError(f"distributed.coordinator_address {address}: no coordinator answered within {timeout_seconds} s "
+                    f"({getattr(last, 'strerror', None) or last}); process 0 must run at that address and be "
+                    f"reachable from here (distributed.timeout_seconds sets the wait)")
 
 
 def _env_int(name: str) -> int | None:

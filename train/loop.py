@@ -33,10 +33,11 @@ from train.metrics import MetricsWriter, NullWriter, Progress
 from train.state import TrainState
 from train.step import evaluate, make_eval_step, make_multi_step, make_train_step
 from train.tracker import NonFiniteError, Tracker, format_summary, model_label
-from train.workdir import RESUMABLE_CHANGES, check_same_experiment, resolved_config, write_config  # noqa: F401
+from train.workdir import (RESUMABLE_CHANGES, check_same_experiment, check_writable, resolved_config,  # noqa: F401
+                           write_config)
 
-__all__ = ["NonFiniteError", "build_experiment", "build_model", "build_optimizer", "check_model_fits_data",
-           "plan_calls", "run"]
+__all__ = ["NonFiniteError", "build_experiment", "build_model", "build_optimizer", "check_experiment",
+           "check_model_fits_data", "plan_calls", "run"]
 
 
 def run(config: ExperimentConfig, *, out: TextIO | None = None,
@@ -56,6 +57,7 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
         or none of the existing ones is intact.
     """
     out = sys.stdout if out is None else out
+    check_writable(config.workdir, "workdir", create=False)  # before anything is computed; made by _Outputs
     layout = _start_devices(config)
     if jax.process_index() != 0:
         out = io.StringIO()  # only process 0 reports
@@ -69,6 +71,25 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
     evaluator = _Evaluator(config, data, task, layout, tracker)
     state = _train(config, state, start, data, task, layout, schedule, outputs, tracker, evaluator)
     return _finish(config, state, start, task, layout, outputs, tracker, evaluator)
+
+
+def check_experiment(config: ExperimentConfig) -> str:
+    """What :func:`run` checks before it computes anything, without training: the
+    workdir (and a named compile cache) writable, the mesh fitting the devices, the
+    data, task and model fitting each other (abstractly), and the workdir holding no
+    other experiment's checkpoints. Returns a line describing the experiment.
+
+    Raises:
+      ConfigError, DataError: as :func:`run` would, before any compute.
+    """
+    workdir = check_writable(config.workdir, "workdir", create=False)
+    if config.compile_cache not in (None, "auto"):
+        check_writable(config.compile_cache, "compile_cache", create=False)
+    layout = _layout(config)
+    data, task, model = build_experiment(config)
+    check_same_experiment(workdir, resolved_config(config, model, data))
+    return (f"{model_label(config.model.name)} on {data.describe()}; policy {config.precision.policy}; "
+            f"{config.steps} steps; {_describe_layout(layout)}; workdir {workdir}")
 
 
 def build_experiment(config: ExperimentConfig) -> tuple[Any, Any, Any]:
@@ -105,10 +126,17 @@ def plan_calls(start: int, end: int, steps_per_call: int, every: tuple[int, ...]
 
 def _start_devices(config: ExperimentConfig) -> Layout:
     """The compilation cache, the processes of a multi-process run, and the device mesh."""
-    if config.compile_cache is not None:
-        compile_cache.enable(None if config.compile_cache == "auto" else config.compile_cache)
+    _start_compile_cache(config.compile_cache)
     try:
         initialize_distributed(**config.distributed.model_dump())
+    except MeshError as e:
+        raise ConfigError(str(e)) from None
+    return _layout(config)
+
+
+def _layout(config: ExperimentConfig) -> Layout:
+    """The device mesh the config asks for, checked against the devices and the batch sizes."""
+    try:
         layout = Layout(make_mesh(config.mesh.data, config.mesh.fsdp), config.mesh.fsdp_min_size)
         layout.check_batch_size(config.data.batch_size)
         layout.check_batch_size(config.data.eval_batch_size, "data.eval_batch_size")
@@ -117,16 +145,30 @@ def _start_devices(config: ExperimentConfig) -> Layout:
     return layout
 
 
+def _start_compile_cache(setting: str | None) -> None:
+    """The persistent compilation cache ``compile_cache`` names; ``auto`` goes without
+    one where its default directory cannot be written, a named one must be writable."""
+    if setting is None:
+        return
+    directory = compile_cache.default_dir() if setting == "auto" else setting
+    if directory is None:
+        return
+    try:
+        compile_cache.enable(check_writable(str(directory), "compile_cache"))
+    except ConfigError:
+        if setting != "auto":
+            raise
+
+
 class _Outputs:
     """What a run writes to its workdir (``config.yaml``, metrics records and
     checkpoints; process 0 all but its checkpoint shards) and to the console."""
 
     def __init__(self, config: ExperimentConfig, resolved: dict, out: TextIO,
                  on_record: Callable[[dict], None] | None):
-        self.workdir = os.path.abspath(config.workdir)
+        self.workdir = check_writable(config.workdir, "workdir")
         self.resolved, self.out, self.on_record = resolved, out, on_record
         primary = jax.process_index() == 0
-        os.makedirs(self.workdir, exist_ok=True)
         if primary:
             write_config(self.workdir, resolved)
         self.writer = MetricsWriter(self.workdir) if primary else NullWriter()
@@ -210,7 +252,7 @@ def _train(config: ExperimentConfig, state: TrainState, start: int, data: Any, t
     stop checkpoints the state first (skipped steps never change params)."""
     train_step = make_train_step(accum_steps=config.accum_steps, learning_rate_fn=schedule, layout=layout,
                                  task=task)
-    per_call = config.steps_per_call
+    per_call = _steps_per_call(config, start)
     step_fn = make_multi_step(train_step, per_call) if per_call > 1 else (lambda s, b, _: train_step(s, b))
     calls = plan_calls(start, config.steps, per_call, (config.eval_every, config.checkpoint_every))
     batch_size = config.data.batch_size * config.accum_steps
@@ -239,7 +281,7 @@ def _train_calls(config: ExperimentConfig, holder: list, start: int, step_fn: Ca
     """The device calls of :func:`plan_calls`, their metrics read once per log
     interval (the device always has a call queued), checkpoints and evaluations
     on their steps. ``holder[0]`` is the newest state."""
-    per_call = config.steps_per_call
+    per_call = _steps_per_call(config, start)
     pending: list[tuple[int, int | None, Any]] = []  # dispatched calls whose metrics are still on the device
     observed = start
     for first, n in plan_calls(start, config.steps, per_call, (config.eval_every, config.checkpoint_every)):
@@ -286,6 +328,11 @@ def _finish(config: ExperimentConfig, state: TrainState, start: int, task: Any, 
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _steps_per_call(config: ExperimentConfig, start: int) -> int:
+    """``steps_per_call``, at most the steps this run trains (a call's batches are stacked)."""
+    return max(1, min(config.steps_per_call, config.steps - start))
 
 
 def _train_inputs(data: Any, calls: Iterator[tuple[int, int]], per_call: int, batch_size: int, seed: int

@@ -69,6 +69,9 @@ def _import(module_name: str, key: str) -> Any:
                                 f"directory to PYTHONPATH, or write a file path such as path/to/file.py:Name"
                                 ) from None
         raise UserCodeError(f"{key}: importing {module_name} failed: {one_line(e)}") from None
+    except SystemExit as e:
+        raise UserCodeError(f"{key}: importing {module_name} called sys.exit({e.code!r}); a module a config names "
+                            f"must not exit when imported (move that code under if __name__ == '__main__')") from None
     except Exception as e:  # noqa: BLE001 - the user's module raised while importing
         raise UserCodeError(f"{key}: importing {module_name} failed: {one_line(e)}") from None
 
@@ -88,6 +91,10 @@ def _load_file(path: str, key: str) -> Any:
         sys.path.append(directory)  # the file's own imports of its neighbours
     try:
         spec.loader.exec_module(module)
+    except SystemExit as e:
+        del sys.modules[module_name]
+        raise UserCodeError(f"{key}: importing {path} called sys.exit({e.code!r}); a file a config names must not "
+                            f"exit when imported (move that code under if __name__ == '__main__')") from None
     except Exception as e:  # noqa: BLE001 - the user's file raised while importing
         del sys.modules[module_name]
         raise UserCodeError(f"{key}: importing {path} failed: {one_line(e)}") from None

@@ -4,6 +4,7 @@ and the check that refuses to resume checkpoints of a different one."""
 from __future__ import annotations
 
 import os
+import tempfile
 from typing import Any
 
 import yaml
@@ -13,7 +14,7 @@ from train.builders import model_options
 from train.config import ConfigError, ExperimentConfig
 from train.models import MODELS
 
-__all__ = ["RESUMABLE_CHANGES", "resolved_config", "check_same_experiment", "write_config"]
+__all__ = ["RESUMABLE_CHANGES", "check_writable", "resolved_config", "check_same_experiment", "write_config"]
 
 #: Config keys that may change between a run and its resumption.
 RESUMABLE_CHANGES = ("steps", "steps_per_call", "workdir", "compile_cache", "log_every", "eval_every",
@@ -22,6 +23,29 @@ RESUMABLE_CHANGES = ("steps", "steps_per_call", "workdir", "compile_cache", "log
                      "data.eval_batches", "data.prefetch", "data.path", "mesh.data", "mesh.fsdp",
                      "mesh.fsdp_min_size", "distributed.coordinator_address", "distributed.num_processes",
                      "distributed.process_id", "distributed.cluster_detect", "distributed.timeout_seconds")
+
+
+def check_writable(directory: str, key: str, create: bool = True) -> str:
+    """``directory`` (made absolute) once a file could be written there, created if
+    missing (``create=False``: its nearest existing parent is tried instead, and
+    nothing is left behind); else :class:`ConfigError` naming ``key``, the path and
+    the cause (a file in the way, a parent that cannot be created, a read-only
+    filesystem, no permission)."""
+    directory = os.path.abspath(os.path.expanduser(directory))
+    existing = directory
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"{key}: {existing} is a file, not a directory; give a directory")
+    try:
+        if create:
+            os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory if create else existing, prefix=".write-check-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{key}: {directory} is not writable ({e.strerror or e}); give a directory you can write "
+                          f"to") from None
+    return directory
 
 
 def resolved_config(config: ExperimentConfig, model: Any, data: Any) -> dict:

@@ -65,6 +65,10 @@ def error_message(error: dict, root: type[BaseModel], prefix: tuple = ()) -> str
         return f"{where}: keys must be strings, got {value!r}"
     if kind == "literal_error":
         return f"{key}: unknown value {value!r}; valid: {ctx['expected'].replace(chr(39), '').replace(' or ', ', ')}"
+    if kind in ("string_too_short", "string_pattern_mismatch"):
+        return f"{key} must not be empty, got {value!r}"
+    if kind == "finite_number":
+        return f"{key} must be a finite number, got {value!r}"
     if kind in _BOUNDS:
         op, name = _BOUNDS[kind]
         return f"{key} must be {op} {ctx[name]:g}, got {value!r}"

@@ -17,7 +17,7 @@ from train.models import MODELS
 from train.references import is_reference
 
 __all__ = ["Optimizer", "Schedule", "InferenceDtype", "OPTIMIZERS", "SCHEDULES", "INFERENCE_DTYPES", "TASKS",
-           "CLASS_REFERENCE", "FUNCTION_REFERENCE", "Number", "Count", "NonNegative", "ModelName", "DataName", "Task",
+           "CLASS_REFERENCE", "FUNCTION_REFERENCE", "Number", "Fraction", "Count", "NonNegative", "ModelName", "DataName", "Task",
            "model_fields", "options_schema"]
 
 Optimizer = Literal["adam", "adamw", "sgd", "lion"]
@@ -37,7 +37,8 @@ def _yaml_number(value: Any) -> Any:
         return value
 
 
-Number = Annotated[float, BeforeValidator(_yaml_number)]
+Number = Annotated[float, BeforeValidator(_yaml_number), Field(allow_inf_nan=False)]  # finite
+Fraction = Annotated[Number, Field(ge=0, lt=1)]  # a rate or a decay: [0, 1)
 Count = Annotated[int, Field(ge=1)]
 NonNegative = Annotated[int, Field(ge=0)]
 
@@ -87,7 +88,10 @@ def options_schema(name: str) -> type[BaseModel]:
     """A pydantic model of ``name`` and the fields of built-in model ``name``."""
     fields: dict[str, Any] = {"name": (str, name)}
     for key, (tp, default) in model_fields(name).items():
-        tp = Annotated[Any, AfterValidator(_floating_dtype)] if key == "dtype" else Number if tp is float else tp
+        if key == "dtype":
+            tp = Annotated[Any, AfterValidator(_floating_dtype)]
+        elif tp is float:
+            tp = Fraction if key == "dropout" else Number
         fields[key] = (tp, default)
     config = ConfigDict(extra="forbid", strict=True, arbitrary_types_allowed=True)
     return create_model(f"{MODELS[name].__name__}Fields", __config__=config, **fields)

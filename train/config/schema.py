@@ -18,6 +18,7 @@ to us. Fields are strict (``"10"`` is not an integer, ``1`` is not ``true``),
 except that numbers accept YAML 1.1's ``1e-3`` strings.
 """
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, field_validator,
@@ -26,7 +27,8 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr
 import precision
 from train.config.errors import ConfigError, error_message, invalid
 from train.config.fields import (CLASS_REFERENCE, FUNCTION_REFERENCE, INFERENCE_DTYPES, OPTIMIZERS, SCHEDULES, Count,
-                                 DataName, InferenceDtype, ModelName, NonNegative, Number, Optimizer, Schedule, Task,
+                                 DataName, Fraction, InferenceDtype, ModelName, NonNegative, Number, Optimizer, Schedule,
+                                 Task,
                                  options_schema)
 from train.data import DATASETS
 from train.models import MODELS
@@ -104,7 +106,7 @@ class DataConfig(_Schema):
                                                               "(text datasets)")
     num_train: Count = Field(4096, description="training examples (synthetic datasets)")
     num_test: Count = Field(1024, description="test examples (synthetic datasets)")
-    input_shape: list[int] = Field([32], description="shape of one input (synthetic)")
+    input_shape: list[Count] = Field([32], description="shape of one input (synthetic)")
     num_classes: Count = Field(10, description="classes, or vocabulary size for synthetic_text (synthetic datasets)")
     prefetch: NonNegative = Field(2, description="batches kept in flight to the device (0: none)")
 
@@ -121,12 +123,12 @@ class OptimizerConfig(_Schema):
     lr: Number = Field(1e-3, gt=0, description="peak learning rate")
     schedule: Schedule = Field("constant", description=f"learning-rate schedule after warmup: {', '.join(SCHEDULES)}")
     warmup_steps: NonNegative = Field(0, description="linear warmup from 0 over this many steps")
-    min_lr: Number = Field(0.0, description="final learning rate of the cosine and linear schedules")
-    weight_decay: Number = Field(0.0, description="decoupled weight decay (adamw, lion, sgd)")
-    b1: Number = Field(0.9, description="first-moment decay (adam, adamw, lion)")
-    b2: Number = Field(0.999, description="second-moment decay (adam, adamw, lion)")
-    eps: Number = Field(1e-8, description="denominator epsilon (adam, adamw)")
-    momentum: Number = Field(0.9, description="momentum (sgd; 0 for none)")
+    min_lr: Number = Field(0.0, ge=0, description="final learning rate of the cosine and linear schedules")
+    weight_decay: Number = Field(0.0, ge=0, description="decoupled weight decay (adamw, lion, sgd)")
+    b1: Fraction = Field(0.9, description="first-moment decay, in [0, 1) (adam, adamw, lion)")
+    b2: Fraction = Field(0.999, description="second-moment decay, in [0, 1) (adam, adamw, lion)")
+    eps: Number = Field(1e-8, gt=0, description="denominator epsilon (adam, adamw)")
+    momentum: Fraction = Field(0.9, description="momentum, in [0, 1) (sgd; 0 for none)")
     nesterov: bool = Field(False, description="Nesterov momentum (sgd)")
     max_grad_norm: Number | None = Field(None, gt=0, description="clip unscaled gradients to this global norm "
                                                                  "(null: off)")
@@ -230,7 +232,7 @@ class DistributedConfig(_Schema):
 
 class ExperimentConfig(_Schema):
     seed: NonNegative = Field(0, description="seed of params, dropout and data order")
-    workdir: str = Field("runs/default", description="where metrics, config, checkpoints and TensorBoard files go")
+    workdir: str = Field("runs/default", min_length=1, pattern=r"\S", description="where metrics, config, checkpoints and TensorBoard files go")
     steps: Count = Field(1000, description="optimizer steps to train to (a larger value continues a finished run)")
     accum_steps: Count = Field(1, description="micro-batches accumulated per optimizer step")
     steps_per_call: Count = Field(1, description="train steps per device call: more (e.g. 50) for a model whose "
@@ -290,16 +292,24 @@ def build_loss_scale(p: PrecisionConfig) -> precision.LossScale:
         auto = precision.get_loss_scale("auto", p.policy)
         kind = "dynamic" if isinstance(auto, precision.DynamicLossScale) else "none"
     try:
+        # Checked whatever the kind: a setting given is a valid setting, also when auto resolves to none.
+        dynamic = precision.DynamicLossScale(
+            p.initial_scale, period=p.growth_interval, factor=p.growth_factor, min_loss_scale=p.min_scale,
+            backoff_factor=p.backoff_factor, max_loss_scale=p.max_scale, hysteresis=p.hysteresis)
         if kind == "dynamic":
-            return precision.DynamicLossScale(
-                p.initial_scale, period=p.growth_interval, factor=p.growth_factor,
-                min_loss_scale=p.min_scale, backoff_factor=p.backoff_factor, max_loss_scale=p.max_scale,
-                hysteresis=p.hysteresis)
+            return dynamic
         return precision.get_loss_scale(kind, p.policy, initial_scale=p.initial_scale)
     except ValueError as e:
-        names = {"period": "growth_interval", "factor": "growth_factor", "min_loss_scale": "min_scale",
-                 "max_loss_scale": "max_scale", "loss_scale": "initial_scale", "DynamicLossScale: ": ""}
-        message = str(e)
-        for old, new in names.items():
-            message = message.replace(old, new)
-        raise ConfigError(f"precision: {message}") from None
+        raise ConfigError(f"precision: {_config_names(str(e))}") from None
+
+
+#: The loss scales' argument names, as the precision section names them.
+_CONFIG_NAMES = ((r"\bmin_loss_scale\b", "min_scale"), (r"\bmax_loss_scale\b", "max_scale"),
+                 (r"\bloss_scale\b", "initial_scale"), (r"\bperiod\b", "growth_interval"),
+                 (r"\bfactor\b", "growth_factor"), (r"^(Dynamic|Static)LossScale: ", ""))
+
+
+def _config_names(message: str) -> str:
+    for pattern, name in _CONFIG_NAMES:
+        message = re.sub(pattern, name, message)
+    return message

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 from typing import Any, Callable, Iterator
 
 import jax
@@ -19,6 +20,14 @@ Batch = dict[str, np.ndarray]
 
 class DataError(ValueError):
     """A dataset could not be found or read; the message says how to get it."""
+
+
+def host_memory_bytes() -> int | None:
+    """This machine's RAM (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 @dataclasses.dataclass

@@ -41,7 +41,7 @@ class _Split:
     def __init__(self, split: Any, where: str):
         self.where = where
         if isinstance(split, dict):
-            arrays = {k: np.asarray(v) for k, v in split.items()}
+            arrays = {k: _rows(v, f"{where}: {k!r}") for k, v in split.items()}
             sizes = {k: (len(v) if v.ndim else None) for k, v in arrays.items()}
             if len(set(sizes.values())) != 1 or None in sizes.values():
                 raise DataError(f"{where}: every array needs one row per example; got rows {sizes}")
@@ -65,7 +65,45 @@ class _Split:
         examples = [self.source[int(i)] for i in indices]
         if not all(isinstance(e, dict) for e in examples):
             raise DataError(f"{self.where}: source[i] must be a dict of arrays, got {type(examples[0]).__name__}")
-        return {k: np.stack([np.asarray(e[k]) for e in examples]) for k in examples[0]}
+        try:
+            return {k: np.stack([np.asarray(e[k]) for e in examples]) for k in examples[0]}
+        except (ValueError, KeyError) as e:
+            shapes = sorted({str({k: np.shape(v) for k, v in x.items()}) for x in examples})[:3]
+            raise DataError(f"{self.where}: examples differ in keys or shapes ({one_line(e)}); every example "
+                            f"needs the same keys and shapes, e.g. {'; '.join(shapes)}") from None
+
+
+def _rows(values: Any, where: str) -> np.ndarray:
+    """``values`` as an array with one row per example; ragged rows are an error."""
+    try:
+        return np.asarray(values)
+    except ValueError:
+        lengths = sorted({np.shape(v) for v in values}, key=str)[:4] if hasattr(values, "__iter__") else []
+        raise DataError(f"{where} rows differ in shape (e.g. {', '.join(map(str, lengths))}): pad or crop them to "
+                        f"one shape") from None
+
+
+def _check_splits_agree(train: "_Split", evaluation: "_Split", name: str) -> None:
+    """The eval examples have the train examples' keys' shapes (the model takes both)."""
+    for key in ("inputs", "labels"):
+        if key in train.example and key in evaluation.example:
+            a, b = np.shape(train.example[key]), np.shape(evaluation.example[key])
+            if a != b:
+                raise DataError(f"{name}: the eval split's {key} have shape {b}, the train split's {a}; the model "
+                                f"takes both, so they must agree")
+
+
+def _check_labels(splits: tuple["_Split", ...], num_classes: int, name: str) -> None:
+    """Integer labels in ``[0, num_classes)`` (of arrays: all; of a source: its first example)."""
+    for split in splits:
+        labels = split.arrays["labels"] if split.arrays is not None else np.asarray(split.example["labels"])
+        if labels.size == 0 or not np.issubdtype(labels.dtype, np.integer):
+            continue
+        low, high = int(np.min(labels)), int(np.max(labels))
+        if low < 0 or high >= num_classes:
+            bad = low if low < 0 else high
+            raise DataError(f"{split.where}: label {bad} is outside [0, {num_classes}) for num_classes={num_classes}; "
+                            f"labels must be class indices")
 
 
 class UserData:
@@ -77,6 +115,7 @@ class UserData:
         self.train = _Split(train, f"{name}: train split")
         self.eval = _Split(evaluation, f"{name}: eval split")
         self._order = EpochOrder(self.train.size, name)
+        _check_splits_agree(self.train, self.eval, name)
         self.task = task or _infer_task(self.train.example)
         if num_classes is None and self.task is not None:
             splits = (self.train.arrays, self.eval.arrays)
@@ -84,6 +123,8 @@ class UserData:
                 raise DataError(f"{name}: give num_classes with a {self.task} source (sources are not scanned "
                                 f"for their largest label)")
             num_classes = int(max(np.max(arrays["labels"]) for arrays in splits)) + 1
+        if num_classes is not None and self.task is not None:
+            _check_labels((self.train, self.eval), num_classes, name)
         self.num_classes = num_classes
 
     @property
