@@ -95,7 +95,7 @@ def _canonical(dtype: Any) -> np.dtype:
         raise PolicyError(f"None is not a dtype; valid: {', '.join(_VALID_DTYPE_NAMES)}")
     try:
         dt = np.dtype(dtype)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError):
         raise PolicyError(f"{_short(repr(dtype))} is not a dtype; valid: {', '.join(_VALID_DTYPE_NAMES)}") from None
     if dt not in _DTYPE_NAMES:
         raise PolicyError(

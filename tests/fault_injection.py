@@ -10,6 +10,9 @@ FAULT is one of:
   file-size-limit     once the checkpoint of STEP is on disk, limit the size of
                       any file this process writes to 16 KiB (RLIMIT_FSIZE), so
                       the next checkpoint write fails as on a full disk
+  read-only           once the checkpoint of STEP is on disk, remount the
+                      checkpoint directory read-only (it must be the mount point
+                      of a tmpfs this process may remount)
 """
 
 import os
@@ -68,6 +71,20 @@ def main() -> int:
             return out
 
         checkpoint.Checkpointer.save = limiting_save
+    elif fault == "read-only":
+        import subprocess
+
+        save = checkpoint.Checkpointer.save
+
+        def save_then_lose_write_access(self, state, meta):
+            out = save(self, state, meta)
+            if out == step:
+                self.wait()
+                mount_point = self.directory
+                subprocess.run(["mount", "-o", "remount,ro", mount_point], check=True)
+            return out
+
+        checkpoint.Checkpointer.save = save_then_lose_write_access
     else:
         raise SystemExit(f"unknown fault {fault!r}\n{__doc__}")
     from train.cli import main as cli

@@ -190,7 +190,22 @@ def _delete_metadata(ckpt: Path) -> None:
     (ckpt / "state" / "_METADATA").unlink()
 
 
-@pytest.mark.parametrize("corrupt", [_truncate, _flip_bytes, _garble_meta, _delete_metadata])
+def _flip_bytes_and_drop_the_fingerprint(ckpt: Path) -> None:
+    """A double fault: corrupted arrays, and the record that would show it lost."""
+    import json
+
+    _flip_bytes(ckpt)
+    meta = json.loads((ckpt / "meta" / "metadata").read_text())
+    del meta["fingerprint"]
+    (ckpt / "meta" / "metadata").write_text(json.dumps(meta))
+
+
+def _delete_manifest(ckpt: Path) -> None:
+    (ckpt / "state" / "manifest.ocdbt").unlink()
+
+
+@pytest.mark.parametrize("corrupt", [_truncate, _flip_bytes, _garble_meta, _delete_metadata,
+                                     _flip_bytes_and_drop_the_fingerprint, _delete_manifest])
 def test_a_corrupted_latest_checkpoint_is_reported_set_aside_and_the_previous_one_used(tmp_path, straight, corrupt):
     workdir = tmp_path / "run"
     run(from_dict(_raw(workdir, steps=8)), out=open(os.devnull, "w"))
@@ -203,6 +218,19 @@ def test_a_corrupted_latest_checkpoint_is_reported_set_aside_and_the_previous_on
     assert "resuming from the checkpoint at step 4" in text
     assert [r["step"] for r in records if r["kind"] == "checkpoint_corrupt"] == [8]
     assert [p.name.split("-")[0] for p in (workdir / "checkpoints.corrupt").iterdir()] == ["8"]  # kept, not deleted
+    assert_bitwise_equal(saved_leaves(workdir)[1], straight)
+
+
+def test_a_checkpoint_without_its_manifest_falls_back_quietly_through_the_cli(tmp_path, straight):
+    """The fallback says one warning line; what orbax says while it fails goes to WORKDIR/train.log."""
+    workdir = tmp_path / "run"
+    config = _config_file(tmp_path, workdir, steps=8)
+    assert _cli([config]).returncode == 0
+    _delete_manifest(workdir / "checkpoints" / "8")
+    resumed = _cli([_config_file(tmp_path, workdir)])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "Traceback" not in resumed.stderr and "Event loop is closed" not in resumed.stderr, resumed.stderr[-3000:]
+    assert "falling back to the previous checkpoint" in resumed.stdout
     assert_bitwise_equal(saved_leaves(workdir)[1], straight)
 
 
@@ -264,6 +292,8 @@ def test_a_failed_checkpoint_write_stops_clearly_and_keeps_the_earlier_ones(tmp_
     message = " ".join(result.stderr.split())  # the CLI wraps its paragraph
     assert "error: could not write the checkpoint at step 8" in message and "Checkpoints still intact: 4" in message
     assert "File too large" in message and str(ROOT / "train") not in message
+    assert len(result.stderr.splitlines()) == 1 and "Traceback" not in result.stderr  # the libraries' noise: a file
+    assert (workdir / "train.log").exists()
     assert not _unfinished(workdir)  # the partial write is cleaned up
     assert sorted(os.listdir(workdir / "checkpoints")) == ["4"]
     resumed = _cli([config])  # space is back: resume and finish
@@ -274,9 +304,30 @@ def test_a_failed_checkpoint_write_stops_clearly_and_keeps_the_earlier_ones(tmp_
 def _can_mount_tmpfs(where: Path) -> bool:
     if os.geteuid() != 0 or shutil.which("mount") is None:
         return False
-    where.mkdir()
+    where.mkdir(exist_ok=True)
     return subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(where)],
                           capture_output=True).returncode == 0
+
+
+def test_a_checkpoint_directory_that_turns_read_only_stops_the_run_in_seconds(tmp_path, straight):
+    """The checkpoint directory remounted read-only after the checkpoint at step 4 (needs root): one line
+    naming the directory, the cause and the intact checkpoints, exit 3, within seconds (not orbax's 300 s)."""
+    workdir = tmp_path / "ro"
+    workdir.mkdir()
+    if not _can_mount_tmpfs(workdir / "checkpoints"):
+        pytest.skip("needs root to mount a tmpfs it can remount read-only")
+    try:
+        started = time.monotonic()
+        result = _cli([_config_file(tmp_path, workdir)], ("read-only", "4"))
+        assert time.monotonic() - started < 60
+        assert result.returncode == 3, result.stderr[-3000:]
+        assert len(result.stderr.splitlines()) == 1, result.stderr[-3000:]
+        assert (f"could not write the checkpoint at step 8 to {workdir / 'checkpoints'}: [Errno 30] Read-only file "
+                f"system") in result.stderr
+        assert "Checkpoints still intact: 4" in result.stderr and f"Make {workdir / 'checkpoints'} writable again" \
+            in result.stderr
+    finally:
+        subprocess.run(["umount", str(workdir / "checkpoints")], capture_output=True)
 
 
 def test_a_really_full_disk(tmp_path):

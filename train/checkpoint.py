@@ -17,13 +17,19 @@ Faults, and what they cost:
   it is moved aside to ``checkpoints.corrupt/`` (kept, never deleted) and the
   previous one is used;
 * a failed write (disk full, permissions) raises :class:`CheckpointError` naming
-  the directory and the steps still intact; the unfinished write is removed.
+  the directory, the cause and the steps still intact; the unfinished write is
+  removed. A directory that can no longer be written (read-only, permissions
+  lost) is found before orbax starts its asynchronous write, which would wait
+  minutes for a directory it cannot create.
 """
 
 from __future__ import annotations
 
+import errno
 import glob
 import os
+import re
+import tempfile
 import shutil
 import time
 from typing import Any, Callable
@@ -120,6 +126,11 @@ class Checkpointer:
         self.wait()
         if step in self._manager.all_steps():
             return step
+        try:  # before orbax's asynchronous save, whose threads wait minutes for a directory they cannot create
+            with tempfile.NamedTemporaryFile(dir=self.directory, prefix=".write-check-"):
+                pass
+        except OSError as e:
+            self._write_failed(step, e)
         ocp = self._ocp
         arrays = _arrays(state)
         record = dict(meta, step=step, fingerprint=fingerprint(arrays))
@@ -145,7 +156,8 @@ class Checkpointer:
 
     def _write_failed(self, step: int | None, error: Exception) -> None:
         self._pending = None
-        for partial in glob.glob(os.path.join(self.directory, f"{step}.orbax-checkpoint-tmp*")):
+        partials = glob.glob(os.path.join(self.directory, f"{step}.orbax-checkpoint-tmp*"))
+        for partial in partials:
             if jax.process_index() == 0:
                 shutil.rmtree(partial, ignore_errors=True)
         self._manager.reload()
@@ -154,8 +166,8 @@ class Checkpointer:
         raise CheckpointError(
             f"could not write the checkpoint at step {step} to {self.directory}: {_short(error)}. "
             f"{free / 2 ** 20:,.1f} MiB free there. Checkpoints still intact: "
-            f"{', '.join(map(str, intact)) or 'none'}; the unfinished write was removed. Free some space "
-            f"(or set workdir=...) and rerun the same command to resume"
+            f"{', '.join(map(str, intact)) or 'none'}{'; the unfinished write was removed' if partials else ''}. "
+            f"{_remedy(error, self.directory)} (or set workdir=...) and rerun the same command to resume"
             + (f" from step {intact[-1]}." if intact else "."))
 
     def restore(self, template: TrainState, step: int | None = None) -> tuple[TrainState, dict[str, Any]]:
@@ -187,12 +199,13 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001
             raise _Corrupt(f"checkpoint {where} cannot be read: {_short(e)}") from None
         expected = meta.get("fingerprint")
-        if expected is not None:
-            actual = fingerprint(state)
-            bad = [name for name in actual if expected.get(name) != actual[name]]
-            if bad:
-                raise _Corrupt(f"checkpoint {where} is corrupted: {len(bad)} of {len(actual)} arrays differ from "
-                               f"what was saved ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
+        if not isinstance(expected, dict):  # lost with its record: nothing proves the arrays are what was saved
+            raise _Corrupt(f"checkpoint {where} has no fingerprint record, so its arrays cannot be checked")
+        actual = fingerprint(state)
+        bad = [name for name in actual if expected.get(name) != actual[name]]
+        if bad:
+            raise _Corrupt(f"checkpoint {where} is corrupted: {len(bad)} of {len(actual)} arrays differ from "
+                           f"what was saved ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
         return template.replace(**state), meta
 
     def restore_latest_good(self, template: TrainState, on_corrupt: Callable[[int, str], None] | None = None
@@ -261,7 +274,19 @@ def _check_matches(saved: Any, abstract: Any, where: str) -> None:
                               f"({'; '.join(parts)}); use another workdir for a different experiment")
 
 
+def _remedy(error: Exception, directory: str) -> str:
+    """What to do about a failed write, by its cause."""
+    code, text = getattr(error, "errno", None), str(error)
+    if code in (errno.EROFS, errno.EACCES, errno.EPERM) or any(
+            s in text for s in ("Read-only file system", "Permission denied", "Operation not permitted")):
+        return f"Make {directory} writable again"
+    return "Free some space"
+
+
 def _short(error: Exception) -> str:
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     text = text.split(" See full TensorStore details")[0]
+    cause = re.search(r"([A-Z][^:\[]*?)\s*\[os_error_code='(\d+)'\]", text)  # TensorStore's OS error, at the end
+    if cause:
+        text = f"{cause.group(1)} [Errno {cause.group(2)}]: {text}"
     return text if len(text) <= 300 else text[:300] + " ..."

@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
 
     Exit status: 0 done, 2 bad config or data (nothing was computed), 1
     training stopped on non-finite gradients (last good state saved), 3 a
-    checkpoint could not be written or no intact one could be read (earlier ones
-    kept), 130 interrupted (checkpoint saved).
+    checkpoint or the metrics could not be written, or no intact checkpoint could
+    be read (earlier ones kept), 130 interrupted (checkpoint saved).
     """
     args = _parser().parse_intermixed_args(argv)
     if not args.print_config:
@@ -73,18 +73,27 @@ def main(argv: list[str] | None = None) -> int:
         return _check(args.config, config)
     from train.checkpoint import CheckpointError
     from train.loop import NonFiniteError, run  # heavy imports (jax, orbax) only when training
+    from train.metrics import OutputError
 
     try:
         run(config)
     except (ConfigError, DataError) as e:
         return _fail(f"{args.config}: {e}", 2)
     except NonFiniteError as e:
-        return _fail(str(e), 1)
-    except CheckpointError as e:
-        return _fail(str(e), 3)
+        return _stopped(config, str(e), 1)
+    except (CheckpointError, OutputError) as e:
+        return _stopped(config, str(e), 3)
     except KeyboardInterrupt as e:
-        return _fail(str(e) or "interrupted", 130)
+        return _stopped(config, str(e) or "interrupted", 130)
     return 0
+
+
+def _stopped(config, message: str, code: int) -> int:
+    """A run that stopped: its one line; what libraries say while the process ends goes to the workdir's log."""
+    from train.library_log import to_file_until_exit
+
+    to_file_until_exit(config.workdir)
+    return _fail(message, code)
 
 
 def _check(path: str, config) -> int:

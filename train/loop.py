@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, TextIO
 
 import jax
 
-from train import compile_cache
+from train import compile_cache, library_log
 from train.builders import (build_data, build_model, build_optimizer, build_task, build_train_state,  # noqa: F401
                             check_model_fits_data)
 from train.checkpoint import CheckpointError, Checkpointer
@@ -29,7 +29,7 @@ from train.config import ConfigError, ExperimentConfig
 from train.data import prefetch_to_device, train_batch_stack
 from train.distributed import Layout, MeshError, host_rows, initialize_distributed, make_mesh, to_host
 from train.inference import inference_report
-from train.metrics import MetricsWriter, NullWriter, Progress
+from train.metrics import MetricsWriter, NullWriter, OutputError, Progress
 from train.state import TrainState
 from train.step import evaluate, make_eval_step, make_multi_step, make_train_step
 from train.tracker import NonFiniteError, Tracker, format_summary, model_label
@@ -66,11 +66,12 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
     check_same_experiment(os.path.abspath(config.workdir), resolved)
     state, schedule = build_train_state(config, model, data, layout)
     outputs = _Outputs(config, resolved, out, on_record)
-    state, start = _restore(outputs, state)
-    tracker = _start_tracking(config, state, start, data, task, layout, outputs)
-    evaluator = _Evaluator(config, data, task, layout, tracker)
-    state = _train(config, state, start, data, task, layout, schedule, outputs, tracker, evaluator)
-    return _finish(config, state, start, task, layout, outputs, tracker, evaluator)
+    with library_log.to_file(outputs.library_log):  # libraries' logs and warnings: not the terminal
+        state, start = _restore(outputs, state)
+        tracker = _start_tracking(config, state, start, data, task, layout, outputs)
+        evaluator = _Evaluator(config, data, task, layout, tracker)
+        state = _train(config, state, start, data, task, layout, schedule, outputs, tracker, evaluator)
+        return _finish(config, state, start, task, layout, outputs, tracker, evaluator)
 
 
 def check_experiment(config: ExperimentConfig) -> str:
@@ -172,6 +173,7 @@ class _Outputs:
         if primary:
             write_config(self.workdir, resolved)
         self.writer = MetricsWriter(self.workdir) if primary else NullWriter()
+        self.library_log = os.path.join(self.workdir, "train.log" if primary else f"train.{jax.process_index()}.log")
         self.checkpoints = Checkpointer(os.path.join(self.workdir, "checkpoints"), config.keep_checkpoints)
 
     def record(self, record: dict) -> None:
@@ -268,7 +270,7 @@ def _train(config: ExperimentConfig, state: TrainState, start: int, data: Any, t
         raise KeyboardInterrupt(saved) from None
     except NonFiniteError as e:
         raise NonFiniteError(str(e) + _save_last_good(outputs, holder[0], tracker)) from None
-    except CheckpointError:
+    except (CheckpointError, OutputError):
         outputs.writer.close()
         raise
     finally:
@@ -321,8 +323,13 @@ def _finish(config: ExperimentConfig, state: TrainState, start: int, task: Any, 
     outputs.writer.close()
     summary = tracker.summary(state, eval_metrics, report, start, outputs.workdir)
     if jax.process_index() == 0:
-        with open(os.path.join(outputs.workdir, "summary.json"), "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=2)
+        path = os.path.join(outputs.workdir, "summary.json")
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(summary, f, indent=2)
+        except OSError as e:
+            raise OutputError(f"could not write {path}: {e.strerror or e}; the trained state is checkpointed in "
+                              f"{outputs.checkpoints.directory}") from None
     print(format_summary(summary), file=outputs.out)
     return summary
 

@@ -10,6 +10,10 @@ import sys
 from typing import Any
 
 
+class OutputError(RuntimeError):
+    """A run's output (metrics, summary) could not be written; the message names the file and the cause."""
+
+
 def _plain(value: Any) -> Any:
     if hasattr(value, "item"):
         value = value.item()
@@ -38,8 +42,13 @@ class MetricsWriter:
 
     def write(self, record: dict[str, Any]) -> None:
         record = {k: _plain(v) for k, v in record.items()}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        except OSError as e:
+            raise OutputError(f"could not write {self.path}: {e.strerror or e}; the checkpoints in "
+                              f"{os.path.dirname(self.path)}/checkpoints are intact: make room (or make it "
+                              f"writable again) and rerun the same command to resume") from None
         if self._tb is not None:
             kind, step = record.get("kind", "train"), record.get("step", 0)
             for key, value in record.items():
@@ -47,7 +56,10 @@ class MetricsWriter:
                     self._tb.add_scalar(f"{kind}/{key}", float(value), step)
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError:  # a write that failed has been reported; closing says nothing new
+            pass
         if self._tb is not None:
             self._tb.close()
 

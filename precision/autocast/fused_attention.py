@@ -155,8 +155,9 @@ def _cudnn_capable() -> bool:
 
 def call_cudnn(eqn: Any, arrays: list) -> list | None:
     """The marked call ``eqn`` made again as cuDNN's fused attention on ``arrays``
-    (query, key, value and any bias already in the compute dtype); its output arrays, or ``None`` where cuDNN cannot take it
-    (shapes, head size, cuDNN version, or a backward pass it cannot run)."""
+    (query, key, value and any bias already in the compute dtype); its output
+    arrays, or ``None`` where cuDNN cannot take it (shapes, head size, cuDNN
+    version, or a backward pass it cannot run)."""
     names, _, _, static = _call(eqn)
     kwargs = dict(zip(names, arrays, strict=True))
     static = {**static, "implementation": "cudnn"}

@@ -17,8 +17,8 @@ from train.models import MODELS
 from train.references import is_reference
 
 __all__ = ["Optimizer", "Schedule", "InferenceDtype", "OPTIMIZERS", "SCHEDULES", "INFERENCE_DTYPES", "TASKS",
-           "CLASS_REFERENCE", "FUNCTION_REFERENCE", "Number", "Fraction", "Count", "NonNegative", "ModelName", "DataName", "Task",
-           "model_fields", "options_schema"]
+           "CLASS_REFERENCE", "FUNCTION_REFERENCE", "Number", "Fraction", "Count", "NonNegative", "ModelName",
+           "DataName", "Task", "model_fields", "options_schema"]
 
 Optimizer = Literal["adam", "adamw", "sgd", "lion"]
 Schedule = Literal["constant", "cosine", "linear"]

@@ -27,9 +27,8 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr
 import precision
 from train.config.errors import ConfigError, error_message, invalid
 from train.config.fields import (CLASS_REFERENCE, FUNCTION_REFERENCE, INFERENCE_DTYPES, OPTIMIZERS, SCHEDULES, Count,
-                                 DataName, Fraction, InferenceDtype, ModelName, NonNegative, Number, Optimizer, Schedule,
-                                 Task,
-                                 options_schema)
+                                 DataName, Fraction, InferenceDtype, ModelName, NonNegative, Number, Optimizer,
+                                 Schedule, Task, options_schema)
 from train.data import DATASETS
 from train.models import MODELS
 from train.references import is_reference
@@ -232,7 +231,8 @@ class DistributedConfig(_Schema):
 
 class ExperimentConfig(_Schema):
     seed: NonNegative = Field(0, description="seed of params, dropout and data order")
-    workdir: str = Field("runs/default", min_length=1, pattern=r"\S", description="where metrics, config, checkpoints and TensorBoard files go")
+    workdir: str = Field("runs/default", min_length=1, pattern=r"\S",
+                         description="where metrics, config, checkpoints and TensorBoard files go")
     steps: Count = Field(1000, description="optimizer steps to train to (a larger value continues a finished run)")
     accum_steps: Count = Field(1, description="micro-batches accumulated per optimizer step")
     steps_per_call: Count = Field(1, description="train steps per device call: more (e.g. 50) for a model whose "
