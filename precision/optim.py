@@ -53,7 +53,10 @@ class MixedPrecisionState(NamedTuple):
     master_params: Any  # float32 copy of half params, or None
     grads_finite: jax.Array  # whether the last step's gradients were finite
     grad_norm: jax.Array  # global norm of the last step's unscaled gradients
-    nonfinite_leaf: jax.Array  # index (tree_leaves order) of the first non-finite gradient, -1 if none
+    # Where a skipped step went wrong (tree_leaves order): i >= 0, leaf i's gradient is not finite; -2 - i,
+    # every leaf is finite but the global norm overflowed float32, leaf i contributing most; -1, no leaf
+    # (nothing went wrong, or only the loss given as ``value`` was not finite).
+    nonfinite_leaf: jax.Array
 
 
 def needs_master_weights(params: Any) -> bool:
@@ -120,6 +123,8 @@ def mixed_precision(inner: optax.GradientTransformation,
             nonfinite_leaf=jnp.array(-1, jnp.int32))
 
     def update_fn(scaled_grads, state, params=None, **extra_args):
+        """``extra_args`` go to ``inner``; a ``value`` among them (the loss, optax's name for it) is checked
+        for finiteness too: a non-finite loss skips the step even when its gradients are finite."""
         if state.master_params is not None and params is None:
             raise ValueError("mixed_precision with half-precision params needs `params` in update()")
         strategy = skip_with if skip_with != "auto" else ("cond" if jax.default_backend() == "cpu" else "select")
@@ -140,6 +145,8 @@ def _update(inner: optax.GradientTransformationExtraArgs, strategy: str, scaled:
     squares = _leaf_squared_norms(scaled, one_loop=strategy == "select")
     grad_norm = state.loss_scale.unscale(jnp.sqrt(sum(squares)))
     finite = jnp.isfinite(grad_norm)
+    if extra_args.get("value") is not None:
+        finite = jnp.logical_and(finite, jnp.all(jnp.isfinite(jnp.asarray(extra_args["value"]))))
     ref = params if params is not None else scaled
 
     def step(inner_state, master, selected):
@@ -273,12 +280,19 @@ def _one_loop_squared_norm(g: jax.Array) -> jax.Array:
 
 
 def _first_nonfinite(squares: list[jax.Array], finite: jax.Array) -> jax.Array:
-    return jnp.where(finite, -1, jnp.argmin(jnp.isfinite(jnp.stack(squares)))).astype(jnp.int32)
+    """``nonfinite_leaf`` (see :class:`MixedPrecisionState`) from each leaf's sum of squares."""
+    stacked = jnp.stack(squares)
+    leaves_finite = jnp.isfinite(stacked)
+    culprit = jnp.where(jnp.all(leaves_finite),
+                        jnp.where(jnp.isfinite(jnp.sum(stacked)), -1, -2 - jnp.argmax(stacked)),  # overflow only
+                        jnp.argmin(leaves_finite))
+    return jnp.where(finite, -1, culprit).astype(jnp.int32)
 
 
 def _first_nonfinite_leaf(grads: Any, finite: jax.Array) -> jax.Array:
     """Index of the first leaf of ``grads`` that is not finite (or whose squared norm
-    overflows), -1 when ``finite``; the wrapper reports it as ``nonfinite_leaf``."""
+    overflows), ``-2 - i`` when only their global norm overflows (leaf ``i`` the largest),
+    -1 when ``finite``; the wrapper reports it as ``nonfinite_leaf``."""
     return _first_nonfinite(_leaf_squared_norms(cast_to_full(grads)), finite)
 
 

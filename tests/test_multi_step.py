@@ -2,6 +2,7 @@
 step for step and bit for bit, with the host's per-call work paid once per call."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -213,10 +214,14 @@ def test_a_run_in_calls_resumes_bit_for_bit_and_may_change_its_call_size(tmp_pat
 def test_nonfinite_steps_inside_a_call_still_stop_the_run(tmp_path):
     config = _config(tmp_path / "run", steps=40, steps_per_call=8, checkpoint_every=0, max_nonfinite_steps=3,
                      precision={"policy": "mixed_f16", "loss_scale": "static", "initial_scale": 1e30})
-    with pytest.raises(NonFiniteError, match="stopped at step 3: gradients were non-finite for 3 consecutive"):
+    with pytest.raises(NonFiniteError, match=r"stopped at step \d+: gradients were non-finite for 3 consecutive "
+                                             r"steps \(since step 1\)") as info:
         run(config)
     errors = [r for r in read_metrics(str(tmp_path / "run")) if r["kind"] == "error"]
-    assert errors and errors[0]["first_nonfinite_step"] == 1
+    assert errors and errors[0]["first_nonfinite_step"] == 1 and errors[0]["step"] == 3
+    # The step it says it stopped at is the step of the state it saved (the loop reads metrics behind it).
+    stopped = int(re.search(r"stopped at step (\d+)", str(info.value)).group(1))
+    assert f"checkpointed at step {stopped} " in str(info.value)
 
 
 def test_steps_per_call_must_be_a_positive_integer(tmp_path):

@@ -95,7 +95,8 @@ def test_nonfinite_gradients_at_the_minimum_scale_stop_with_the_param_path(tmp_p
     with pytest.raises(NonFiniteError) as info:
         run(config)
     message = str(info.value)
-    assert "stopped at step 3" in message and "3 consecutive steps (since step 1)" in message
+    # The rule fires reading step 3's metrics; the loop has run step 4 by then: the step it reports is the one it saved.
+    assert "stopped at step 4" in message and "3 consecutive steps (since step 1)" in message
     assert "params/" in message and "minimum loss scale 1e+30" in message
     error = [r for r in read_metrics(str(tmp_path / "run")) if r["kind"] == "error"]
     assert error and error[0]["param"].startswith("params/") and error[0]["first_nonfinite_step"] == 1
@@ -136,3 +137,64 @@ def test_a_run_resumes_after_its_model_gained_fields(tmp_path):
     del old["model"]["dtype"]  # as written before the model had this field
     path.write_text(yaml.safe_dump(old))
     run(_config(tmp_path / "run", steps=3))
+
+
+NAN_CODE = '''
+import jax, jax.numpy as jnp, optax
+import flax.linen as nn
+
+class NanGradients(nn.Module):  # its forward pass makes a NaN every step, whatever the loss scale
+    num_classes: int = 10
+    @nn.compact
+    def __call__(self, x):
+        x = x.reshape(x.shape[0], -1)
+        w = self.param("w", nn.initializers.ones, (x.shape[1], self.num_classes))
+        return x @ w + jnp.log(-jnp.abs(w[0]))
+
+def nan_loss(outputs, batch):  # a NaN the gradients never see
+    loss = optax.softmax_cross_entropy_with_integer_labels(outputs, batch["labels"]).mean()
+    return loss + jax.lax.stop_gradient(jnp.float32(jnp.nan)), {}
+'''
+
+
+def test_the_stop_rule_counts_steps_at_the_minimum_scale_and_names_it(tmp_path):
+    """A dynamic scale from 16 down to its minimum 1 (four halvings): the rule counts the steps computed at 1,
+    not the one that first reached it, and says 1."""
+    (tmp_path / "nan_code.py").write_text(NAN_CODE)
+    config = _config(tmp_path / "run", steps=30, max_nonfinite_steps=3, accum_steps=1,
+                     **{"model": {"name": f"{tmp_path}/nan_code.py:NanGradients"},
+                        "precision.initial_scale": 16.0, "precision.min_scale": 1.0})
+    with pytest.raises(NonFiniteError) as info:
+        run(config)
+    message = str(info.value)
+    assert "3 consecutive steps (since step 5) at the minimum loss scale 1 " in message
+    assert "the first non-finite gradient was in params/" in message
+    error = [r for r in read_metrics(str(tmp_path / "run")) if r["kind"] == "error"][0]
+    assert error["step"] == 7 and error["first_nonfinite_step"] == 5
+
+
+def test_a_loss_that_is_not_finite_skips_the_step_even_with_finite_gradients(tmp_path):
+    (tmp_path / "nan_code.py").write_text(NAN_CODE)
+    config = _config(tmp_path / "run", steps=30, max_nonfinite_steps=4, accum_steps=1,
+                     **{"task": f"{tmp_path}/nan_code.py:nan_loss", "precision.loss_scale": "none"})
+    with pytest.raises(NonFiniteError, match="At step 1, the loss was non-finite while its gradients were finite"):
+        run(config)
+    train_records = [r for r in read_metrics(str(tmp_path / "run")) if r["kind"] == "train"]
+    assert train_records and all(not r["grads_finite"] for r in train_records)
+    assert train_records[-1]["skipped_steps"] >= 4
+
+
+def test_a_norm_that_overflows_while_every_gradient_is_finite_names_the_largest():
+    from types import SimpleNamespace
+
+    import jax.numpy as jnp
+    from precision.optim import _first_nonfinite_leaf
+    from train.tracker import Tracker
+
+    grads = {"a": jnp.array([1.0]), "b": jnp.array([1.5e19]), "c": jnp.array([1.4e19])}  # squares: 2.25e38 + 1.96e38
+    leaf = int(_first_nonfinite_leaf(grads, jnp.array(False)))
+    assert leaf == -2 - 1  # every leaf finite, b the largest
+    tracker = SimpleNamespace(leaf_paths=["params/a", "params/b", "params/c"])
+    tracker._leaf_path = lambda i: Tracker._leaf_path(tracker, i)
+    assert Tracker._culprit(tracker, leaf) == ("every gradient was finite but their global norm overflowed float32, "
+                                               "the largest in params/b")

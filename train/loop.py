@@ -269,7 +269,9 @@ def _train(config: ExperimentConfig, state: TrainState, start: int, data: Any, t
         outputs.writer.close()
         raise KeyboardInterrupt(saved) from None
     except NonFiniteError as e:
-        raise NonFiniteError(str(e) + _save_last_good(outputs, holder[0], tracker)) from None
+        step = int(to_host(holder[0].step))  # metrics are read in batches: the loop may be ahead of the streak
+        raise NonFiniteError(f"training stopped at step {step}: {e}{_save_last_good(outputs, holder[0], tracker)}"
+                             ) from None
     except (CheckpointError, OutputError):
         outputs.writer.close()
         raise
@@ -367,7 +369,7 @@ def _save_last_good(outputs: _Outputs, state: TrainState, tracker: Tracker) -> s
         with tracker.paused():
             outputs.checkpoint(state)
         outputs.checkpoints.close()
-        note = (f" Skipped steps leave params unchanged: the last good state is checkpointed at step "
+        note = (f" Skipped steps leave params unchanged: the state where training stopped is checkpointed at step "
                 f"{int(to_host(state.step))} in {outputs.checkpoints.directory}.")
     except CheckpointError as save_error:
         note = f" Saving the last good state failed: {save_error}"

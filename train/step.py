@@ -62,10 +62,13 @@ def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], A
 
     Metrics: ``loss`` (unscaled, mean over the batch), the task's metrics
     (``accuracy`` for the built-in ones),
-    ``loss_scale`` (the scale this step used), ``grads_finite``, ``grad_norm``
-    (of the unscaled gradients), ``skipped_steps`` (total), ``nonfinite_streak``,
-    ``at_min_scale``, ``nonfinite_leaf`` (index of the first param leaf whose
-    gradient was not finite, -1 if all were) and ``learning_rate``.
+    ``loss_scale`` (the scale this step used), ``grads_finite`` (the step was
+    applied: gradients and loss finite), ``grad_norm`` (of the unscaled
+    gradients), ``skipped_steps`` (total), ``nonfinite_streak``, ``at_min_scale``
+    (this step's scale was the lowest the loss scale allows), ``nonfinite_leaf``
+    (index of the first param leaf whose gradient was not finite; ``-2 - i`` when
+    only the global norm overflowed, leaf ``i`` the largest; -1 otherwise) and
+    ``learning_rate``.
     """
     if not isinstance(accum_steps, int) or accum_steps < 1:
         raise ValueError(f"accum_steps must be an integer >= 1, got {accum_steps!r}")
@@ -90,7 +93,8 @@ def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], A
         grads, loss, task_metrics, model_state = _gradients(loss_fn, state, batch, rng, loss_scale, accum_steps)
         if layout is not None:
             grads = layout.constrain_state(grads)
-        updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+        # value: the loss, checked with the gradients (a non-finite loss skips the step too)
+        updates, opt_state = state.tx.update(grads, state.opt_state, state.params, value=loss)
         metrics = {**task_metrics, "loss": loss, **_optimizer_metrics(loss_scale, opt_state)}
         if learning_rate_fn is not None:
             applied = state.step - loss_scale.skipped_steps
@@ -152,7 +156,7 @@ def _optimizer_metrics(loss_scale: Any, opt_state: Any) -> Metrics:
         "grad_norm": mp.grad_norm,
         "skipped_steps": new_scale.skipped_steps,
         "nonfinite_streak": new_scale.nonfinite_streak,
-        "at_min_scale": _at_min_scale(new_scale),
+        "at_min_scale": _at_min_scale(loss_scale),  # the scale this step used
         "nonfinite_leaf": mp.nonfinite_leaf,
     }
 
@@ -203,6 +207,7 @@ def make_multi_step(train_step: Callable[[TrainState, dict], tuple[TrainState, M
 
 
 def _at_min_scale(loss_scale: Any) -> jax.Array:
+    """Whether ``loss_scale`` is at its minimum (no lower scale is left to try)."""
     minimum = getattr(loss_scale, "min_loss_scale", None)
     if minimum is None:  # none / static: the scale never moves, so it is its own minimum
         return jnp.array(True)

@@ -47,7 +47,8 @@ class Tracker:
         self.increases = self.decreases = 0
         self.skipped_start = int(np.asarray(getattr(scale, "skipped_steps", 0)))
         self.skipped = self.skipped_start
-        self.streak_start: tuple[int, int] | None = None
+        self.streak_start: tuple[int, int] | None = None  # (step, nonfinite_leaf) where the streak began
+        self.streak = 0  # consecutive non-finite steps at the minimum loss scale
         self.interval: list[dict] = []
         self.last_step = int(to_host(state.step))
         self.last_train: dict = {}
@@ -117,23 +118,40 @@ class Tracker:
             self._log(step, m)
 
     def _check_finite(self, step: int, m: dict) -> None:
-        if m["grads_finite"]:
-            self.streak_start = None
+        """The stop rule: ``max_nonfinite_steps`` consecutive non-finite steps that each
+        used the lowest loss scale there is (no lower one is left to try)."""
+        if m["grads_finite"] or not m["at_min_scale"]:
+            self.streak_start, self.streak = None, 0
             return
-        if self.streak_start is None or m["nonfinite_streak"] == 1:
+        if self.streak_start is None:
             self.streak_start = (step, int(m["nonfinite_leaf"]))
+        self.streak += 1
         k = self.config.max_nonfinite_steps
-        if m["nonfinite_streak"] >= k and m["at_min_scale"]:
+        if self.streak >= k:
             first_step, leaf = self.streak_start
-            path = self.leaf_paths[leaf] if 0 <= leaf < len(self.leaf_paths) else "an unknown parameter"
-            message = (f"training stopped at step {step}: gradients were non-finite for {int(m['nonfinite_streak'])} "
-                       f"consecutive steps (since step {first_step}) at the minimum loss scale {m['loss_scale']:g} "
-                       f"(max_nonfinite_steps={k}). The first non-finite gradient, at step {first_step}, was in "
-                       f"{path}. Try a lower optimizer.lr, optimizer.max_grad_norm, or precision.policy=mixed_bf16.")
+            what = self._culprit(leaf)
+            message = (f"gradients were non-finite for {self.streak} consecutive steps (since step {first_step}) "
+                       f"at the minimum loss scale {m['loss_scale']:g} "
+                       f"(max_nonfinite_steps={k}). At step {first_step}, {what}. Try a lower optimizer.lr, "
+                       f"optimizer.max_grad_norm, or precision.policy=mixed_bf16.")
             self._log(step, m)
-            self.record({"kind": "error", "step": step, "message": message, "param": path,
+            self.record({"kind": "error", "step": step, "message": message, "param": self._leaf_path(leaf),
                          "first_nonfinite_step": first_step})
             raise NonFiniteError(message)
+
+    def _leaf_path(self, leaf: int) -> str | None:
+        index = leaf if leaf >= 0 else -2 - leaf
+        return self.leaf_paths[index] if leaf != -1 and 0 <= index < len(self.leaf_paths) else None
+
+    def _culprit(self, leaf: int) -> str:
+        """What ``nonfinite_leaf`` says went wrong, in words."""
+        path = self._leaf_path(leaf)
+        if leaf >= 0:
+            return f"the first non-finite gradient was in {path or 'an unknown parameter'}"
+        if leaf < -1:
+            return (f"every gradient was finite but their global norm overflowed float32, the largest in "
+                    f"{path or 'an unknown parameter'}")
+        return "the loss was non-finite while its gradients were finite"
 
     def _log(self, step: int, m: dict) -> None:
         finite = [x for x in self.interval if x["grads_finite"]]

@@ -292,12 +292,15 @@ def build_loss_scale(p: PrecisionConfig) -> precision.LossScale:
         auto = precision.get_loss_scale("auto", p.policy)
         kind = "dynamic" if isinstance(auto, precision.DynamicLossScale) else "none"
     try:
-        # Checked whatever the kind: a setting given is a valid setting, also when auto resolves to none.
+        # Checked whatever the kind: a setting given is a valid setting, also when auto resolves to none
+        # (the initial scale against max_scale only where it starts a dynamic scale).
         dynamic = precision.DynamicLossScale(
-            p.initial_scale, period=p.growth_interval, factor=p.growth_factor, min_loss_scale=p.min_scale,
-            backoff_factor=p.backoff_factor, max_loss_scale=p.max_scale, hysteresis=p.hysteresis)
+            p.initial_scale if kind == "dynamic" else p.min_scale, period=p.growth_interval, factor=p.growth_factor,
+            min_loss_scale=p.min_scale, backoff_factor=p.backoff_factor, max_loss_scale=p.max_scale,
+            hysteresis=p.hysteresis)
         if kind == "dynamic":
             return dynamic
+        precision.StaticLossScale(p.initial_scale)
         return precision.get_loss_scale(kind, p.policy, initial_scale=p.initial_scale)
     except ValueError as e:
         raise ConfigError(f"precision: {_config_names(str(e))}") from None
