@@ -261,6 +261,8 @@ CHECKED = [
     (["data.name={d}/data.py:labels", "data.options={{value: 12, num_classes: 10}}", "data.batch_size=8"],
      "label 12 is outside [0, 10)"),
     (["data.name={d}/data.py:labels", "data.options={{value: -1}}", "data.batch_size=8"], "label -1 is outside"),
+    (["model.name=gpt", "data.name=synthetic_text", "data.seq_len=300000"],
+     "synthetic_text: the train split has 4096 tokens, too few for windows of data.seq_len=300000"),
     (["optimizer.lr=.inf"], "optimizer.lr must be a finite number, got inf"),
     (["optimizer.b1=1.5"], "optimizer.b1 must be < 1, got 1.5"),
     (["optimizer.b2=-0.1"], "optimizer.b2 must be >= 0"),

@@ -90,6 +90,13 @@ class TextData:
     seq_len: int
     task: str = "language_model"
 
+    def __post_init__(self):
+        for split, ids in (("train", self.train_ids), ("validation", self.val_ids)):
+            if len(ids) <= self.seq_len + 1:
+                raise DataError(f"{self.name}: the {split} split has {len(ids)} tokens, too few for windows of "
+                                f"data.seq_len={self.seq_len} (it needs more than seq_len + 1); use a shorter "
+                                f"data.seq_len or more text")
+
     @property
     def num_classes(self) -> int:
         return len(self.vocab)

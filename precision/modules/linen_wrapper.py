@@ -1,0 +1,175 @@
+"""A Linen module under a policy: its own ``init`` / ``apply``, params in their
+param dtypes, the forward pass under autocast, rules as regions, every method call
+tagged with its module's path (:func:`precision.autocast.regions.in_module`)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Iterable, Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+from precision.autocast import fused_attention, transform as autocast_lib
+from precision.autocast.op_lists import OpLists
+from precision.autocast.regions import compute_in, in_module
+from precision.modules.common import cast_by_path, cast_like, map_params, resolve, vals_in, vals_like
+from precision.policy import Policy, _cast_floating
+from precision.rules import Resolver, Rule, class_names_of
+
+__all__ = ["LinenWithPolicy"]
+
+PathClasses = dict[tuple[str, ...], tuple[str, ...]]
+
+
+def _intercepted(context: Any) -> bool:
+    name = context.method_name
+    return name == "__call__" or not (name.startswith("_") or name == "setup")
+
+
+class LinenWithPolicy:
+    """A Linen module under a policy, with the module's ``init`` / ``apply``."""
+
+    def __init__(self, module: nn.Module, policy: Policy, rules: Sequence[Rule], *, autocast: bool = True,
+                 ops: OpLists | None = None):
+        self.module = module
+        self.policy = policy
+        self.rules = tuple(rules)
+        self.autocast = autocast
+        self.ops = ops or OpLists()
+        self._classes: PathClasses | None = None  # module structure, recorded once
+
+    def __repr__(self) -> str:
+        return (f"LinenWithPolicy({type(self.module).__name__}, {str(self.policy)!r}, "
+                f"rules={[(r.pattern, str(r.policy)) for r in self.rules]}, autocast={self.autocast})")
+
+    def _recording(self, classes: PathClasses):
+        def record(next_fun, args, kwargs, context):
+            classes.setdefault(tuple(context.module.path), class_names_of(context.module))
+            return next_fun(*args, **kwargs)
+        return nn.intercept_methods(record)
+
+    def _resolver(self) -> Resolver:
+        return Resolver(self.policy, self.rules, self._classes or {})
+
+    def init(self, rngs: Any, *args: Any, method: Any = None, **kwargs: Any) -> Any:
+        """Like ``module.init``; params come back in their (per-module) param dtype."""
+        classes: PathClasses = {}
+        with self._recording(classes):
+            variables = self.module.init(rngs, *args, method=method, **kwargs)
+        self._classes = classes
+        return self.cast_params(variables)
+
+    def _record_structure(self, variables: Any, *args: Any, **kwargs: Any) -> None:
+        classes: PathClasses = {}
+        with self._recording(classes), fused_attention.marking():  # traced in float32, as autocast traces
+            jax.eval_shape(functools.partial(self.module.apply, **kwargs), variables, *args)
+        self._classes = classes
+
+    def with_policy(self, policy: "str | Policy", rules: "Iterable[Any] | None" = None) -> "LinenWithPolicy":
+        """The same module under another policy (e.g. float16 for inference), keeping
+        the module structure already recorded, so :meth:`cast_params` works at once."""
+        other = LinenWithPolicy(self.module, *resolve(policy, rules, self.ops)[:2], autocast=self.autocast,
+                                ops=self.ops)
+        other._classes = self._classes
+        return other
+
+    def cast_params(self, variables: Any, *sample_args: Any, **sample_kwargs: Any) -> Any:
+        """Casts the ``params`` collection to each module's param dtype (for loading f32 weights).
+
+        Rules matching class names need the module structure: a wrapper that has
+        not run ``init`` or ``apply`` yet needs sample inputs here (traced
+        abstractly, nothing is computed).
+        """
+        if self._classes is None and sample_args:
+            self._record_structure(variables, *sample_args, **sample_kwargs)
+        if self._classes is None and self.rules:
+            raise ValueError("cast_params needs the module structure to match rules by class name: pass "
+                             "sample inputs (cast_params(variables, x)), call init or apply once first, or "
+                             "derive this wrapper with .with_policy() from one that has run")
+        resolve = self._resolver()
+        return map_params(variables, lambda p: cast_by_path(p, lambda path: resolve(path).param_dtype))
+
+    def apply(self, variables: Any, *args: Any, rngs: Any = None, method: Any = None,
+              mutable: Any = False, **kwargs: Any) -> Any:
+        """Like ``module.apply``, computing under the policy and its rules."""
+        return self.apply_logged(variables, *args, rngs=rngs, method=method, mutable=mutable, **kwargs)
+
+    def apply_logged(self, variables: Any, *args: Any, rngs: Any = None, method: Any = None,
+                     mutable: Any = False, log: list | None = None, **kwargs: Any) -> Any:
+        """:meth:`apply` that also appends autocast's decisions to ``log`` (for explain)."""
+        if self._classes is None:
+            self._record_structure(variables, *args, rngs=rngs, method=method, mutable=mutable, **kwargs)
+        resolve = self._resolver()
+        if not self.autocast:
+            return self._apply_casting(resolve, variables, args, rngs, method, mutable, kwargs)
+        root = resolve(()).compute_dtype
+
+        def run(variables, rngs, args, kwargs):
+            with nn.intercept_methods(_region_interceptor(resolve, root)):
+                return self.module.apply(variables, *args, rngs=rngs, method=method, mutable=mutable, **kwargs)
+
+        vals = autocast_lib.call_vals(run, (variables, rngs, args, kwargs), {}, compute_dtype=root,
+                                      ops=self.ops, log=log)
+        if mutable is False:
+            return vals_in(vals, self.policy.output_dtype)
+        out, updated = vals
+        return vals_in(out, self.policy.output_dtype), vals_like(updated, variables)
+
+    def _apply_casting(self, resolve: Resolver, variables: Any, args: tuple, rngs: Any, method: Any,
+                       mutable: Any, kwargs: dict) -> Any:
+        """The module-level path (``autocast=False``): casts at module boundaries only."""
+        root = resolve(())
+        compute_vars = map_params(
+            variables, lambda p: cast_by_path(p, lambda path: resolve(path).compute_dtype))
+        callers: list[np.dtype] = [root.compute_dtype]
+
+        def cast_calls(next_fun, call_args, call_kwargs, context):
+            if not _intercepted(context):
+                return next_fun(*call_args, **call_kwargs)
+            path = tuple(context.module.path)
+            compute = resolve(path).compute_dtype
+            caller = callers[-1]
+            call_args, call_kwargs = _cast_floating((call_args, call_kwargs), compute)
+            callers.append(compute)
+            try:
+                with in_module(path):
+                    out = next_fun(*call_args, **call_kwargs)
+            finally:
+                callers.pop()
+            return out if compute == caller else _cast_floating(out, caller)
+
+        args = _cast_floating(args, root.compute_dtype)
+        with nn.intercept_methods(cast_calls):
+            result = self.module.apply(compute_vars, *args, rngs=rngs, method=method,
+                                       mutable=mutable, **kwargs)
+        if mutable is False:
+            return self.policy.cast_to_output(result)
+        out, updated = result
+        return self.policy.cast_to_output(out), cast_like(updated, variables)
+
+
+def _region_interceptor(resolve: Resolver, root: np.dtype):
+    """A Linen interceptor marking every method call with its module's path, and
+    opening a region wherever a module's compute dtype differs from its caller's
+    (a rule matched it)."""
+    callers: list[np.dtype] = [root]
+
+    def push_region(next_fun, call_args, call_kwargs, context):
+        if not _intercepted(context):
+            return next_fun(*call_args, **call_kwargs)
+        path = tuple(context.module.path)
+        compute = resolve(path).compute_dtype
+        caller = callers[-1]
+        callers.append(compute)
+        try:
+            with in_module(path):
+                if compute == caller:
+                    return next_fun(*call_args, **call_kwargs)
+                with compute_in(compute):
+                    return next_fun(*call_args, **call_kwargs)
+        finally:
+            callers.pop()
+
+    return push_region
