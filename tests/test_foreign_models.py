@@ -75,14 +75,7 @@ def _jaxpr(model, *args):
 
 
 def _dots(jaxpr):
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            yield eqn
-        for value in eqn.params.values():
-            for inner in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(inner, "jaxpr", inner)
-                if hasattr(inner, "eqns"):
-                    yield from _dots(inner)
+    return (e for e in _eqns(jaxpr) if e.primitive.name == "dot_general")
 
 
 def test_a_float32_rule_reaches_an_nnx_method_other_than_call():

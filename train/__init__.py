@@ -11,7 +11,8 @@ Experiments from YAML, ``python -m train CONFIG key=value ...``:
   :mod:`train.cli` → :mod:`train.config` (schema, files, overrides, errors, help) →
   :mod:`train.builders` (data, task, model, optimizer, state; user code through
   :mod:`train.references`) → :mod:`train.loop` (``run``, phase by phase; host bookkeeping in
-  :mod:`train.tracker`, the workdir's identity in :mod:`train.workdir`).
+  :mod:`train.tracker`, what a run writes in :mod:`train.outputs`, the workdir's identity in
+  :mod:`train.workdir`, the libraries' noise kept in a file by :mod:`train.library_log`).
 
 Batteries: :mod:`train.models` (plain Linen MLP, ResNet, GPT) and :mod:`train.data`
 (offline datasets, your own data).

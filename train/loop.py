@@ -24,17 +24,17 @@ import jax
 from train import compile_cache, library_log
 from train.builders import (build_data, build_model, build_optimizer, build_task, build_train_state,  # noqa: F401
                             check_model_fits_data)
-from train.checkpoint import CheckpointError, Checkpointer
+from train.checkpoint import CheckpointError
 from train.config import ConfigError, ExperimentConfig
 from train.data import prefetch_to_device, train_batch_stack
 from train.distributed import Layout, MeshError, host_rows, initialize_distributed, make_mesh, to_host
 from train.inference import inference_report
-from train.metrics import MetricsWriter, NullWriter, OutputError, Progress
+from train.metrics import OutputError, Progress
+from train.outputs import Outputs, restore, save_last_good, save_on_interrupt
 from train.state import TrainState
 from train.step import evaluate, make_eval_step, make_multi_step, make_train_step
 from train.tracker import NonFiniteError, Tracker, format_summary, model_label
-from train.workdir import (RESUMABLE_CHANGES, check_same_experiment, check_writable, resolved_config,  # noqa: F401
-                           write_config)
+from train.workdir import RESUMABLE_CHANGES, check_same_experiment, check_writable, resolved_config  # noqa: F401
 
 __all__ = ["NonFiniteError", "build_experiment", "build_model", "build_optimizer", "check_experiment",
            "check_model_fits_data", "plan_calls", "run"]
@@ -57,7 +57,7 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
         or none of the existing ones is intact.
     """
     out = sys.stdout if out is None else out
-    check_writable(config.workdir, "workdir", create=False)  # before anything is computed; made by _Outputs
+    check_writable(config.workdir, "workdir", create=False)  # before anything is computed; made by Outputs
     layout = _start_devices(config)
     if jax.process_index() != 0:
         out = io.StringIO()  # only process 0 reports
@@ -65,9 +65,9 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
     resolved = resolved_config(config, model, data)
     check_same_experiment(os.path.abspath(config.workdir), resolved)
     state, schedule = build_train_state(config, model, data, layout)
-    outputs = _Outputs(config, resolved, out, on_record)
+    outputs = Outputs(config, resolved, out, on_record)
     with library_log.to_file(outputs.library_log):  # libraries' logs and warnings: not the terminal
-        state, start = _restore(outputs, state)
+        state, start = restore(outputs, state)
         tracker = _start_tracking(config, state, start, data, task, layout, outputs)
         evaluator = _Evaluator(config, data, task, layout, tracker)
         state = _train(config, state, start, data, task, layout, schedule, outputs, tracker, evaluator)
@@ -161,61 +161,8 @@ def _start_compile_cache(setting: str | None) -> None:
             raise
 
 
-class _Outputs:
-    """What a run writes to its workdir (``config.yaml``, metrics records and
-    checkpoints; process 0 all but its checkpoint shards) and to the console."""
-
-    def __init__(self, config: ExperimentConfig, resolved: dict, out: TextIO,
-                 on_record: Callable[[dict], None] | None):
-        self.workdir = check_writable(config.workdir, "workdir")
-        self.resolved, self.out, self.on_record = resolved, out, on_record
-        primary = jax.process_index() == 0
-        if primary:
-            write_config(self.workdir, resolved)
-        self.writer = MetricsWriter(self.workdir) if primary else NullWriter()
-        self.library_log = os.path.join(self.workdir, "train.log" if primary else f"train.{jax.process_index()}.log")
-        self.checkpoints = Checkpointer(os.path.join(self.workdir, "checkpoints"), config.keep_checkpoints)
-
-    def record(self, record: dict) -> None:
-        self.writer.write(record)
-        if self.on_record is not None:
-            self.on_record(record)
-
-    def checkpoint(self, state: TrainState) -> int:
-        """Saves ``state`` with the data position it resumes from."""
-        return self.checkpoints.save(state, {"data_position": int(to_host(state.step)), "config": self.resolved})
-
-    def close(self) -> None:
-        self.checkpoints.close()
-        self.writer.close()
-
-
-def _restore(outputs: _Outputs, state: TrainState) -> tuple[TrainState, int]:
-    """The newest intact checkpoint of the workdir and its step (``state`` and 0 if none).
-    Corrupt ones are set aside, reported and skipped."""
-    def corrupt(step: int, reason: str) -> None:
-        print(f"warning: {reason}; falling back to the previous checkpoint", file=outputs.out)
-        outputs.record({"kind": "checkpoint_corrupt", "step": step, "message": reason})
-
-    try:
-        restored = outputs.checkpoints.restore_latest_good(state, on_corrupt=corrupt)
-    except CheckpointError:
-        outputs.close()
-        raise
-    if restored is None:
-        return state, 0
-    state, meta = restored
-    start = int(to_host(state.step))
-    if meta.get("data_position") != start:
-        outputs.close()
-        raise ConfigError(f"checkpoint at step {start} in {outputs.checkpoints.directory} records data position "
-                          f"{meta.get('data_position')}, expected {start}: it was not written by this run")
-    print(f"resuming from the checkpoint at step {start} in {outputs.checkpoints.directory}", file=outputs.out)
-    return state, start
-
-
 def _start_tracking(config: ExperimentConfig, state: TrainState, start: int, data: Any, task: Any, layout: Layout,
-                    outputs: _Outputs) -> Tracker:
+                    outputs: Outputs) -> Tracker:
     """The progress bar and the host-side bookkeeping; announces the run."""
     primary = jax.process_index() == 0
     progress = Progress(config.steps, start, primary and config.progress and start < config.steps)
@@ -249,7 +196,7 @@ class _Evaluator:
 
 
 def _train(config: ExperimentConfig, state: TrainState, start: int, data: Any, task: Any, layout: Layout,
-           schedule: Any, outputs: _Outputs, tracker: Tracker, evaluate_now: _Evaluator) -> TrainState:
+           schedule: Any, outputs: Outputs, tracker: Tracker, evaluate_now: _Evaluator) -> TrainState:
     """Trains from step ``start`` to ``config.steps``; an interrupt or a non-finite
     stop checkpoints the state first (skipped steps never change params)."""
     train_step = make_train_step(accum_steps=config.accum_steps, learning_rate_fn=schedule, layout=layout,
@@ -265,12 +212,12 @@ def _train(config: ExperimentConfig, state: TrainState, start: int, data: Any, t
     try:
         _train_calls(config, holder, start, step_fn, batches, outputs, tracker, evaluate_now)
     except KeyboardInterrupt:
-        saved = _save_on_interrupt(outputs, holder[0], tracker)
+        saved = save_on_interrupt(outputs, holder[0], tracker)
         outputs.writer.close()
         raise KeyboardInterrupt(saved) from None
     except NonFiniteError as e:
         step = int(to_host(holder[0].step))  # metrics are read in batches: the loop may be ahead of the streak
-        raise NonFiniteError(f"training stopped at step {step}: {e}{_save_last_good(outputs, holder[0], tracker)}"
+        raise NonFiniteError(f"training stopped at step {step}: {e}{save_last_good(outputs, holder[0], tracker)}"
                              ) from None
     except (CheckpointError, OutputError):
         outputs.writer.close()
@@ -281,7 +228,7 @@ def _train(config: ExperimentConfig, state: TrainState, start: int, data: Any, t
 
 
 def _train_calls(config: ExperimentConfig, holder: list, start: int, step_fn: Callable, batches: Iterator,
-                 outputs: _Outputs, tracker: Tracker, evaluate_now: _Evaluator) -> None:
+                 outputs: Outputs, tracker: Tracker, evaluate_now: _Evaluator) -> None:
     """The device calls of :func:`plan_calls`, their metrics read once per log
     interval (the device always has a call queued), checkpoints and evaluations
     on their steps. ``holder[0]`` is the newest state."""
@@ -309,7 +256,7 @@ def _train_calls(config: ExperimentConfig, holder: list, start: int, step_fn: Ca
             evaluate_now(holder[0])
 
 
-def _finish(config: ExperimentConfig, state: TrainState, start: int, task: Any, layout: Layout, outputs: _Outputs,
+def _finish(config: ExperimentConfig, state: TrainState, start: int, task: Any, layout: Layout, outputs: Outputs,
             tracker: Tracker, evaluate_now: _Evaluator) -> dict[str, Any]:
     """The last checkpoint, the final evaluation, the trained model served in half
     precision, and the summary (printed and in ``summary.json``)."""
@@ -361,31 +308,3 @@ def _describe_layout(layout: Layout) -> str:
     if processes > 1:
         where += f" in {processes} processes"
     return f"{where}, mesh data={shape['data']} fsdp={shape['fsdp']}"
-
-
-def _save_last_good(outputs: _Outputs, state: TrainState, tracker: Tracker) -> str:
-    """Checkpoints the state after a non-finite stop; what to add to its message."""
-    try:
-        with tracker.paused():
-            outputs.checkpoint(state)
-        outputs.checkpoints.close()
-        note = (f" Skipped steps leave params unchanged: the state where training stopped is checkpointed at step "
-                f"{int(to_host(state.step))} in {outputs.checkpoints.directory}.")
-    except CheckpointError as save_error:
-        note = f" Saving the last good state failed: {save_error}"
-    outputs.writer.close()
-    return note
-
-
-def _save_on_interrupt(outputs: _Outputs, state: TrainState, tracker: Tracker) -> str:
-    checkpoints = outputs.checkpoints
-    try:
-        step = outputs.checkpoint(state)
-        checkpoints.close()
-        message = f"interrupted; saved a checkpoint at step {step}"
-    except Exception as e:  # a buffer donated to a step that never returned cannot be saved
-        checkpoints.close()
-        message = (f"interrupted; the current state could not be saved ({type(e).__name__}); the newest "
-                   f"checkpoint is at step {checkpoints.latest_step()}")
-    tracker.record({"kind": "interrupted", "step": tracker.last_step, "message": message})
-    return f"{message} in {checkpoints.directory}; rerun the same command to resume"

@@ -123,25 +123,14 @@ class LinenWithPolicy:
         root = resolve(())
         compute_vars = map_params(
             variables, lambda p: cast_by_path(p, lambda path: resolve(path).compute_dtype))
-        callers: list[np.dtype] = [root.compute_dtype]
 
-        def cast_calls(next_fun, call_args, call_kwargs, context):
-            if not _intercepted(context):
-                return next_fun(*call_args, **call_kwargs)
-            path = tuple(context.module.path)
-            compute = resolve(path).compute_dtype
-            caller = callers[-1]
+        def cast_call(next_fun, call_args, call_kwargs, compute, caller):
             call_args, call_kwargs = _cast_floating((call_args, call_kwargs), compute)
-            callers.append(compute)
-            try:
-                with in_module(path):
-                    out = next_fun(*call_args, **call_kwargs)
-            finally:
-                callers.pop()
+            out = next_fun(*call_args, **call_kwargs)
             return out if compute == caller else _cast_floating(out, caller)
 
         args = _cast_floating(args, root.compute_dtype)
-        with nn.intercept_methods(cast_calls):
+        with nn.intercept_methods(_module_calls(resolve, root.compute_dtype, cast_call)):
             result = self.module.apply(compute_vars, *args, rngs=rngs, method=method,
                                        mutable=mutable, **kwargs)
         if mutable is False:
@@ -150,13 +139,13 @@ class LinenWithPolicy:
         return self.policy.cast_to_output(out), cast_like(updated, variables)
 
 
-def _region_interceptor(resolve: Resolver, root: np.dtype):
-    """A Linen interceptor marking every method call with its module's path, and
-    opening a region wherever a module's compute dtype differs from its caller's
-    (a rule matched it)."""
+def _module_calls(resolve: Resolver, root: np.dtype, call: Any):
+    """A Linen interceptor that runs every method call of a module tagged with the
+    module's path, through ``call(next_fun, args, kwargs, compute, caller)``: the
+    module's compute dtype (from the rules) and its caller's."""
     callers: list[np.dtype] = [root]
 
-    def push_region(next_fun, call_args, call_kwargs, context):
+    def intercept(next_fun, call_args, call_kwargs, context):
         if not _intercepted(context):
             return next_fun(*call_args, **call_kwargs)
         path = tuple(context.module.path)
@@ -165,11 +154,20 @@ def _region_interceptor(resolve: Resolver, root: np.dtype):
         callers.append(compute)
         try:
             with in_module(path):
-                if compute == caller:
-                    return next_fun(*call_args, **call_kwargs)
-                with compute_in(compute):
-                    return next_fun(*call_args, **call_kwargs)
+                return call(next_fun, call_args, call_kwargs, compute, caller)
         finally:
             callers.pop()
 
-    return push_region
+    return intercept
+
+
+def _region_interceptor(resolve: Resolver, root: np.dtype):
+    """Module calls tagged with their path, and a region opened wherever a module's
+    compute dtype differs from its caller's (a rule matched it)."""
+    def in_region(next_fun, call_args, call_kwargs, compute, caller):
+        if compute == caller:
+            return next_fun(*call_args, **call_kwargs)
+        with compute_in(compute):
+            return next_fun(*call_args, **call_kwargs)
+
+    return _module_calls(resolve, root, in_region)
