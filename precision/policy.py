@@ -95,7 +95,7 @@ def _canonical(dtype: Any) -> np.dtype:
         raise PolicyError(f"None is not a dtype; valid: {', '.join(_VALID_DTYPE_NAMES)}")
     try:
         dt = np.dtype(dtype)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):  # numpy 2.0 recurses into a mock's .dtype.dtype...
         raise PolicyError(f"{_short(repr(dtype))} is not a dtype; valid: {', '.join(_VALID_DTYPE_NAMES)}") from None
     if dt not in _DTYPE_NAMES:
         raise PolicyError(
