@@ -55,6 +55,9 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
         steps at the minimum loss scale (the last good state is checkpointed).
       CheckpointError: a checkpoint could not be written (earlier ones are kept)
         or none of the existing ones is intact.
+      OutputError: the metrics or the summary could not be written.
+
+    What the libraries log or warn while it trains goes to ``WORKDIR/train.log``.
     """
     out = sys.stdout if out is None else out
     check_writable(config.workdir, "workdir", create=False)  # before anything is computed; made by Outputs
