@@ -3,7 +3,9 @@
 Policies parsed from strings (``"params=f32,compute=f16"`` or a preset),
 applied to unmodified Flax modules with per-module rules; loss scales whose
 state lives in the train state; an optax wrapper that unscales, skips
-non-finite steps, keeps float32 master weights and adjusts the loss scale.
+non-finite steps, keeps float32 master weights and adjusts the loss scale;
+a numerics doctor (``diagnose``) that names where half precision fails and
+verifies the fix.
 The jmp API is a subset: ``import precision as jmp`` runs jmp code.
 """
 
@@ -39,6 +41,7 @@ from precision.rules import (
 from precision.autocast import ALLOW, DENY, OpLists, autocast, compute_in, op_lists
 from precision.modules import LinenWithPolicy, NNXWithPolicy, with_policy
 from precision.explain import (CoverageError, Explanation, PrecisionWarning, check_coverage, explain)
+from precision.doctor import Diagnosis, Problem, Recommendation, diagnose
 from precision.optim import (
     MixedPrecisionState,
     current_loss_scale,
@@ -59,6 +62,7 @@ __all__ = (
     "ALLOW", "DENY", "OpLists", "op_lists", "compute_in", "autocast",
     "LinenWithPolicy", "NNXWithPolicy", "with_policy",
     "CoverageError", "Explanation", "PrecisionWarning", "check_coverage", "explain",
+    "Diagnosis", "Problem", "Recommendation", "diagnose",
     "MixedPrecisionState", "current_loss_scale", "find_mixed_precision_state",
     "full_precision_params", "mixed_precision", "needs_master_weights",
 )

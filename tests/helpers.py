@@ -1,5 +1,6 @@
 """Helpers shared by the tests: checkpoints read off disk, subprocess environments."""
 
+import gzip
 import os
 from pathlib import Path
 
@@ -52,3 +53,20 @@ def assert_bitwise_equal(a, b):
         x, y = np.asarray(x), np.asarray(y)
         assert x.dtype == y.dtype
         np.testing.assert_array_equal(x.reshape(-1).view(np.uint8), y.reshape(-1).view(np.uint8))
+
+
+def tiny_fashion_mnist(directory: Path) -> Path:
+    """Random Fashion-MNIST-shaped idx files (256 train, 128 test) in ``directory``, for configs that read it."""
+    rng = np.random.default_rng(0)
+    for stem, shape in (("train-images-idx3-ubyte", (256, 28, 28)), ("train-labels-idx1-ubyte", (256,)),
+                        ("t10k-images-idx3-ubyte", (128, 28, 28)), ("t10k-labels-idx1-ubyte", (128,))):
+        values = rng.integers(0, 10 if len(shape) == 1 else 256, shape, dtype=np.uint8)
+        header = bytes([0, 0, 8, len(shape)]) + b"".join(n.to_bytes(4, "big") for n in shape)
+        with gzip.open(directory / f"{stem}.gz", "wb") as f:
+            f.write(header + values.tobytes())
+    return directory
+
+
+#: A short text for configs that read Shakespeare.
+TINY_TEXT = ("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings and "
+             "arrows of outrageous fortune, or to take arms against a sea of troubles.\n") * 120

@@ -18,17 +18,14 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import gzip
 import io
 import pathlib
 import subprocess
 import sys
 
-import numpy as np
 import pytest
-
 from docs_pages import ROOT, Command, anchors, blocks, commands, links, pages
-from helpers import subprocess_env
+from helpers import TINY_TEXT, subprocess_env, tiny_fashion_mnist
 
 #: Commands run by a test that does the same on one machine: prefix -> that test.
 RUN_BY_TESTS = {
@@ -51,6 +48,8 @@ SMALL_BENCHMARKS = {
     "benchmarks.wrapper_overhead": ["--steps", "2", "--batch", "8", "--width", "16", "--models", "mlp", "--no-cache",
                                     "--out", "{tmp}/overhead.md"],
     "benchmarks.loop": ["--steps", "3", "--rounds", "1", "--out", "{tmp}", "compile_cache=null"],
+    "benchmarks.diagnose_cost": ["--layers", "1", "--d-model", "32", "--heads", "2", "--vocab", "64", "--seq", "16",
+                                 "--batch", "2", "--steps", "2", "--out", "{tmp}"],
 }
 #: Benchmarks too long for CI (hours of training): their documented arguments are parsed, their parts tested.
 PARSED_ONLY = {"benchmarks.parity": "tests/test_benchmarks.py::test_parity_compares_against_fp32_with_the_goals"}
@@ -160,21 +159,6 @@ def _shown_commands() -> list[tuple[Command, str]]:
     return found
 
 
-def _tiny_fashion_mnist(directory: pathlib.Path) -> pathlib.Path:
-    rng = np.random.default_rng(0)
-    for stem, shape in (("train-images-idx3-ubyte", (256, 28, 28)), ("train-labels-idx1-ubyte", (256,)),
-                        ("t10k-images-idx3-ubyte", (128, 28, 28)), ("t10k-labels-idx1-ubyte", (128,))):
-        values = rng.integers(0, 10 if len(shape) == 1 else 256, shape, dtype=np.uint8)
-        header = bytes([0, 0, 8, len(shape)]) + b"".join(n.to_bytes(4, "big") for n in shape)
-        with gzip.open(directory / f"{stem}.gz", "wb") as f:
-            f.write(header + values.tobytes())
-    return directory
-
-
-TINY_TEXT = ("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings and "
-             "arrows of outrageous fortune, or to take arms against a sea of troubles.\n") * 120
-
-
 def _workspace(tmp_path: pathlib.Path) -> tuple[pathlib.Path, dict]:
     """A working directory holding the configs and examples, and tiny data."""
     cwd = tmp_path / "cwd"
@@ -183,7 +167,7 @@ def _workspace(tmp_path: pathlib.Path) -> tuple[pathlib.Path, dict]:
         (cwd / name).symlink_to(ROOT / name)
     data = tmp_path / "data"
     (data / "fmnist").mkdir(parents=True)
-    _tiny_fashion_mnist(data / "fmnist")
+    tiny_fashion_mnist(data / "fmnist")
     (data / "plays.txt").write_text(TINY_TEXT)
     return cwd, {"tmp": str(tmp_path / "out"), "fmnist": str(data / "fmnist"), "text": str(data / "plays.txt")}
 

@@ -24,6 +24,8 @@ from train.checkpoint import CheckpointError, Checkpointer
 from train.config import ConfigError, ExperimentConfig, help_text, load_config
 from train.data import DataError, load_dataset
 from train.data.user import UserData
+from train.checkup import diagnose_experiment
+from train.diagnose import diagnose_state
 from train.distributed import Layout, MeshError, initialize_distributed, make_mesh
 from train.inference import cast_for_inference, full_precision_params, inference_report
 from train.loop import NonFiniteError, build_experiment, run
@@ -36,7 +38,8 @@ from train.tasks import Task, cross_entropy, get_task
 __all__ = ["CheckpointError", "Checkpointer", "ConfigError", "DataError", "ExperimentConfig", "Layout", "MeshError",
            "MetricsWriter", "NNXModel", "NonFiniteError", "Task", "TrainState", "UserCodeError", "UserData", "bind",
            "build_data", "build_experiment", "build_model", "build_optimizer", "build_task", "cast_for_inference",
-           "cast_variables", "check_model_fits_data", "create_train_state", "cross_entropy", "evaluate",
+           "cast_variables", "check_model_fits_data", "create_train_state", "cross_entropy", "diagnose_experiment",
+           "diagnose_state", "evaluate",
            "full_precision_params", "get_task", "help_text", "inference_report", "initialize_distributed",
            "load_config", "load_dataset", "make_eval_step", "make_mesh", "make_multi_step", "make_train_step",
            "mode_kwargs", "read_metrics", "rebind", "run", "summarize_eval"]

@@ -36,6 +36,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--check", action="store_true",
                         help="check everything a run checks before it computes (config, data, model, task, mesh, "
                              "workdir) and exit without training")
+    parser.add_argument("--diagnose", action="store_true",
+                        help="run training steps with every op probed from the config's state (or the newest "
+                             "checkpoint): where float16/bfloat16 overflow, underflow or round away, per module and "
+                             "op, with changes verified to fix it; writes WORKDIR/diagnosis.json and exits without "
+                             "training (checkpoints are only read)")
+    parser.add_argument("--diagnose-steps", type=int, default=1, metavar="N",
+                        help="with --diagnose: how many steps to diagnose (default 1)")
     return parser
 
 
@@ -71,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         return _explain(args.config, config)
     if args.check:
         return _check(args.config, config)
+    if args.diagnose:
+        return _diagnose(args.config, config, args.diagnose_steps)
     from train.checkpoint import CheckpointError
     from train.loop import NonFiniteError, run  # heavy imports (jax, orbax) only when training
     from train.metrics import OutputError
@@ -103,6 +112,20 @@ def _check(path: str, config) -> int:
         print("ok: " + check_experiment(config))
     except (ConfigError, DataError) as e:
         return _fail(f"{path}: {e}", 2)
+    return 0
+
+
+def _diagnose(path: str, config, steps: int) -> int:
+    from train.checkup import diagnose_experiment
+
+    if steps < 1:
+        return _fail(f"--diagnose-steps must be at least 1, got {steps}", 2)
+    try:
+        diagnose_experiment(config, steps)
+    except (ConfigError, DataError) as e:
+        return _fail(f"{path}: {e}", 2)
+    except OSError as e:
+        return _fail(f"could not write the diagnosis to {config.workdir}: {e.strerror or e}", 3)
     return 0
 
 

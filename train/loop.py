@@ -27,6 +27,7 @@ from train.builders import (build_data, build_model, build_optimizer, build_task
 from train.checkpoint import CheckpointError
 from train.config import ConfigError, ExperimentConfig
 from train.data import prefetch_to_device, train_batch_stack
+from train.diagnose import RunDoctor
 from train.distributed import Layout, MeshError, host_rows, initialize_distributed, make_mesh, to_host
 from train.inference import inference_report
 from train.metrics import OutputError, Progress
@@ -130,7 +131,7 @@ def plan_calls(start: int, end: int, steps_per_call: int, every: tuple[int, ...]
 
 def _start_devices(config: ExperimentConfig) -> Layout:
     """The compilation cache, the processes of a multi-process run, and the device mesh."""
-    _start_compile_cache(config.compile_cache)
+    start_compile_cache(config.compile_cache)
     try:
         initialize_distributed(**config.distributed.model_dump())
     except MeshError as e:
@@ -149,7 +150,7 @@ def _layout(config: ExperimentConfig) -> Layout:
     return layout
 
 
-def _start_compile_cache(setting: str | None) -> None:
+def start_compile_cache(setting: str | None) -> None:
     """The persistent compilation cache ``compile_cache`` names; ``auto`` goes without
     one where its default directory cannot be written, a named one must be writable."""
     if setting is None:
@@ -212,16 +213,19 @@ def _train(config: ExperimentConfig, state: TrainState, start: int, data: Any, t
         _train_inputs(data, calls, per_call, batch_size, config.seed),
         config.data.prefetch, lambda b: layout.global_batch(b, batch_size, stacked=per_call > 1))
     holder = [state]  # the newest state, also when a call is interrupted
+    doctor = RunDoctor(config, data, task, outputs.workdir, tracker, outputs.out)
     try:
-        _train_calls(config, holder, start, step_fn, batches, outputs, tracker, evaluate_now)
+        _train_calls(config, holder, start, step_fn, batches, outputs, tracker, evaluate_now, doctor)
     except KeyboardInterrupt:
         saved = save_on_interrupt(outputs, holder[0], tracker)
         outputs.writer.close()
         raise KeyboardInterrupt(saved) from None
     except NonFiniteError as e:
         step = int(to_host(holder[0].step))  # metrics are read in batches: the loop may be ahead of the streak
-        raise NonFiniteError(f"training stopped at step {step}: {e}{save_last_good(outputs, holder[0], tracker)}"
-                             ) from None
+        # Skipped steps leave params unchanged: the state now is the last good one, at the streak's start too.
+        found = doctor.diagnose(holder[0], e.first_step, "training stopped on non-finite gradients")
+        raise NonFiniteError(f"training stopped at step {step}: {e} The doctor, on step {e.first_step}'s batch: "
+                             f"{found}.{save_last_good(outputs, holder[0], tracker)}", e.first_step) from None
     except (CheckpointError, OutputError):
         outputs.writer.close()
         raise
@@ -231,7 +235,7 @@ def _train(config: ExperimentConfig, state: TrainState, start: int, data: Any, t
 
 
 def _train_calls(config: ExperimentConfig, holder: list, start: int, step_fn: Callable, batches: Iterator,
-                 outputs: Outputs, tracker: Tracker, evaluate_now: _Evaluator) -> None:
+                 outputs: Outputs, tracker: Tracker, evaluate_now: _Evaluator, doctor: RunDoctor) -> None:
     """The device calls of :func:`plan_calls`, their metrics read once per log
     interval (the device always has a call queued), checkpoints and evaluations
     on their steps. ``holder[0]`` is the newest state."""
@@ -252,6 +256,7 @@ def _train_calls(config: ExperimentConfig, holder: list, start: int, step_fn: Ca
             # The calls through the last logged step, while this one computes.
             tracker.observe(pending[:-1])
             pending, observed = pending[-1:], first
+        doctor.at_min_scale(holder[0])
         if due_checkpoint:
             with tracker.paused():
                 outputs.checkpoint(holder[0])

@@ -28,7 +28,12 @@ def model_label(name: str) -> str:
 
 
 class NonFiniteError(RuntimeError):
-    """Gradients stayed non-finite at the minimum loss scale; training cannot recover by itself."""
+    """Gradients stayed non-finite at the minimum loss scale; training cannot recover by itself.
+    ``first_step``: the first step of the streak (its batch is the one the doctor diagnoses)."""
+
+    def __init__(self, message: str, first_step: int | None = None):
+        super().__init__(message)
+        self.first_step = first_step
 
 
 class Tracker:
@@ -49,6 +54,8 @@ class Tracker:
         self.skipped = self.skipped_start
         self.streak_start: tuple[int, int] | None = None  # (step, nonfinite_leaf) where the streak began
         self.streak = 0  # consecutive non-finite steps at the minimum loss scale
+        self.dynamic_scale = hasattr(scale, "min_loss_scale")
+        self.at_min_scale_step: int | None = None  # first non-finite step of a dynamic scale at its minimum
         self.interval: list[dict] = []
         self.last_step = int(to_host(state.step))
         self.last_train: dict = {}
@@ -125,6 +132,8 @@ class Tracker:
             return
         if self.streak_start is None:
             self.streak_start = (step, int(m["nonfinite_leaf"]))
+            if self.dynamic_scale and self.at_min_scale_step is None:
+                self.at_min_scale_step = step
         self.streak += 1
         k = self.config.max_nonfinite_steps
         if self.streak >= k:
@@ -137,7 +146,7 @@ class Tracker:
             self._log(step, m)
             self.record({"kind": "error", "step": step, "message": message, "param": self._leaf_path(leaf),
                          "first_nonfinite_step": first_step})
-            raise NonFiniteError(message)
+            raise NonFiniteError(message, first_step)
 
     def _leaf_path(self, leaf: int) -> str | None:
         index = leaf if leaf >= 0 else -2 - leaf

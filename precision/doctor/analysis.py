@@ -1,0 +1,204 @@
+"""From probes to findings: statistics per module and pass, the problems they show
+(overflow, a non-finite value, underflow, updates that round away), where numerics
+first failed, and the loss scales that keep float16 gradients in range."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+
+from precision.doctor.probe import SCALES, Probe
+
+__all__ = ["THRESHOLDS", "Findings", "ModuleStats", "Problem", "analyze", "rounding_shares"]
+
+#: When a share is a problem: underflow of values that are non-zero in float32 (per module and pass),
+#: updates that round away (per param).
+THRESHOLDS = {"underflow_backward": 0.01, "underflow_forward": 0.05, "rounding": 0.05}
+
+
+class ModuleStats(NamedTuple):
+    """One module path in one pass: what its ops computed."""
+
+    path: str
+    backward: bool
+    dtypes: tuple[str, ...]
+    amax: float  # largest finite magnitude of its half-precision results (of all results, if none is half)
+    headroom: float  # log2(dtype max / amax) for that dtype (inf: nothing but zeros)
+    overflow: float  # share of values that overflowed the half range (finite in float32)
+    nonfinite: float  # share of values that are inf or NaN
+    flushed: float  # share of float32-non-zero values that are zero in the half result
+    subnormal: float  # share of half values that are subnormal
+    flushed_at: tuple[float, ...] | None = None  # float16 backward: share flushed at each scale of probe.SCALES
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """Something the policy's numerics got wrong, and where."""
+
+    kind: str  # overflow | nonfinite | underflow | rounding
+    pass_: str  # forward | backward | update
+    path: str  # module path (a param path for rounding)
+    op: str  # primitive ("" for a module-wide share)
+    share: float
+    detail: str
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "pass": self.pass_, "path": self.path, "op": self.op, "share": self.share,
+                "detail": self.detail}
+
+
+@dataclasses.dataclass(frozen=True)
+class Findings:
+    """Everything one probed run says."""
+
+    modules: tuple[ModuleStats, ...]
+    problems: tuple[Problem, ...]
+    first_nonfinite: dict | None  # {"op", "path", "pass", "also_in_float32"?}
+    scale_range: tuple[float, float] | None  # float16: (smallest scale with least underflow, largest without overflow)
+    underflow_at: dict | None  # float16 backward: {scale: share of gradient values flushed}
+    loss: float
+    seconds: dict = dataclasses.field(default_factory=dict)  # probed program: trace, compile, run
+
+    def metric(self, problem: Problem) -> float:
+        """The share ``problem`` measured, as this run measures it (0 when it is gone)."""
+        for p in self.problems:
+            if (p.kind, p.pass_, p.path, p.op) == (problem.kind, problem.pass_, problem.path, problem.op):
+                return p.share
+        return 0.0
+
+
+def _path(path: tuple[str, ...]) -> str:
+    return "/".join(path) or "(top)"
+
+
+def _module_stats(probes: list[Probe]) -> tuple[ModuleStats, ...]:
+    groups: dict[tuple[str, bool], list[Probe]] = collections.defaultdict(list)
+    for p in probes:
+        groups[(_path(p.path), p.backward)].append(p)
+    rows = []
+    for (path, backward), group in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        size = sum(p.size for p in group)
+        half = [p for p in group if "flushed" in p.stats]
+        nonzero = sum(int(p.stats["nonzero_ref"]) for p in half)
+        measured = half or group
+        amax = max(float(p.stats["amax"]) for p in measured)
+        narrow = min((p.dtype for p in measured), key=lambda d: jnp.finfo(d).max)
+        headroom = math.log2(float(jnp.finfo(narrow).max) / amax) if amax > 0 else math.inf
+        rows.append(ModuleStats(
+            path, backward, tuple(sorted({str(p.dtype) for p in group})), amax, headroom,
+            sum(int(p.stats.get("overflow", 0)) for p in group) / size,
+            sum(int(p.stats["inf"]) + int(p.stats["nan"]) for p in group) / size,
+            sum(int(p.stats["flushed"]) for p in half) / nonzero if nonzero else 0.0,
+            sum(int(p.stats["subnormal"]) for p in half) / max(sum(p.size for p in half), 1),
+            _flushed_at(half, nonzero)))
+    return tuple(rows)
+
+
+def _flushed_at(half: list[Probe], nonzero: int) -> tuple[float, ...] | None:
+    """The share of a module's float32-non-zero values that flush at each loss scale of the grid."""
+    grids = [p.stats["flushed_at"] for p in half if "flushed_at" in p.stats]
+    if not grids or not nonzero:
+        return None
+    return tuple(float(f) / nonzero for f in np.sum(grids, axis=0))
+
+
+def _first_nonfinite(probes: list[Probe]) -> Probe | None:
+    """The first op that made a non-finite value from finite inputs."""
+    return next((p for p in probes if bool(p.stats["inputs_finite"])
+                 and int(p.stats["inf"]) + int(p.stats["nan"]) > 0), None)
+
+
+def _overflow_problems(probes: list[Probe]) -> list[Problem]:
+    """Ops whose half results overflowed (finite in float32) or that made inf/NaN from finite inputs."""
+    found: dict[tuple, list[Probe]] = collections.defaultdict(list)
+    for p in probes:
+        made = bool(p.stats["inputs_finite"]) and int(p.stats["inf"]) + int(p.stats["nan"]) > 0
+        if made:
+            kind = "overflow" if int(p.stats.get("overflow", 0)) > 0 else "nonfinite"
+            found[(kind, p.backward, _path(p.path), p.primitive)].append(p)
+    problems = []
+    for (kind, backward, path, op), group in found.items():
+        size = sum(p.size for p in group)
+        bad = sum(int(p.stats["overflow"] if kind == "overflow" else p.stats["inf"] + p.stats["nan"]) for p in group)
+        dtype = group[0].dtype
+        ref = max(float(p.stats.get("ref_amax", 0.0)) for p in group)
+        detail = (f"{op} in {dtype} made {bad} values past {float(jnp.finfo(dtype).max):g} (largest in float32 "
+                  f"{ref:.4g})" if kind == "overflow" else f"{op} made inf/NaN from finite inputs")
+        problems.append(Problem(kind, "backward" if backward else "forward", path, op, bad / size, detail))
+    return problems
+
+
+def _underflow_problems(modules: Iterable[ModuleStats]) -> list[Problem]:
+    problems = []
+    for m in modules:
+        limit = THRESHOLDS["underflow_backward" if m.backward else "underflow_forward"]
+        if m.flushed > limit:
+            what = "gradient (cotangent)" if m.backward else "activation"
+            problems.append(Problem("underflow", "backward" if m.backward else "forward", m.path, "", m.flushed,
+                                    f"{100 * m.flushed:.1f}% of {what} values non-zero in float32 are zero in half"))
+    return problems
+
+
+def _scale_analysis(probes: list[Probe], loss_scale: float) -> tuple[tuple[float, float] | None, dict | None]:
+    """Float16 backward: the largest loss scale no op overflows at (from each op's float32 amax, which
+    scales with the loss scale), the share flushed at each scale of the grid, and the recommended range."""
+    backward = [p for p in probes if p.backward and "flushed_at" in p.stats]
+    if not backward:
+        return None, None
+    nonzero = sum(int(p.stats["nonzero_ref"]) for p in backward)
+    flushed = np.sum([p.stats["flushed_at"] for p in backward], axis=0)
+    shares = {s: float(f) / nonzero if nonzero else 0.0 for s, f in zip(SCALES, flushed)}
+    peak = max(float(p.stats.get("ref_amax", 0.0)) for p in backward)
+    largest = float(np.finfo(np.float16).max) / (peak / loss_scale) if peak > 0 else math.inf
+    safe = [s for s in SCALES if s <= largest / 2]  # a factor of two of headroom
+    if not safe:
+        return (0.0, largest), shares
+    least = min(shares[s] for s in safe)
+    smallest = min(s for s in safe if shares[s] <= least + 1e-4)
+    return (smallest, largest), shares
+
+
+def rounding_shares(params: Any, updates: Any) -> dict[str, float]:
+    """Per param leaf: the share of non-zero updates smaller than half an ulp of the
+    param in its storage dtype (they round away when applied to it directly)."""
+    import jax
+
+    shares = {}
+    for (path, p), u in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree_util.tree_leaves(updates)):
+        if not jnp.issubdtype(p.dtype, jnp.floating):
+            continue
+        info = jnp.finfo(p.dtype)
+        value = np.abs(np.asarray(p, np.float32))
+        exponent = np.floor(np.log2(np.maximum(value, float(info.tiny))))
+        ulp = np.exp2(exponent - info.nmant)
+        step = np.abs(np.asarray(u, np.float32))
+        moving = step > 0
+        name = jax.tree_util.keystr(path, simple=True, separator="/")
+        shares[name] = float(np.sum(moving & (step < ulp / 2)) / max(int(np.sum(moving)), 1))
+    return shares
+
+
+def analyze(probes: list[Probe], loss: float, loss_scale: float, rounding: dict[str, float] | None,
+            storage: dict[str, str], seconds: dict | None = None) -> Findings:
+    """The findings of one probed run (``rounding``: per param share, ``storage``: its dtype)."""
+    modules = _module_stats(probes)
+    problems = _overflow_problems(probes) + _underflow_problems(modules)
+    for name, share in (rounding or {}).items():
+        if share > THRESHOLDS["rounding"]:
+            problems.append(Problem("rounding", "update", name, "", share,
+                                    f"{100 * share:.1f}% of its updates are below half an ulp of a "
+                                    f"{storage.get(name, '?')} param: applied to it, they round away"))
+    first = _first_nonfinite(probes)
+    first_info = None if first is None else {"op": first.primitive, "path": _path(first.path),
+                                             "pass": "backward" if first.backward else "forward"}
+    forward_failed = first_info is not None and first_info["pass"] == "forward"  # no gradient to read then
+    scale_range, underflow_at = (None, None) if forward_failed else _scale_analysis(probes, loss_scale)
+    order = {"nonfinite": 0, "overflow": 1, "underflow": 2, "rounding": 3}
+    problems.sort(key=lambda p: (order[p.kind], p.pass_ != "forward", -p.share))
+    return Findings(modules, tuple(problems), first_info, scale_range, underflow_at, loss, dict(seconds or {}))

@@ -1,0 +1,230 @@
+"""``precision.diagnose``: run a model once in its policy's dtypes with every op
+probed, name where numerics fail, and recommend only what it verified.
+
+For each problem the doctor tries the changes that could fix it, cheapest first:
+a float32 rule on the smallest module that contains it, taking the primitive out
+of the half ops (an op-list change), bfloat16 instead of float16, a loss scale
+inside the range where float16 gradients neither overflow nor flush, float32
+master weights. Each is applied, the program diagnosed again, and kept only when
+the problem is gone and nothing non-finite remains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from precision.autocast import ALLOW, OpLists, op_lists
+from precision.doctor import probe
+from precision.doctor.analysis import (
+    THRESHOLDS,
+    Findings,
+    Problem,
+    analyze,
+    rounding_shares,
+)
+from precision.doctor.report import Diagnosis, Recommendation
+from precision.doctor.subject import Subject, subject_of
+from precision.policy import Policy
+from precision.rules import default_rules
+
+__all__ = ["diagnose"]
+
+F16, BF16, F32 = np.dtype(np.float16), np.dtype(jnp.bfloat16), np.dtype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setting:
+    """Everything a run depends on that a fix may change."""
+
+    policy: Policy
+    rules: tuple
+    ops: OpLists
+    loss_scale: float
+    masters: bool  # updates applied to float32 masters (not to the stored params)
+
+
+def _examine(subject: Subject, s: _Setting, loss_fn: Callable | None, optimizer: Any) -> Findings:
+    """One probed run under setting ``s``."""
+    forward, params = subject.program(s.policy, s.rules, s.ops)
+    if loss_fn is None:
+        _, probes, seconds = probe.run(forward, (params,))
+        return analyze(probes, math.nan, 1.0, None, {}, seconds)
+
+    def scaled(p):
+        return jnp.asarray(loss_fn(forward(p)), jnp.float32) * s.loss_scale
+
+    (value, grads), probes, seconds = probe.run(jax.value_and_grad(scaled), (params,), s.loss_scale, n_primal=1)
+    rounding, storage = None, {}
+    if optimizer is not None:
+        full = jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), params)
+        unscaled = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32) / s.loss_scale, grads)
+        updates, _ = optimizer.update(unscaled, optimizer.init(full), full)
+        stored = full if s.masters else params
+        rounding = rounding_shares(stored, updates)
+        storage = {jax.tree_util.keystr(path, simple=True, separator="/"): str(x.dtype)
+                   for path, x in jax.tree_util.tree_leaves_with_path(stored)}
+    return analyze(probes, float(value) / s.loss_scale, s.loss_scale, rounding, storage, seconds)
+
+
+# ----------------------------------------------------------------------------- changes to try
+
+
+@dataclasses.dataclass(frozen=True)
+class _Change:
+    change: str
+    yaml: str
+    python: str
+    setting: _Setting
+
+
+def _rule_change(problem: Problem, s: _Setting) -> _Change | None:
+    if problem.path == "(top)" or s.policy.compute_dtype == F32:
+        return None
+    rules = ((problem.path, "f32"), *s.rules)
+    shown = [[problem.path, "f32"], *([r.pattern, _policy_name(r.policy)] for r in s.rules)]
+    rest = ("*precision.default_rules()" if s.rules == default_rules()
+            else ", ".join(f"({r.pattern!r}, {_policy_name(r.policy)!r})" for r in s.rules))
+    python = f"rules=[({problem.path!r}, 'f32')" + (f", {rest}]" if rest else "]")
+    return _Change(f"keep {problem.path} in float32 (a rule)", f"precision.rules: {shown}".replace("'", ""),
+                   python, dataclasses.replace(s, rules=rules))
+
+
+def _policy_name(policy: Policy) -> str:
+    """``f32`` for a policy of one dtype, else its spec."""
+    one = {policy.param_dtype, policy.compute_dtype, policy.output_dtype}
+    return str(Policy(*[policy.param_dtype] * 3)).split(",")[0].removeprefix("p=") if len(one) == 1 else str(policy)
+
+
+def _op_list_change(problem: Problem, s: _Setting) -> _Change | None:
+    if not problem.op or problem.op in ALLOW or problem.op in s.ops.deny or s.policy.compute_dtype == F32:
+        return None
+    try:
+        ops = op_lists(deny=[problem.op], base=s.ops)
+    except Exception:  # noqa: BLE001 - not a primitive the op lists know
+        return None
+    return _Change(f"compute {problem.op} in float32 (the deny list)", f"precision.deny: [{problem.op}]",
+                   f"ops=precision.op_lists(deny=[{problem.op!r}])", dataclasses.replace(s, ops=ops))
+
+
+def _bf16_change(problem: Problem, s: _Setting) -> _Change | None:
+    if s.policy.compute_dtype != F16:
+        return None
+    half = {F16: BF16}
+    policy = Policy(half.get(s.policy.param_dtype, s.policy.param_dtype), BF16,
+                    half.get(s.policy.output_dtype, s.policy.output_dtype))
+    return _Change("bfloat16 instead of float16 (float32's range)", f"precision.policy: {policy}",
+                   f"precision.with_policy(model, {str(policy)!r})", dataclasses.replace(s, policy=policy))
+
+
+def _scale_change(problem: Problem, s: _Setting, findings: Findings) -> _Change | None:
+    if findings.scale_range is None or problem.pass_ != "backward":
+        return None
+    low, high = findings.scale_range
+    scale = low if problem.kind == "underflow" else max((x for x in probe.SCALES if x <= high / 2), default=None)
+    if scale is None or scale == s.loss_scale:
+        return None
+    return _Change(f"loss scale {scale:g}", f"precision.loss_scale: dynamic, precision.initial_scale: {scale:g}",
+                   f"precision.DynamicLossScale({scale:g})", dataclasses.replace(s, loss_scale=scale))
+
+
+def _masters_change(problem: Problem, s: _Setting) -> _Change | None:
+    if problem.kind != "rounding" or s.masters:
+        return None
+    return _Change("float32 master weights (updates applied to them, not to the half params)",
+                   "(kept by the framework's optimizer: precision.mixed_precision)",
+                   "tx = precision.mixed_precision(optimizer)  # keeps float32 masters of half params",
+                   dataclasses.replace(s, masters=True))
+
+
+def _changes(problem: Problem, s: _Setting, findings: Findings) -> list[_Change]:
+    if problem.kind == "rounding":
+        tries = [_masters_change(problem, s)]
+    elif problem.kind == "underflow":
+        tries = [_scale_change(problem, s, findings), _bf16_change(problem, s), _rule_change(problem, s)]
+    else:
+        tries = [_rule_change(problem, s), _op_list_change(problem, s), _scale_change(problem, s, findings),
+                 _bf16_change(problem, s)]
+    return [c for c in tries if c is not None]
+
+
+def _fixed(problem: Problem, after: Findings) -> bool:
+    if problem.kind in ("overflow", "nonfinite"):
+        return after.first_nonfinite is None and after.metric(problem) == 0
+    limit = THRESHOLDS["rounding" if problem.kind == "rounding" else
+                      "underflow_backward" if problem.pass_ == "backward" else "underflow_forward"]
+    return after.metric(problem) <= limit and after.first_nonfinite is None
+
+
+def _name(problem: Problem) -> str:
+    return {"overflow": "overflow", "nonfinite": "non-finite", "underflow": "underflow",
+            "rounding": "updates rounding away"}[problem.kind]
+
+
+# ----------------------------------------------------------------------------- the doctor
+
+
+def diagnose(target: Any, *args: Any, policy: Any = None, variables: Any = None, loss_fn: Callable | None = None,
+             loss_scale: Any = None, rules: Any = None, ops: OpLists | None = None, optimizer: Any = None,
+             learning_rate: float | None = None, verify: bool = True, most: int = 3, **kwargs: Any) -> Diagnosis:
+    """Runs ``target`` on ``args`` once in ``policy``'s dtypes with every op probed, and says where its
+    numerics fail and what verified change fixes them.
+
+    Args:
+      target: a Linen module (with its ``variables``; initialised from key 0 if None), an NNX module, a
+        :func:`precision.with_policy` wrapper (its own policy, rules and op lists), or a function of arrays.
+      *args, **kwargs: the call's inputs and keyword arguments (``train=True``...).
+      policy, rules, ops: as :func:`precision.with_policy` takes them.
+      loss_fn: ``loss_fn(outputs) -> scalar``: also diagnose the backward pass, at ``loss_scale`` (a number or
+        a loss scale object; default 1), and the loss scales where float16 gradients keep in range.
+      optimizer, learning_rate: an optax optimizer (or plain SGD at ``learning_rate``): also measure the
+        updates that would round away if applied to the params in their storage dtype.
+      verify: try the changes that could fix each problem (the ``most`` worst), and recommend those that
+        did; ``False`` only diagnoses.
+    """
+    subject = subject_of(target, args, kwargs, policy, rules, ops, variables)
+    scale = float(np.asarray(getattr(loss_scale, "loss_scale", 1.0 if loss_scale is None else loss_scale)))
+    if optimizer is None and learning_rate is not None:
+        optimizer = optax.sgd(learning_rate)
+    setting = _Setting(subject.policy, subject.rules, subject.ops, scale, False)
+    findings = _examine(subject, setting, loss_fn, optimizer)
+    notes, recommendations = [], []
+    if findings.first_nonfinite and subject.policy != Policy(F32, F32, F32):
+        full = _examine(subject, dataclasses.replace(setting, policy=Policy(F32, F32, F32), loss_scale=1.0), loss_fn,
+                        None)
+        if full.first_nonfinite:
+            first = full.first_nonfinite
+            notes.append(f"{first['op']} in {first['path']} ({first['pass']}) is non-finite in float32 too: the "
+                         f"model's math, not precision")
+    if verify and not notes:
+        recommendations = _verified(subject, setting, findings, loss_fn, optimizer, most)
+    return Diagnosis(subject.name, subject.policy, scale, findings, tuple(recommendations), tuple(notes))
+
+
+def _verified(subject: Subject, setting: _Setting, findings: Findings, loss_fn: Callable | None, optimizer: Any,
+              most: int) -> list[Recommendation]:
+    """For each of the ``most`` worst problems, the first change that fixes it when applied."""
+    found: list[Recommendation] = []
+    tried: dict[_Setting, Findings] = {}
+    for problem in findings.problems[:most]:
+        if any(r.problem == problem for r in found):
+            continue
+        for change in _changes(problem, setting, findings):
+            if change.setting not in tried:
+                tried[change.setting] = _examine(subject, change.setting, loss_fn, optimizer)
+            after = tried[change.setting]
+            if _fixed(problem, after):
+                if any(r.change == change.change for r in found):
+                    break  # already recommended, for a worse problem it fixes too
+                found.append(Recommendation(change.change, change.yaml, change.python, problem,
+                                            f"{_name(problem)} {100 * problem.share:.3g}%",
+                                            f"{_name(problem)} {100 * after.metric(problem):.3g}%"))
+                break
+    return found

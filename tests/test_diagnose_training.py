@@ -1,0 +1,157 @@
+"""The doctor in training: ``python -m train CONFIG --diagnose``, the diagnosis a run
+makes when it stops on non-finite gradients, and a train step left unchanged."""
+
+import importlib.util
+import io
+import json
+import os
+import pathlib
+
+import jax
+import numpy as np
+import optax
+import pytest
+import yaml
+from helpers import ROOT, TINY_TEXT, tiny_fashion_mnist
+
+import precision
+import train
+from train.cli import main
+
+HOT_MODEL = '''
+import flax.linen as nn
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(32, name="dense")(x) * 60000.0  # past float16's 65504 for inputs above ~1
+
+
+class HotMLP(nn.Module):
+    classes: int = 10
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(32, name="inp")(x.reshape((x.shape[0], -1))))
+        h = nn.LayerNorm(name="norm")(Block(name="block")(h))
+        return nn.Dense(self.classes, name="head")(h)
+'''
+
+TINY = {"steps": 40, "log_every": 5, "progress": False, "inference_dtypes": [], "max_nonfinite_steps": 3,
+        "data": {"name": "digits", "batch_size": 32, "eval_batch_size": 100, "eval_batches": 1},
+        "precision": {"policy": "mixed_f16", "loss_scale": "dynamic", "initial_scale": 4, "min_scale": 1}}
+
+
+def _config_file(tmp_path, model, **changes):
+    raw = {**json.loads(json.dumps(TINY)), "workdir": str(tmp_path / "run"), "model": {"name": model}, **changes}
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+def test_a_run_with_a_planted_overflow_stops_with_one_line_naming_the_op_module_and_verified_fix(tmp_path, capsys):
+    (tmp_path / "hot_model.py").write_text(HOT_MODEL)
+    config = _config_file(tmp_path, f"{tmp_path}/hot_model.py:HotMLP")
+    assert main([config]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: training stopped at step")
+    assert "mul in block (forward) first went non-finite" in err
+    assert "verified fix: precision.rules: [[block, f32], [BatchNorm, f32]" in err and "-> overflow 0%" in err
+    saved = json.loads((tmp_path / "run" / "diagnosis.json").read_text())
+    assert saved["reason"] == "training stopped on non-finite gradients" and saved["step"] == 3
+    assert saved["first_nonfinite"] == {"op": "mul", "path": "block", "pass": "forward"}
+    assert saved["problems"][0]["kind"] == "overflow" and saved["problems"][0]["path"] == "block"
+    assert saved["recommendations"][0]["yaml"].startswith("precision.rules: [[block, f32]")
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    diagnosis = [r for r in records if r["kind"] == "diagnosis"]
+    assert diagnosis and diagnosis[0]["first_nonfinite"]["path"] == "block"
+    assert os.listdir(tmp_path / "run" / "checkpoints")  # the last good state is saved as before
+
+    # The verified rule, applied as the diagnosis wrote it, trains.
+    rules = yaml.safe_load(saved["recommendations"][0]["yaml"].removeprefix("precision.rules: "))
+    fixed = _config_file(tmp_path, f"{tmp_path}/hot_model.py:HotMLP", workdir=str(tmp_path / "fixed"),
+                         precision={**TINY["precision"], "rules": rules})
+    assert main([fixed]) == 0
+
+
+def test_diagnose_flag_reads_the_newest_checkpoint_and_leaves_checkpoints_untouched(tmp_path, capsys):
+    config = _config_file(tmp_path, "mlp", steps=4, checkpoint_every=2)
+    assert main([config]) == 0
+    checkpoints = tmp_path / "run" / "checkpoints"
+    before = {p: os.stat(os.path.join(d, p)).st_mtime_ns for d, _, files in os.walk(checkpoints) for p in files}
+    capsys.readouterr()
+    assert main([config, "--diagnose", "--diagnose-steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"diagnosing from the checkpoint at step 4 in {checkpoints}" in out
+    assert "MLP under p=f32,c=f16,o=f32 (loss scale" in out and "healthy" in out
+    after = {p: os.stat(os.path.join(d, p)).st_mtime_ns for d, _, files in os.walk(checkpoints) for p in files}
+    assert after == before
+    saved = json.loads((tmp_path / "run" / "diagnosis.json").read_text())
+    assert saved["healthy"] and saved["problems"] == [] and saved["recommendations"] == []
+    assert [s["step"] for s in saved["steps_diagnosed"]] == [5, 6]
+
+
+def test_diagnose_steps_must_be_positive(tmp_path, capsys):
+    assert main([_config_file(tmp_path, "mlp"), "--diagnose", "--diagnose-steps", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --diagnose-steps must be at least 1, got 0"
+
+
+def test_the_train_step_compiles_to_the_same_program_whether_or_not_the_doctor_ran():
+    from train.models import MLP
+
+    x = jax.random.normal(jax.random.key(0), (8, 16))
+    batch = {"inputs": x, "labels": jax.numpy.arange(8) % 4}
+
+    def hlo():
+        state = train.create_train_state(MLP(hidden=(32,), num_classes=4), "mixed_f16", optax.adam(1e-3),
+                                         jax.random.PRNGKey(0), x[:1])
+        return train.make_train_step().lower(state, batch).as_text(), state
+
+    before, state = hlo()
+    diagnosis = train.diagnose_state(state, batch, train.get_task("classification"))
+    assert diagnosis.healthy
+    precision.diagnose(MLP(hidden=(32,), num_classes=4), x, policy="mixed_f16",
+                       loss_fn=lambda out: out.astype(jax.numpy.float32).mean())
+    after, _ = hlo()
+    assert after == before
+
+
+# ----------------------------------------------------------------------------- (f) no false alarms
+
+SHIPPED = sorted((ROOT / "configs").glob("*.yaml")) + sorted((ROOT / "examples" / "user_models").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_every_shipped_config_diagnoses_clean_under_its_policy(path, tmp_path):
+    """On small batches of tiny stand-ins for the data CI lacks (random Fashion-MNIST pixels, a short text)."""
+    from train.config import load_config
+
+    overrides = [f"workdir={tmp_path / 'run'}", "data.batch_size=4"]
+    config = load_config(path)
+    if config.data.name == "fashion_mnist":
+        overrides.append(f"data.path={tiny_fashion_mnist(tmp_path)}")
+    elif config.data.name == "shakespeare":
+        (tmp_path / "plays.txt").write_text(TINY_TEXT)
+        overrides.append(f"data.path={tmp_path / 'plays.txt'}")
+    diagnosis, written = train.diagnose_experiment(load_config(path, overrides), out=io.StringIO())
+    assert diagnosis.healthy, str(diagnosis)
+    assert json.loads(pathlib.Path(written).read_text())["healthy"]
+
+
+def test_the_example_script_diagnoses_clean_under_its_policy():
+    """examples/mixed_f16_digits.py's model and data, under its default policy and loss scale."""
+    spec = importlib.util.spec_from_file_location("mixed_f16_digits", ROOT / "examples" / "mixed_f16_digits.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x, y = (digits.data[:128] / 16.0).astype(np.float32), digits.target[:128].astype(np.int32)
+
+    def loss_fn(logits):
+        return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jax.numpy.float32), y).mean()
+
+    diagnosis = precision.diagnose(example.MLP(), x, policy="params=f32,compute=f16", loss_fn=loss_fn,
+                                   loss_scale=precision.get_loss_scale("auto", "params=f32,compute=f16"))
+    assert diagnosis.healthy, str(diagnosis)

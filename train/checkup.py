@@ -1,0 +1,85 @@
+"""``python -m train CONFIG --diagnose``: a check-up of an experiment by the numerics doctor.
+
+Builds the experiment as :func:`train.run` would, from its initial state or the
+newest intact checkpoint in its workdir (read, never written or moved), runs N
+train steps each diagnosed (:func:`train.diagnose_state`), verifies the fixes
+for the worst one, prints it and writes ``WORKDIR/diagnosis.json``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TextIO
+
+import precision
+from train.builders import build_train_state
+from train.config import ExperimentConfig
+from train.data import DataError
+from train.diagnose import diagnose_state, write_diagnosis
+from train.loop import build_experiment, start_compile_cache
+from train.state import TrainState
+from train.step import make_train_step
+
+__all__ = ["diagnose_experiment"]
+
+
+def diagnose_experiment(config: ExperimentConfig, steps: int = 1, out: TextIO | None = None
+                        ) -> tuple[precision.Diagnosis, str]:
+    """``python -m train CONFIG --diagnose``: ``steps`` train steps from the config's
+    state (or its workdir's newest intact checkpoint), each diagnosed, the worst one
+    verified; prints and writes ``WORKDIR/diagnosis.json``. Returns the diagnosis and
+    the file's path. Checkpoints are read, never written or moved."""
+    out = sys.stdout if out is None else out
+    if not isinstance(steps, int) or steps < 1:
+        raise DataError(f"--diagnose-steps must be an integer >= 1, got {steps!r}")
+    start_compile_cache(config.compile_cache)  # a step's probed program, compiled once for all N
+    data, task, model = build_experiment(config)
+    state, schedule = build_train_state(config, model, data)
+    state, start = _latest_checkpoint(config, state, out)
+    step_fn = make_train_step(accum_steps=config.accum_steps, learning_rate_fn=schedule, task=task, donate=False)
+    batch_size = config.data.batch_size * config.accum_steps
+    seen = []
+    for index in range(start, start + steps):
+        batch = data.train_batch(index, batch_size, config.seed)
+        found = diagnose_state(state, batch, task, verify=False)
+        seen.append((index, state, batch, found))
+        state, _ = step_fn(state, batch)
+    index, state, batch, diagnosis = max(seen, key=lambda s: _severity(s[3]))
+    if not diagnosis.healthy:  # the worst step again, its fixes verified
+        diagnosis = diagnose_state(state, batch, task)
+    steps_seen = [{"step": i + 1, "healthy": d.healthy, "problems": len(d.problems),
+                   "first_nonfinite": d.first_nonfinite} for i, _, _, d in seen]
+    path = write_diagnosis(config.workdir, diagnosis, index + 1, "--diagnose", steps_seen)
+    print(diagnosis, file=out)
+    which = f"step {start + 1}" if steps == 1 else f"steps {start + 1}-{start + steps} (shown: step {index + 1})"
+    print(f"diagnosed {which}; written to {path}", file=out)
+    return diagnosis, path
+
+
+def _severity(d: precision.Diagnosis) -> tuple:
+    order = {"nonfinite": 3, "overflow": 3, "underflow": 2, "rounding": 1}
+    return (d.first_nonfinite is not None, max((order[p.kind] for p in d.problems), default=0),
+            max((p.share for p in d.problems), default=0.0))
+
+
+def _latest_checkpoint(config: ExperimentConfig, state: TrainState, out: TextIO) -> tuple[TrainState, int]:
+    """The newest intact checkpoint of the workdir (read only), or ``state`` at step 0."""
+    directory = os.path.join(config.workdir, "checkpoints")
+    if not os.path.isdir(directory):
+        return state, 0
+    from train.checkpoint import Checkpointer, CheckpointError
+
+    checkpoints = Checkpointer(directory, config.keep_checkpoints)
+    try:
+        for step in reversed(checkpoints.all_steps()):
+            try:
+                restored, _ = checkpoints.restore(state, step)
+            except CheckpointError as e:
+                print(f"warning: {e}; trying an older one", file=out)
+                continue
+            print(f"diagnosing from the checkpoint at step {step} in {directory}", file=out)
+            return restored, step
+    finally:
+        checkpoints.close()
+    return state, 0

@@ -1,0 +1,121 @@
+"""The numerics doctor in training: a train step diagnosed, and the diagnosis a run
+makes by itself when its loss scale gives up (``python -m train CONFIG --diagnose``
+is :mod:`train.checkup`).
+
+A train step is diagnosed as :func:`precision.diagnose` diagnoses a model: the
+state's model under its policy, rules and op lists, on its float32 (master)
+params and one training batch, through the task's loss at the state's loss
+scale. The probed program is built apart from the train step, which compiles
+to the same program whether or not the doctor runs; checkpoints are only read.
+What it finds goes to ``WORKDIR/diagnosis.json`` (see docs/diagnose.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, TextIO
+
+import jax
+import numpy as np
+
+import precision
+from train.binding import NNXModel, call_mode_kwargs, mode_kwargs
+from train.config import ExperimentConfig
+from train.state import TrainState
+
+__all__ = ["DIAGNOSIS_FILE", "RunDoctor", "diagnose_state", "summary_line", "write_diagnosis"]
+
+DIAGNOSIS_FILE = "diagnosis.json"
+
+
+def diagnose_state(state: TrainState, batch: dict, task: Any, *, verify: bool = True) -> precision.Diagnosis:
+    """The diagnosis of one train step of ``state`` on ``batch``: forward and backward
+    of the model under its policy, rules and op lists, at the state's loss scale, on
+    its float32 (master) params; with ``verify``, the changes that fix what it finds."""
+    params = jax.device_get(precision.full_precision_params(state.params, state.opt_state))
+    model_state = jax.device_get(state.model_state)
+    batch = {k: np.asarray(v) for k, v in jax.device_get(batch).items()}
+
+    def loss_fn(outputs: Any) -> jax.Array:
+        return task.loss(outputs, batch)[0]
+
+    if isinstance(state.model, NNXModel):
+        target = state.model.merge({"params": params, **model_state}, train=True)
+        variables, kwargs = None, call_mode_kwargs(state.model.module_type.__call__, True)
+    else:
+        target, variables = state.model, {"params": params, **model_state}
+        kwargs = mode_kwargs(state.model, True)
+    scale = jax.device_get(state.loss_scale)
+    return precision.diagnose(target, batch["inputs"], variables=variables, loss_fn=loss_fn, loss_scale=scale,
+                              verify=verify, **kwargs)
+
+
+def write_diagnosis(workdir: str, diagnosis: precision.Diagnosis, step: int, reason: str,
+                    steps: list[dict] | None = None) -> str:
+    """Writes ``diagnosis`` of the batch of ``step`` to ``WORKDIR/diagnosis.json``; returns its path."""
+    path = os.path.join(workdir, DIAGNOSIS_FILE)
+    record = {"step": step, "reason": reason, **diagnosis.to_dict()}
+    if steps is not None:
+        record["steps_diagnosed"] = steps
+    os.makedirs(workdir, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=2, default=float)
+    return path
+
+
+def summary_line(diagnosis: precision.Diagnosis) -> str:
+    """One line: where numerics first failed (or the worst problem) and the verified change."""
+    first, problems = diagnosis.first_nonfinite, diagnosis.problems
+    if first:
+        where = f"{first['op']} in {first['path']} ({first['pass']}) first went non-finite"
+    elif problems:
+        p = problems[0]
+        where = f"{p.kind} in {p.path}{' ' + p.op if p.op else ''} ({p.pass_}, {100 * p.share:.3g}%)"
+    else:
+        return "the doctor found no overflow, non-finite value, underflow or rounding on that batch"
+    if diagnosis.recommendations:
+        r = diagnosis.recommendations[0]
+        return f"{where}; verified fix: {r.yaml} ({r.before} -> {r.after})"
+    if diagnosis.notes:
+        return f"{where}; {diagnosis.notes[0]}"
+    return f"{where}; no change the doctor tried fixed it"
+
+
+class RunDoctor:
+    """The diagnoses a run makes by itself, each of one batch from the state it
+    reached: once when a dynamic loss scale first sits at its minimum on a
+    non-finite step, and when training stops on non-finite gradients. Each writes
+    ``diagnosis.json`` and a ``{"kind": "diagnosis"}`` metrics record."""
+
+    def __init__(self, config: ExperimentConfig, data: Any, task: Any, workdir: str, tracker: Any, out: TextIO):
+        self.config, self.data, self.task, self.workdir, self.tracker, self.out = config, data, task, workdir, tracker, out
+        self.done_at_min_scale = False
+
+    def at_min_scale(self, state: TrainState) -> None:
+        """After metrics are read: diagnoses (once) the first non-finite step at the minimum dynamic loss scale."""
+        step = self.tracker.at_min_scale_step
+        if step is None or self.done_at_min_scale:
+            return
+        self.done_at_min_scale = True
+        line = self.diagnose(state, step, "the dynamic loss scale reached its minimum on a non-finite step")
+        print(f"warning: step {step} was non-finite at the minimum loss scale: {line}", file=self.out)
+
+    def diagnose(self, state: TrainState, step: int, reason: str) -> str:
+        """Diagnoses the batch of ``step`` from ``state``; the summary line (or why there is none)."""
+        if jax.process_count() > 1:
+            return "for where, run: python -m train CONFIG --diagnose (on one process)"
+        try:
+            with self.tracker.paused():
+                batch_size = self.config.data.batch_size * self.config.accum_steps
+                batch = self.data.train_batch(step - 1, batch_size, self.config.seed)
+                diagnosis = diagnose_state(state, batch, self.task)
+                path = write_diagnosis(self.workdir, diagnosis, step, reason)
+        except Exception as e:  # noqa: BLE001 - a failed diagnosis must not cost the run its checkpoint
+            return f"the doctor could not diagnose step {step}'s batch ({type(e).__name__}: {e})"
+        line = summary_line(diagnosis)
+        self.tracker.record({"kind": "diagnosis", "step": step, "reason": reason, "summary": line, "file": path,
+                             "first_nonfinite": diagnosis.first_nonfinite,
+                             "problems": [p.to_dict() for p in diagnosis.problems],
+                             "recommendations": [r.to_dict() for r in diagnosis.recommendations]})
+        return f"{line}; details in {path}"
