@@ -211,3 +211,17 @@ def test_a_healthy_model_says_so_in_one_line():
     d = diagnose(MLP(hidden=(32,)), X, policy="mixed_bf16", loss_fn=xent)
     assert d.healthy and "\n" not in str(d) and str(d).endswith("below the thresholds")
     assert d.to_dict()["healthy"] and d.to_dict()["problems"] == []
+
+
+def test_bad_input_gets_a_specific_error():
+    from train.models import MLP
+
+    with pytest.raises(precision.PolicyError, match="f17"):
+        diagnose(MLP(hidden=(8,)), X, policy="params=f32,compute=f17")
+    with pytest.raises(ValueError, match=r"loss_fn must return a scalar .* shape \(16, 10\)"):
+        diagnose(MLP(hidden=(8,)), X, policy="mixed_f16", loss_fn=lambda out: out)
+    with pytest.raises(TypeError, match="pass policy=..."):
+        diagnose(MLP(hidden=(8,)), X)
+    with pytest.raises(TypeError, match="expects a Flax Linen or NNX module"):
+        diagnose(42, X, policy="mixed_f16")
+

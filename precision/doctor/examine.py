@@ -61,6 +61,10 @@ def _examine(subject: Subject, s: _Setting, loss_fn: Callable | None, optimizer:
     def scaled(p):
         return jnp.asarray(loss_fn(forward(p)), jnp.float32) * s.loss_scale
 
+    shape = jax.eval_shape(scaled, params).shape
+    if shape != ():
+        raise ValueError(f"diagnose: loss_fn must return a scalar (the loss of the batch), got an array of shape "
+                         f"{shape}; reduce it, e.g. with .mean()")
     (value, grads), probes, seconds = probe.run(jax.value_and_grad(scaled), (params,), s.loss_scale, n_primal=1)
     rounding, storage = None, {}
     if optimizer is not None:
