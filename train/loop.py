@@ -53,7 +53,8 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
     Raises:
       ConfigError, DataError: before any compute, for a config that cannot run.
       NonFiniteError: gradients non-finite for ``max_nonfinite_steps`` consecutive
-        steps at the minimum loss scale (the last good state is checkpointed).
+        steps at the minimum loss scale (the last good state is checkpointed, and the
+        streak's first batch diagnosed: ``WORKDIR/diagnosis.json``, named in the message).
       CheckpointError: a checkpoint could not be written (earlier ones are kept)
         or none of the existing ones is intact.
       OutputError: the metrics or the summary could not be written.
