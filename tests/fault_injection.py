@@ -25,6 +25,20 @@ def _kill():
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _after_saving(checkpointer_class, step: int, fault) -> None:
+    """Makes ``fault(checkpointer)`` happen once the checkpoint of ``step`` is on disk."""
+    save = checkpointer_class.save
+
+    def save_then_fault(self, state, meta):
+        out = save(self, state, meta)
+        if out == step:
+            self.wait()
+            fault(self)
+        return out
+
+    checkpointer_class.save = save_then_fault
+
+
 def main() -> int:
     fault, step, sep, *args = sys.argv[1:]
     step = int(step)
@@ -60,31 +74,18 @@ def main() -> int:
 
         atomicity.AtomicRenameTemporaryPath.finalize = killing_finalize
     elif fault == "file-size-limit":
-        save = checkpoint.Checkpointer.save
+        def limit_file_size(_):
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes fail with EFBIG instead of killing us
+            resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
-        def limiting_save(self, state, meta):
-            out = save(self, state, meta)
-            if out == step:
-                self.wait()
-                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes fail with EFBIG instead of killing us
-                resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-            return out
-
-        checkpoint.Checkpointer.save = limiting_save
+        _after_saving(checkpoint.Checkpointer, step, limit_file_size)
     elif fault == "read-only":
         import subprocess
 
-        save = checkpoint.Checkpointer.save
+        def lose_write_access(checkpointer):
+            subprocess.run(["mount", "-o", "remount,ro", checkpointer.directory], check=True)
 
-        def save_then_lose_write_access(self, state, meta):
-            out = save(self, state, meta)
-            if out == step:
-                self.wait()
-                mount_point = self.directory
-                subprocess.run(["mount", "-o", "remount,ro", mount_point], check=True)
-            return out
-
-        checkpoint.Checkpointer.save = save_then_lose_write_access
+        _after_saving(checkpoint.Checkpointer, step, lose_write_access)
     else:
         raise SystemExit(f"unknown fault {fault!r}\n{__doc__}")
     from train.cli import main as cli

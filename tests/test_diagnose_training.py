@@ -155,3 +155,17 @@ def test_the_example_script_diagnoses_clean_under_its_policy():
     diagnosis = precision.diagnose(example.MLP(), x, policy="params=f32,compute=f16", loss_fn=loss_fn,
                                    loss_scale=precision.get_loss_scale("auto", "params=f32,compute=f16"))
     assert diagnosis.healthy, str(diagnosis)
+
+
+def test_diagnose_flag_skips_a_corrupt_checkpoint_and_leaves_it_where_it_is(tmp_path, capsys):
+    config = _config_file(tmp_path, "mlp", steps=4, checkpoint_every=2)
+    assert main([config]) == 0
+    newest = tmp_path / "run" / "checkpoints" / "4"
+    largest = max((p for p in newest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    largest.write_bytes(b"\0" * largest.stat().st_size)
+    capsys.readouterr()
+    assert main([config, "--diagnose"]) == 0
+    out = capsys.readouterr().out
+    assert "warning: checkpoint" in out and "trying an older one" in out
+    assert "diagnosing from the checkpoint at step 2" in out
+    assert newest.is_dir() and not (tmp_path / "run" / "checkpoints.corrupt").exists()

@@ -208,12 +208,13 @@ class Checkpointer:
                            f"what was saved ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
         return template.replace(**state), meta
 
-    def restore_latest_good(self, template: TrainState, on_corrupt: Callable[[int, str], None] | None = None
-                            ) -> tuple[TrainState, dict[str, Any]] | None:
+    def restore_latest_good(self, template: TrainState, on_corrupt: Callable[[int, str], None] | None = None,
+                            set_aside: bool = True) -> tuple[TrainState, dict[str, Any]] | None:
         """The newest checkpoint that reads back intact, or None if there is none.
 
         Each corrupted checkpoint met on the way is moved to
-        ``<directory>.corrupt/`` and reported through ``on_corrupt(step, reason)``.
+        ``<directory>.corrupt/`` (left where it is if not ``set_aside``: a reader
+        that must not change the workdir) and reported through ``on_corrupt(step, reason)``.
 
         Raises:
           CheckpointError: checkpoints exist but none is intact, or they do not
@@ -224,14 +225,14 @@ class Checkpointer:
             try:
                 return self.restore(template, step)
             except _Corrupt as e:
-                moved = self._quarantine(step)
                 tried.append(step)
+                reason = f"{e}; moved to {self._quarantine(step)}" if set_aside else str(e)
                 if on_corrupt is not None:
-                    on_corrupt(step, f"{e}; moved to {moved}")
+                    on_corrupt(step, reason)
         if tried:
-            raise CheckpointError(f"no intact checkpoint in {self.directory}: steps {tried} are corrupted and were "
-                                  f"moved to {self.quarantine}. Rerun to start over from step 0, or put an intact "
-                                  f"copy back into {self.directory} to resume from it.")
+            moved = (f" and were moved to {self.quarantine}. Rerun to start over from step 0, or put an intact copy "
+                     f"back into {self.directory} to resume from it." if set_aside else ".")
+            raise CheckpointError(f"no intact checkpoint in {self.directory}: steps {tried} are corrupted{moved}")
         return None
 
     def _quarantine(self, step: int) -> str:

@@ -39,17 +39,18 @@ def diagnose_experiment(config: ExperimentConfig, steps: int = 1, out: TextIO | 
     state, start = _latest_checkpoint(config, state, out)
     step_fn = make_train_step(accum_steps=config.accum_steps, learning_rate_fn=schedule, task=task, donate=False)
     batch_size = config.data.batch_size * config.accum_steps
-    seen = []
+    worst, steps_seen = None, []  # worst: (index, state, batch, diagnosis), the only state kept
     for index in range(start, start + steps):
         batch = data.train_batch(index, batch_size, config.seed)
         found = diagnose_state(state, batch, task, verify=False)
-        seen.append((index, state, batch, found))
+        steps_seen.append({"step": index + 1, "healthy": found.healthy, "problems": len(found.problems),
+                           "first_nonfinite": found.first_nonfinite})
+        if worst is None or _severity(found) > _severity(worst[3]):
+            worst = (index, state, batch, found)
         state, _ = step_fn(state, batch)
-    index, state, batch, diagnosis = max(seen, key=lambda s: _severity(s[3]))
+    index, state, batch, diagnosis = worst
     if not diagnosis.healthy:  # the worst step again, its fixes verified
         diagnosis = diagnose_state(state, batch, task)
-    steps_seen = [{"step": i + 1, "healthy": d.healthy, "problems": len(d.problems),
-                   "first_nonfinite": d.first_nonfinite} for i, _, _, d in seen]
     path = write_diagnosis(config.workdir, diagnosis, index + 1, "--diagnose", steps_seen)
     print(diagnosis, file=out)
     which = f"step {start + 1}" if steps == 1 else f"steps {start + 1}-{start + steps} (shown: step {index + 1})"
@@ -64,22 +65,24 @@ def _severity(d: precision.Diagnosis) -> tuple:
 
 
 def _latest_checkpoint(config: ExperimentConfig, state: TrainState, out: TextIO) -> tuple[TrainState, int]:
-    """The newest intact checkpoint of the workdir (read only), or ``state`` at step 0."""
+    """The newest intact checkpoint of the workdir (read only: corrupt ones are reported
+    and left where they are), or ``state`` at step 0."""
     directory = os.path.join(config.workdir, "checkpoints")
     if not os.path.isdir(directory):
         return state, 0
-    from train.checkpoint import Checkpointer, CheckpointError
+    from train.checkpoint import Checkpointer
+
+    def corrupt(step: int, reason: str) -> None:
+        print(f"warning: {reason}; trying an older one", file=out)
 
     checkpoints = Checkpointer(directory, config.keep_checkpoints)
     try:
-        for step in reversed(checkpoints.all_steps()):
-            try:
-                restored, _ = checkpoints.restore(state, step)
-            except CheckpointError as e:
-                print(f"warning: {e}; trying an older one", file=out)
-                continue
-            print(f"diagnosing from the checkpoint at step {step} in {directory}", file=out)
-            return restored, step
+        restored = checkpoints.restore_latest_good(state, on_corrupt=corrupt, set_aside=False)
     finally:
         checkpoints.close()
-    return state, 0
+    if restored is None:
+        return state, 0
+    state, _ = restored
+    step = int(state.step)
+    print(f"diagnosing from the checkpoint at step {step} in {directory}", file=out)
+    return state, step

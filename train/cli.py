@@ -120,10 +120,14 @@ def _diagnose(path: str, config, steps: int) -> int:
 
     if steps < 1:
         return _fail(f"--diagnose-steps must be at least 1, got {steps}", 2)
+    from train.checkpoint import CheckpointError
+
     try:
         diagnose_experiment(config, steps)
     except (ConfigError, DataError) as e:
         return _fail(f"{path}: {e}", 2)
+    except CheckpointError as e:
+        return _fail(str(e), 3)
     except OSError as e:
         return _fail(f"could not write the diagnosis to {config.workdir}: {e.strerror or e}", 3)
     return 0

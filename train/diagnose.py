@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, TextIO
+from typing import Any
 
 import jax
 import numpy as np
@@ -86,10 +86,12 @@ class RunDoctor:
     """The diagnoses a run makes by itself, each of one batch from the state it
     reached: once when a dynamic loss scale first sits at its minimum on a
     non-finite step, and when training stops on non-finite gradients. Each writes
-    ``diagnosis.json`` and a ``{"kind": "diagnosis"}`` metrics record."""
+    ``diagnosis.json`` and a ``{"kind": "diagnosis"}`` metrics record. The state is
+    checkpointed before (the probed program is large: a doctor killed for memory
+    must not cost the run its steps)."""
 
-    def __init__(self, config: ExperimentConfig, data: Any, task: Any, workdir: str, tracker: Any, out: TextIO):
-        self.config, self.data, self.task, self.workdir, self.tracker, self.out = config, data, task, workdir, tracker, out
+    def __init__(self, config: ExperimentConfig, data: Any, task: Any, outputs: Any, tracker: Any):
+        self.config, self.data, self.task, self.outputs, self.tracker = config, data, task, outputs, tracker
         self.done_at_min_scale = False
 
     def at_min_scale(self, state: TrainState) -> None:
@@ -98,8 +100,11 @@ class RunDoctor:
         if step is None or self.done_at_min_scale:
             return
         self.done_at_min_scale = True
+        with self.tracker.paused():
+            self.outputs.checkpoint(state)
+            self.outputs.checkpoints.wait()
         line = self.diagnose(state, step, "the dynamic loss scale reached its minimum on a non-finite step")
-        print(f"warning: step {step} was non-finite at the minimum loss scale: {line}", file=self.out)
+        print(f"warning: step {step} was non-finite at the minimum loss scale: {line}", file=self.outputs.out)
 
     def diagnose(self, state: TrainState, step: int, reason: str) -> str:
         """Diagnoses the batch of ``step`` from ``state``; the summary line (or why there is none)."""
@@ -110,7 +115,7 @@ class RunDoctor:
                 batch_size = self.config.data.batch_size * self.config.accum_steps
                 batch = self.data.train_batch(step - 1, batch_size, self.config.seed)
                 diagnosis = diagnose_state(state, batch, self.task)
-                path = write_diagnosis(self.workdir, diagnosis, step, reason)
+                path = write_diagnosis(self.outputs.workdir, diagnosis, step, reason)
         except Exception as e:  # noqa: BLE001 - a failed diagnosis must not cost the run its checkpoint
             return f"the doctor could not diagnose step {step}'s batch ({type(e).__name__}: {e})"
         line = summary_line(diagnosis)

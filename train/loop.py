@@ -214,7 +214,7 @@ def _train(config: ExperimentConfig, state: TrainState, start: int, data: Any, t
         _train_inputs(data, calls, per_call, batch_size, config.seed),
         config.data.prefetch, lambda b: layout.global_batch(b, batch_size, stacked=per_call > 1))
     holder = [state]  # the newest state, also when a call is interrupted
-    doctor = RunDoctor(config, data, task, outputs.workdir, tracker, outputs.out)
+    doctor = RunDoctor(config, data, task, outputs, tracker)
     try:
         _train_calls(config, holder, start, step_fn, batches, outputs, tracker, evaluate_now, doctor)
     except KeyboardInterrupt:
@@ -224,9 +224,11 @@ def _train(config: ExperimentConfig, state: TrainState, start: int, data: Any, t
     except NonFiniteError as e:
         step = int(to_host(holder[0].step))  # metrics are read in batches: the loop may be ahead of the streak
         # Skipped steps leave params unchanged: the state now is the last good one, at the streak's start too.
+        saved = save_last_good(outputs, holder[0], tracker)  # on disk first: the doctor compiles a large program
         found = doctor.diagnose(holder[0], e.first_step, "training stopped on non-finite gradients")
+        outputs.writer.close()
         raise NonFiniteError(f"training stopped at step {step}: {e} The doctor, on step {e.first_step}'s batch: "
-                             f"{found}.{save_last_good(outputs, holder[0], tracker)}", e.first_step) from None
+                             f"{found}.{saved}", e.first_step) from None
     except (CheckpointError, OutputError):
         outputs.writer.close()
         raise

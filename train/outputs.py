@@ -74,7 +74,8 @@ def restore(outputs: Outputs, state: TrainState) -> tuple[TrainState, int]:
 
 
 def save_last_good(outputs: Outputs, state: TrainState, tracker: Tracker) -> str:
-    """Checkpoints the state after a non-finite stop; what to add to its message."""
+    """Checkpoints the state after a non-finite stop (waiting until it is on disk); what to
+    add to its message. The metrics writer stays open for what the caller records next."""
     try:
         with tracker.paused():
             outputs.checkpoint(state)
@@ -83,7 +84,6 @@ def save_last_good(outputs: Outputs, state: TrainState, tracker: Tracker) -> str
                 f"{int(to_host(state.step))} in {outputs.checkpoints.directory}.")
     except CheckpointError as save_error:
         note = f" Saving the last good state failed: {save_error}"
-    outputs.writer.close()
     return note
 
 

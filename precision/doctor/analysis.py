@@ -108,18 +108,21 @@ def _flushed_at(half: list[Probe], nonzero: int) -> tuple[float, ...] | None:
     return tuple(float(f) / nonzero for f in np.sum(grids, axis=0))
 
 
+def _made_nonfinite(p: Probe) -> bool:
+    """Whether the op made an inf or NaN from inputs that were all finite."""
+    return bool(p.stats["inputs_finite"]) and int(p.stats["inf"]) + int(p.stats["nan"]) > 0
+
+
 def _first_nonfinite(probes: list[Probe]) -> Probe | None:
     """The first op that made a non-finite value from finite inputs."""
-    return next((p for p in probes if bool(p.stats["inputs_finite"])
-                 and int(p.stats["inf"]) + int(p.stats["nan"]) > 0), None)
+    return next((p for p in probes if _made_nonfinite(p)), None)
 
 
 def _overflow_problems(probes: list[Probe]) -> list[Problem]:
     """Ops whose half results overflowed (finite in float32) or that made inf/NaN from finite inputs."""
     found: dict[tuple, list[Probe]] = collections.defaultdict(list)
     for p in probes:
-        made = bool(p.stats["inputs_finite"]) and int(p.stats["inf"]) + int(p.stats["nan"]) > 0
-        if made:
+        if _made_nonfinite(p):
             kind = "overflow" if int(p.stats.get("overflow", 0)) > 0 else "nonfinite"
             found[(kind, p.backward, _path(p.path), p.primitive)].append(p)
     problems = []

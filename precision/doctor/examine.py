@@ -103,8 +103,8 @@ def _rule_change(problem: Problem, s: _Setting) -> _Change | None:
 
 def _policy_name(policy: Policy) -> str:
     """``f32`` for a policy of one dtype, else its spec."""
-    one = {policy.param_dtype, policy.compute_dtype, policy.output_dtype}
-    return str(Policy(*[policy.param_dtype] * 3)).split(",")[0].removeprefix("p=") if len(one) == 1 else str(policy)
+    one = len({policy.param_dtype, policy.compute_dtype, policy.output_dtype}) == 1
+    return str(policy).split(",")[0].removeprefix("p=") if one else str(policy)
 
 
 def _op_list_change(problem: Problem, s: _Setting) -> _Change | None:

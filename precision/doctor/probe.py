@@ -43,7 +43,7 @@ F32 = np.dtype(np.float32)
 HALF = (np.dtype(np.float16), np.dtype(jnp.bfloat16))
 #: The loss scales at which float16 backward flushes are counted: 2**0 .. 2**24.
 SCALES = tuple(2.0 ** k for k in range(25))
-_F16_ROUNDS_TO_ZERO = 2.0 ** -25  # below half float16's smallest subnormal (2**-24), a value rounds to zero
+_F16_ZERO_EXPONENT = -25  # below 2**-25, half float16's smallest subnormal (2**-24), a value rounds to zero
 _INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
            "remat2": "jaxpr", "checkpoint": "jaxpr", "custom_jvp_call": "call_jaxpr",
            "custom_vjp_call": "call_jaxpr", "custom_lin": None}
@@ -84,6 +84,7 @@ def _measure(out: jax.Array, shadow: jax.Array | None, inputs_finite: jax.Array,
     magnitude = jnp.abs(x)
     counts = {"inf": jnp.isinf(x), "nan": jnp.isnan(x)}
     maxima = {"amax": jnp.where(jnp.isfinite(x), magnitude, 0.0)}
+    flushed_at = None
     if np.dtype(out.dtype) in HALF:
         tiny = float(jnp.finfo(out.dtype).tiny)
         counts["subnormal"] = (x != 0) & (magnitude < tiny)
@@ -100,7 +101,7 @@ def _measure(out: jax.Array, shadow: jax.Array | None, inputs_finite: jax.Array,
                 # At loss scale 2**k a value t (at scale 1) flushes when t * 2**k < 2**-25, that is when
                 # k < -25 - floor(log2 t): a histogram of that bound (one scatter-add) counts every scale.
                 exponent = jnp.floor(jnp.log2(jnp.maximum(ref_magnitude / loss_scale, 1e-45)))
-                bound = jnp.clip(-25 - exponent, 0, len(SCALES)).astype(jnp.int32)
+                bound = jnp.clip(_F16_ZERO_EXPONENT - exponent, 0, len(SCALES)).astype(jnp.int32)
                 histogram = jnp.zeros(len(SCALES) + 1, jnp.int32).at[bound].add(nonzero.astype(jnp.int32))
                 flushed_at = jnp.cumsum(histogram[::-1])[::-1][1:]  # flushed at 2**k: bound > k
     names = list(counts)
@@ -109,7 +110,7 @@ def _measure(out: jax.Array, shadow: jax.Array | None, inputs_finite: jax.Array,
     peaks = jnp.max(jnp.stack(list(maxima.values())), axis=1, initial=0.0)
     stats.update({k: peaks[i] for i, k in enumerate(maxima)})
     stats["inputs_finite"] = inputs_finite
-    if "nonzero_ref" in counts and backward and np.dtype(out.dtype) == np.float16:
+    if flushed_at is not None:
         stats["flushed_at"] = flushed_at
     return stats
 
