@@ -5,7 +5,7 @@ applied to unmodified Flax modules with per-module rules; loss scales whose
 state lives in the train state; an optax wrapper that unscales, skips
 non-finite steps, keeps float32 master weights and adjusts the loss scale;
 a numerics doctor (``diagnose``) that names where half precision fails and
-verifies the fix.
+verifies the fix; FP8 matmuls (``mixed_fp8``, :func:`fp8_options`) on any model.
 The jmp API is a subset: ``import precision as jmp`` runs jmp code.
 """
 
@@ -38,6 +38,7 @@ from precision.rules import (
     get_rules,
     norm_rules,
 )
+from precision.fp8 import FP8_COLLECTION, Fp8Options, combine_fp8_states, fp8_options, init_fp8_state
 from precision.autocast import ALLOW, DENY, OpLists, autocast, compute_in, op_lists
 from precision.modules import LinenWithPolicy, NNXWithPolicy, with_policy
 from precision.explain import (CoverageError, Explanation, PrecisionWarning, check_coverage, explain)
@@ -59,6 +60,7 @@ __all__ = (
     "LOSS_SCALE_KINDS", "DynamicLossScale", "LossScale", "NoOpLossScale", "ScalarBoolError", "StaticLossScale",
     "all_finite", "get_loss_scale", "select_tree",
     "NORM_CLASSES", "SOFTMAX_PATTERNS", "Rule", "default_rules", "get_rules", "norm_rules",
+    "FP8_COLLECTION", "Fp8Options", "combine_fp8_states", "fp8_options", "init_fp8_state",
     "ALLOW", "DENY", "OpLists", "op_lists", "compute_in", "autocast",
     "LinenWithPolicy", "NNXWithPolicy", "with_policy",
     "CoverageError", "Explanation", "PrecisionWarning", "check_coverage", "explain",

@@ -10,6 +10,9 @@ computed), and reads the program that results, forward and backward:
 - matmul/conv FLOPs in float32 for any other reason, by module: a policy that
   does not reach them (``autocast=False`` with pinned layer dtypes, an opaque
   primitive). :func:`check_coverage` warns, or raises, when they exceed 5%.
+- under an FP8 policy, the share of matmul FLOPs in FP8, in 16-bit and in
+  float32 per module, and why a matmul is not FP8 (below ``min_size``, a
+  rule, a convolution).
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ import numpy as np
 from flax import nnx
 
 from precision.autocast import transform
+from precision.autocast.fp8_sites import Fp8Run
 from precision.autocast.op_lists import OpLists
 from precision.autocast.program import MATMUL_PRIMITIVES, MatmulOp, matmul_ops
 from precision.autocast.values import REGION
+from precision.fp8 import Fp8Options, as_fp8_options
 from precision.modules import LinenWithPolicy, NNXWithPolicy, with_policy
 from precision.policy import Policy, PolicyError, get_policy
 
@@ -62,13 +67,19 @@ class ModuleReport(NamedTuple):
     path: str
     param_dtypes: tuple[str, ...]
     matmul_dtypes: tuple[str, ...]  # of its matmuls/convs, forward
-    half_flops: float  # forward and backward
+    half_flops: float  # forward and backward, operands below 32 bits (fp8 included)
     total_flops: float
     f32_reason: str  # why its float32 matmul FLOPs are float32 ("" if none)
+    fp8_flops: float = 0.0  # forward and backward, fp8 operands
+    not_fp8_reason: str = ""  # under an FP8 policy: why some of its matmuls are not fp8
 
     @property
     def half_share(self) -> float:
         return self.half_flops / self.total_flops if self.total_flops else float("nan")
+
+    @property
+    def fp8_share(self) -> float:
+        return self.fp8_flops / self.total_flops if self.total_flops else float("nan")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +93,13 @@ class Explanation:
     islands: tuple[Island, ...]
     forward: tuple[float, float]  # (half FLOPs, all matmul/conv FLOPs)
     backward: tuple[float, float] | None
+    fp8: tuple[float, float] = (0.0, 0.0)  # fp8 FLOPs (forward, backward)
+
+    @property
+    def fp8_share(self) -> float:
+        """Share of matmul/conv FLOPs (forward and backward) with fp8 operands."""
+        total = self.forward[1] + (self.backward[1] if self.backward else 0.0)
+        return sum(self.fp8) / total if total else float("nan")
 
     @property
     def half_share(self) -> float:
@@ -103,23 +121,45 @@ class Explanation:
         total = sum(m.total_flops for m in self.modules)
         return sum(self.uncovered.values()) / total if total else 0.0
 
+    @property
+    def shows_fp8(self) -> bool:
+        """The policy, a rule or a region put matmuls in FP8: the table shows FP8 shares."""
+        return self.policy.fp8 or sum(self.fp8) > 0
+
     def table(self) -> str:
         """The explanation as a text table."""
         lines = [f"precision.explain: {self.name} under {self.policy} "
                  f"({'autocast' if self.autocast else 'module casts only'})",
                  "matmul/conv FLOPs with half-precision operands: " + _share_text("forward", self.forward)
                  + ("; " + _share_text("backward", self.backward) if self.backward else "")]
-        rows = [("module", "params", "matmul/conv", "half", "float32 because")]
-        for m in self.modules:
-            share = "" if not m.total_flops else f"{100 * m.half_share:.0f}%"
-            rows.append((m.path or "(top)", ",".join(m.param_dtypes), ",".join(m.matmul_dtypes), share, m.f32_reason))
-        lines += _columns(rows)
+        if self.shows_fp8:
+            lines.append("matmul/conv FLOPs with fp8 operands: "
+                         + _share_text("forward", (self.fp8[0], self.forward[1]))
+                         + ("; " + _share_text("backward", (self.fp8[1], self.backward[1])) if self.backward else ""))
+            lines += _columns(self._fp8_rows())
+        else:
+            rows = [("module", "params", "matmul/conv", "half", "float32 because")]
+            for m in self.modules:
+                share = "" if not m.total_flops else f"{100 * m.half_share:.0f}%"
+                rows.append((m.path or "(top)", ",".join(m.param_dtypes), ",".join(m.matmul_dtypes), share,
+                             m.f32_reason))
+            lines += _columns(rows)
         if self.islands:
             lines.append("float32 islands:")
             for island in self.islands:
                 ops = ", ".join(f"{p}" + (f" x{n}" if n > 1 else "") for p, n in island.primitives)
                 lines.append(f"  {island.path or '(top)'}: {ops}  [{island.reason}]")
         return "\n".join(lines)
+
+    def _fp8_rows(self) -> list[tuple[str, ...]]:
+        rows = [("module", "params", "matmul/conv", "fp8", "16-bit", "f32", "not fp8 because")]
+        pct = lambda part, m: "" if not m.total_flops else f"{100 * part / m.total_flops:.0f}%"  # noqa: E731
+        for m in self.modules:
+            why = m.not_fp8_reason or m.f32_reason
+            rows.append((m.path or "(top)", ",".join(m.param_dtypes), ",".join(m.matmul_dtypes), pct(m.fp8_flops, m),
+                         pct(m.half_flops - m.fp8_flops, m), pct(m.total_flops - m.half_flops, m),
+                         why if m.total_flops > m.fp8_flops else ""))
+        return rows
 
     __str__ = table
 
@@ -192,7 +232,8 @@ def _param_dtypes(params: Any) -> dict[str, tuple[str, ...]]:
 
 
 def _short(dtype: str) -> str:
-    return {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64"}.get(dtype, dtype)
+    return {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64", "float8_e4m3fn": "e4m3",
+            "float8_e5m2": "e5m2"}.get(dtype, dtype)
 
 
 def _trace_linen(wrapped: LinenWithPolicy, args: tuple, kwargs: dict, backward: bool) -> _Traced:
@@ -227,14 +268,15 @@ def _trace_nnx(wrapped: NNXWithPolicy, args: tuple, kwargs: dict, backward: bool
 
 
 def _trace_function(fn: Callable, policy: Policy, ops: OpLists, args: tuple, kwargs: dict,
-                    backward: bool) -> _Traced:
+                    backward: bool, fp8: Fp8Options) -> _Traced:
     floats = [i for i, a in enumerate(args) if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.inexact)]
 
     def run(diff, rest, log):
         full = list(rest)
         for i, a in zip(floats, diff):
             full[i] = a
-        return transform.call(fn, tuple(full), kwargs, compute_dtype=policy.compute_dtype, ops=ops, log=log)
+        return transform.call(fn, tuple(full), kwargs, compute_dtype=policy.compute_dtype, ops=ops, log=log,
+                              fp8=policy.fp8, fp8_run=Fp8Run(fp8))
 
     rest = [None if i in floats else a for i, a in enumerate(args)]
     log: list = []
@@ -248,18 +290,20 @@ def _trace_function(fn: Callable, policy: Policy, ops: OpLists, args: tuple, kwa
     return _Traced(fwd, bwd, log, {}, "", getattr(fn, "__name__", "function"), None)
 
 
-def _wrap(target: Any, policy: Any, rules: Any, ops: OpLists | None, autocast: bool) -> Any:
+def _wrap(target: Any, policy: Any, rules: Any, ops: OpLists | None, autocast: bool, fp8: Any) -> Any:
     if isinstance(target, (LinenWithPolicy, NNXWithPolicy)):
         if policy is not None and get_policy(policy) != target.policy:
             raise ValueError(f"explain: policy {policy!r} differs from the wrapped model's {target.policy}; "
                              "pass policy=None or the unwrapped module")
+        if fp8 is not None and as_fp8_options(fp8) != target.fp8:
+            raise ValueError(f"explain: fp8={fp8!r} differs from the wrapped model's {target.fp8}; pass fp8=None")
         return target
     if policy is None:
         raise TypeError("explain: pass policy=... (a spec or preset) for an unwrapped model or function")
     if isinstance(target, nn.Module):
-        return with_policy(target, policy, rules, autocast=autocast, ops=ops)
+        return with_policy(target, policy, rules, autocast=autocast, ops=ops, fp8=fp8)
     if isinstance(target, nnx.Module):
-        return with_policy(nnx.clone(target), policy, rules, autocast=autocast, ops=ops)
+        return with_policy(nnx.clone(target), policy, rules, autocast=autocast, ops=ops, fp8=fp8)
     if callable(target):
         return target
     raise TypeError(f"explain expects a Flax Linen or NNX module, a with_policy wrapper or a function, "
@@ -268,7 +312,7 @@ def _wrap(target: Any, policy: Any, rules: Any, ops: OpLists | None, autocast: b
 
 def explain(target: Any, *args: Any, policy: "str | Policy | None" = None, rules: Any = None,
             ops: OpLists | None = None, autocast: bool = True, backward: bool = True,
-            **kwargs: Any) -> Explanation:
+            fp8: "Fp8Options | dict | None" = None, **kwargs: Any) -> Explanation:
     """Explains what ``policy`` does to ``target`` called on ``args`` (traced, not run).
 
     Args:
@@ -280,11 +324,13 @@ def explain(target: Any, *args: Any, policy: "str | Policy | None" = None, rules
         ``rngs=`` is given.
       backward: also trace the backward pass (gradients with respect to the
         params, or the floating arguments of a function).
+      fp8: :func:`precision.fp8_options` for an FP8 policy (as
+        :func:`precision.with_policy` takes them).
 
     Returns an :class:`Explanation`: ``print`` it for the table, or read
     ``half_share``, ``modules``, ``islands`` and ``uncovered``.
     """
-    wrapped = _wrap(target, policy, rules, ops, autocast)
+    wrapped = _wrap(target, policy, rules, ops, autocast, fp8)
     if isinstance(wrapped, LinenWithPolicy):
         traced = _trace_linen(wrapped, args, kwargs, backward)
         policy_, on = wrapped.policy, wrapped.autocast
@@ -293,7 +339,7 @@ def explain(target: Any, *args: Any, policy: "str | Policy | None" = None, rules
         policy_, on = wrapped.policy, wrapped.autocast
     else:
         policy_, on = get_policy(policy), True
-        traced = _trace_function(wrapped, policy_, ops or OpLists(), args, kwargs, backward)
+        traced = _trace_function(wrapped, policy_, ops or OpLists(), args, kwargs, backward, as_fp8_options(fp8))
     return _summarize(traced, policy_, on)
 
 
@@ -308,6 +354,10 @@ def _summarize(traced: _Traced, policy: Policy, autocast: bool) -> Explanation:
     backward = [m for m in matmul_ops(traced.backward) if m.backward] if traced.backward is not None else None
     reasons = {(_path(r.path, traced.root), r.primitive): r.reason for r in traced.log
                if r.primitive in MATMUL_PRIMITIVES and r.dtype == np.dtype(np.float32)}
+    not_fp8: dict[str, str] = {}
+    for r in traced.log:
+        if r.primitive in MATMUL_PRIMITIVES and r.dtype.itemsize > 1:
+            not_fp8.setdefault(_path(r.path, traced.root), r.reason)
     by_path: dict[str, list[MatmulOp]] = collections.defaultdict(list)
     for m in forward + (backward or []):
         by_path[_path(m.path, traced.root)].append(m)
@@ -324,9 +374,12 @@ def _summarize(traced: _Traced, policy: Policy, autocast: bool) -> Explanation:
             reason = (RULE if REGION in logged else AUTOCAST_OFF if not autocast
                       else next((r for r in logged if r), NOT_REACHED))
         dtypes = tuple(dict.fromkeys(_short(m.dtype.name) for m in ops if not m.backward))
-        modules.append(ModuleReport(path, traced.params.get(path, ()), dtypes, half, total, reason))
+        fp8 = sum(m.flops for m in ops if m.fp8)
+        modules.append(ModuleReport(path, traced.params.get(path, ()), dtypes, half, total, reason, fp8,
+                                    not_fp8.get(path, "") if total > fp8 else ""))
+    fp8_flops = (sum(m.flops for m in forward if m.fp8), sum(m.flops for m in backward or [] if m.fp8))
     return Explanation(traced.name, policy, autocast, tuple(modules), _islands(traced),
-                       _flops(forward), _flops(backward) if backward is not None else None)
+                       _flops(forward), _flops(backward) if backward is not None else None, fp8_flops)
 
 
 def _flops(ops: list[MatmulOp]) -> tuple[float, float]:

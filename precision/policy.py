@@ -3,7 +3,10 @@
 The grammar is a strict superset of ``jmp.get_policy``: every string jmp accepts
 (except duplicate keys, which jmp silently lets the last one win and we reject)
 gives the same three dtypes here. Beyond jmp we accept whitespace around tokens,
-``fp16``/``fp32`` spellings, case-insensitive names and named presets.
+``fp16``/``fp32`` spellings, case-insensitive names and named presets, and
+the FP8 compute dtype ``f8`` (``compute=f8``, or ``compute=f8/f16`` for another
+16-bit fallback): allow-listed matmuls in FP8 (see :mod:`precision.fp8`),
+every other op in the fallback.
 """
 
 from __future__ import annotations
@@ -84,6 +87,10 @@ class _DtypeNames(Mapping):
 #: ``f32`` (jmp: ``full``); both parse to float32 in either library.
 dtype_to_names: Mapping[np.dtype, tuple[str, ...]] = _DtypeNames()
 _VALID_DTYPE_NAMES = tuple(_NAME_TO_DTYPE) + ("half",)
+#: Spellings of the FP8 compute dtype (matmuls in FP8, the rest in a fallback dtype).
+_FP8_NAMES = ("f8", "fp8", "float8")
+#: The fallback of ``compute=f8`` when none is written: bf16 has the range FP8's scales assume.
+_FP8_FALLBACK = np.dtype(jnp.bfloat16)
 _KEYS = {"p": "param", "params": "param", "c": "compute", "compute": "compute",
          "o": "output", "output": "output"}
 
@@ -118,16 +125,31 @@ class Policy:
 
     Usable as a static ``jax.jit`` argument. ``str(policy)`` parses back to an
     equal policy through :func:`get_policy`.
+
+    ``fp8``: allow-listed matmuls compute in FP8 (E4M3 operands forward, E5M2
+    gradients backward, float32 accumulation; see :mod:`precision.fp8`), and
+    ``compute_dtype`` is the dtype of everything else (the fallback). A compute
+    spelled ``"f8"`` or ``"f8/f16"`` sets it: ``Policy("f32", "f8", "f32")``.
     """
 
     param_dtype: np.dtype
     compute_dtype: np.dtype
     output_dtype: np.dtype
+    fp8: bool = False
 
-    def __init__(self, param_dtype: Any, compute_dtype: Any, output_dtype: Any):
+    def __init__(self, param_dtype: Any, compute_dtype: Any, output_dtype: Any, fp8: bool = False):
+        for name, value in (("params", param_dtype), ("output", output_dtype)):
+            if isinstance(value, str) and _is_fp8_name(value):
+                raise PolicyError(f"{name}={value.strip()}: FP8 is a compute dtype for matmuls only; params and "
+                                  "outputs are f32, bf16 or f16 (e.g. 'params=f32,compute=f8,output=f32')")
+        if isinstance(compute_dtype, str) and _is_fp8_name(compute_dtype):
+            compute, fp8 = parse_compute(compute_dtype), True
+        else:
+            compute = _canonical(compute_dtype)
         object.__setattr__(self, "param_dtype", _canonical(param_dtype))
-        object.__setattr__(self, "compute_dtype", _canonical(compute_dtype))
+        object.__setattr__(self, "compute_dtype", compute)
         object.__setattr__(self, "output_dtype", _canonical(output_dtype))
+        object.__setattr__(self, "fp8", bool(fp8))
 
     def cast_to_param(self, tree: T) -> T:
         """Casts floating leaves to the param dtype; integer and bool leaves are untouched."""
@@ -146,18 +168,24 @@ class Policy:
         return Policy(self.param_dtype, self.compute_dtype, output_dtype)
 
     def with_compute_dtype(self, compute_dtype: Any) -> "Policy":
-        """The same policy with another compute dtype."""
+        """The same policy with another compute dtype (``"f8"`` or ``"f8/f16"`` for FP8 matmuls)."""
         return Policy(self.param_dtype, compute_dtype, self.output_dtype)
 
     @property
     def is_mixed(self) -> bool:
-        """True when any of the three dtypes is not float32."""
+        """True when any of the three dtypes is not float32, or matmuls compute in FP8."""
         f32 = np.dtype(jnp.float32)
-        return any(d != f32 for d in (self.param_dtype, self.compute_dtype, self.output_dtype))
+        return self.fp8 or any(d != f32 for d in (self.param_dtype, self.compute_dtype, self.output_dtype))
+
+    @property
+    def compute_name(self) -> str:
+        """The compute dtype as a spec writes it: ``bf16``, or ``f8/bf16`` for FP8 matmuls."""
+        name = _DTYPE_NAMES[self.compute_dtype][0]
+        return f"f8/{name}" if self.fp8 else name
 
     def __str__(self) -> str:
         n = lambda d: _DTYPE_NAMES[d][0]
-        return f"p={n(self.param_dtype)},c={n(self.compute_dtype)},o={n(self.output_dtype)}"
+        return f"p={n(self.param_dtype)},c={self.compute_name},o={n(self.output_dtype)}"
 
     def __repr__(self) -> str:
         return f"Policy({str(self)!r})"
@@ -172,6 +200,7 @@ PRESETS: Mapping[str, tuple[str, str, str, str]] = {
     "mixed_bfloat16": (_F32, _BF16, _F32, "alias of mixed_bf16"),
     "mixed_f16": (_F32, _F16, _F32, "f32 params, f16 math, f32 outputs; use loss scaling"),
     "mixed_float16": (_F32, _F16, _F32, "alias of mixed_f16"),
+    "mixed_fp8": (_F32, "f8/bf16", _F32, "f32 params, FP8 matmuls (E4M3/E5M2), the rest bf16, f32 outputs"),
     "pure_bf16": (_BF16, _BF16, _BF16, "bf16 params, math and outputs"),
     "pure_f16": (_F16, _F16, _F16, "f16 params, math and outputs; use loss scaling"),
     "O1": (_F32, _F16, _F32, "Apex/Paddle O1: f16 math, f32 params; norms, softmax, losses in f32"),
@@ -251,10 +280,13 @@ def get_policy(spec: "str | Policy | Any") -> Policy:
         raise _error(spec, spec, 0, "empty policy")
     if stripped.lower() in _PRESET_LOOKUP:
         p, c, o, _ = PRESETS[_PRESET_LOOKUP[stripped.lower()]]
-        return Policy(_NAME_TO_DTYPE[p], _NAME_TO_DTYPE[c], _NAME_TO_DTYPE[o])
+        return Policy(_NAME_TO_DTYPE[p], c if _is_fp8_name(c) else _NAME_TO_DTYPE[c], _NAME_TO_DTYPE[o])
     if "=" not in spec and "," not in spec:
         start = spec.index(stripped)
         low = stripped.lower()
+        if _is_fp8_name(low):
+            raise _error(spec, stripped, start, "FP8 is a compute dtype for matmuls only, not a dtype for params "
+                         "and outputs: write 'mixed_fp8' or 'compute=f8' instead of", (), bad_dtype=True)
         if low != "half" and low not in _NAME_TO_DTYPE:
             raise _error(spec, stripped, start, "unknown dtype or preset",
                          _VALID_DTYPE_NAMES + tuple(_PRESET_LOOKUP), bad_dtype=True)
@@ -264,7 +296,7 @@ def get_policy(spec: "str | Policy | Any") -> Policy:
 
 
 def _parse_assignments(spec: str) -> Policy:
-    found: dict[str, np.dtype] = {}
+    found: dict[str, Any] = {}
     offset = 0
     for part in spec.split(","):
         part_start = offset
@@ -283,11 +315,39 @@ def _parse_assignments(spec: str) -> Policy:
             raise _error(spec, key, key_pos, "empty key" if not key else "unknown key", _KEYS)
         if field in found:
             raise _error(spec, key, key_pos, f"duplicate key for {field} dtype")
+        if _is_fp8_name(value):
+            if field != "compute":
+                raise _error(spec, value, value_pos, f"FP8 is a compute dtype for matmuls only; {field} must be "
+                             "f32, bf16 or f16, not", ())
+            found["fp8"] = True
+            head, slash, fallback = value.partition("/")
+            if slash and not fallback.strip():
+                raise _error(spec, value, value_pos, "FP8 compute needs a fallback dtype after '/' (bf16, f16 "
+                             "or f32) in", ())
+            if not fallback.strip():
+                found[field] = _FP8_FALLBACK
+                continue
+            value_pos += len(head) + 1 + (len(fallback) - len(fallback.lstrip()))
+            value = fallback.strip()
         found[field] = _parse_dtype_token(value, spec, value_pos)
     param = found.get("param", np.dtype(jnp.float32))
     compute = found.get("compute", param)
     output = found.get("output", compute)
-    return Policy(param, compute, output)
+    return Policy(param, compute, output, fp8=bool(found.get("fp8")))
+
+
+def _is_fp8_name(token: str) -> bool:
+    """``f8``, ``fp8``, ``float8``, alone or with a ``/fallback``."""
+    return token.strip().partition("/")[0].strip().lower() in _FP8_NAMES
+
+
+def parse_compute(spec: str) -> np.dtype:
+    """The fallback dtype of an FP8 compute spec: ``"f8"`` -> bfloat16, ``"f8/f16"`` -> float16."""
+    head, _, fallback = spec.strip().partition("/")
+    if head.strip().lower() not in _FP8_NAMES:
+        raise PolicyError(f"{spec!r} is not an FP8 compute spec; write f8, fp8 or float8, optionally /bf16, /f16 "
+                          "or /f32 for the dtype of the other ops")
+    return parse_dtype(fallback) if fallback.strip() else _FP8_FALLBACK
 
 
 def _looks_like_jmp_policy(obj: Any) -> bool:

@@ -137,11 +137,11 @@ DATA = load_synthetic(num_train=512, num_test=64, input_shape=(16,), num_classes
 BATCH = 32
 
 
-def _train(layout, policy="mixed_f16", steps=5, accum_steps=2, poison=None, optimizer=None):
+def _train(layout, policy="mixed_f16", steps=5, accum_steps=2, poison=None, optimizer=None, fp8=None):
     """Trains a LayerNorm MLP ``steps`` steps on ``layout``; returns the state and last metrics."""
     model = MLP(hidden=(64, 64), num_classes=4)
     state = create_train_state(model, policy, optimizer or optax.adam(1e-2), jax.random.PRNGKey(0), DATA.sample_input(1),
-                               loss_scale=precision.DynamicLossScale(2.0 ** 15, period=2), layout=layout)
+                               loss_scale=precision.DynamicLossScale(2.0 ** 15, period=2), layout=layout, fp8=fp8)
     step_fn = make_train_step(accum_steps=accum_steps, layout=layout, donate=False)
     metrics = None
     for i in range(steps):
@@ -183,6 +183,21 @@ def test_multidevice_data_parallel_and_fsdp_match_one_device(policy, optimizer, 
         _assert_close(state.opt_state, reference.opt_state, atol, rtol)
         assert metrics["loss_scale"] == ref_metrics["loss_scale"] and metrics["grads_finite"]
         np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-4)
+
+
+@needs8
+def test_multidevice_fp8_delayed_histories_are_the_same_on_every_mesh():
+    """The amax of a sharded tensor is its global max: every mesh records the same histories, bit for bit."""
+    fp8 = precision.fp8_options("delayed", history=4, min_size=0)
+    reference, _ = _train(None, "mixed_fp8", fp8=fp8)
+    histories = to_host(reference.model_state[precision.FP8_COLLECTION])
+    assert all(float(h[0]) > 0 for h in jax.tree_util.tree_leaves(histories))
+    for data, fsdp in [(8, 1), (2, 4)]:
+        state, metrics = _train(_layout(data, fsdp), "mixed_fp8", fp8=fp8)
+        assert metrics["grads_finite"]
+        jax.tree_util.tree_map(np.testing.assert_array_equal, to_host(state.model_state[precision.FP8_COLLECTION]),
+                               histories)
+        _assert_close(state.params, reference.params, 1e-5, 1e-4)
 
 
 @needs8

@@ -48,11 +48,13 @@ SMALL_BENCHMARKS = {
     "benchmarks.wrapper_overhead": ["--steps", "2", "--batch", "8", "--width", "16", "--models", "mlp", "--no-cache",
                                     "--out", "{tmp}/overhead.md"],
     "benchmarks.loop": ["--steps", "3", "--rounds", "1", "--out", "{tmp}", "compile_cache=null"],
+    "benchmarks.fp8_speed": ["--shapes", "tiny", "--steps", "2", "--rounds", "1", "--min-size", "0", "--out", "{tmp}"],
     "benchmarks.diagnose_cost": ["--layers", "1", "--d-model", "32", "--heads", "2", "--vocab", "64", "--seq", "16",
                                  "--batch", "2", "--steps", "2", "--out", "{tmp}"],
 }
 #: Benchmarks too long for CI (hours of training): their documented arguments are parsed, their parts tested.
-PARSED_ONLY = {"benchmarks.parity": "tests/test_benchmarks.py::test_parity_compares_against_fp32_with_the_goals"}
+PARSED_ONLY = {"benchmarks.parity": "tests/test_benchmarks.py::test_parity_compares_against_fp32_with_the_goals",
+               "benchmarks.fp8_parity": "tests/test_fp8.py::test_fp8_parity_reports_the_gap_to_bf16"}
 
 
 # ----------------------------------------------------------------------------- links

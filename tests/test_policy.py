@@ -92,6 +92,7 @@ def test_defaults_follow_params_then_compute():
     ("pure_bf16", ("bf16", "bf16", "bf16")), ("pure_f16", ("f16", "f16", "f16")),
     ("O1", ("f32", "f16", "f32")), ("O2", ("f16", "f16", "f32")), ("O3", ("f16", "f16", "f16")),
     ("o2", ("f16", "f16", "f32")), (" Mixed_BF16 ", ("f32", "bf16", "f32")),
+    ("mixed_fp8", ("f32", "f8", "f32")), ("MIXED_FP8", ("f32", "f8/bf16", "f32")),
 ])
 def test_presets(name, expected):
     assert get_policy(name) == Policy(*expected)
@@ -99,7 +100,7 @@ def test_presets(name, expected):
 
 def test_every_documented_preset_is_tested():
     assert set(precision.PRESETS) == {"fp32", "mixed_bf16", "mixed_bfloat16", "mixed_f16", "mixed_float16",
-                                      "pure_bf16", "pure_f16", "O1", "O2", "O3"}
+                                      "pure_bf16", "pure_f16", "O1", "O2", "O3", "mixed_fp8"}
 
 
 def test_policy_is_immutable_hashable_and_a_static_jit_argument():

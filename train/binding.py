@@ -57,7 +57,7 @@ def mode_kwargs(model: Any, train: bool) -> dict[str, bool]:
 
 
 def bind(model: Any, policy: "str | precision.Policy | None", rules: Any = None, *,
-         ops: precision.OpLists | None = None, autocast: bool = True) -> Any:
+         ops: precision.OpLists | None = None, autocast: bool = True, fp8: Any = None) -> Any:
     """``model`` under ``policy`` with the Linen ``init`` / ``apply`` contract.
 
     Takes a Linen or NNX module, or one already wrapped by
@@ -71,12 +71,15 @@ def bind(model: Any, policy: "str | precision.Policy | None", rules: Any = None,
         if ops is not None or not autocast or rules is not None:
             raise ValueError("`rules`, `ops` and `autocast` apply to an unwrapped module; the wrapped model has "
                              "its own (precision.with_policy(module, policy, rules, ops=..., autocast=...))")
+        if fp8 is not None and precision.fp8.as_fp8_options(fp8) != model.fp8:
+            raise ValueError(f"fp8={fp8!r} differs from the wrapped model's {model.fp8}; pass fp8=None or give it "
+                             "to precision.with_policy")
         return NNXModel(model) if isinstance(model, precision.NNXWithPolicy) else model
     if isinstance(model, nn.Module):
-        return precision.with_policy(model, policy, rules, ops=ops, autocast=autocast)
+        return precision.with_policy(model, policy, rules, ops=ops, autocast=autocast, fp8=fp8)
     if isinstance(model, nnx.Module):
         # A copy: the caller's module keeps its params and their dtypes.
-        return NNXModel(precision.with_policy(nnx.clone(model), policy, rules, ops=ops, autocast=autocast))
+        return NNXModel(precision.with_policy(nnx.clone(model), policy, rules, ops=ops, autocast=autocast, fp8=fp8))
     raise TypeError(f"expected a flax.linen.Module or flax.nnx.Module (or one wrapped by precision.with_policy), "
                     f"got {type(model).__name__}")
 
@@ -126,6 +129,7 @@ class NNXModel:
         self.rules = wrapped.rules
         self.autocast = wrapped.autocast
         self.ops = wrapped.ops
+        self.fp8 = wrapped.fp8
         self.module_type = type(wrapped.module)
         wrapped.eval()
         self._eval_graph, params, rngs, rest = nnx.split(wrapped, nnx.Param, nnx.RngState, ...)
@@ -158,27 +162,38 @@ class NNXModel:
 
     def init(self, rngs: Any = None, *args: Any, **kwargs: Any) -> dict:
         """The module's variables, params in their param dtypes. An NNX module is
-        initialised when constructed, so ``rngs`` and the inputs are not used."""
-        del rngs, args, kwargs
-        return dict(self._initial)
+        initialised when constructed, so ``rngs`` and the inputs are not used,
+        except to find the FP8 matmuls whose amax histories delayed scaling keeps
+        (the ``"fp8"`` collection)."""
+        del rngs, kwargs
+        variables = dict(self._initial)
+        if args and self.fp8.delayed and precision.modules.common.uses_fp8(self.policy, self.rules):
+            wrapped = self.merge(variables, train=True)
+            variables[precision.FP8_COLLECTION] = wrapped.init_fp8_state(
+                *args, **call_mode_kwargs(self.module_type.__call__, True))
+        return variables
 
     def apply(self, variables: Any, *args: Any, rngs: Any = None, mutable: Any = False, train: bool = False,
               **kwargs: Any) -> Any:
         """Calls the module on ``args`` with ``variables``; with ``mutable``, also
         returns the updated ``{"state": ...}``."""
+        fp8_state = variables.get(precision.FP8_COLLECTION)
         wrapped = self.merge(variables, train=train)
         if rngs is not None and self._streams:
             key = rngs.get("dropout", next(iter(rngs.values()))) if isinstance(rngs, dict) else rngs
             # A stream of stacked layers (nnx.split_rngs + nnx.vmap) holds one key per layer: each gets its own.
             nnx.reseed(wrapped, policy="match_shape",
                        **{name: jax.random.fold_in(key, i) for i, name in enumerate(self._streams)})
-        out = wrapped(*args, **call_mode_kwargs(self.module_type.__call__, train), **kwargs)
+        out = wrapped.call_with_fp8_state(fp8_state, *args, **call_mode_kwargs(self.module_type.__call__, train),
+                                          **kwargs)
         if not mutable:
             return out
         # The state it had before the call: not the values a call sows (nnx.Intermediate).
         kept = nnx.Not(nnx.Any(nnx.Param, nnx.RngState, nnx.Intermediate))
-        new = {"state": self._rest.to_tree(nnx.state(wrapped, kept))}
-        return out, (new if self._rest.paths else {})
+        new = {"state": self._rest.to_tree(nnx.state(wrapped, kept))} if self._rest.paths else {}
+        if fp8_state is not None:  # unchanged: its new value is its gradient (precision.fp8)
+            new[precision.FP8_COLLECTION] = fp8_state
+        return out, new
 
 
 def rebind(model: Any, policy: "str | precision.Policy", rules: Any = None) -> Any:
@@ -186,7 +201,7 @@ def rebind(model: Any, policy: "str | precision.Policy", rules: Any = None) -> A
     rules (unless ``rules`` are given), op lists and autocast setting kept."""
     rules = model.rules if rules is None else rules
     if isinstance(model, NNXModel):  # the unwrapped module, bound afresh
-        return bind(model.module, policy, rules, ops=model.ops, autocast=model.autocast)
+        return bind(model.module, policy, rules, ops=model.ops, autocast=model.autocast, fp8=model.fp8)
     return model.with_policy(policy, rules)  # a Linen wrapper keeps the module structure it recorded
 
 

@@ -330,7 +330,7 @@ def build_train_state(config: Any, model: Any, data: Any, layout: Any = None) ->
             rules=config.precision.rules, loss_scale=config_lib.build_loss_scale(config.precision),
             max_grad_norm=config.optimizer.max_grad_norm, skip_with=config.precision.skip_with, layout=layout,
             ops=config_lib.build_op_lists(config.precision), autocast=config.precision.autocast,
-            strict=config.precision.strict)
+            strict=config.precision.strict, fp8=config.precision.fp8.options())
     except precision.CoverageError as e:
         raise ConfigError(f"precision.strict: {e}") from None
     except (ValueError, TypeError) as e:

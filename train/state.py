@@ -49,8 +49,8 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
                        rng: jax.Array, sample_input: Any, *, rules: Any = None,
                        loss_scale: "str | LossScale" = "auto", max_grad_norm: float | None = None,
                        skip_with: str = "auto", layout: Layout | None = None, variables: Any = None,
-                       ops: precision.OpLists | None = None, autocast: bool = True, strict: bool = False
-                       ) -> TrainState:
+                       ops: precision.OpLists | None = None, autocast: bool = True, strict: bool = False,
+                       fp8: "precision.Fp8Options | dict | None" = None) -> TrainState:
     """Initialises a model under ``policy`` and a mixed-precision optimizer around ``optimizer``.
 
     Args:
@@ -83,9 +83,12 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
       strict: raise :class:`precision.CoverageError`, instead of warning, when a
         half-compute policy leaves more than 5% of the model's matmul/conv FLOPs
         in float32 for a reason other than a rule (see :func:`precision.explain`).
+      fp8: :func:`precision.fp8_options` for a policy whose compute is ``f8``.
+        Under delayed scaling the amax histories are model state (the ``"fp8"``
+        collection): checkpointed, replicated, updated by the train step.
     """
     try:
-        wrapped = bind(model, policy, rules, ops=ops, autocast=autocast)
+        wrapped = bind(model, policy, rules, ops=ops, autocast=autocast, fp8=fp8)
     except (TypeError, ValueError) as e:
         raise type(e)(f"create_train_state: {e}") from None
     _check_coverage(wrapped, sample_input, strict)
@@ -98,6 +101,9 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
         variables = _sharded_jit(lambda k, x: wrapped.init(k, x, **mode), layout)(keys, sample_input)
     else:
         expected = jax.eval_shape(lambda k, x: wrapped.init(k, x, **mode), keys, sample_input)
+        if precision.FP8_COLLECTION in expected and precision.FP8_COLLECTION not in variables:  # start them empty
+            zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), expected[precision.FP8_COLLECTION])
+            variables = {**variables, precision.FP8_COLLECTION: zeros}
         _check_variables(variables, expected)
         variables = cast_variables(wrapped, dict(variables), sample_input, **mode)
     params = variables["params"]

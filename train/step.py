@@ -74,14 +74,20 @@ def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], A
         raise ValueError(f"accum_steps must be an integer >= 1, got {accum_steps!r}")
     task = get_task(task)
 
-    def loss_fn(params, model_state, batch, rng, state, loss_scale):
-        """The scaled loss of one (micro-)batch, and (loss, task metrics, new model state)."""
+    def loss_fn(params, fp8_state, model_state, batch, rng, state, loss_scale):
+        """The scaled loss of one (micro-)batch, and (loss, task metrics, new model state).
+
+        ``fp8_state`` (delayed FP8 scaling's amax histories, or None) is an
+        argument apart: its gradient is its new value (see :mod:`precision.fp8`).
+        """
         if layout is not None:
             params = layout.gather(params)
         mutable = list(model_state)
-        out = state.model.apply({"params": params, **model_state}, batch["inputs"], rngs={"dropout": rng},
+        fp8 = {} if fp8_state is None else {precision.FP8_COLLECTION: fp8_state}
+        out = state.model.apply({"params": params, **model_state, **fp8}, batch["inputs"], rngs={"dropout": rng},
                                 mutable=mutable or False, **_mode(state.model, True, train_kwarg))
         outputs, new_model_state = out if mutable else (out, model_state)
+        new_model_state = {k: v for k, v in new_model_state.items() if k != precision.FP8_COLLECTION}
         loss, task_metrics = task.loss(outputs, batch)
         return loss_scale.scale(loss), (loss, task_metrics, new_model_state)
 
@@ -90,11 +96,16 @@ def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], A
             batch = layout.constrain_batch(batch)
         loss_scale = precision.current_loss_scale(state.opt_state)
         rng = jax.random.fold_in(state.rng, state.step)
-        grads, loss, task_metrics, model_state = _gradients(loss_fn, state, batch, rng, loss_scale, accum_steps)
+        grads, fp8_state, loss, task_metrics, model_state = _gradients(loss_fn, state, batch, rng, loss_scale,
+                                                                       accum_steps)
         if layout is not None:
             grads = layout.constrain_state(grads)
         # value: the loss, checked with the gradients (a non-finite loss skips the step too)
         updates, opt_state = state.tx.update(grads, state.opt_state, state.params, value=loss)
+        if fp8_state is not None:  # a skipped step keeps the histories it started from
+            old = state.model_state[precision.FP8_COLLECTION]
+            applied = precision.find_mixed_precision_state(opt_state).grads_finite
+            model_state = {**model_state, precision.FP8_COLLECTION: precision.select_tree(applied, fp8_state, old)}
         metrics = {**task_metrics, "loss": loss, **_optimizer_metrics(loss_scale, opt_state)}
         if learning_rate_fn is not None:
             applied = state.step - loss_scale.skipped_steps
@@ -110,14 +121,18 @@ def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], A
 
 
 def _gradients(loss_fn: Callable, state: TrainState, batch: dict, rng: jax.Array, loss_scale: Any,
-               accum_steps: int) -> tuple[Any, jax.Array, Metrics, Any]:
+               accum_steps: int) -> tuple[Any, Any, jax.Array, Metrics, Any]:
     """Gradients of the scaled loss over ``batch`` (summed in float32 over
-    ``accum_steps`` micro-batches in one ``lax.scan``, then averaged), the mean
-    loss and task metrics, and the new model state."""
-    grad_fn = jax.grad(loss_fn, has_aux=True)
+    ``accum_steps`` micro-batches in one ``lax.scan``, then averaged), the new
+    FP8 amax histories (the max over micro-batches; None without them), the
+    mean loss and task metrics, and the new model state."""
+    grad_fn = jax.grad(loss_fn, argnums=(0, 1), has_aux=True)
+    fp8_state = state.model_state.get(precision.FP8_COLLECTION)
+    model_state = {k: v for k, v in state.model_state.items() if k != precision.FP8_COLLECTION}
     if accum_steps == 1:
-        grads, (loss, metrics, model_state) = grad_fn(state.params, state.model_state, batch, rng, state, loss_scale)
-        return grads, loss, metrics, model_state
+        (grads, new_fp8), (loss, metrics, model_state) = grad_fn(state.params, fp8_state, model_state, batch, rng,
+                                                                 state, loss_scale)
+        return grads, new_fp8, loss, metrics, model_state
     leading = jax.tree_util.tree_leaves(batch)[0].shape[0]
     if leading % accum_steps:
         raise ValueError(f"batch size {leading} is not divisible by accum_steps={accum_steps}")
@@ -127,22 +142,24 @@ def _gradients(loss_fn: Callable, state: TrainState, batch: dict, rng: jax.Array
         lambda x: jnp.swapaxes(x.reshape((leading // accum_steps, accum_steps) + x.shape[1:]), 0, 1), batch)
 
     def body(carry, xs):
-        grads_sum, model_state, sums = carry
+        grads_sum, fp8_max, model_state, sums = carry
         mb, i = xs
-        grads, (loss, metrics, model_state) = grad_fn(state.params, model_state, mb, jax.random.fold_in(rng, i),
-                                                      state, loss_scale)
+        (grads, new_fp8), (loss, metrics, model_state) = grad_fn(state.params, fp8_state, model_state, mb,
+                                                                 jax.random.fold_in(rng, i), state, loss_scale)
         grads_sum = jax.tree_util.tree_map(lambda s, g: s + g.astype(jnp.float32), grads_sum, grads)
-        return (grads_sum, model_state, jax.tree_util.tree_map(jnp.add, sums, (loss, metrics))), None
+        fp8_max = None if fp8_max is None else precision.combine_fp8_states(fp8_max, new_fp8)
+        return (grads_sum, fp8_max, model_state, jax.tree_util.tree_map(jnp.add, sums, (loss, metrics))), None
 
     zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
     first = jax.tree_util.tree_map(lambda x: x[0], micro)
     # The forward pass alone gives the shapes of the loss and metrics to sum (no backward trace).
-    shapes = jax.eval_shape(lambda: loss_fn(state.params, state.model_state, first, rng, state, loss_scale))
+    shapes = jax.eval_shape(lambda: loss_fn(state.params, fp8_state, model_state, first, rng, state, loss_scale))
     sums = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes[1][:2])
-    (grads, model_state, (loss, metrics)), _ = jax.lax.scan(body, (zeros, state.model_state, sums),
-                                                            (micro, jnp.arange(accum_steps)))
+    fp8_zeros = None if fp8_state is None else jax.tree_util.tree_map(jnp.zeros_like, fp8_state)
+    (grads, new_fp8, model_state, (loss, metrics)), _ = jax.lax.scan(
+        body, (zeros, fp8_zeros, model_state, sums), (micro, jnp.arange(accum_steps)))
     mean = lambda tree: jax.tree_util.tree_map(lambda x: x / accum_steps, tree)  # noqa: E731
-    return mean(grads), mean(loss), mean(metrics), model_state
+    return mean(grads), new_fp8, mean(loss), mean(metrics), model_state
 
 
 def _optimizer_metrics(loss_scale: Any, opt_state: Any) -> Metrics:

@@ -25,7 +25,7 @@ from jax.extend import linear_util as lu
 
 from precision.autocast import fused_attention
 from precision.autocast.interpreter import Context, Rule, Site, bind, evaluate, log, outputs
-from precision.autocast.regions import module_path, region_dtype
+from precision.autocast.regions import module_path, region_dtype, region_fp8
 from precision.autocast.tracing import evaluate_call
 from precision.autocast.values import Kind, Val, cast, const_val
 
@@ -71,7 +71,7 @@ def retrace(jaxpr: Any, consts: Sequence[Any], in_specs: Sequence[Spec], ctx: Co
 
     def body(*arrays):
         vals = [Val(s.kind, a, path) for s, a in zip(in_specs, arrays)]
-        outs = evaluate(jaxpr, [const_val(c) for c in consts], vals, ctx.at(ctx.prefix, records))
+        outs = evaluate(jaxpr, [const_val(c) for c in consts], vals, ctx.nested(ctx.prefix, records))
         if force is not None:
             outs = [o if f is None or not o.managed else Val(f.kind, o.as_dtype(f.dtype), o.path)
                     for o, f in zip(outs, force)]
@@ -110,6 +110,8 @@ def _jit(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
         # has served, and its long name would be the name of a compiled program (and a cache file).
         updates["name"] = "dot_product_attention"
     jaxpr, consts = _closed_parts(site.eqn.params["jaxpr"])
+    if ctx.fp8.options.delayed and ctx.fp8.reachable:  # inlined: its matmuls then reach their amax histories
+        return _inline(site, ins, ctx)
     closed, specs, records = retrace(jaxpr, consts, [Spec.of(v) for v in ins], ctx.at(site.scope))
     _commit(ctx, records)
     return _vals(site, specs, bind(site, [v.array for v in ins], jaxpr=closed, **updates))
@@ -239,7 +241,7 @@ def _custom_call(site: Site, ins: list[Val], ctx: Context) -> tuple[dict, int, l
     inner = ctx.at(site.scope)
     call, out_specs, records = retrace(*_closed_parts(params["call_jaxpr"]), specs, inner)
     _commit(ctx, records)
-    return params, params["num_consts"], specs, call, out_specs, inner.at(inner.prefix, None)
+    return params, params["num_consts"], specs, call, out_specs, inner.nested(inner.prefix, None)
 
 
 def _custom_jvp(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
@@ -286,11 +288,11 @@ def _custom_vjp(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
         closed, _, _ = retrace(fwd_jaxpr, fwd_consts, primal_specs, quiet, force=[None] * n_res + out_specs)
         return closed.jaxpr, closed.consts
 
-    region = region_dtype(site.scope, ctx.root)
+    region, region_fp8_ = region_dtype(site.scope, ctx.root), region_fp8(site.scope, ctx.root_fp8)
 
     def new_bwd(*args):  # the user's backward, itself under autocast (its decisions not logged)
-        vals, _, flat = evaluate_call(bwd.call_wrapped, args, {}, dataclasses.replace(ctx, root=region, prefix=(),
-                                                                                      log=None))
+        vals, _, flat = evaluate_call(bwd.call_wrapped, args, {}, dataclasses.replace(
+            ctx.nested((), None), root=region, root_fp8=region_fp8_))
         out = flat.unflatten(vals)
         with_logs = isinstance(out, tuple)  # JAX >= 0.11: (cts, logs), logs possibly None
         cts, logs = out if with_logs else (out, None)
@@ -324,7 +326,7 @@ def _shard_map(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
     params = site.eqn.params
     specs = [Spec.of(v) for v in ins]
     out_specs: list[Spec] = []
-    inner = ctx.at(site.scope)
+    inner = ctx.nested(site.scope)
 
     def body(*arrays):
         vals = [Val(s.kind, a, module_path(inner.prefix)) for s, a in zip(specs, arrays)]

@@ -39,7 +39,9 @@ from precision.autocast.derivatives import HALF_WITH_FLOAT32_DERIVATIVE
 from precision.autocast.islands import demanded_vars
 from precision.autocast.op_lists import OpClass, OpLists
 from precision.autocast.program import binders
-from precision.autocast.regions import module_path, region_dtype, scope_names, within
+from precision.autocast.fp8_matmul import E4M3
+from precision.autocast.fp8_sites import NOT_FP8_REGION, Fp8Run, fp8_dot, skip_reason
+from precision.autocast.regions import module_path, region_dtype, region_fp8, scope_names, within
 from precision.autocast.values import (AS_TRACED, DENIED, F32, FOLLOWS_F32, REGION, STATISTICS, UPCAST, Kind, Record,
                                        Val, is_policy_float, literal_val)
 
@@ -57,10 +59,16 @@ class Context:
     rules: Mapping[str, "Rule"]  # primitive name -> rule (jit, scan, cond... see higher_order.RULES)
     prefix: tuple[str, ...] = ()
     log: list | None = None
+    root_fp8: bool = False  # the root's matmuls in FP8 (compute=f8)
+    fp8: Fp8Run = dataclasses.field(default_factory=Fp8Run)
 
     def at(self, prefix: tuple[str, ...], log: Any = ...) -> "Context":
-        """The context of a sub-program at scope ``prefix`` (``log``: where its decisions go)."""
+        """The context of a part of this program at scope ``prefix`` (``log``: where its decisions go)."""
         return dataclasses.replace(self, prefix=prefix, log=self.log if log is ... else log)
+
+    def nested(self, prefix: tuple[str, ...], log: Any = ...) -> "Context":
+        """The context of a sub-program traced apart (a loop body...): FP8 state out of reach."""
+        return dataclasses.replace(self.at(prefix, log), fp8=self.fp8.nested())
 
 
 @dataclasses.dataclass
@@ -72,6 +80,7 @@ class Site:
     path: tuple[str, ...]
     region: np.dtype
     demanded: bool  # its floating outputs only feed float32 ops
+    fp8: bool = False  # in an FP8 region: its allow-listed matmul may be FP8
 
     @property
     def name(self) -> str:
@@ -102,7 +111,8 @@ def evaluate(jaxpr: Any, consts: Sequence[Val], args: Sequence[Val], ctx: Contex
         scope = ctx.prefix + scope_names(eqn.source_info.name_stack)
         path = module_path(scope)
         site = Site(eqn, scope, path, region_dtype(scope, ctx.root),
-                    any(v in demanded for v in eqn.outvars if not isinstance(v, DropVar)))
+                    any(v in demanded for v in eqn.outvars if not isinstance(v, DropVar)),
+                    region_fp8(scope, ctx.root_fp8))
         ins = [read(v, path) for v in eqn.invars]
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
         with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
@@ -210,18 +220,23 @@ def _allowed(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
     traced_in = {np.dtype(v.aval.dtype) for v in site.eqn.invars if is_policy_float(v.aval.dtype)}
     preferred = params.get("preferred_element_type")
     target = site.region
-    if site.region == F32 and ctx.root != F32:
-        log(ctx, site, F32, REGION)
-    else:
-        log(ctx, site, target, "allow-listed op")
     keep_wide = (preferred is not None and np.dtype(preferred) == F32 and traced_in
                  and all(d != F32 for d in traced_in))  # the model asked for a float32 result of half operands
+    kind = Kind.FULL if keep_wide and target != F32 else Kind.HALF
+    not_fp8 = skip_reason(site.name, ins, site.eqn, ctx.fp8.options) if site.fp8 else None
+    if site.fp8 and not_fp8 is None:
+        result, reason = fp8_dot(site, ins, ctx.fp8, target, F32 if keep_wide else target)
+        log(ctx, site, E4M3, reason)
+        return outputs(site, result, kind)
+    if site.region == F32 and (ctx.root != F32 or ctx.root_fp8) and not site.fp8:
+        log(ctx, site, F32, REGION)
+    else:
+        log(ctx, site, target, not_fp8 or (NOT_FP8_REGION if ctx.root_fp8 and not site.fp8 else "allow-listed op"))
     args = [v.as_dtype(target) if v.managed else v.array for v in ins]
     updates = {}
     if "preferred_element_type" in params and preferred is not None:
         updates["preferred_element_type"] = F32 if keep_wide else target
-    result = bind(site, args, **updates)
-    return outputs(site, result, Kind.FULL if keep_wide and target != F32 else Kind.HALF)
+    return outputs(site, bind(site, args, **updates), kind)
 
 
 def _convert(site: Site, v: Val, ctx: Context) -> Val:

@@ -108,6 +108,11 @@ class MatmulOp(NamedTuple):
         """Operands below 32 bits (float16, bfloat16, fp8)."""
         return bool(jnp.issubdtype(self.dtype, jnp.floating)) and self.dtype.itemsize < 4
 
+    @property
+    def fp8(self) -> bool:
+        """FP8 operands (E4M3 or E5M2)."""
+        return bool(jnp.issubdtype(self.dtype, jnp.floating)) and self.dtype.itemsize == 1
+
 
 #: Dot algorithms that round both operands to one half-precision pass, whatever their stored dtypes
 #: (JAX's bfloat16 attention computes its backward matmuls with a float32 operand this way).

@@ -25,30 +25,34 @@ from urllib.parse import quote, unquote
 import jax
 import numpy as np
 
-from precision.policy import _canonical
+from precision.policy import _canonical, _is_fp8_name, parse_compute
 
 __all__ = ["compute_in", "TAG_PREFIX", "MODULE_PREFIX", "tag", "module_tag", "in_module", "scope_names", "region_dtype",
-           "module_path", "within"]
+           "region_fp8", "module_path", "within"]
 
 TAG_PREFIX = "precision:"
 MODULE_PREFIX = "precision.module="
+_FP8_MARK = "fp8+"  # precision:fp8+bfloat16: FP8 matmuls, the rest in bfloat16
 
 
-def tag(dtype: Any) -> str:
-    """The scope name marking a region that computes in ``dtype``."""
-    return TAG_PREFIX + np.dtype(dtype).name
+def tag(dtype: Any, fp8: bool = False) -> str:
+    """The scope name marking a region that computes in ``dtype`` (matmuls in FP8 if ``fp8``)."""
+    return TAG_PREFIX + (_FP8_MARK if fp8 else "") + np.dtype(dtype).name
 
 
 @contextlib.contextmanager
-def compute_in(dtype: Any) -> Iterator[None]:
+def compute_in(dtype: Any, *, fp8: bool | None = None) -> Iterator[None]:
     """Ops traced inside compute in ``dtype`` under autocast (a region).
 
     ``with precision.compute_in("f32"): y = my_norm(x)`` keeps ``my_norm``'s
     matmuls and arithmetic in float32 under a half policy; its results return
-    to the enclosing compute dtype where they leave the region. Outside
-    autocast it only names a scope.
+    to the enclosing compute dtype where they leave the region. ``"f8"`` (or
+    ``"f8/f16"``) runs the region's matmuls in FP8, the rest in bf16 (f16);
+    any other dtype turns FP8 off inside. Outside autocast it only names a scope.
     """
-    with jax.named_scope(tag(_canonical(dtype))):
+    if isinstance(dtype, str) and _is_fp8_name(dtype):
+        dtype, fp8 = parse_compute(dtype), True
+    with jax.named_scope(tag(_canonical(dtype), bool(fp8))):
         yield
 
 
@@ -74,7 +78,15 @@ def region_dtype(scope: tuple[str, ...], default: np.dtype) -> np.dtype:
     """The compute dtype of the innermost region tag in ``scope`` (else ``default``)."""
     for name in reversed(scope):
         if name.startswith(TAG_PREFIX):
-            return np.dtype(name[len(TAG_PREFIX):])
+            return np.dtype(name[len(TAG_PREFIX):].removeprefix(_FP8_MARK))
+    return default
+
+
+def region_fp8(scope: tuple[str, ...], default: bool) -> bool:
+    """Whether the innermost region tag in ``scope`` runs matmuls in FP8 (else ``default``)."""
+    for name in reversed(scope):
+        if name.startswith(TAG_PREFIX):
+            return name[len(TAG_PREFIX):].startswith(_FP8_MARK)
     return default
 
 

@@ -14,23 +14,28 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from precision.autocast.fp8_sites import Fp8Run
 from precision.autocast.higher_order import RULES
 from precision.autocast.interpreter import Context
 from precision.autocast.op_lists import OpLists
 from precision.autocast.tracing import evaluate_call, flatten_call
 from precision.autocast.values import F32, is_policy_float
-from precision.policy import Policy, _canonical, get_policy
+from precision.fp8 import Fp8Options, as_fp8_options, init_fp8_state as init_fp8_state_of
+from precision.policy import Policy, _canonical, _is_fp8_name, get_policy, parse_compute
 
 __all__ = ["autocast", "call", "call_vals", "context", "flatten_call"]
 
 
-def context(compute_dtype: Any, ops: OpLists | None = None, log: list | None = None) -> Context:
-    """The interpreter's context for a program computing in ``compute_dtype``."""
-    return Context(root=np.dtype(compute_dtype), ops=ops or OpLists(), rules=RULES, log=log)
+def context(compute_dtype: Any, ops: OpLists | None = None, log: list | None = None, fp8: bool = False,
+            fp8_run: Fp8Run | None = None) -> Context:
+    """The interpreter's context for a program computing in ``compute_dtype``
+    (its matmuls in FP8 if ``fp8``, with ``fp8_run``'s options and state)."""
+    return Context(root=np.dtype(compute_dtype), ops=ops or OpLists(), rules=RULES, log=log, root_fp8=fp8,
+                   fp8=fp8_run or Fp8Run())
 
 
 def call_vals(fn: Callable, args: tuple, kwargs: dict, *, compute_dtype: Any, ops: OpLists | None = None,
-              log: list | None = None) -> Any:
+              log: list | None = None, fp8: bool = False, fp8_run: Fp8Run | None = None) -> Any:
     """Runs ``fn(*args, **kwargs)`` under autocast; returns its output pytree with
     :class:`~precision.autocast.values.Val` leaves (each knows its kind and gives
     its array in any dtype).
@@ -38,15 +43,17 @@ def call_vals(fn: Callable, args: tuple, kwargs: dict, *, compute_dtype: Any, op
     ``fn`` is traced with every policy-float array leaf seen as float32, so
     the program is the same whatever dtypes the arguments or the layers have.
     ``log`` collects :class:`~precision.autocast.values.Record`\\ s of the decisions taken.
+    ``fp8``: matmuls in FP8 outside any region saying otherwise; ``fp8_run``:
+    their options, the amax histories read and the sites collected.
     """
-    vals, _, flat = evaluate_call(fn, args, kwargs, context(compute_dtype, ops, log))
+    vals, _, flat = evaluate_call(fn, args, kwargs, context(compute_dtype, ops, log, fp8, fp8_run))
     return flat.unflatten(vals)
 
 
 def call(fn: Callable, args: tuple, kwargs: dict, *, compute_dtype: Any, ops: OpLists | None = None,
-         log: list | None = None) -> Any:
+         log: list | None = None, fp8: bool = False, fp8_run: Fp8Run | None = None) -> Any:
     """Runs ``fn`` under autocast, every output in the dtype ``fn`` itself gives it."""
-    vals, shapes, flat = evaluate_call(fn, args, kwargs, context(compute_dtype, ops, log))
+    vals, shapes, flat = evaluate_call(fn, args, kwargs, context(compute_dtype, ops, log, fp8, fp8_run))
     if any(is_policy_float(x.dtype) and np.dtype(x.dtype) != F32 for x in flat.arrays):
         shapes = jax.eval_shape(flat.fn, *flat.arrays)  # the dtypes fn gives to its half inputs
     results = [val.as_dtype(shape.dtype) if val.managed and is_policy_float(shape.dtype) else val.array
@@ -54,8 +61,8 @@ def call(fn: Callable, args: tuple, kwargs: dict, *, compute_dtype: Any, ops: Op
     return flat.unflatten(results)
 
 
-def autocast(fn: Callable, policy: "str | Policy | Any" = "mixed_bf16", *, ops: OpLists | None = None
-             ) -> Callable:
+def autocast(fn: Callable, policy: "str | Policy | Any" = "mixed_bf16", *, ops: OpLists | None = None,
+             fp8: "Fp8Options | dict | None" = None) -> Callable:
     """``fn`` transformed to compute in ``policy``'s compute dtype, whatever dtypes it pins.
 
     Matmuls and convolutions run in the compute dtype; deny-listed ops and what
@@ -70,23 +77,41 @@ def autocast(fn: Callable, policy: "str | Policy | Any" = "mixed_bf16", *, ops: 
       policy: a :class:`Policy`, spec or preset; only its compute dtype is used
         (a bare dtype name such as ``"bf16"`` works too).
       ops: the allow/deny lists (:func:`precision.op_lists`); default lists otherwise.
+      fp8: :func:`precision.fp8_options` for a policy whose compute is ``f8``
+        (``"mixed_fp8"``, or a bare ``"f8"``). Under delayed scaling the
+        function takes the amax histories as keyword ``fp8_state=`` (from
+        ``autocast_fn.init_fp8_state(*args)``; the gradient with respect to
+        them is their new value); without it each matmul is scaled currently.
     """
     if not callable(fn):
         raise TypeError(f"autocast expects a callable, got {type(fn).__name__} {fn!r}")
-    compute = _compute_dtype(policy)
+    compute, on = _compute(policy)
+    options = as_fp8_options(fp8)
 
-    def autocast_fn(*args: Any, **kwargs: Any) -> Any:
-        return call(fn, args, kwargs, compute_dtype=compute, ops=ops)
+    def autocast_fn(*args: Any, fp8_state: dict | None = None, **kwargs: Any) -> Any:
+        return call(fn, args, kwargs, compute_dtype=compute, ops=ops, fp8=on,
+                    fp8_run=Fp8Run(options, state=fp8_state))
+
+    def init_fp8_state(*args: Any, **kwargs: Any) -> dict:
+        """Zero amax histories for every FP8 matmul ``fn(*args, **kwargs)`` makes (delayed scaling)."""
+        run = Fp8Run(options, sites=[])
+        jax.eval_shape(lambda: call(fn, args, kwargs, compute_dtype=compute, ops=ops, fp8=on, fp8_run=run))
+        return init_fp8_state_of(run.sites, options.history)
 
     autocast_fn.__name__ = f"autocast_{getattr(fn, '__name__', 'fn')}"
     autocast_fn.__doc__ = fn.__doc__
+    autocast_fn.init_fp8_state = init_fp8_state  # type: ignore[attr-defined]
     return autocast_fn
 
 
-def _compute_dtype(policy: Any) -> np.dtype:
+def _compute(policy: Any) -> tuple[np.dtype, bool]:
+    """(compute dtype, FP8 matmuls) of a policy, spec, preset or bare dtype name."""
     if isinstance(policy, str) and "=" not in policy and "," not in policy:
+        if _is_fp8_name(policy):
+            return parse_compute(policy), True
         try:
-            return _canonical(policy)
+            return _canonical(policy), False
         except Exception:
             pass
-    return get_policy(policy).compute_dtype
+    resolved = get_policy(policy)
+    return resolved.compute_dtype, resolved.fp8

@@ -24,7 +24,8 @@ import flax.linen as nn
 from flax import nnx
 
 from precision.autocast.op_lists import OpLists
-from precision.modules.common import resolve
+from precision.fp8 import Fp8Options, as_fp8_options
+from precision.modules.common import resolve, uses_fp8
 from precision.modules.linen_wrapper import LinenWithPolicy
 from precision.modules.nnx_wrapper import NNXWithPolicy
 from precision.policy import Policy
@@ -33,7 +34,7 @@ __all__ = ["with_policy", "LinenWithPolicy", "NNXWithPolicy"]
 
 
 def with_policy(module: Any, policy: "str | Policy", rules: "Iterable[Any] | None" = None, *,
-                autocast: bool = True, ops: OpLists | None = None):
+                autocast: bool = True, ops: OpLists | None = None, fp8: "Fp8Options | dict | None" = None):
     """Puts an unmodified Flax module under a precision policy.
 
     Args:
@@ -47,15 +48,21 @@ def with_policy(module: Any, policy: "str | Policy", rules: "Iterable[Any] | Non
         that pin ``dtype=float32`` still compute in the policy's dtype (default).
         ``False`` only casts params and inputs at the module boundary.
       ops: autocast's allow/deny lists (:func:`precision.op_lists`).
+      fp8: :func:`precision.fp8_options` (scaling, history, min_size) for the
+        FP8 matmuls of a policy or rule whose compute is ``f8``.
 
     Returns:
       A :class:`LinenWithPolicy` (``init`` / ``apply``) or an
       :class:`NNXWithPolicy` (call it like the module).
     """
     resolved_policy, resolved_rules, ops = resolve(policy, rules, ops)
+    options = as_fp8_options(fp8)
+    if uses_fp8(resolved_policy, resolved_rules) and not autocast:
+        raise ValueError(f"with_policy: {resolved_policy} runs matmuls in FP8, which needs autocast=True "
+                         "(autocast=False only casts at module boundaries)")
     if isinstance(module, nn.Module):
-        return LinenWithPolicy(module, resolved_policy, resolved_rules, autocast=bool(autocast), ops=ops)
+        return LinenWithPolicy(module, resolved_policy, resolved_rules, autocast=bool(autocast), ops=ops, fp8=options)
     if isinstance(module, nnx.Module):
-        return NNXWithPolicy(module, resolved_policy, resolved_rules, autocast=bool(autocast), ops=ops)
+        return NNXWithPolicy(module, resolved_policy, resolved_rules, autocast=bool(autocast), ops=ops, fp8=options)
     raise TypeError(f"with_policy expects a flax.linen.Module or flax.nnx.Module, got "
                     f"{type(module).__name__}")

@@ -3,7 +3,7 @@ the user gave, and trees cast by module path or like a reference tree."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -11,10 +11,41 @@ import numpy as np
 
 from precision.autocast.op_lists import OpLists
 from precision.autocast.values import Val
+from precision.fp8 import FP8_COLLECTION
 from precision.policy import Policy, get_policy
 from precision.rules import Rule, as_rules, get_rules
 
-__all__ = ["resolve", "cast_by_path", "cast_like", "vals_in", "vals_like", "map_params"]
+__all__ = ["Compute", "compute_of", "uses_fp8", "split_fp8", "resolve", "cast_by_path", "cast_like", "vals_in", "vals_like", "map_params"]
+
+
+class Compute(NamedTuple):
+    """What a module computes in: the dtype of its ops, and whether its matmuls are FP8."""
+
+    dtype: np.dtype
+    fp8: bool
+
+
+def compute_of(policy: Policy) -> Compute:
+    """The compute of a module under ``policy``."""
+    return Compute(policy.compute_dtype, policy.fp8)
+
+
+def uses_fp8(policy: Policy, rules: Iterable[Rule]) -> bool:
+    """Whether the policy or any rule runs matmuls in FP8."""
+    return policy.fp8 or any(rule.policy.fp8 for rule in rules)
+
+
+def split_fp8(variables: Any, mutable: Any) -> tuple[Any, Any, Any]:
+    """(the ``"fp8"`` collection or None, the other variables, ``mutable`` without
+    ``"fp8"``): the amax histories are the FP8 matmuls' input, not the module's."""
+    if not hasattr(variables, "keys") or FP8_COLLECTION not in variables:
+        return None, variables, mutable
+    rest = {k: v for k, v in variables.items() if k != FP8_COLLECTION}
+    if isinstance(mutable, str):
+        mutable = False if mutable == FP8_COLLECTION else mutable
+    elif isinstance(mutable, (list, tuple)):
+        mutable = [m for m in mutable if m != FP8_COLLECTION] or False
+    return variables[FP8_COLLECTION], rest, mutable
 
 
 def resolve(policy: Any, rules: "Iterable[Any] | None", ops: OpLists | None

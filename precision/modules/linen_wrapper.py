@@ -12,9 +12,12 @@ import jax
 import numpy as np
 
 from precision.autocast import fused_attention, transform as autocast_lib
+from precision.autocast.fp8_sites import Fp8Run
 from precision.autocast.op_lists import OpLists
+from precision.fp8 import FP8_COLLECTION, Fp8Options, init_fp8_state
 from precision.autocast.regions import compute_in, in_module
-from precision.modules.common import cast_by_path, cast_like, map_params, resolve, vals_in, vals_like
+from precision.modules.common import (Compute, cast_by_path, cast_like, compute_of, map_params, resolve, split_fp8,
+                                      uses_fp8, vals_in, vals_like)
 from precision.policy import Policy, _cast_floating
 from precision.rules import Resolver, Rule, class_names_of
 
@@ -32,12 +35,13 @@ class LinenWithPolicy:
     """A Linen module under a policy, with the module's ``init`` / ``apply``."""
 
     def __init__(self, module: nn.Module, policy: Policy, rules: Sequence[Rule], *, autocast: bool = True,
-                 ops: OpLists | None = None):
+                 ops: OpLists | None = None, fp8: Fp8Options | None = None):
         self.module = module
         self.policy = policy
         self.rules = tuple(rules)
         self.autocast = autocast
         self.ops = ops or OpLists()
+        self.fp8 = fp8 or Fp8Options()
         self._classes: PathClasses | None = None  # module structure, recorded once
 
     def __repr__(self) -> str:
@@ -54,12 +58,23 @@ class LinenWithPolicy:
         return Resolver(self.policy, self.rules, self._classes or {})
 
     def init(self, rngs: Any, *args: Any, method: Any = None, **kwargs: Any) -> Any:
-        """Like ``module.init``; params come back in their (per-module) param dtype."""
+        """Like ``module.init``; params come back in their (per-module) param dtype.
+
+        Under delayed FP8 scaling the variables also hold the ``"fp8"``
+        collection: zero amax histories for each FP8 matmul the call makes.
+        """
         classes: PathClasses = {}
         with self._recording(classes):
             variables = self.module.init(rngs, *args, method=method, **kwargs)
         self._classes = classes
-        return self.cast_params(variables)
+        variables = self.cast_params(variables)
+        if self.fp8.delayed and uses_fp8(self.policy, self.rules):
+            run = Fp8Run(self.fp8, sites=[])
+            init_rngs = rngs if isinstance(rngs, dict) else {"params": rngs, "dropout": rngs}
+            jax.eval_shape(lambda v: self.apply_logged(v, *args, rngs=init_rngs, method=method, mutable=True,
+                                                       fp8_run=run, **kwargs), variables)
+            variables = {**variables, FP8_COLLECTION: init_fp8_state(run.sites, self.fp8.history)}
+        return variables
 
     def _record_structure(self, variables: Any, *args: Any, **kwargs: Any) -> None:
         classes: PathClasses = {}
@@ -71,7 +86,7 @@ class LinenWithPolicy:
         """The same module under another policy (e.g. float16 for inference), keeping
         the module structure already recorded, so :meth:`cast_params` works at once."""
         other = LinenWithPolicy(self.module, *resolve(policy, rules, self.ops)[:2], autocast=self.autocast,
-                                ops=self.ops)
+                                ops=self.ops, fp8=self.fp8)
         other._classes = self._classes
         return other
 
@@ -97,25 +112,40 @@ class LinenWithPolicy:
         return self.apply_logged(variables, *args, rngs=rngs, method=method, mutable=mutable, **kwargs)
 
     def apply_logged(self, variables: Any, *args: Any, rngs: Any = None, method: Any = None,
-                     mutable: Any = False, log: list | None = None, **kwargs: Any) -> Any:
-        """:meth:`apply` that also appends autocast's decisions to ``log`` (for explain)."""
+                     mutable: Any = False, log: list | None = None, fp8_run: Fp8Run | None = None,
+                     **kwargs: Any) -> Any:
+        """:meth:`apply` that also appends autocast's decisions to ``log`` (for explain).
+
+        The ``"fp8"`` collection (amax histories) is read by the FP8 matmuls, not
+        by the module; it is returned unchanged when ``mutable`` names it (its
+        new value is its gradient, see :mod:`precision.fp8`).
+        """
+        fp8_state, variables, module_mutable = split_fp8(variables, mutable)
         if self._classes is None:
-            self._record_structure(variables, *args, rngs=rngs, method=method, mutable=mutable, **kwargs)
+            self._record_structure(variables, *args, rngs=rngs, method=method, mutable=module_mutable, **kwargs)
         resolve = self._resolver()
         if not self.autocast:
+            if uses_fp8(self.policy, self.rules):
+                raise ValueError(f"{self.policy}: FP8 matmuls need autocast; with_policy(..., autocast=False) "
+                                 "casts at module boundaries only")
             return self._apply_casting(resolve, variables, args, rngs, method, mutable, kwargs)
-        root = resolve(()).compute_dtype
+        root = compute_of(resolve(()))
 
         def run(variables, rngs, args, kwargs):
             with nn.intercept_methods(_region_interceptor(resolve, root)):
-                return self.module.apply(variables, *args, rngs=rngs, method=method, mutable=mutable, **kwargs)
+                return self.module.apply(variables, *args, rngs=rngs, method=method, mutable=module_mutable,
+                                         **kwargs)
 
-        vals = autocast_lib.call_vals(run, (variables, rngs, args, kwargs), {}, compute_dtype=root,
-                                      ops=self.ops, log=log)
+        fp8_run = fp8_run or Fp8Run(self.fp8, state=fp8_state)
+        vals = autocast_lib.call_vals(run, (variables, rngs, args, kwargs), {}, compute_dtype=root.dtype,
+                                      ops=self.ops, log=log, fp8=root.fp8, fp8_run=fp8_run)
         if mutable is False:
             return vals_in(vals, self.policy.output_dtype)
-        out, updated = vals
-        return vals_in(out, self.policy.output_dtype), vals_like(updated, variables)
+        out, updated = vals if module_mutable is not False else (vals, {})
+        updated = vals_like(updated, variables)
+        if fp8_state is not None:
+            updated = {**updated, FP8_COLLECTION: fp8_state}
+        return vals_in(out, self.policy.output_dtype), updated
 
     def _apply_casting(self, resolve: Resolver, variables: Any, args: tuple, rngs: Any, method: Any,
                        mutable: Any, kwargs: dict) -> Any:
@@ -125,12 +155,12 @@ class LinenWithPolicy:
             variables, lambda p: cast_by_path(p, lambda path: resolve(path).compute_dtype))
 
         def cast_call(next_fun, call_args, call_kwargs, compute, caller):
-            call_args, call_kwargs = _cast_floating((call_args, call_kwargs), compute)
+            call_args, call_kwargs = _cast_floating((call_args, call_kwargs), compute.dtype)
             out = next_fun(*call_args, **call_kwargs)
-            return out if compute == caller else _cast_floating(out, caller)
+            return out if compute.dtype == caller.dtype else _cast_floating(out, caller.dtype)
 
         args = _cast_floating(args, root.compute_dtype)
-        with nn.intercept_methods(_module_calls(resolve, root.compute_dtype, cast_call)):
+        with nn.intercept_methods(_module_calls(resolve, compute_of(root), cast_call)):
             result = self.module.apply(compute_vars, *args, rngs=rngs, method=method,
                                        mutable=mutable, **kwargs)
         if mutable is False:
@@ -139,17 +169,17 @@ class LinenWithPolicy:
         return self.policy.cast_to_output(out), cast_like(updated, variables)
 
 
-def _module_calls(resolve: Resolver, root: np.dtype, call: Any):
+def _module_calls(resolve: Resolver, root: Compute, call: Any):
     """A Linen interceptor that runs every method call of a module tagged with the
     module's path, through ``call(next_fun, args, kwargs, compute, caller)``: the
-    module's compute dtype (from the rules) and its caller's."""
-    callers: list[np.dtype] = [root]
+    module's compute (dtype and FP8, from the rules) and its caller's."""
+    callers: list[Compute] = [root]
 
     def intercept(next_fun, call_args, call_kwargs, context):
         if not _intercepted(context):
             return next_fun(*call_args, **call_kwargs)
         path = tuple(context.module.path)
-        compute = resolve(path).compute_dtype
+        compute = compute_of(resolve(path))
         caller = callers[-1]
         callers.append(compute)
         try:
@@ -161,13 +191,13 @@ def _module_calls(resolve: Resolver, root: np.dtype, call: Any):
     return intercept
 
 
-def _region_interceptor(resolve: Resolver, root: np.dtype):
+def _region_interceptor(resolve: Resolver, root: Compute):
     """Module calls tagged with their path, and a region opened wherever a module's
     compute dtype differs from its caller's (a rule matched it)."""
     def in_region(next_fun, call_args, call_kwargs, compute, caller):
         if compute == caller:
             return next_fun(*call_args, **call_kwargs)
-        with compute_in(compute):
+        with compute_in(compute.dtype, fp8=compute.fp8):
             return next_fun(*call_args, **call_kwargs)
 
     return _module_calls(resolve, root, in_region)

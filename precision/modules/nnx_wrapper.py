@@ -8,13 +8,16 @@ import functools
 import inspect
 from typing import Any, Sequence
 
+import jax
 import numpy as np
 from flax import nnx
 
 from precision.autocast import transform as autocast_lib
+from precision.autocast.fp8_sites import Fp8Run
 from precision.autocast.op_lists import OpLists
+from precision.fp8 import Fp8Options, init_fp8_state
 from precision.autocast.regions import compute_in, in_module
-from precision.modules.common import cast_by_path, cast_like, vals_in, vals_like
+from precision.modules.common import Compute, cast_by_path, cast_like, compute_of, vals_in, vals_like
 from precision.policy import Policy, _cast_floating
 from precision.rules import Resolver, Rule, class_names_of
 
@@ -56,7 +59,7 @@ def _submodules(model: nnx.Module, resolve: Resolver):
             names = tuple(map(str, path))
             parent = next((names[:i] for i in range(len(names) - 1, -1, -1)
                            if isinstance(_at(model, path[:i]), nnx.Module)), ())
-            yield node, names, resolve(names).compute_dtype, resolve(parent).compute_dtype
+            yield node, names, compute_of(resolve(names)), compute_of(resolve(parent))
 
 
 def _at(model: Any, path: tuple) -> Any:
@@ -67,7 +70,7 @@ def _at(model: Any, path: tuple) -> Any:
 
 
 @functools.cache
-def _scoped_class(cls: type, path: tuple[str, ...], region: np.dtype | None) -> type:
+def _scoped_class(cls: type, path: tuple[str, ...], region: Compute | None) -> type:
     """A subclass of ``cls`` whose methods run tagged with the module's ``path``
     (so autocast and explain see module paths) and, if given, in a region."""
 
@@ -76,7 +79,7 @@ def _scoped_class(cls: type, path: tuple[str, ...], region: np.dtype | None) -> 
             with in_module(path):
                 if region is None:
                     return method(self, *args, **kwargs)
-                with compute_in(region):
+                with compute_in(region.dtype, fp8=region.fp8):
                     return method(self, *args, **kwargs)
         return functools.wraps(method)(call)
 
@@ -95,11 +98,12 @@ class NNXWithPolicy(nnx.Module):
     """
 
     def __init__(self, module: nnx.Module, policy: Policy, rules: Sequence[Rule], *, autocast: bool = True,
-                 ops: OpLists | None = None):
+                 ops: OpLists | None = None, fp8: Fp8Options | None = None):
         self.policy = policy
         self.rules = tuple(rules)
         self.autocast = autocast
         self.ops = ops or OpLists()
+        self.fp8 = fp8 or Fp8Options()
         self.module = module
         self._cast_stored_params()
 
@@ -116,8 +120,9 @@ class NNXWithPolicy(nnx.Module):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.call_logged(None, *args, **kwargs)
 
-    def call_logged(self, log: list | None, *args: Any, **kwargs: Any) -> Any:
-        """Calls the module, appending autocast's decisions to ``log`` (for explain)."""
+    def call_logged(self, log: list | None, *args: Any, fp8_run: Fp8Run | None = None, **kwargs: Any) -> Any:
+        """Calls the module, appending autocast's decisions to ``log`` (for explain);
+        ``fp8_run`` carries delayed scaling's amax histories (:meth:`call_with_fp8_state`)."""
         resolve = self._resolver()
         if not self.autocast:
             return self._call_casting(resolve, args, kwargs)
@@ -130,10 +135,23 @@ class NNXWithPolicy(nnx.Module):
             with in_module(()):
                 return model(*args, **kwargs), nnx.state(model)
 
-        out, new_state = autocast_lib.call_vals(run, (state, args, kwargs), {},
-                                                compute_dtype=resolve(()).compute_dtype, ops=self.ops, log=log)
+        root = compute_of(resolve(()))
+        out, new_state = autocast_lib.call_vals(run, (state, args, kwargs), {}, compute_dtype=root.dtype, ops=self.ops,
+                                                log=log, fp8=root.fp8, fp8_run=fp8_run or Fp8Run(self.fp8))
         nnx.update(self.module, vals_like(new_state, state))
         return vals_in(out, self.policy.output_dtype)
+
+    def call_with_fp8_state(self, fp8_state: dict | None, *args: Any, **kwargs: Any) -> Any:
+        """Calls the module, its FP8 matmuls scaled from ``fp8_state``'s amax histories
+        (delayed scaling; the gradient with respect to ``fp8_state`` is its new value)."""
+        return self.call_logged(None, *args, fp8_run=Fp8Run(self.fp8, state=fp8_state), **kwargs)
+
+    def init_fp8_state(self, *args: Any, **kwargs: Any) -> dict:
+        """Zero amax histories for each FP8 matmul a call on ``args`` makes (traced, not run)."""
+        run = Fp8Run(self.fp8, sites=[])
+        graphdef, state = nnx.split(self)
+        jax.eval_shape(lambda s: nnx.merge(graphdef, s).call_logged(None, *args, fp8_run=run, **kwargs), state)
+        return init_fp8_state(run.sites, self.fp8.history)
 
     def _call_casting(self, resolve: Resolver, args: tuple, kwargs: dict) -> Any:
         """The module-level path (``autocast=False``): params cast, casts at rule boundaries."""
@@ -141,8 +159,8 @@ class NNXWithPolicy(nnx.Module):
         params = cast_by_path(params, lambda path: resolve(path).compute_dtype)
         model = nnx.merge(graphdef, params, rest)
         for node, _, compute, caller in _submodules(model, resolve):
-            if compute != caller:
-                node.__class__ = _casting_class(type(node), compute, caller)
+            if compute.dtype != caller.dtype:
+                node.__class__ = _casting_class(type(node), compute.dtype, caller.dtype)
         root = resolve(())
         out = model(*_cast_floating(args, root.compute_dtype), **_cast_floating(kwargs, root.compute_dtype))
         new_rest = nnx.state(model, nnx.Not(nnx.Param))

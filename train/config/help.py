@@ -4,6 +4,7 @@
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
 
 from train.config.fields import CLASS_REFERENCE, model_fields
 from train.config.schema import SECTIONS, ExperimentConfig
@@ -27,16 +28,28 @@ def _type_name(schema: dict) -> str:
             "object": "mapping", "null": "null"}.get(schema.get("type"), "any")
 
 
+def _field_lines(prefix: str, cls: type) -> list[str]:
+    """One line per field of a section; a sub-section (``precision.fp8``) expanded after its section's fields."""
+    schema = cls.model_json_schema()["properties"]
+    lines, nested = [], []
+    for name, field in cls.model_fields.items():
+        if (prefix, name) == ("model.", "options") or not prefix and name in SECTIONS:
+            continue
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            nested.append((f"{prefix}{name}.", field.annotation))
+            continue
+        lines.append(f"  {prefix}{name:<{33 - len(prefix)}} {_type_name(schema[name]):<16} "
+                     f"default {_yaml(field.get_default(call_default_factory=True)):<12} {field.description}")
+    for sub_prefix, sub in nested:
+        lines += _field_lines(sub_prefix, sub)
+    return lines
+
+
 def help_text() -> str:
     """Every config field with its type, default and meaning, for ``--help``."""
     lines = ["config fields (set in the YAML file or as key=value overrides):", ""]
     for prefix, cls in {"": ExperimentConfig, **{f"{k}.": v for k, v in SECTIONS.items()}}.items():
-        schema = cls.model_json_schema()["properties"]
-        for name, field in cls.model_fields.items():
-            if (prefix, name) == ("model.", "options") or not prefix and name in SECTIONS:
-                continue
-            lines.append(f"  {prefix}{name:<{33 - len(prefix)}} {_type_name(schema[name]):<16} "
-                         f"default {_yaml(field.get_default(call_default_factory=True)):<12} {field.description}")
+        lines += _field_lines(prefix, cls)
         lines.append("")
     lines.append("model fields, by model.name (num_classes, vocab_size and block_size default to the data's):")
     for name in MODELS:

@@ -137,6 +137,21 @@ def _lower(value: Any) -> Any:
     return value.strip().lower() if isinstance(value, str) else value
 
 
+class Fp8Config(_Schema):
+    """FP8 matmuls of a policy whose compute is f8 (``mixed_fp8``): see ``precision.fp8_options``."""
+
+    scaling: Annotated[Literal[precision.fp8.SCALINGS], BeforeValidator(_lower)] = Field(
+        "current", description="current: each tensor scaled from its own amax; delayed: from the amax history "
+                               "(state checkpointed with the model)")
+    history: int = Field(precision.fp8.DEFAULT_HISTORY, ge=1, description="steps of amax kept (delayed scaling)")
+    min_size: int = Field(precision.fp8.DEFAULT_MIN_SIZE, ge=0,
+                          description="a matmul is fp8 only when each of M, K, N is at least this (0: every matmul)")
+
+    def options(self) -> precision.Fp8Options:
+        """The options as ``precision.fp8_options`` builds them."""
+        return precision.fp8_options(self.scaling, self.history, self.min_size)
+
+
 class PrecisionConfig(_Schema):
     policy: str = Field("fp32", description=f"policy string or preset ({', '.join(precision.PRESETS)})")
     rules: list | None = Field(None, description="per-module rules [[pattern, policy], ...]; null: the preset's "
@@ -160,6 +175,7 @@ class PrecisionConfig(_Schema):
     follow: list[str] = Field([], description="primitives removed from both lists (follow their inputs)")
     strict: bool = Field(False, description="fail, instead of warning, when the policy leaves more than 5% of the "
                                             "model's matmul/conv FLOPs in float32")
+    fp8: Fp8Config = Field(default_factory=Fp8Config, description="fp8 matmuls (policy mixed_fp8 or compute=f8)")
 
     @field_validator("policy")
     @classmethod

@@ -1,0 +1,124 @@
+"""FP8 speed on a GPU: ``mixed_fp8`` against ``mixed_bf16``, the same train step.
+
+Two shapes (issue 26): GPT-2-small (12 layers, d_model 768, sequence 1024) and a
+~1B Llama-shaped decoder (16 layers, d_model 2048, sequence 2048; the project's
+GPT at that shape). For each: the compiled step's FP8 GEMMs (cuBLASLt custom
+calls whose operands are f8 in the optimized HLO), the median step time of both
+policies timed in turn (ABBA rounds), and the loss after the same steps from
+the same init (goal: within 1% of bf16; speed goal on the 1B shape: >= 1.3x).
+
+    python -m benchmarks.fp8_speed [--shapes gpt2_small,llama_1b] [--steps 30] [--min-size 1024] [--out DIR]
+
+On a CPU it runs (``--shapes tiny`` for a check) but its times mean nothing:
+XLA's CPU backend widens FP8 and bf16 dots to float32. Writes
+``benchmarks/results/fp8_speed-<device>.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import precision
+from benchmarks.measure import alternating_ratio
+from benchmarks.report import RESULTS, device_slug, environment
+from train import create_train_state, make_train_step
+from train.models import GPT
+
+#: name -> (layers, heads, d_model, sequence, batch)
+SHAPES = {
+    "tiny": (2, 2, 64, 32, 4),
+    "gpt2_small": (12, 12, 768, 1024, 8),
+    "llama_1b": (16, 16, 2048, 2048, 4),
+}
+_FP8_OPERAND = re.compile(r"f8e4m3fn\[|f8e5m2\[")
+
+
+def fp8_gemms(compiled_text: str) -> dict[str, int]:
+    """GEMM custom calls of an optimized HLO module, and how many take FP8 operands."""
+    calls = [line for line in compiled_text.splitlines() if "custom-call" in line and "cublas" in line]
+    return {"gemms": len(calls), "fp8_gemms": sum(1 for line in calls if _FP8_OPERAND.search(line))}
+
+
+def _state_and_step(shape: tuple[int, ...], policy: str, min_size: int):
+    layers, heads, d_model, seq, batch = shape
+    model = GPT(vocab_size=32768, block_size=seq, num_layers=layers, num_heads=heads, d_model=d_model)
+    tokens = np.random.default_rng(0).integers(0, 32768, size=(batch, seq + 1))
+    data = {"inputs": jnp.asarray(tokens[:, :-1]), "labels": jnp.asarray(tokens[:, 1:])}
+    state = create_train_state(model, policy, optax.adamw(3e-4), jax.random.PRNGKey(0), data["inputs"][:1],
+                               fp8=precision.fp8_options(min_size=min_size))
+    step = make_train_step(task="language_model", donate=True)
+    return state, step, data
+
+
+def measure(name: str, steps: int, rounds: int, min_size: int) -> dict[str, Any]:
+    """Both policies on one shape: FP8 GEMMs in the compiled step, step-time ratio, losses."""
+    shape = SHAPES[name]
+    runs = {p: _state_and_step(shape, p, min_size) for p in ("mixed_bf16", "mixed_fp8")}
+    hlo = {p: step.lower(state, data).compile().as_text() for p, (state, step, data) in runs.items()}
+    explanation = precision.explain(GPT(vocab_size=32768, block_size=shape[3], num_layers=shape[0],
+                                        num_heads=shape[1], d_model=shape[2]),
+                                    runs["mixed_fp8"][2]["inputs"][:1], policy="mixed_fp8", backward=True,
+                                    fp8={"min_size": min_size})
+
+    def stepper(policy):
+        _, step, data = runs[policy]
+        return lambda carry: step(carry[0], data)
+
+    timing = alternating_ratio(stepper("mixed_bf16"), (runs["mixed_bf16"][0], None), stepper("mixed_fp8"),
+                               (runs["mixed_fp8"][0], None), rounds=rounds, steps_per_round=steps)
+    losses = {}
+    for policy in runs:  # the same steps from the same init: the loss each reaches
+        state, step, data = _state_and_step(shape, policy, min_size)
+        for _ in range(steps):
+            state, metrics = step(state, data)
+        losses[policy] = float(metrics["loss"])
+    return {"shape": dict(zip(("layers", "heads", "d_model", "seq", "batch"), shape)), "min_size": min_size,
+            "fp8_share": explanation.fp8_share, "gemms": {p: fp8_gemms(t) for p, t in hlo.items()},
+            "bf16_seconds": timing["a_seconds"], "fp8_seconds": timing["b_seconds"],
+            "speedup": 1.0 / timing["ratio"], "loss": losses,
+            "loss_vs_bf16": losses["mixed_fp8"] / losses["mixed_bf16"] - 1}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = ["# FP8 speed: mixed_fp8 vs mixed_bf16", "", f"device: {result['device']}", "",
+             "| shape | fp8 share of matmul FLOPs | FP8 GEMMs in the step | bf16 step | fp8 step | speedup | "
+             "loss vs bf16 |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, r in result["shapes"].items():
+        g = r["gemms"]["mixed_fp8"]
+        lines.append(f"| {name} | {100 * r['fp8_share']:.0f}% | {g['fp8_gemms']} of {g['gemms']} | "
+                     f"{1e3 * r['bf16_seconds']:.1f} ms | {1e3 * r['fp8_seconds']:.1f} ms | {r['speedup']:.2f}x | "
+                     f"{100 * r['loss_vs_bf16']:+.2f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.fp8_speed", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="gpt2_small,llama_1b")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--min-size", type=int, default=precision.fp8.DEFAULT_MIN_SIZE)
+    p.add_argument("--out", default=str(RESULTS))
+    args = p.parse_args(argv)
+    env = environment()
+    result = {"environment": env, "device": jax.devices()[0].device_kind, "shapes": {name: measure(name, args.steps, args.rounds, args.min_size)
+                                             for name in args.shapes.split(",")}}
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"fp8_speed-{device_slug(env)}"
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(markdown(result))
+    print(markdown(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
