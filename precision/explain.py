@@ -33,6 +33,7 @@ from precision.autocast.fp8_sites import Fp8Run
 from precision.autocast.op_lists import OpLists
 from precision.autocast.program import MATMUL_PRIMITIVES, MatmulOp, matmul_ops
 from precision.autocast.values import REGION
+from precision.explain_table import columns, share_text, fp8_rows
 from precision.fp8 import Fp8Options, as_fp8_options
 from precision.modules import LinenWithPolicy, NNXWithPolicy, with_policy
 from precision.policy import Policy, PolicyError, get_policy
@@ -130,20 +131,20 @@ class Explanation:
         """The explanation as a text table."""
         lines = [f"precision.explain: {self.name} under {self.policy} "
                  f"({'autocast' if self.autocast else 'module casts only'})",
-                 "matmul/conv FLOPs with half-precision operands: " + _share_text("forward", self.forward)
-                 + ("; " + _share_text("backward", self.backward) if self.backward else "")]
+                 "matmul/conv FLOPs with half-precision operands: " + share_text("forward", self.forward)
+                 + ("; " + share_text("backward", self.backward) if self.backward else "")]
         if self.shows_fp8:
             lines.append("matmul/conv FLOPs with fp8 operands: "
-                         + _share_text("forward", (self.fp8[0], self.forward[1]))
-                         + ("; " + _share_text("backward", (self.fp8[1], self.backward[1])) if self.backward else ""))
-            lines += _columns(self._fp8_rows())
+                         + share_text("forward", (self.fp8[0], self.forward[1]))
+                         + ("; " + share_text("backward", (self.fp8[1], self.backward[1])) if self.backward else ""))
+            lines += columns(fp8_rows(self.modules))
         else:
             rows = [("module", "params", "matmul/conv", "half", "float32 because")]
             for m in self.modules:
                 share = "" if not m.total_flops else f"{100 * m.half_share:.0f}%"
                 rows.append((m.path or "(top)", ",".join(m.param_dtypes), ",".join(m.matmul_dtypes), share,
                              m.f32_reason))
-            lines += _columns(rows)
+            lines += columns(rows)
         if self.islands:
             lines.append("float32 islands:")
             for island in self.islands:
@@ -151,39 +152,10 @@ class Explanation:
                 lines.append(f"  {island.path or '(top)'}: {ops}  [{island.reason}]")
         return "\n".join(lines)
 
-    def _fp8_rows(self) -> list[tuple[str, ...]]:
-        rows = [("module", "params", "matmul/conv", "fp8", "16-bit", "f32", "not fp8 because")]
-        pct = lambda part, m: "" if not m.total_flops else f"{100 * part / m.total_flops:.0f}%"  # noqa: E731
-        for m in self.modules:
-            why = m.not_fp8_reason or m.f32_reason
-            rows.append((m.path or "(top)", ",".join(m.param_dtypes), ",".join(m.matmul_dtypes), pct(m.fp8_flops, m),
-                         pct(m.half_flops - m.fp8_flops, m), pct(m.total_flops - m.half_flops, m),
-                         why if m.total_flops > m.fp8_flops else ""))
-        return rows
-
     __str__ = table
 
     def __repr__(self) -> str:
         return self.table()
-
-
-def _share_text(what: str, flops: tuple[float, float]) -> str:
-    half, total = flops
-    if not total:
-        return f"{what}: no matmul/conv"
-    return f"{what} {100 * half / total:.1f}% of {_human(total)}"
-
-
-def _human(flops: float) -> str:
-    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
-        if flops >= scale:
-            return f"{flops / scale:.3g} {unit}"
-    return f"{flops:.0f} FLOP"
-
-
-def _columns(rows: list[tuple[str, ...]]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
 # ----------------------------------------------------------------------------- tracing

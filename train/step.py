@@ -75,11 +75,8 @@ def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], A
     task = get_task(task)
 
     def loss_fn(params, fp8_state, model_state, batch, rng, state, loss_scale):
-        """The scaled loss of one (micro-)batch, and (loss, task metrics, new model state).
-
-        ``fp8_state`` (delayed FP8 scaling's amax histories, or None) is an
-        argument apart: its gradient is its new value (see :mod:`precision.fp8`).
-        """
+        """The scaled loss of one (micro-)batch, and (loss, task metrics, new model state); the
+        gradient with respect to ``fp8_state`` (FP8 amax histories, or None) is their new value."""
         if layout is not None:
             params = layout.gather(params)
         mutable = list(model_state)
@@ -102,10 +99,7 @@ def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], A
             grads = layout.constrain_state(grads)
         # value: the loss, checked with the gradients (a non-finite loss skips the step too)
         updates, opt_state = state.tx.update(grads, state.opt_state, state.params, value=loss)
-        if fp8_state is not None:  # a skipped step keeps the histories it started from
-            old = state.model_state[precision.FP8_COLLECTION]
-            applied = precision.find_mixed_precision_state(opt_state).grads_finite
-            model_state = {**model_state, precision.FP8_COLLECTION: precision.select_tree(applied, fp8_state, old)}
+        model_state = _with_fp8_state(model_state, fp8_state, state, opt_state)
         metrics = {**task_metrics, "loss": loss, **_optimizer_metrics(loss_scale, opt_state)}
         if learning_rate_fn is not None:
             applied = state.step - loss_scale.skipped_steps
@@ -118,6 +112,15 @@ def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], A
         return new_state, metrics
 
     return jax.jit(train_step, donate_argnums=(0,) if donate else ())
+
+
+def _with_fp8_state(model_state: Any, fp8_state: Any, state: TrainState, opt_state: Any) -> Any:
+    """``model_state`` with the FP8 amax histories the step recorded; a skipped step keeps the old ones."""
+    if fp8_state is None:
+        return model_state
+    applied = precision.find_mixed_precision_state(opt_state).grads_finite
+    old = state.model_state[precision.FP8_COLLECTION]
+    return {**model_state, precision.FP8_COLLECTION: precision.select_tree(applied, fp8_state, old)}
 
 
 def _gradients(loss_fn: Callable, state: TrainState, batch: dict, rng: jax.Array, loss_scale: Any,

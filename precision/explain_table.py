@@ -1,0 +1,40 @@
+"""The text of :class:`precision.explain.Explanation`'s table: FLOP shares, sizes, columns."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["share_text", "columns", "fp8_rows"]
+
+
+def share_text(what: str, flops: tuple[float, float]) -> str:
+    """``"forward 96.2% of 4.46 GFLOP"``: the share of ``flops = (part, total)``."""
+    half, total = flops
+    if not total:
+        return f"{what}: no matmul/conv"
+    return f"{what} {100 * half / total:.1f}% of {_human(total)}"
+
+
+def _human(flops: float) -> str:
+    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if flops >= scale:
+            return f"{flops / scale:.3g} {unit}"
+    return f"{flops:.0f} FLOP"
+
+
+def columns(rows: list[tuple[str, ...]]) -> list[str]:
+    """Rows of cells as left-aligned text columns."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def fp8_rows(modules: Any) -> list[tuple[str, ...]]:
+    """The FP8 table's rows: per module its fp8, 16-bit and float32 shares and why a matmul is not fp8."""
+    rows = [("module", "params", "matmul/conv", "fp8", "16-bit", "f32", "not fp8 because")]
+    pct = lambda part, m: "" if not m.total_flops else f"{100 * part / m.total_flops:.0f}%"  # noqa: E731
+    for m in modules:
+        why = m.not_fp8_reason or m.f32_reason
+        rows.append((m.path or "(top)", ",".join(m.param_dtypes), ",".join(m.matmul_dtypes), pct(m.fp8_flops, m),
+                     pct(m.half_flops - m.fp8_flops, m), pct(m.total_flops - m.half_flops, m),
+                     why if m.total_flops > m.fp8_flops else ""))
+    return rows
