@@ -25,7 +25,7 @@ from flax import nnx
 
 from precision.autocast.op_lists import OpLists
 from precision.fp8 import Fp8Options, as_fp8_options
-from precision.modules.common import resolve, uses_fp8
+from precision.modules.common import resolve
 from precision.modules.linen_wrapper import LinenWithPolicy
 from precision.modules.nnx_wrapper import NNXWithPolicy
 from precision.policy import Policy
@@ -57,9 +57,6 @@ def with_policy(module: Any, policy: "str | Policy", rules: "Iterable[Any] | Non
     """
     resolved_policy, resolved_rules, ops = resolve(policy, rules, ops)
     options = as_fp8_options(fp8)
-    if uses_fp8(resolved_policy, resolved_rules) and not autocast:
-        raise ValueError(f"with_policy: {resolved_policy} runs matmuls in FP8, which needs autocast=True "
-                         "(autocast=False only casts at module boundaries)")
     if isinstance(module, nn.Module):
         return LinenWithPolicy(module, resolved_policy, resolved_rules, autocast=bool(autocast), ops=ops, fp8=options)
     if isinstance(module, nnx.Module):

@@ -15,7 +15,7 @@ from precision.fp8 import FP8_COLLECTION
 from precision.policy import Policy, get_policy
 from precision.rules import Rule, as_rules, get_rules
 
-__all__ = ["Compute", "compute_of", "uses_fp8", "split_fp8", "resolve", "cast_by_path", "cast_like", "vals_in", "vals_like", "map_params"]
+__all__ = ["Compute", "compute_of", "uses_fp8", "check_fp8_needs_autocast", "split_fp8", "resolve", "cast_by_path", "cast_like", "vals_in", "vals_like", "map_params"]
 
 
 class Compute(NamedTuple):
@@ -33,6 +33,13 @@ def compute_of(policy: Policy) -> Compute:
 def uses_fp8(policy: Policy, rules: Iterable[Rule]) -> bool:
     """Whether the policy or any rule runs matmuls in FP8."""
     return policy.fp8 or any(rule.policy.fp8 for rule in rules)
+
+
+def check_fp8_needs_autocast(policy: Policy, rules: Iterable[Rule], autocast: bool) -> None:
+    """FP8 matmuls are made by autocast: a wrapper that only casts at module boundaries cannot have them."""
+    if uses_fp8(policy, rules) and not autocast:
+        raise ValueError(f"with_policy: {policy} runs matmuls in FP8, which needs autocast=True "
+                         "(autocast=False only casts at module boundaries)")
 
 
 def split_fp8(variables: Any, mutable: Any) -> tuple[Any, Any, Any]:

@@ -9,14 +9,13 @@ from typing import Any, Iterable, Sequence
 
 import flax.linen as nn
 import jax
-import numpy as np
 
 from precision.autocast import fused_attention, transform as autocast_lib
 from precision.autocast.fp8_sites import Fp8Run
 from precision.autocast.op_lists import OpLists
 from precision.fp8 import FP8_COLLECTION, Fp8Options, init_fp8_state
 from precision.autocast.regions import compute_in, in_module
-from precision.modules.common import (Compute, cast_by_path, cast_like, compute_of, map_params, resolve, split_fp8,
+from precision.modules.common import (Compute, cast_by_path, check_fp8_needs_autocast, cast_like, compute_of, map_params, resolve, split_fp8,
                                       uses_fp8, vals_in, vals_like)
 from precision.policy import Policy, _cast_floating
 from precision.rules import Resolver, Rule, class_names_of
@@ -42,6 +41,7 @@ class LinenWithPolicy:
         self.autocast = autocast
         self.ops = ops or OpLists()
         self.fp8 = fp8 or Fp8Options()
+        check_fp8_needs_autocast(policy, self.rules, autocast)
         self._classes: PathClasses | None = None  # module structure, recorded once
 
     def __repr__(self) -> str:
@@ -125,9 +125,6 @@ class LinenWithPolicy:
             self._record_structure(variables, *args, rngs=rngs, method=method, mutable=module_mutable, **kwargs)
         resolve = self._resolver()
         if not self.autocast:
-            if uses_fp8(self.policy, self.rules):
-                raise ValueError(f"{self.policy}: FP8 matmuls need autocast; with_policy(..., autocast=False) "
-                                 "casts at module boundaries only")
             return self._apply_casting(resolve, variables, args, rngs, method, mutable, kwargs)
         root = compute_of(resolve(()))
 

@@ -17,7 +17,7 @@ from precision.autocast.fp8_sites import Fp8Run
 from precision.autocast.op_lists import OpLists
 from precision.fp8 import Fp8Options, init_fp8_state
 from precision.autocast.regions import compute_in, in_module
-from precision.modules.common import Compute, cast_by_path, cast_like, compute_of, vals_in, vals_like
+from precision.modules.common import Compute, cast_by_path, check_fp8_needs_autocast, cast_like, compute_of, vals_in, vals_like
 from precision.policy import Policy, _cast_floating
 from precision.rules import Resolver, Rule, class_names_of
 
@@ -104,6 +104,7 @@ class NNXWithPolicy(nnx.Module):
         self.autocast = autocast
         self.ops = ops or OpLists()
         self.fp8 = fp8 or Fp8Options()
+        check_fp8_needs_autocast(policy, self.rules, autocast)
         self.module = module
         self._cast_stored_params()
 
