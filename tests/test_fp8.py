@@ -284,3 +284,34 @@ def test_fp8_parity_reports_the_gap_to_bf16(tmp_path):
     fp8 = next(r for r in result["rows"] if r["variant"] == "mixed_fp8")
     assert fp8["vs_bf16"] == pytest.approx(2.05 / 2.02 - 1) and fp8["vs_fp32"] == pytest.approx(0.025)
     assert "| mixed_fp8 |" in fp8_parity.markdown(result)
+
+
+@pytest.mark.parametrize("options", [dict(scan_layers=True), dict(remat="full")])
+def test_fp8_reaches_scanned_and_rematerialized_layers_and_keeps_activations_16_bit(options):
+    from precision.autocast.program import iter_ops
+
+    model = GPT(vocab_size=32, block_size=16, num_layers=2, num_heads=2, d_model=64, **options)
+    batch = _lm_batch()
+    state = create_train_state(model, "mixed_fp8", optax.adamw(1e-3), jax.random.PRNGKey(0), batch["inputs"][:1],
+                               fp8={"min_size": 0, "scaling": "delayed"})  # in a loop body: scaled currently
+    jaxpr = jax.make_jaxpr(make_train_step(donate=False, task="language_model"))(state, batch)
+    _check_fp8_at_or_above(matmul_ops(jaxpr), 0, expect_small=False)
+    forward = [op for op in iter_ops(jaxpr) if op.primitive == "dot_general" and not op.backward]
+    assert forward and all(op.out_dtypes == (np.dtype(jnp.bfloat16),) for op in forward)  # not float32 activations
+
+
+def test_a_small_lm_trains_under_fp8_to_the_loss_of_float32():
+    tokens = np.tile(np.arange(16), (16, 3))[:, :17]  # a learnable sequence: next token = token + 1
+    batch = {"inputs": jnp.asarray(tokens[:, :-1]), "labels": jnp.asarray(tokens[:, 1:])}
+    losses = {}
+    for policy in ("fp32", "mixed_fp8"):
+        model = GPT(vocab_size=16, block_size=16, num_layers=1, num_heads=2, d_model=32)
+        state = create_train_state(model, policy, optax.adamw(3e-3), jax.random.PRNGKey(0), batch["inputs"][:1],
+                                   fp8={"min_size": 0})
+        step = make_train_step(task="language_model")
+        for _ in range(150):
+            state, metrics = step(state, batch)
+            assert bool(metrics["grads_finite"])
+        losses[policy] = float(metrics["loss"])
+    assert losses["fp32"] < 0.1  # it learned the sequence
+    assert losses["mixed_fp8"] < 0.1 and abs(losses["mixed_fp8"] - losses["fp32"]) < 0.05, losses
