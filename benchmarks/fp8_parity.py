@@ -39,6 +39,7 @@ VARIANTS = {
     "fp32": ["precision.policy=fp32"],
     "mixed_bf16": ["precision.policy=mixed_bf16"],
     "mixed_fp8": ["precision.policy=mixed_fp8", "precision.fp8.min_size=0"],
+    "mixed_fp8 (delayed)": ["precision.policy=mixed_fp8", "precision.fp8.min_size=0", "precision.fp8.scaling=delayed"],
 }
 GOAL = 0.03  # relative to mixed_bf16's final validation loss
 
@@ -87,7 +88,7 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {r['experiment']} | {r['variant']} | {r['steps']} | {r['eval_loss']:.4f} | "
                      f"{100 * r['vs_bf16']:+.2f}% | {100 * r['vs_fp32']:+.2f}% | {r['skipped_steps']} |")
     env = result["environment"]
-    lines += ["", f"jax {env.get('jax')}, {env.get('backend')} ({env.get('devices')}); "
+    lines += ["", f"jax {env.get('jax')}, {env.get('device')}, {env.get('date')}; "
               "reproduce: `python -m benchmarks.fp8_parity`"]
     return "\n".join(lines) + "\n"
 
