@@ -41,6 +41,7 @@ from precision.rules import (
 from precision.fp8 import FP8_COLLECTION, Fp8Options, combine_fp8_states, fp8_options, init_fp8_state
 from precision.autocast import ALLOW, DENY, OpLists, autocast, compute_in, op_lists
 from precision.modules import LinenWithPolicy, NNXWithPolicy, with_policy
+from precision.reads import read_dtypes
 from precision.explain import (CoverageError, Explanation, PrecisionWarning, check_coverage, explain)
 from precision.doctor import Diagnosis, Problem, Recommendation, diagnose
 from precision.optim import (
@@ -63,7 +64,7 @@ __all__ = (
     "FP8_COLLECTION", "Fp8Options", "combine_fp8_states", "fp8_options", "init_fp8_state",
     "ALLOW", "DENY", "OpLists", "op_lists", "compute_in", "autocast",
     "LinenWithPolicy", "NNXWithPolicy", "with_policy",
-    "CoverageError", "Explanation", "PrecisionWarning", "check_coverage", "explain",
+    "CoverageError", "Explanation", "PrecisionWarning", "check_coverage", "explain", "read_dtypes",
     "Diagnosis", "Problem", "Recommendation", "diagnose",
     "MixedPrecisionState", "current_loss_scale", "find_mixed_precision_state",
     "full_precision_params", "mixed_precision", "needs_master_weights",

@@ -118,17 +118,19 @@ def test_a_mesh_that_does_not_fit_fails_before_compute(tmp_path):
 
 
 def test_the_8_device_tests_pass_on_forced_host_devices():
-    """Runs this file's ``test_multidevice_*`` tests in a process with 8 CPU devices."""
+    """Runs the ``test_multidevice_*`` tests of this file and of test_communication.py in one
+    process with 8 CPU devices."""
     if jax.device_count() >= 8:
         pytest.skip("already on 8 devices: the multidevice tests run in this session")
+    files = [Path(__file__), Path(__file__).with_name("test_communication.py")]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "multidevice",
-                           str(Path(__file__))], env=_python_env(8), cwd=ROOT, capture_output=True, text=True,
+                           *map(str, files)], env=_python_env(8), cwd=ROOT, capture_output=True, text=True,
                           timeout=900)
     tail = proc.stdout[-4000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, tail
     assert "skipped" not in proc.stdout and "failed" not in proc.stdout, tail
     passed = int(proc.stdout.rsplit(" passed", 1)[0].split()[-1])
-    assert passed >= sum(1 for name in globals() if name.startswith("test_multidevice_")), tail
+    assert passed >= sum(f.read_text().count("def test_multidevice_") for f in files), tail
 
 
 # ----------------------------------------------------------------------------- 8 devices

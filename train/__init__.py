@@ -25,6 +25,7 @@ from train.config import ConfigError, ExperimentConfig, help_text, load_config
 from train.data import DataError, load_dataset
 from train.data.user import UserData
 from train.checkup import diagnose_experiment
+from train.communication import CommunicationReport, explain_communication
 from train.diagnose import diagnose_state
 from train.distributed import Layout, MeshError, initialize_distributed, make_mesh
 from train.inference import cast_for_inference, full_precision_params, inference_report
@@ -35,11 +36,11 @@ from train.state import TrainState, create_train_state
 from train.step import evaluate, make_eval_step, make_multi_step, make_train_step, summarize_eval
 from train.tasks import Task, cross_entropy, get_task
 
-__all__ = ["CheckpointError", "Checkpointer", "ConfigError", "DataError", "ExperimentConfig", "Layout", "MeshError",
+__all__ = ["CheckpointError", "Checkpointer", "CommunicationReport", "ConfigError", "DataError", "ExperimentConfig", "Layout", "MeshError",
            "MetricsWriter", "NNXModel", "NonFiniteError", "Task", "TrainState", "UserCodeError", "UserData", "bind",
            "build_data", "build_experiment", "build_model", "build_optimizer", "build_task", "cast_for_inference",
            "cast_variables", "check_model_fits_data", "create_train_state", "cross_entropy", "diagnose_experiment",
-           "diagnose_state", "evaluate",
+           "diagnose_state", "evaluate", "explain_communication",
            "full_precision_params", "get_task", "help_text", "inference_report", "initialize_distributed",
            "load_config", "load_dataset", "make_eval_step", "make_mesh", "make_multi_step", "make_train_step",
            "mode_kwargs", "read_metrics", "rebind", "run", "summarize_eval"]

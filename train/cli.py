@@ -32,7 +32,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="print the resolved config and exit without training")
     parser.add_argument("--explain", action="store_true",
                         help="print what the precision policy does to the model (per module: param and "
-                             "matmul dtypes, half-precision share, float32 islands) and exit without training")
+                             "matmul dtypes, half-precision share, float32 islands) and, on a mesh of more than one "
+                             "device, what a train step sends between devices; exit without training")
     parser.add_argument("--check", action="store_true",
                         help="check everything a run checks before it computes (config, data, model, task, mesh, "
                              "workdir) and exit without training")
@@ -134,11 +135,14 @@ def _diagnose(path: str, config, steps: int) -> int:
 
 
 def _explain(path: str, config) -> int:
-    from train.explain import explain_experiment
+    from train.explain import explain_experiment, explain_experiment_communication
 
     try:
         explanation = explain_experiment(config)
+        print(explanation)
+        communication = explain_experiment_communication(config)
     except (ConfigError, DataError) as e:
         return _fail(f"{path}: {e}", 2)
-    print(explanation)
+    if communication is not None:
+        print(f"\n{communication}")
     return 0

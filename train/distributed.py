@@ -30,10 +30,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["DATA_AXES", "Layout", "MeshError", "host_rows", "initialize_distributed", "make_mesh", "to_host"]
+__all__ = ["DATA_AXES", "GATHER_SCOPE", "Layout", "MeshError", "host_rows", "initialize_distributed", "make_mesh", "to_host"]
 
 #: The mesh axes a batch is split over.
 DATA_AXES = ("data", "fsdp")
+#: The named scope of the params' all-gathers (how :func:`train.explain_communication` knows them).
+GATHER_SCOPE = "gather_params"
 
 
 class MeshError(ValueError):
@@ -195,17 +197,26 @@ class Layout:
         """Inside ``jit``: pins ``tree``'s arrays to their layout."""
         return jax.lax.with_sharding_constraint(tree, self.state(tree))
 
-    def gather(self, tree: Any) -> Any:
+    def gather(self, tree: Any, dtypes: Any = None) -> Any:
         """Inside ``jit``: the whole arrays of an FSDP-split ``tree`` on every device.
 
         Params are gathered where the model uses them, so the forward and
         backward passes compute exactly as under data parallelism (no
         half-precision partial sums across devices) and only the stored copies
         (params, float32 masters, optimizer moments) stay split.
+
+        ``dtypes`` (a tree like ``tree``, from :func:`precision.read_dtypes`):
+        each split array is cast to its dtype on its own shard, before the
+        all-gather, so a param the model only reads in bfloat16 crosses the
+        wire in bfloat16. An optimization barrier keeps XLA from moving the
+        cast after the gather (jax#23543).
         """
         if self.fsdp == 1:
             return tree
-        return jax.lax.with_sharding_constraint(tree, jax.tree_util.tree_map(lambda _: self.replicated(), tree))
+        if dtypes is not None:
+            tree = jax.tree_util.tree_map(_cast_on_shard, tree, dtypes)
+        with jax.named_scope(GATHER_SCOPE):
+            return jax.lax.with_sharding_constraint(tree, jax.tree_util.tree_map(lambda _: self.replicated(), tree))
 
     def constrain_batch(self, tree: Any) -> Any:
         """Inside ``jit``: pins a batch's leading dimension to the data axes."""
@@ -238,6 +249,12 @@ class Layout:
             return jax.make_array_from_process_local_data(sharding, x, shape)
 
         return jax.tree_util.tree_map(make, local)
+
+
+def _cast_on_shard(x: Any, dtype: Any) -> Any:
+    if dtype is None or x.dtype == dtype:
+        return x
+    return jax.lax.optimization_barrier(x.astype(dtype))
 
 
 def host_rows(global_size: int) -> slice:

@@ -2,7 +2,10 @@
 
 Builds the experiment's data and model as :func:`train.run` would and traces
 one training step's forward and backward pass (abstractly: nothing is
-computed, no workdir is touched) with :func:`precision.explain`.
+computed, no workdir is touched) with :func:`precision.explain`. On a mesh of
+more than one device it also builds the train state in its layout and
+compiles (does not run) one train step, to list what the step sends between
+devices (:func:`train.explain_communication`).
 """
 
 from __future__ import annotations
@@ -11,10 +14,13 @@ import precision
 from train import config as config_lib
 from train.config import ExperimentConfig
 from train.binding import bind
-from train.loop import build_experiment
+from train.builders import build_train_state
+from train.communication import CommunicationReport, explain_communication
+from train.loop import build_experiment, layout_of
 from train.state import explain_model
+from train.step import make_train_step
 
-__all__ = ["explain_experiment"]
+__all__ = ["explain_experiment", "explain_experiment_communication"]
 
 
 def explain_experiment(config: ExperimentConfig) -> precision.Explanation:
@@ -24,3 +30,16 @@ def explain_experiment(config: ExperimentConfig) -> precision.Explanation:
     wrapped = bind(model, config.precision.policy, config.precision.rules,
                    ops=config_lib.build_op_lists(config.precision), autocast=config.precision.autocast)
     return explain_model(wrapped, data.sample_input(config.data.batch_size), train=True, backward=True)
+
+
+def explain_experiment_communication(config: ExperimentConfig) -> CommunicationReport | None:
+    """The collectives of one train step of ``config`` on its mesh (None on one device)."""
+    layout = layout_of(config)
+    if layout.mesh.devices.size == 1:
+        return None
+    data, task, model = build_experiment(config)
+    state, _ = build_train_state(config, model, data, layout)
+    step = make_train_step(accum_steps=config.accum_steps, layout=layout, task=task, donate=False)
+    size = config.data.batch_size * config.accum_steps
+    batch = layout.global_batch(data.train_batch(0, size, config.seed), size)
+    return explain_communication(step, state, batch)

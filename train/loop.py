@@ -91,7 +91,7 @@ def check_experiment(config: ExperimentConfig) -> str:
     workdir = check_writable(config.workdir, "workdir", create=False)
     if config.compile_cache not in (None, "auto"):
         check_writable(config.compile_cache, "compile_cache", create=False)
-    layout = _layout(config)
+    layout = layout_of(config)
     data, task, model = build_experiment(config)
     check_same_experiment(workdir, resolved_config(config, model, data))
     return (f"{model_label(config.model.name)} on {data.describe()}; policy {config.precision.policy}; "
@@ -137,10 +137,10 @@ def _start_devices(config: ExperimentConfig) -> Layout:
         initialize_distributed(**config.distributed.model_dump())
     except MeshError as e:
         raise ConfigError(str(e)) from None
-    return _layout(config)
+    return layout_of(config)
 
 
-def _layout(config: ExperimentConfig) -> Layout:
+def layout_of(config: ExperimentConfig) -> Layout:
     """The device mesh the config asks for, checked against the devices and the batch sizes."""
     try:
         layout = Layout(make_mesh(config.mesh.data, config.mesh.fsdp), config.mesh.fsdp_min_size)

@@ -10,6 +10,7 @@ buffers are donated.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -74,11 +75,12 @@ def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], A
         raise ValueError(f"accum_steps must be an integer >= 1, got {accum_steps!r}")
     task = get_task(task)
 
-    def loss_fn(params, fp8_state, model_state, batch, rng, state, loss_scale):
+    def loss_fn(params, fp8_state, model_state, batch, rng, state, loss_scale, gather_dtypes=None):
         """The scaled loss of one (micro-)batch, and (loss, task metrics, new model state); the
-        gradient with respect to ``fp8_state`` (FP8 amax histories, or None) is their new value."""
+        gradient with respect to ``fp8_state`` (FP8 amax histories, or None) is their new value.
+        FSDP-split params are gathered in ``gather_dtypes`` (see :func:`_gather_dtypes`)."""
         if layout is not None:
-            params = layout.gather(params)
+            params = layout.gather(params, gather_dtypes)
         mutable = list(model_state)
         fp8 = {} if fp8_state is None else {precision.FP8_COLLECTION: fp8_state}
         out = state.model.apply({"params": params, **model_state, **fp8}, batch["inputs"], rngs={"dropout": rng},
@@ -94,7 +96,7 @@ def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], A
         loss_scale = precision.current_loss_scale(state.opt_state)
         rng = jax.random.fold_in(state.rng, state.step)
         grads, fp8_state, loss, task_metrics, model_state = _gradients(loss_fn, state, batch, rng, loss_scale,
-                                                                       accum_steps)
+                                                                       accum_steps, layout)
         if layout is not None:
             grads = layout.constrain_state(grads)
         # value: the loss, checked with the gradients (a non-finite loss skips the step too)
@@ -114,6 +116,22 @@ def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], A
     return jax.jit(train_step, donate_argnums=(0,) if donate else ())
 
 
+def _gather_dtypes(forward: Callable[[Any], Any], params: Any, layout: Layout | None) -> Any:
+    """Under FSDP, the dtype each param is all-gathered in: the one ``forward(params)``
+    reads it in (:func:`precision.read_dtypes`). A param the policy only uses in
+    bfloat16 travels in bfloat16; one a norm or a rule keeps in float32, in float32.
+    The gradients are unchanged: the cast's derivative brings them back to float32."""
+    if layout is None or layout.fsdp == 1:
+        return None
+    return precision.read_dtypes(forward, params)
+
+
+def _split_fp8(model_state: Any) -> tuple[Any, Any]:
+    """(FP8 amax histories or None, the rest of the model state)."""
+    return (model_state.get(precision.FP8_COLLECTION),
+            {k: v for k, v in model_state.items() if k != precision.FP8_COLLECTION})
+
+
 def _with_fp8_state(model_state: Any, fp8_state: Any, state: TrainState, opt_state: Any) -> Any:
     """``model_state`` with the FP8 amax histories the step recorded; a skipped step keeps the old ones."""
     if fp8_state is None:
@@ -124,14 +142,16 @@ def _with_fp8_state(model_state: Any, fp8_state: Any, state: TrainState, opt_sta
 
 
 def _gradients(loss_fn: Callable, state: TrainState, batch: dict, rng: jax.Array, loss_scale: Any,
-               accum_steps: int) -> tuple[Any, Any, jax.Array, Metrics, Any]:
+               accum_steps: int, layout: Layout | None) -> tuple[Any, Any, jax.Array, Metrics, Any]:
     """Gradients of the scaled loss over ``batch`` (summed in float32 over
     ``accum_steps`` micro-batches in one ``lax.scan``, then averaged), the new
     FP8 amax histories (the max over micro-batches; None without them), the
     mean loss and task metrics, and the new model state."""
+    fp8_state, model_state = _split_fp8(state.model_state)
+    dtypes = _gather_dtypes(lambda p: loss_fn(p, fp8_state, model_state, batch, rng, state, loss_scale)[0],
+                            state.params, layout)
+    loss_fn = functools.partial(loss_fn, gather_dtypes=dtypes)
     grad_fn = jax.grad(loss_fn, argnums=(0, 1), has_aux=True)
-    fp8_state = state.model_state.get(precision.FP8_COLLECTION)
-    model_state = {k: v for k, v in state.model_state.items() if k != precision.FP8_COLLECTION}
     if accum_steps == 1:
         (grads, new_fp8), (loss, metrics, model_state) = grad_fn(state.params, fp8_state, model_state, batch, rng,
                                                                  state, loss_scale)
@@ -247,12 +267,16 @@ def make_eval_step(*, train_kwarg: str | None = "auto", layout: Layout | None = 
     task = get_task(task)
 
     def eval_step(state: TrainState, batch: dict) -> Metrics:
+        mode = _mode(state.model, False, train_kwarg)
+
+        def forward(params):
+            return state.model.apply({"params": params, **state.model_state}, batch["inputs"], **mode)
+
         params = state.params
         if layout is not None:
             batch = layout.constrain_batch(batch)
-            params = layout.gather(params)
-        variables = {"params": params, **state.model_state}
-        outputs = state.model.apply(variables, batch["inputs"], **_mode(state.model, False, train_kwarg))
+            params = layout.gather(params, _gather_dtypes(forward, params, layout))
+        outputs = forward(params)
         sums = task.eval_sums(outputs, batch)
         return sums if layout is None else jax.lax.with_sharding_constraint(sums, layout.replicated())
 

@@ -1,0 +1,102 @@
+"""The dtype a program reads each of its arguments in.
+
+A policy stores params in float32 and computes with them in half precision:
+the program casts each param to bfloat16 (or float16) where it uses it, except
+in float32 islands (norms, a rule-kept module, a deny-listed op). Code that
+moves params before the program runs (the all-gather of FSDP-split params)
+can move them already cast, at half the bytes, wherever the program would
+read nothing but the cast: :func:`read_dtypes` tells where that is.
+
+An argument is read in a half dtype ``h`` when every path from it, through
+ops that only move data (reshape, transpose, slice, broadcast...) and into
+sub-programs (jit, scan, remat, cond, custom_jvp/vjp, shard_map), ends in a
+cast to ``h``. Any other use (arithmetic, a float32 read, an output of the
+program, a ``while`` loop) reads it in its own dtype. Casting such an
+argument to ``h`` early changes nothing the program computes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from precision.autocast.program import HALF_DTYPES
+
+__all__ = ["read_dtypes"]
+
+#: Ops whose output holds the same values as their (first) operand, moved around: casting
+#: before or after them gives the same result.
+_MOVES_DATA = frozenset({"reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "slice",
+                         "dynamic_slice", "rev", "copy", "copy_p", "sharding_constraint", "optimization_barrier"})
+_OWN = "own"  # read in its own dtype
+
+
+def read_dtypes(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """For each array of ``tree``, the dtype ``fn(tree)`` reads it in: a half
+    dtype where the program only ever uses it cast to that dtype, else the
+    array's own dtype. Traces ``fn`` abstractly (nothing is computed)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    avals = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves]
+    closed = jax.make_jaxpr(lambda *xs: fn(jax.tree_util.tree_unflatten(treedef, list(xs))))(*avals)
+    jaxpr = closed.jaxpr
+    out = []
+    for var, leaf in zip(jaxpr.invars, leaves, strict=True):
+        reads = _reads(jaxpr, var)
+        only = next(iter(reads)) if len(reads) == 1 else _OWN
+        out.append(only if only != _OWN else np.dtype(leaf.dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _reads(jaxpr: Any, var: Any) -> set:
+    """The dtypes ``var`` is read in within ``jaxpr`` (``_OWN`` for any use that is not a half cast)."""
+    found: set = set()
+    if any(v is var for v in jaxpr.outvars):
+        found.add(_OWN)
+    for eqn in jaxpr.eqns:
+        positions = [i for i, v in enumerate(eqn.invars) if v is var]
+        if not positions:
+            continue
+        name = eqn.primitive.name
+        if name == "convert_element_type":
+            dtype = np.dtype(eqn.params["new_dtype"])
+            if dtype == np.dtype(var.aval.dtype):
+                found |= _reads(jaxpr, eqn.outvars[0])
+            else:
+                found.add(dtype if dtype in HALF_DTYPES else _OWN)
+        elif name in _MOVES_DATA and positions == [0]:
+            found |= set().union(*(_reads(jaxpr, out) for out in eqn.outvars[:1]))
+        else:
+            inner = _inner_binders(eqn, positions)
+            found |= set().union(*(_reads(sub, v) for sub, v in inner)) if inner else {_OWN}
+        if _OWN in found:
+            return found
+    return found
+
+
+def _inner_binders(eqn: Any, positions: list[int]) -> list[tuple[Any, Any]]:
+    """(sub-program, its binder) for each operand position of ``eqn`` that passes straight into a
+    sub-program (jit, scan, remat, custom_jvp/vjp, shard_map: one to one; cond: after the index);
+    empty when ``eqn`` has none or maps them otherwise (``while``)."""
+    name = eqn.primitive.name
+    if name == "while":
+        return []
+    subs = []
+    for key, param in eqn.params.items():
+        if name in ("custom_vjp_call", "custom_jvp_call", "custom_vjp_call_jaxpr") and key not in (
+                "call_jaxpr", "fun_jaxpr"):
+            continue
+        for item in param if isinstance(param, (tuple, list)) else (param,):
+            sub = getattr(item, "jaxpr", item)
+            if hasattr(sub, "eqns") and hasattr(sub, "invars"):
+                subs.append(sub)
+    offset = 1 if name == "cond" else 0
+    pairs = []
+    for sub in subs:
+        if len(sub.invars) != len(eqn.invars) - offset:
+            return []
+        pairs += [(sub, sub.invars[i - offset]) for i in positions if i >= offset]
+    if not subs or (offset and 0 in positions):
+        return []
+    return pairs

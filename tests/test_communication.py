@@ -1,0 +1,166 @@
+"""What crosses the wire between devices: FSDP gathers each param in the dtype
+the model reads it in, and :func:`train.explain_communication` reports a step's
+collectives. The ``test_multidevice_*`` tests run in test_distributed's 8-device
+subprocess."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import precision
+from train import create_train_state, explain_communication, make_train_step
+from train.communication import Collective, hlo_collectives
+from train.data import load_synthetic
+from train.distributed import Layout, make_mesh
+from train.models import MLP
+
+needs8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices: runs in the 8-device subprocess")
+BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(np.float32)
+
+
+# ----------------------------------------------------------------------------- read_dtypes
+
+
+def test_read_dtypes_half_only_where_every_read_is_a_half_cast():
+    def fn(t):
+        a = jnp.reshape(t["matmul"], (4, 2)).T.astype(jnp.bfloat16)  # moved, then cast
+        b = t["norm"] * 2.0  # read in float32
+        c = jnp.concatenate([t["both"].astype(jnp.bfloat16).astype(jnp.float32), t["both"]])  # read both ways
+        d = jax.jit(lambda x: x.astype(jnp.float16))(t["in_jit"])
+        e = jax.lax.cond(True, lambda x: x.astype(jnp.bfloat16), lambda x: -x.astype(jnp.bfloat16), t["in_cond"])
+        return a.sum() + b.sum() + c.sum() + d.sum() + e.sum(), t["returned"]
+
+    tree = {k: jnp.ones((8,)) for k in ("matmul", "norm", "both", "in_jit", "in_cond", "returned")}
+    got = precision.read_dtypes(fn, tree)
+    assert got == {"matmul": BF16, "norm": F32, "both": F32, "in_jit": np.dtype(np.float16), "in_cond": BF16,
+                   "returned": F32}
+
+
+def test_read_dtypes_follow_scanned_layers_and_leave_while_loops_alone():
+    stacked = jnp.ones((3, 4, 4))
+
+    def scanned(w):
+        return jax.lax.scan(lambda x, wi: (x @ wi.astype(jnp.bfloat16), None), jnp.ones((2, 4), jnp.bfloat16), w)[0]
+
+    def looped(w):
+        return jax.lax.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, c[1] @ w[0].astype(jnp.bfloat16)),
+                                  (0, jnp.ones((2, 4), jnp.bfloat16)))[1]
+
+    assert precision.read_dtypes(scanned, stacked) == BF16
+    assert precision.read_dtypes(looped, stacked) == F32  # not followed: read as stored (safe)
+
+
+def test_read_dtypes_of_a_model_under_a_policy_and_a_rule():
+    """Dense params are read in bfloat16; LayerNorm's and a rule-kept module's in float32."""
+    model = precision.with_policy(MLP(hidden=(32, 32), num_classes=4), "mixed_bf16",
+                                  rules=[*precision.default_rules(), ("Dense_1", "f32")])
+    x = jnp.ones((2, 16))
+    variables = model.init(jax.random.PRNGKey(0), x)
+    got = precision.read_dtypes(lambda p: model.apply({"params": p}, x), variables["params"])
+    assert got["Dense_0"] == {"kernel": BF16, "bias": BF16} and got["Dense_2"]["kernel"] == BF16
+    assert got["Dense_1"] == {"kernel": F32, "bias": F32}
+    assert set(jax.tree_util.tree_leaves(got["LayerNorm_0"])) == {F32}
+
+
+# ----------------------------------------------------------------------------- reading HLO
+
+HLO = """
+  %all-gather.1 = bf16[64,256]{1,0} all-gather(%b.1), channel_id=2, replica_groups=mesh['axis_0'=1,'axis_1'=4,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_1'}, dimensions={1}, use_global_device_ids=true, metadata={op_name="jit(train_step)/jvp()/gather_params/sharding_constraint"}
+  %all-reduce.2 = (f32[], bf16[16,4]{1,0}) all-reduce(%a, %b), channel_id=3, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add, metadata={op_name="jit(train_step)/transpose(jvp(MLP))/dot_general"}
+  %reduce-scatter.3 = f32[8,16]{1,0} reduce-scatter(%g), channel_id=4, replica_groups=[2,4]<=[8], dimensions={1}, to_apply=%add, metadata={op_name="jit(train_step)/transpose(jvp(MLP))/dot_general"}
+  %all-reduce.4 = f32[32]{0} all-reduce(%s), channel_id=5, replica_groups=[1,8]<=[8], to_apply=%add, metadata={op_name="jit(train_step)/BatchNorm/reduce_sum"}
+"""
+
+
+def test_hlo_collectives_reads_kind_dtype_group_and_what_they_carry():
+    got = hlo_collectives(HLO, device_count=8)
+    assert [(c.kind, c.dtype, c.shape, c.group, c.carries) for c in got] == [
+        ("all-gather", "bf16", (64, 256), 4, "params"),
+        ("all-reduce", "f32", (), 8, "scalars"),
+        ("all-reduce", "bf16", (16, 4), 8, "gradients"),
+        ("reduce-scatter", "f32", (8, 64), 4, "gradients"),  # the whole array it scatters from
+        ("all-reduce", "f32", (32,), 8, "activations"),
+    ]
+    gather = got[0]
+    assert gather.bytes == 64 * 256 * 2 and gather.sent_bytes == pytest.approx(gather.bytes * 3 / 4)
+    assert got[2].sent_bytes == pytest.approx(2 * 7 / 8 * 16 * 4 * 2)  # ring all-reduce: twice (n-1)/n
+    assert Collective("all-gather", "f32", (4,), 1, "params", "").sent_bytes == 0
+
+
+def test_a_step_on_one_device_sends_nothing():
+    data = load_synthetic(num_train=64, num_test=8, input_shape=(16,), num_classes=4, seed=0)
+    state = create_train_state(MLP(hidden=(32,), num_classes=4), "mixed_bf16", optax.sgd(0.1), jax.random.PRNGKey(0),
+                               data.sample_input(1))
+    report = explain_communication(make_train_step(donate=False), state, jax.device_put(data.train_batch(0, 8, 0)))
+    assert report.collectives == () and "none" in str(report)
+    with pytest.raises(ValueError, match="stage must be"):
+        explain_communication(make_train_step(donate=False), state, data.train_batch(0, 8, 0), stage="final")
+
+
+# ----------------------------------------------------------------------------- 8 devices
+
+DATA = load_synthetic(num_train=256, num_test=32, input_shape=(16,), num_classes=4, seed=0)
+
+
+def _report(model, policy, data=2, fsdp=4, rules=None, stage="partitioned"):
+    layout = Layout(make_mesh(data, fsdp, jax.devices()[:data * fsdp]), fsdp_min_size=256)
+    state = create_train_state(model, policy, optax.adam(1e-2), jax.random.PRNGKey(0), DATA.sample_input(1),
+                               layout=layout, rules=rules)
+    batch = layout.global_batch(DATA.train_batch(0, 32, seed=0), 32)
+    return explain_communication(make_train_step(layout=layout, donate=False), state, batch, stage=stage)
+
+
+@needs8
+def test_multidevice_fsdp_gathers_params_in_the_compute_dtype(policy="mixed_bf16", half="bf16"):
+    """(float16: the CLI test below, on the default experiment's mixed_f16.)"""
+    mlp = MLP(hidden=(64, 64), num_classes=4)
+    full, mixed = _report(mlp, "fp32"), _report(mlp, policy)
+    gathers = mixed.select("params", "all-gather")
+    assert len(gathers) == len(full.select("params", "all-gather")) == 3  # the three kernels
+    assert {c.dtype for c in gathers} == {half}
+    assert mixed.bytes("params") <= 0.5 * full.bytes("params")
+    assert mixed.select("gradients") and mixed.select("scalars")  # gradients reduced; loss, norm, finiteness
+    assert "params" in str(mixed) and half in str(mixed)
+
+
+@needs8
+def test_multidevice_a_rule_kept_float32_module_gathers_float32():
+    report = _report(MLP(hidden=(64, 64), num_classes=4), "mixed_bf16",
+                     rules=[*precision.default_rules(), ("Dense_1", "f32")])
+    by_shape = {c.shape: c.dtype for c in report.select("params", "all-gather")}
+    assert by_shape == {(16, 64): "bf16", (64, 64): "f32", (64, 4): "bf16"}
+
+
+class _NNXNet(nnx.Module):
+    """A user's NNX model, its float32 dtypes pinned."""
+
+    def __init__(self, *, rngs):
+        self.l1 = nnx.Linear(16, 64, dtype=jnp.float32, param_dtype=jnp.float32, rngs=rngs)
+        self.norm = nnx.LayerNorm(64, rngs=rngs)
+        self.l2 = nnx.Linear(64, 4, dtype=jnp.float32, param_dtype=jnp.float32, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(nnx.relu(self.norm(self.l1(x))))
+
+
+@needs8
+def test_multidevice_an_nnx_model_gathers_in_bfloat16_and_the_cpu_backend_widens():
+    report = _report(_NNXNet(rngs=nnx.Rngs(0)), "mixed_bf16")
+    assert {c.dtype for c in report.select("params", "all-gather")} == {"bf16"}
+    if jax.default_backend() == "cpu":  # XLA's CPU backend has no 16-bit collectives
+        compiled = _report(_NNXNet(rngs=nnx.Rngs(0)), "mixed_bf16", stage="compiled")
+        assert compiled.stage == "compiled" and {c.dtype for c in compiled.select("params")} == {"f32"}
+        assert "widens" in str(compiled)
+
+
+@needs8
+def test_multidevice_explain_lists_the_collectives_of_the_experiments_step(capsys):
+    from train.cli import main
+
+    assert main(["configs/default.yaml", "mesh.fsdp=4", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "Collectives per step (partitioned program" in out
+    assert any(line.split()[:3] == ["params", "all-gather", "f16"] for line in out.splitlines())  # mixed_f16

@@ -1,0 +1,196 @@
+"""What a step sends between devices: its collectives, their dtypes and bytes.
+
+Mixed precision should halve communication as it halves compute: FSDP's
+param all-gathers in the compute dtype, gradient reductions in a chosen one.
+Whether it does is decided by XLA's SPMD partitioner, so it is read from the
+program XLA partitions, not assumed: :func:`explain_communication` lists each
+collective of a jitted step with its kind, dtype, array bytes, bytes each
+device sends, and what it carries (params, gradients, activations, scalars).
+
+``stage="partitioned"`` (the default) reads the program right after SPMD
+partitioning, before backend-specific rewrites: what a GPU or TPU sends.
+XLA's CPU backend then widens 16-bit collectives to float32 (it has no 16-bit
+collectives), which ``stage="compiled"`` shows: what this backend sends.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+import re
+import tempfile
+from typing import Any, Callable, NamedTuple
+
+import jax
+
+from train.distributed import GATHER_SCOPE
+
+__all__ = ["Collective", "CommunicationReport", "explain_communication", "hlo_collectives"]
+
+KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>\(.*?\)|\S+)\s+(?P<kind>" + "|".join(KINDS)
+    + r")(?P<start>-start)?\((?P<rest>.*)$", re.M)
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+          "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+CARRIES = ("params", "gradients", "activations", "scalars")
+
+
+class Collective(NamedTuple):
+    """One collective of a program."""
+
+    kind: str  # all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute
+    dtype: str  # HLO element type: bf16, f16, f32...
+    shape: tuple[int, ...]  # the whole array: gathered, reduced, or scattered from
+    group: int  # devices in each group
+    carries: str  # params, gradients, activations or scalars
+    op_name: str  # JAX's name for the op it came from
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the whole array on each device."""
+        return math.prod(self.shape) * _BYTES.get(self.dtype, 4)
+
+    @property
+    def sent_bytes(self) -> float:
+        """Bytes each device sends (ring algorithms): (n-1)/n of the array to gather,
+        scatter or exchange, twice that for an all-reduce."""
+        n = self.group
+        if n <= 1:
+            return 0.0
+        factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(self.kind, (n - 1) / n)
+        return self.bytes * factor
+
+
+class CommunicationReport(NamedTuple):
+    """The collectives of one program, at one stage of its compilation."""
+
+    collectives: tuple[Collective, ...]
+    stage: str  # "partitioned" or "compiled"
+    backend: str
+
+    def select(self, carries: str | None = None, kind: str | None = None,
+               dtype: str | None = None) -> list[Collective]:
+        """The collectives that carry ``carries``, of ``kind``, in ``dtype`` (None: any)."""
+        return [c for c in self.collectives if (carries is None or c.carries == carries)
+                and (kind is None or c.kind == kind) and (dtype is None or c.dtype == dtype)]
+
+    def bytes(self, carries: str | None = None, kind: str | None = None, dtype: str | None = None) -> int:
+        """Array bytes of the selected collectives (see :meth:`select`)."""
+        return sum(c.bytes for c in self.select(carries, kind, dtype))
+
+    def sent_bytes(self, carries: str | None = None, kind: str | None = None, dtype: str | None = None) -> float:
+        """Bytes each device sends for the selected collectives."""
+        return sum(c.sent_bytes for c in self.select(carries, kind, dtype))
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One row per (what it carries, kind, dtype): count, array bytes, bytes sent per device."""
+        groups: dict[tuple[str, str, str], list[Collective]] = {}
+        for c in self.collectives:
+            groups.setdefault((c.carries, c.kind, c.dtype), []).append(c)
+        order = {name: i for i, name in enumerate(CARRIES)}
+        return [{"carries": carries, "kind": kind, "dtype": dtype, "count": len(cs),
+                 "bytes": sum(c.bytes for c in cs), "sent_bytes": sum(c.sent_bytes for c in cs)}
+                for (carries, kind, dtype), cs in sorted(groups.items(), key=lambda kv: (order[kv[0][0]], kv[0][1:]))]
+
+    def __str__(self) -> str:
+        lines = [f"Collectives per step ({self.stage} program, {self.backend}):",
+                 f"  {'carries':<12}{'kind':<16}{'dtype':<7}{'count':>6}{'array MiB':>11}{'sent MiB/device':>17}"]
+        for r in self.rows():
+            lines.append(f"  {r['carries']:<12}{r['kind']:<16}{r['dtype']:<7}{r['count']:>6}"
+                         f"{r['bytes'] / 2 ** 20:>11.3f}{r['sent_bytes'] / 2 ** 20:>17.3f}")
+        if not self.collectives:
+            lines.append("  none: every array this step uses is on the device that uses it")
+        total = sum(c.sent_bytes for c in self.collectives)
+        lines.append(f"  total sent per device: {total / 2 ** 20:.3f} MiB")
+        if self.stage == "compiled" and self.backend == "cpu":
+            lines.append("  (XLA's CPU backend widens 16-bit collectives to float32; stage='partitioned' shows "
+                         "what a GPU sends)")
+        return "\n".join(lines)
+
+
+def hlo_collectives(text: str, device_count: int) -> list[Collective]:
+    """The collectives of an HLO module's text (a tuple-shaped, combined one counts
+    once per array it carries)."""
+    found = []
+    for m in _INSTRUCTION.finditer(text):
+        kind, rest = m.group("kind"), m.group("rest")
+        arrays = [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _ARRAY.findall(m.group("shape"))]
+        if m.group("start") and kind in ("all-gather", "reduce-scatter") and len(arrays) == 2:
+            arrays = [max(arrays, key=lambda a: math.prod(a[1]))]  # (operand, result): the whole array
+        group = _group_size(rest, device_count)
+        if kind == "reduce-scatter" and not m.group("start"):
+            arrays = [(dt, _scattered_from(shape, rest, group)) for dt, shape in arrays]
+        op_name = re.search(r'op_name="([^"]*)"', rest)
+        name = op_name.group(1) if op_name else ""
+        for dtype, shape in arrays:
+            found.append(Collective(kind, dtype, shape, group, _carries(name, shape), name))
+    return found
+
+
+def _scattered_from(shape: tuple[int, ...], rest: str, group: int) -> tuple[int, ...]:
+    dims = re.search(r"dimensions=\{(\d+)\}", rest)
+    if not dims or not shape:
+        return shape
+    axis = int(dims.group(1))
+    return tuple(d * group if i == axis else d for i, d in enumerate(shape))
+
+
+def _group_size(rest: str, device_count: int) -> int:
+    """Devices per replica group, from any of the forms XLA prints them in."""
+    explicit = re.search(r"replica_groups=\{\{([0-9,]*)\}", rest)
+    if explicit:
+        return len([d for d in explicit.group(1).split(",") if d])
+    iota = re.search(r"replica_groups=\[([0-9,]+)\]<=", rest)
+    if iota:
+        return int(iota.group(1).split(",")[-1])
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\].*?\{('[^}]*')\}", rest)
+    if mesh:
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", mesh.group(1)))
+        return math.prod(int(sizes.get(axis, 1)) for axis in re.findall(r"'([^']+)'", mesh.group(2)))
+    pairs = re.search(r"source_target_pairs=\{(.*?)\}\}?", rest)
+    if pairs:
+        return 2
+    return device_count
+
+
+def _carries(op_name: str, shape: tuple[int, ...]) -> str:
+    if math.prod(shape) <= 1:
+        return "scalars"
+    if "transpose(" in op_name:
+        return "gradients"
+    if GATHER_SCOPE in op_name:
+        return "params"
+    return "activations"
+
+
+def explain_communication(fn: Callable, *args: Any, stage: str = "partitioned", **kwargs: Any
+                          ) -> CommunicationReport:
+    """The collectives of ``fn(*args, **kwargs)`` (a ``jax.jit`` function, such as
+    :func:`train.make_train_step`'s step on a mesh), compiled but not run.
+
+    ``stage``: ``"partitioned"`` (after XLA's SPMD partitioning: what a GPU or
+    TPU sends) or ``"compiled"`` (what this backend runs).
+    """
+    if stage not in ("partitioned", "compiled"):
+        raise ValueError(f"explain_communication: stage must be 'partitioned' or 'compiled', got {stage!r}")
+    lowered = fn.lower(*args, **kwargs)
+    text = _partitioned_text(lowered) if stage == "partitioned" else None
+    if text is None:
+        text, stage = lowered.compile().as_text(), "compiled"
+    devices = max(1, jax.device_count())
+    return CommunicationReport(tuple(hlo_collectives(text, devices)), stage, jax.default_backend())
+
+
+def _partitioned_text(lowered: Any) -> str | None:
+    """The HLO text right after SPMD partitioning (None where XLA wrote none)."""
+    with tempfile.TemporaryDirectory() as directory:
+        lowered.compile({"xla_dump_to": directory, "xla_dump_hlo_pass_re": "spmd-partitioning"})
+        files = glob.glob(os.path.join(directory, "*after_spmd-partitioning*.txt"))
+        if not files:
+            return None
+        with open(max(files, key=os.path.getsize)) as f:
+            return f.read()
+
