@@ -29,6 +29,8 @@ from helpers import TINY_TEXT, subprocess_env, tiny_fashion_mnist
 
 #: Commands run by a test that does the same on one machine: prefix -> that test.
 RUN_BY_TESTS = {
+    "XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m train configs/default.yaml mesh.fsdp=4 --explain":
+        "tests/test_communication.py::test_multidevice_explain_lists_the_collectives_of_the_experiments_step",
     "python -m train configs/fmnist_resnet_mixed_bf16.yaml workdir=/shared/runs/fmnist distributed.":
         "tests/test_distributed.py::test_two_processes_train_checkpoint_resume_and_match_one_process",
 }
