@@ -136,11 +136,12 @@ def _diagnose(path: str, config, steps: int) -> int:
 
 def _explain(path: str, config) -> int:
     from train.explain import explain_experiment, explain_experiment_communication
+    from train.loop import build_experiment
 
     try:
-        explanation = explain_experiment(config)
-        print(explanation)
-        communication = explain_experiment_communication(config)
+        experiment = build_experiment(config)  # once: data, task and model serve both reports
+        print(explain_experiment(config, experiment))
+        communication = explain_experiment_communication(config, experiment)
     except (ConfigError, DataError) as e:
         return _fail(f"{path}: {e}", 2)
     if communication is not None:

@@ -252,7 +252,7 @@ class Layout:
 
 
 def _cast_on_shard(x: Any, dtype: Any) -> Any:
-    if dtype is None or x.dtype == dtype:
+    if x.dtype == dtype:
         return x
     return jax.lax.optimization_barrier(x.astype(dtype))
 

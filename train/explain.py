@@ -23,21 +23,23 @@ from train.step import make_train_step
 __all__ = ["explain_experiment", "explain_experiment_communication"]
 
 
-def explain_experiment(config: ExperimentConfig) -> precision.Explanation:
+def explain_experiment(config: ExperimentConfig, experiment: tuple | None = None) -> precision.Explanation:
     """The :class:`precision.Explanation` of the model ``config`` trains, on one
     training micro-batch, under its policy, rules and op lists."""
-    data, _, model = build_experiment(config)
+    data, _, model = experiment or build_experiment(config)
     wrapped = bind(model, config.precision.policy, config.precision.rules,
                    ops=config_lib.build_op_lists(config.precision), autocast=config.precision.autocast)
     return explain_model(wrapped, data.sample_input(config.data.batch_size), train=True, backward=True)
 
 
-def explain_experiment_communication(config: ExperimentConfig) -> CommunicationReport | None:
-    """The collectives of one train step of ``config`` on its mesh (None on one device)."""
+def explain_experiment_communication(config: ExperimentConfig, experiment: tuple | None = None
+                                     ) -> CommunicationReport | None:
+    """The collectives of one train step of ``config`` on its mesh (None on one device).
+    ``experiment``: its (data, task, model), when already built."""
     layout = layout_of(config)
     if layout.mesh.devices.size == 1:
         return None
-    data, task, model = build_experiment(config)
+    data, task, model = experiment or build_experiment(config)
     state, _ = build_train_state(config, model, data, layout)
     step = make_train_step(accum_steps=config.accum_steps, layout=layout, task=task, donate=False)
     size = config.data.batch_size * config.accum_steps
