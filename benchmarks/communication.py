@@ -2,12 +2,14 @@
 
 The project's GPT (2 layers, d_model 256, 4 heads, vocabulary 128, 16 x 64
 tokens) on 8 forced CPU devices: data parallel (8, 1), FSDP (1, 8) and both
-(2, 4), under fp32, mixed_bf16 and mixed_f16. Each train step is compiled,
+(2, 4), under fp32, mixed_bf16 and mixed_f16, gradients reduced in float32
+(``precision.reduce_dtype`` auto) or in the half dtype (``POLICY:DTYPE``, e.g.
+``mixed_bf16:bf16``). Each train step is compiled,
 not run, and its collectives read from the program XLA's SPMD partitioner
 produces (:func:`train.explain_communication`): what a GPU would send. One
 GPU cannot show communication; this runs anywhere.
 
-    python -m benchmarks.communication [--layouts 8x1,1x8,2x4] [--policies fp32,mixed_bf16] [--out DIR]
+    python -m benchmarks.communication [--layouts 8x1,1x8,2x4] [--policies fp32,mixed_bf16:bf16] [--out DIR]
 
 Writes ``communication.{json,md}`` to ``--out`` (default ``benchmarks/results``).
 """
@@ -25,13 +27,14 @@ from typing import Any
 DEVICES = 8
 FLAG = f"--xla_force_host_platform_device_count={DEVICES}"
 LAYOUTS = ("8x1", "1x8", "2x4")
-POLICIES = ("fp32", "mixed_bf16", "mixed_f16")
+POLICIES = ("fp32", "mixed_bf16", "mixed_bf16:bf16", "mixed_f16", "mixed_f16:f16")
 GPT = dict(vocab_size=128, block_size=64, num_layers=2, num_heads=4, d_model=256)
 BATCH, SEQ = 16, 64
 
 
-def measure(layout_name: str, policy: str) -> dict[str, Any]:
-    """The collectives of one compiled train step of the GPT on ``layout_name`` (``DATAxFSDP``)."""
+def measure(layout_name: str, spec: str) -> dict[str, Any]:
+    """The collectives of one compiled train step of the GPT on ``layout_name`` (``DATAxFSDP``)
+    under ``spec``: a policy, or ``POLICY:REDUCE_DTYPE``."""
     import jax
     import numpy as np
     import optax
@@ -39,11 +42,12 @@ def measure(layout_name: str, policy: str) -> dict[str, Any]:
     from train import Layout, create_train_state, explain_communication, make_mesh, make_train_step
     from train.models import GPT as Model
 
+    policy, _, reduce_dtype = spec.partition(":")
     data, fsdp = (int(n) for n in layout_name.split("x"))
     layout = Layout(make_mesh(data, fsdp, jax.devices()[:data * fsdp]))
     tokens = np.random.default_rng(0).integers(0, GPT["vocab_size"], (BATCH, SEQ), dtype=np.int32)
     state = create_train_state(Model(**GPT), policy, optax.adam(1e-3), jax.random.PRNGKey(0), tokens[:1],
-                               layout=layout)
+                               layout=layout, reduce_dtype=reduce_dtype or "auto")
     step = make_train_step(layout=layout, donate=False, task="language_model")
     report = explain_communication(step, state, layout.global_batch({"inputs": tokens, "labels": tokens}, BATCH))
 
@@ -52,7 +56,7 @@ def measure(layout_name: str, policy: str) -> dict[str, Any]:
         return {"bytes": sum(c.bytes for c in chosen), "sent_bytes": sum(c.sent_bytes for c in chosen),
                 "count": len(chosen), "dtypes": sorted({c.dtype for c in chosen})}
 
-    return {"layout": layout_name, "policy": policy, "stage": report.stage, "params": part("params"),
+    return {"layout": layout_name, "policy": policy, "reduce_dtype": reduce_dtype or "auto", "stage": report.stage, "params": part("params"),
             "gradients": part("gradients"), "other": {"sent_bytes": report.sent_bytes() - sum(
                 report.sent_bytes(k) for k in ("params", "gradients"))}, "sent_bytes": report.sent_bytes()}
 
@@ -64,12 +68,12 @@ def markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
              f"The project's GPT ({GPT['num_layers']} layers, d_model {GPT['d_model']}, {BATCH} x {SEQ} tokens) "
              f"on {DEVICES} devices; MiB each device sends per step (ring collectives), from the program after "
              "XLA's SPMD partitioning. `mesh` is data x fsdp.", "",
-             "| mesh | policy | params gathered (dtype) | params MiB | gradients reduced (dtype) | gradients MiB "
-             "| total MiB | vs fp32 |", "| --- | --- | --- | ---: | --- | ---: | ---: | ---: |"]
+             "| mesh | policy | reduce_dtype | params gathered (dtype) | params MiB | gradients reduced (dtype) "
+             "| gradients MiB | total MiB | vs fp32 |", "| --- | --- | --- | --- | ---: | --- | ---: | ---: | ---: |"]
     for r in rows:
         p, g = r["params"], r["gradients"]
         ratio = r["sent_bytes"] / reference[r["layout"]] if reference.get(r["layout"]) else float("nan")
-        lines.append(f"| {r['layout']} | {r['policy']} | {p['count']} ({', '.join(p['dtypes']) or '-'}) | "
+        lines.append(f"| {r['layout']} | {r['policy']} | {r['reduce_dtype']} | {p['count']} ({', '.join(p['dtypes']) or '-'}) | "
                      f"{p['sent_bytes'] / 2 ** 20:.3f} | {g['count']} ({', '.join(g['dtypes']) or '-'}) | "
                      f"{g['sent_bytes'] / 2 ** 20:.3f} | {r['sent_bytes'] / 2 ** 20:.3f} | {ratio:.2f}x |")
     lines += ["", f"jax {env.get('jax')}, {env.get('device')} x {env.get('device_count')}, {env.get('date')}; "

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
+from flax import linen as nn, nnx
 
 import precision
 from train import create_train_state, explain_communication, make_train_step
@@ -105,10 +105,10 @@ def test_a_step_on_one_device_sends_nothing():
 DATA = load_synthetic(num_train=256, num_test=32, input_shape=(16,), num_classes=4, seed=0)
 
 
-def _report(model, policy, data=2, fsdp=4, rules=None, stage="partitioned"):
+def _report(model, policy, data=2, fsdp=4, rules=None, stage="partitioned", reduce_dtype="auto"):
     layout = Layout(make_mesh(data, fsdp, jax.devices()[:data * fsdp]), fsdp_min_size=256)
     state = create_train_state(model, policy, optax.adam(1e-2), jax.random.PRNGKey(0), DATA.sample_input(1),
-                               layout=layout, rules=rules)
+                               layout=layout, rules=rules, reduce_dtype=reduce_dtype)
     batch = layout.global_batch(DATA.train_batch(0, 32, seed=0), 32)
     return explain_communication(make_train_step(layout=layout, donate=False), state, batch, stage=stage)
 
@@ -164,3 +164,31 @@ def test_multidevice_explain_lists_the_collectives_of_the_experiments_step(capsy
     out = capsys.readouterr().out
     assert "Collectives per step (partitioned program" in out
     assert any(line.split()[:3] == ["params", "all-gather", "f16"] for line in out.splitlines())  # mixed_f16
+
+
+class _TokenNet(nn.Module):
+    """Embedding, a biased Dense and a LayerNorm: every way a param's gradient is a sum over the batch."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Embed(32, 16)((jnp.abs(x[:, :8]) * 10).astype(jnp.int32))  # (batch, 8 tokens, 16)
+        h = nn.LayerNorm()(nn.Dense(32)(h))
+        return nn.Dense(4)(h.mean(axis=1))
+
+
+@needs8
+def test_multidevice_gradients_are_reduced_in_the_reduce_dtype():
+    """auto: float32 on a mesh (as fp32 sends); bf16: every gradient reduction in bfloat16, at
+    half fp32's bytes, the LayerNorm's float32 params included; FSDP too."""
+    net = _TokenNet()
+    full = _report(net, "fp32", 8, 1)
+    auto = _report(net, "mixed_bf16", 8, 1)
+    half = _report(net, "mixed_bf16", 8, 1, reduce_dtype="bf16")
+    assert len(auto.select("gradients")) == len(full.select("gradients")) >= 7
+    assert {c.dtype for c in auto.select("gradients")} == {"f32"}
+    assert auto.bytes("gradients") == full.bytes("gradients")
+    assert {c.dtype for c in half.select("gradients")} == {"bf16"}
+    assert half.bytes("gradients") <= 0.5 * full.bytes("gradients")
+    sharded = _report(net, "mixed_bf16", 2, 4, reduce_dtype="bf16")
+    assert {c.dtype for c in sharded.select("gradients")} == {"bf16"}
+    assert {c.dtype for c in sharded.select("params", "all-gather")} == {"bf16"}

@@ -120,9 +120,12 @@ def test_the_train_step_compiles_to_the_same_program_whether_or_not_the_doctor_r
 # ----------------------------------------------------------------------------- (f) no false alarms
 
 SHIPPED = sorted((ROOT / "configs").glob("*.yaml")) + sorted((ROOT / "examples" / "user_models").glob("*.yaml"))
+# The fp32 twins of shipped half-precision configs (same models and data) are left out: a
+# float32 policy has no half-precision numerics to diagnose, and each costs ~40 s of CI.
+HALF = [p for p in SHIPPED if "policy: fp32" not in p.read_text()]
 
 
-@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", HALF, ids=lambda p: p.stem)
 def test_every_shipped_config_diagnoses_clean_under_its_policy(path, tmp_path):
     """On small batches of tiny stand-ins for the data CI lacks (random Fashion-MNIST pixels, a short text)."""
     from train.config import load_config

@@ -139,11 +139,13 @@ DATA = load_synthetic(num_train=512, num_test=64, input_shape=(16,), num_classes
 BATCH = 32
 
 
-def _train(layout, policy="mixed_f16", steps=5, accum_steps=2, poison=None, optimizer=None, fp8=None):
+def _train(layout, policy="mixed_f16", steps=5, accum_steps=2, poison=None, optimizer=None, fp8=None,
+           reduce_dtype="auto"):
     """Trains a LayerNorm MLP ``steps`` steps on ``layout``; returns the state and last metrics."""
     model = MLP(hidden=(64, 64), num_classes=4)
     state = create_train_state(model, policy, optimizer or optax.adam(1e-2), jax.random.PRNGKey(0), DATA.sample_input(1),
-                               loss_scale=precision.DynamicLossScale(2.0 ** 15, period=2), layout=layout, fp8=fp8)
+                               loss_scale=precision.DynamicLossScale(2.0 ** 15, period=2), layout=layout, fp8=fp8,
+                               reduce_dtype=reduce_dtype)
     step_fn = make_train_step(accum_steps=accum_steps, layout=layout, donate=False)
     metrics = None
     for i in range(steps):
@@ -167,20 +169,23 @@ def _assert_close(a, b, atol, rtol=0.0):
 
 
 # Adam turns rounding differences in near-zero gradients into lr-sized steps, so
-# float16's rounding (the all-reduce of half-precision partial gradients) is
-# compared under SGD; float32 under Adam.
+# float16's rounding (gradients reduced in float16 across devices) is compared
+# under SGD; float32 under Adam. On a mesh, reduce_dtype "auto" hands float32
+# param gradients to the masters: the one-device reference computes them so too.
+# (mixed_fp8 with "auto": the delayed-histories test below.)
 @needs8
-@pytest.mark.parametrize("policy,optimizer,atol,rtol", [
-    ("fp32", optax.adam(1e-2), 2e-6, 0.0),
-    ("mixed_f16", optax.sgd(0.1, 0.9), 5e-4, 2 * 2.0 ** -10),  # 2 float16 ulps of values and gradients
+@pytest.mark.parametrize("policy,optimizer,atol,rtol,reduce_dtype,reference_reduce", [
+    ("fp32", optax.adam(1e-2), 2e-6, 0.0, "auto", "f32"),
+    ("mixed_f16", optax.sgd(0.1, 0.9), 5e-4, 2 * 2.0 ** -10, "f16", "auto"),  # 2 float16 ulps
 ])
-def test_multidevice_data_parallel_and_fsdp_match_one_device(policy, optimizer, atol, rtol):
-    reference, ref_metrics = _train(None, policy, optimizer=optimizer)
-    one_step_less, _ = _train(None, policy, steps=4, optimizer=optimizer)
+def test_multidevice_data_parallel_and_fsdp_match_one_device(policy, optimizer, atol, rtol, reduce_dtype,
+                                                             reference_reduce):
+    reference, ref_metrics = _train(None, policy, optimizer=optimizer, reduce_dtype=reference_reduce)
+    one_step_less, _ = _train(None, policy, steps=4, optimizer=optimizer, reduce_dtype=reference_reduce)
     with pytest.raises(AssertionError):  # the tolerance tells one step apart
         _assert_close(one_step_less.params, reference.params, 10 * atol, 10 * rtol)
     for data, fsdp in [(4, 1), (8, 1), (1, 8), (2, 4), (2, 2)]:
-        state, metrics = _train(_layout(data, fsdp), policy, optimizer=optimizer)
+        state, metrics = _train(_layout(data, fsdp), policy, optimizer=optimizer, reduce_dtype=reduce_dtype)
         _assert_close(state.params, reference.params, atol, rtol)
         _assert_close(state.opt_state, reference.opt_state, atol, rtol)
         assert metrics["loss_scale"] == ref_metrics["loss_scale"] and metrics["grads_finite"]
@@ -191,7 +196,7 @@ def test_multidevice_data_parallel_and_fsdp_match_one_device(policy, optimizer, 
 def test_multidevice_fp8_delayed_histories_are_the_same_on_every_mesh():
     """The amax of a sharded tensor is its global max: every mesh records the same histories, bit for bit."""
     fp8 = precision.fp8_options("delayed", history=4, min_size=0)
-    reference, _ = _train(None, "mixed_fp8", fp8=fp8)
+    reference, _ = _train(None, "mixed_fp8", fp8=fp8, reduce_dtype="f32")  # what "auto" gives on a mesh
     histories = to_host(reference.model_state[precision.FP8_COLLECTION])
     assert all(float(h[0]) > 0 for h in jax.tree_util.tree_leaves(histories))
     for data, fsdp in [(8, 1), (2, 4)]:
@@ -238,12 +243,13 @@ def test_multidevice_fsdp_really_splits_params_and_optimizer_state():
 
 
 @needs8
-@pytest.mark.parametrize("data,fsdp", [(8, 1), (2, 4)])
-def test_multidevice_one_poisoned_shard_skips_the_step_on_every_device(data, fsdp):
+@pytest.mark.parametrize("data,fsdp,reduce_dtype", [(8, 1, "auto"), (2, 4, "f16")])
+def test_multidevice_one_poisoned_shard_skips_the_step_on_every_device(data, fsdp, reduce_dtype):
+    """The loss scale stays global whatever dtype gradients are reduced in (f16: scaled before)."""
     layout = _layout(data, fsdp)
-    before, _ = _train(layout, steps=3)
+    before, _ = _train(layout, steps=3, reduce_dtype=reduce_dtype)
     # Row 13 of the batch lives on one device only (rows 12-15 of 32 over 8 shards).
-    after, metrics = _train(layout, steps=4, poison=(3, 13))
+    after, metrics = _train(layout, steps=4, poison=(3, 13), reduce_dtype=reduce_dtype)
     assert not metrics["grads_finite"]
     for x, y in zip(jax.tree_util.tree_leaves(before.params), jax.tree_util.tree_leaves(after.params)):
         for sx, sy in zip(x.addressable_shards, y.addressable_shards):

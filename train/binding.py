@@ -19,6 +19,8 @@ the model's signature, so no model has to be edited to fit the framework.
 
 from __future__ import annotations
 
+import copy
+
 import inspect
 from typing import Any
 
@@ -57,12 +59,15 @@ def mode_kwargs(model: Any, train: bool) -> dict[str, bool]:
 
 
 def bind(model: Any, policy: "str | precision.Policy | None", rules: Any = None, *,
-         ops: precision.OpLists | None = None, autocast: bool = True, fp8: Any = None) -> Any:
+         ops: precision.OpLists | None = None, autocast: bool = True, fp8: Any = None,
+         reduce_dtype: Any = None) -> Any:
     """``model`` under ``policy`` with the Linen ``init`` / ``apply`` contract.
 
     Takes a Linen or NNX module, or one already wrapped by
     :func:`precision.with_policy` (then ``policy`` must match or be ``None``
     and ``rules``, ``ops``, ``autocast`` be left at their defaults).
+    ``reduce_dtype`` (see :func:`precision.with_policy`), when given, replaces
+    a wrapped model's own.
     """
     if isinstance(model, (precision.LinenWithPolicy, precision.NNXWithPolicy, NNXModel)):
         if policy is not None and precision.get_policy(policy) != model.policy:
@@ -74,14 +79,31 @@ def bind(model: Any, policy: "str | precision.Policy | None", rules: Any = None,
         if fp8 is not None and precision.fp8.as_fp8_options(fp8) != model.fp8:
             raise ValueError(f"fp8={fp8!r} differs from the wrapped model's {model.fp8}; pass fp8=None or give it "
                              "to precision.with_policy")
+        if reduce_dtype is not None:
+            model = _reducing_in(model, reduce_dtype)
         return NNXModel(model) if isinstance(model, precision.NNXWithPolicy) else model
     if isinstance(model, nn.Module):
-        return precision.with_policy(model, policy, rules, ops=ops, autocast=autocast, fp8=fp8)
+        return precision.with_policy(model, policy, rules, ops=ops, autocast=autocast, fp8=fp8,
+                                     reduce_dtype=reduce_dtype)
     if isinstance(model, nnx.Module):
         # A copy: the caller's module keeps its params and their dtypes.
-        return NNXModel(precision.with_policy(nnx.clone(model), policy, rules, ops=ops, autocast=autocast, fp8=fp8))
+        return NNXModel(precision.with_policy(nnx.clone(model), policy, rules, ops=ops, autocast=autocast, fp8=fp8,
+                                              reduce_dtype=reduce_dtype))
     raise TypeError(f"expected a flax.linen.Module or flax.nnx.Module (or one wrapped by precision.with_policy), "
                     f"got {type(model).__name__}")
+
+
+def _reducing_in(model: Any, reduce_dtype: Any) -> Any:
+    """A copy of a wrapped model whose params' gradients are produced in ``reduce_dtype``."""
+    dtype = precision.reduce_dtype_of(reduce_dtype)
+    if dtype == model.reduce_dtype:
+        return model
+    if isinstance(model, NNXModel):  # the unwrapped module, bound afresh
+        return bind(model.module, model.policy, model.rules, ops=model.ops, autocast=model.autocast, fp8=model.fp8,
+                    reduce_dtype=dtype)
+    other = nnx.clone(model) if isinstance(model, precision.NNXWithPolicy) else copy.copy(model)
+    other.reduce_dtype = dtype
+    return other
 
 
 class _Layout:
@@ -130,6 +152,7 @@ class NNXModel:
         self.autocast = wrapped.autocast
         self.ops = wrapped.ops
         self.fp8 = wrapped.fp8
+        self.reduce_dtype = wrapped.reduce_dtype
         self.module_type = type(wrapped.module)
         wrapped.eval()
         self._eval_graph, params, rngs, rest = nnx.split(wrapped, nnx.Param, nnx.RngState, ...)
@@ -201,7 +224,8 @@ def rebind(model: Any, policy: "str | precision.Policy", rules: Any = None) -> A
     rules (unless ``rules`` are given), op lists and autocast setting kept."""
     rules = model.rules if rules is None else rules
     if isinstance(model, NNXModel):  # the unwrapped module, bound afresh
-        return bind(model.module, policy, rules, ops=model.ops, autocast=model.autocast, fp8=model.fp8)
+        return bind(model.module, policy, rules, ops=model.ops, autocast=model.autocast, fp8=model.fp8,
+                    reduce_dtype=model.reduce_dtype)
     return model.with_policy(policy, rules)  # a Linen wrapper keeps the module structure it recorded
 
 

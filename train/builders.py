@@ -330,9 +330,12 @@ def build_train_state(config: Any, model: Any, data: Any, layout: Any = None) ->
             rules=config.precision.rules, loss_scale=config_lib.build_loss_scale(config.precision),
             max_grad_norm=config.optimizer.max_grad_norm, skip_with=config.precision.skip_with, layout=layout,
             ops=config_lib.build_op_lists(config.precision), autocast=config.precision.autocast,
-            strict=config.precision.strict, fp8=config.precision.fp8.options())
+            strict=config.precision.strict, fp8=config.precision.fp8.options(),
+            reduce_dtype=config.precision.reduce_dtype)
     except precision.CoverageError as e:
         raise ConfigError(f"precision.strict: {e}") from None
+    except precision.PolicyError as e:  # the schema parsed the policy and rules: only reduce_dtype is left
+        raise ConfigError(f"precision.{str(e).removeprefix('create_train_state: ')}") from None
     except (ValueError, TypeError) as e:
         raise ConfigError(f"model '{config.model.name}' with {config.model.options or 'its defaults'} "
                           f"cannot be built: {str(e).removeprefix('create_train_state: ')}") from None

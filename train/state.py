@@ -50,7 +50,7 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
                        loss_scale: "str | LossScale" = "auto", max_grad_norm: float | None = None,
                        skip_with: str = "auto", layout: Layout | None = None, variables: Any = None,
                        ops: precision.OpLists | None = None, autocast: bool = True, strict: bool = False,
-                       fp8: "precision.Fp8Options | dict | None" = None) -> TrainState:
+                       fp8: "precision.Fp8Options | dict | None" = None, reduce_dtype: Any = "auto") -> TrainState:
     """Initialises a model under ``policy`` and a mixed-precision optimizer around ``optimizer``.
 
     Args:
@@ -86,9 +86,17 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
       fp8: :func:`precision.fp8_options` for a policy whose compute is ``f8``.
         Under delayed scaling the amax histories are model state (the ``"fp8"``
         collection): checkpointed, replicated, updated by the train step.
+      reduce_dtype: the dtype the gradients of params read in half precision
+        are produced in, so the dtype a data-parallel step reduces them across
+        devices in: ``"f32"``, ``"bf16"`` or ``"f16"`` (which needs a loss
+        scale). ``"auto"``: float32 when ``layout`` splits the batch over more
+        than one device, otherwise the compute dtype (one device reduces
+        nothing). See :func:`precision.with_policy`.
     """
     try:
-        wrapped = bind(model, policy, rules, ops=ops, autocast=autocast, fp8=fp8)
+        wrapped = bind(model, policy, rules, ops=ops, autocast=autocast, fp8=fp8,
+                       reduce_dtype=_reduce_dtype(reduce_dtype, layout))
+        _check_reduce_dtype(wrapped, loss_scale)
     except (TypeError, ValueError) as e:
         raise type(e)(f"create_train_state: {e}") from None
     _check_coverage(wrapped, sample_input, strict)
@@ -112,6 +120,27 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
     state = TrainState(step=jnp.zeros([], jnp.int32), params=params, opt_state=_sharded_jit(tx.init, layout)(params),
                        model_state=model_state, rng=rng, model=wrapped, tx=tx)
     return state if layout is None else layout.put_state(state)
+
+
+def _reduce_dtype(reduce_dtype: Any, layout: Layout | None) -> Any:
+    """``reduce_dtype`` with ``"auto"`` resolved: float32 where gradients are reduced across devices."""
+    if isinstance(reduce_dtype, str) and reduce_dtype.strip().lower() == "auto":
+        return "f32" if layout is not None and layout.data_shards > 1 else None
+    if reduce_dtype is None:
+        raise precision.PolicyError("reduce_dtype=None: give 'auto', 'f32', 'bf16' or 'f16'")
+    return precision.reduce_dtype_of(reduce_dtype)
+
+
+def _check_reduce_dtype(wrapped: Any, loss_scale: Any) -> None:
+    """A float16 reduction needs a loss scale. Raises :class:`precision.PolicyError`."""
+    dtype = wrapped.reduce_dtype
+    if dtype is None or dtype == jnp.float32:
+        return
+    scale = precision.get_loss_scale(loss_scale, wrapped.policy) if isinstance(loss_scale, str) else loss_scale
+    if dtype == jnp.float16 and isinstance(scale, precision.NoOpLossScale):
+        raise precision.PolicyError("reduce_dtype=f16 needs a loss scale (gradients reduced in float16 underflow "
+                                    f"and overflow without one), and this run has none (policy {wrapped.policy}): "
+                                    "give loss_scale='dynamic', or reduce_dtype='bf16' or 'f32'")
 
 
 def _check_coverage(wrapped: Any, sample_input: Any, strict: bool) -> None:

@@ -14,8 +14,10 @@ module under :func:`precision.with_policy`):
    (:mod:`.op_lists`: allow, deny, follow) and the float32 islands planned
    beforehand (:mod:`.islands`) give it; jit, scan, while, cond, remat,
    custom_jvp/vjp and shard_map are rewritten recursively (:mod:`.higher_order`),
-   a marked attention is made again as cuDNN's on a GPU, and ops whose derivative
-   needs a deny-listed op get it in float32 (:mod:`.derivatives`).
+   a marked attention is made again as cuDNN's on a GPU, ops whose derivative
+   needs a deny-listed op get it in float32 (:mod:`.derivatives`), and, given a
+   ``reduce_dtype``, the gradients of the params a half op reads are produced
+   in it: the dtype data parallelism reduces them in (:mod:`.reductions`).
 3. :mod:`.transform` is the entry point: outputs back in the dtypes ``fn``
    gives them, or as values that remember their kind (for the Flax adapters and
    :func:`precision.explain`).
@@ -28,7 +30,9 @@ Import submodules as ``from precision.autocast import interpreter``:
 """
 
 from precision.autocast.op_lists import ALLOW, DENY, OpClass, OpLists, op_lists
+from precision.autocast.reductions import reduce_dtype_of
 from precision.autocast.regions import compute_in
 from precision.autocast.transform import autocast, call, call_vals
 
-__all__ = ["ALLOW", "DENY", "OpClass", "OpLists", "autocast", "call", "call_vals", "compute_in", "op_lists"]
+__all__ = ["ALLOW", "DENY", "OpClass", "OpLists", "autocast", "call", "call_vals", "compute_in", "op_lists",
+           "reduce_dtype_of"]

@@ -41,6 +41,7 @@ from precision.autocast.op_lists import OpClass, OpLists
 from precision.autocast.program import binders
 from precision.autocast.fp8_matmul import E4M3
 from precision.autocast.fp8_sites import NOT_FP8_REGION, Fp8Run, fp8_dot, skip_reason
+from precision.autocast import reductions
 from precision.autocast.regions import module_path, region_dtype, region_fp8, scope_names, within
 from precision.autocast.values import (AS_TRACED, DENIED, F32, FOLLOWS_F32, REGION, STATISTICS, UPCAST, Kind, Record,
                                        Val, is_policy_float, literal_val)
@@ -61,6 +62,7 @@ class Context:
     log: list | None = None
     root_fp8: bool = False  # the root's matmuls in FP8 (compute=f8)
     fp8: Fp8Run = dataclasses.field(default_factory=Fp8Run)
+    reduce: np.dtype | None = None  # the dtype half ops' gradients are produced in (see .reductions)
 
     def at(self, prefix: tuple[str, ...], log: Any = ...) -> "Context":
         """The context of a part of this program at scope ``prefix`` (``log``: where its decisions go)."""
@@ -117,6 +119,9 @@ def evaluate(jaxpr: Any, consts: Sequence[Val], args: Sequence[Val], ctx: Contex
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
         with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
             outs = rewrite_eqn(site, ins, ctx)
+        if site.name in reductions.MOVES and ins and ins[0].leaf:
+            for val in outs:
+                val.leaf = True  # a param reshaped, cast or sliced is still a param as a layer reads it
         for var, val in zip(eqn.outvars, outs, strict=True):
             if not isinstance(var, DropVar):
                 env[var] = val if val.path == path else val.retag(val.kind, path)
@@ -146,6 +151,8 @@ def rewrite_eqn(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
     rule = ctx.rules.get(site.name)
     if rule is not None:
         return rule(site, ins, ctx)
+    if ctx.reduce is not None and _moves_a_leaf(site, ins):
+        return [_moved_leaf(site, ins)]
     if site.name == "convert_element_type":
         return [_convert(site, ins[0], ctx)]
     cls = ctx.ops.classify(site.name)
@@ -168,16 +175,51 @@ def rewrite_eqn(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
         return _allowed(site, ins, ctx)
     if cls is OpClass.DENY:
         log(ctx, site, F32, DENIED)
-        return outputs(site, _bind_in(site, ins, F32), Kind.FULL)
+        return outputs(site, _bind_in(site, ins, F32, ctx.reduce), Kind.FULL)
     if site.demanded or any(v.kind is Kind.FULL for v in floats):
         log(ctx, site, F32, STATISTICS if site.demanded else FOLLOWS_F32)
-        return outputs(site, _bind_in(site, ins, F32), Kind.FULL)
+        return outputs(site, _bind_in(site, ins, F32, ctx.reduce), Kind.FULL)
     if site.region == F32 and ctx.root != F32:
         log(ctx, site, F32, REGION)
     if site.name in HALF_WITH_FLOAT32_DERIVATIVE and site.region != F32 and not site.eqn.params:
         (x,) = ins  # erf, erfc: half here, their derivative's exp in float32 (deny-listed in both passes)
         return outputs(site, HALF_WITH_FLOAT32_DERIVATIVE[site.name](x.as_dtype(site.region)), Kind.HALF)
-    return outputs(site, _bind_in(site, ins, site.region), Kind.HALF)
+    return outputs(site, _bind_in(site, ins, site.region, ctx.reduce), Kind.HALF)
+
+
+def bind_reducing(site: Site, ins: list[Val], args: Sequence[Any], reduce_dtype: Any, **param_updates: Any) -> Any:
+    """:func:`bind` on ``args`` (the arrays of ``ins``), the gradients of the leaves
+    (params) a half matmul, broadcast, gather or broadcasting elementwise op
+    reads produced in ``reduce_dtype`` (:mod:`.reductions`: the dtype a
+    data-parallel reduction runs in)."""
+    leaves = [v.leaf and v.managed for v in ins]
+    if not reductions.applies(site.eqn.primitive, args, leaves, reduce_dtype):
+        return bind(site, args, **param_updates)
+    sources = [v.array if leaf else None for v, leaf in zip(ins, leaves)]
+    return reductions.bind(site.eqn.primitive, args, sources, {**site.eqn.params, **param_updates}, reduce_dtype)
+
+
+def _moves_a_leaf(site: Site, ins: list[Val]) -> bool:
+    """A reshape, slice, broadcast or narrowing cast of a param (other operands: indices)."""
+    head = ins[0] if ins else None
+    if site.name not in reductions.MOVES or head is None or not head.leaf or head.kind in (Kind.KEEP, Kind.NEUTRAL):
+        return False
+    if any(v.managed for v in ins[1:]):
+        return False
+    if site.name == "convert_element_type":
+        dst = np.dtype(site.eqn.params["new_dtype"])
+        return is_policy_float(dst) and dst.itemsize <= head.dtype.itemsize
+    return True
+
+
+def _moved_leaf(site: Site, ins: list[Val]) -> Val:
+    """Under a ``reduce_dtype``, a param is moved in its own dtype and cast where an op
+    reads it: the op then hands its gradient back in that dtype, unrounded
+    (:mod:`.reductions`). A narrowing cast is left to that op."""
+    head = ins[0]
+    if site.name == "convert_element_type":
+        return head
+    return Val(head.kind, bind(site, [v.array for v in ins]), site.path, leaf=True)
 
 
 def _bind_as_traced(site: Site, ins: list[Val]) -> Any:
@@ -195,15 +237,16 @@ def _as_traced(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
     return out
 
 
-def _bind_in(site: Site, ins: list[Val], dtype: np.dtype) -> Any:
-    """Binds the equation with every managed operand in ``dtype``."""
+def _bind_in(site: Site, ins: list[Val], dtype: np.dtype, reduce_dtype: Any = None) -> Any:
+    """Binds the equation with every managed operand in ``dtype`` (its gradients in
+    ``reduce_dtype``, see :func:`bind_reducing`)."""
     args = [v.as_dtype(dtype) if v.managed else v.array for v in ins]
     updates = {}
     jaxpr = site.eqn.params.get("update_jaxpr")
     if jaxpr is not None and any(v.managed and v.as_dtype(dtype).dtype != var.aval.dtype
                                  for v, var in zip(ins, site.eqn.invars)):
         updates = _retyped_update_jaxpr(jaxpr, site.eqn.params.get("update_consts", ()), dtype)
-    return bind(site, args, **updates)
+    return bind_reducing(site, ins, args, reduce_dtype, **updates)
 
 
 def _retyped_update_jaxpr(jaxpr: Any, consts: Sequence[Any], dtype: np.dtype) -> dict:
@@ -236,7 +279,7 @@ def _allowed(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
     updates = {}
     if "preferred_element_type" in params and preferred is not None:
         updates["preferred_element_type"] = F32 if keep_wide else target
-    return outputs(site, bind(site, args, **updates), kind)
+    return outputs(site, bind_reducing(site, ins, args, ctx.reduce, **updates), kind)
 
 
 def _convert(site: Site, v: Val, ctx: Context) -> Val:

@@ -18,6 +18,7 @@ from precision.autocast.fp8_sites import Fp8Run
 from precision.autocast.higher_order import RULES
 from precision.autocast.interpreter import Context
 from precision.autocast.op_lists import OpLists
+from precision.autocast.reductions import reduce_dtype_of
 from precision.autocast.tracing import evaluate_call, flatten_call
 from precision.autocast.values import F32, is_policy_float
 from precision.fp8 import Fp8Options, as_fp8_options, init_fp8_state as init_fp8_state_of
@@ -27,15 +28,17 @@ __all__ = ["autocast", "call", "call_vals", "context", "flatten_call"]
 
 
 def context(compute_dtype: Any, ops: OpLists | None = None, log: list | None = None, fp8: bool = False,
-            fp8_run: Fp8Run | None = None) -> Context:
+            fp8_run: Fp8Run | None = None, reduce_dtype: Any = None) -> Context:
     """The interpreter's context for a program computing in ``compute_dtype``
-    (its matmuls in FP8 if ``fp8``, with ``fp8_run``'s options and state)."""
+    (its matmuls in FP8 if ``fp8``, with ``fp8_run``'s options and state; the
+    gradients of its half ops in ``reduce_dtype`` when given)."""
     return Context(root=np.dtype(compute_dtype), ops=ops or OpLists(), rules=RULES, log=log, root_fp8=fp8,
-                   fp8=fp8_run or Fp8Run())
+                   fp8=fp8_run or Fp8Run(), reduce=None if reduce_dtype is None else np.dtype(reduce_dtype))
 
 
 def call_vals(fn: Callable, args: tuple, kwargs: dict, *, compute_dtype: Any, ops: OpLists | None = None,
-              log: list | None = None, fp8: bool = False, fp8_run: Fp8Run | None = None) -> Any:
+              log: list | None = None, fp8: bool = False, fp8_run: Fp8Run | None = None,
+              reduce_dtype: Any = None) -> Any:
     """Runs ``fn(*args, **kwargs)`` under autocast; returns its output pytree with
     :class:`~precision.autocast.values.Val` leaves (each knows its kind and gives
     its array in any dtype).
@@ -45,15 +48,19 @@ def call_vals(fn: Callable, args: tuple, kwargs: dict, *, compute_dtype: Any, op
     ``log`` collects :class:`~precision.autocast.values.Record`\\ s of the decisions taken.
     ``fp8``: matmuls in FP8 outside any region saying otherwise; ``fp8_run``:
     their options, the amax histories read and the sites collected.
+    ``reduce_dtype``: the dtype the gradients of half matmuls, broadcasts and
+    gathers are produced in, hence reduced in across devices (see
+    :mod:`precision.autocast.reductions`); ``None``: their own dtype.
     """
-    vals, _, flat = evaluate_call(fn, args, kwargs, context(compute_dtype, ops, log, fp8, fp8_run))
+    vals, _, flat = evaluate_call(fn, args, kwargs, context(compute_dtype, ops, log, fp8, fp8_run, reduce_dtype))
     return flat.unflatten(vals)
 
 
 def call(fn: Callable, args: tuple, kwargs: dict, *, compute_dtype: Any, ops: OpLists | None = None,
-         log: list | None = None, fp8: bool = False, fp8_run: Fp8Run | None = None) -> Any:
+         log: list | None = None, fp8: bool = False, fp8_run: Fp8Run | None = None, reduce_dtype: Any = None) -> Any:
     """Runs ``fn`` under autocast, every output in the dtype ``fn`` itself gives it."""
-    vals, shapes, flat = evaluate_call(fn, args, kwargs, context(compute_dtype, ops, log, fp8, fp8_run))
+    vals, shapes, flat = evaluate_call(fn, args, kwargs,
+                                       context(compute_dtype, ops, log, fp8, fp8_run, reduce_dtype))
     if any(is_policy_float(x.dtype) and np.dtype(x.dtype) != F32 for x in flat.arrays):
         shapes = jax.eval_shape(flat.fn, *flat.arrays)  # the dtypes fn gives to its half inputs
     results = [val.as_dtype(shape.dtype) if val.managed and is_policy_float(shape.dtype) else val.array
@@ -62,7 +69,7 @@ def call(fn: Callable, args: tuple, kwargs: dict, *, compute_dtype: Any, ops: Op
 
 
 def autocast(fn: Callable, policy: "str | Policy | Any" = "mixed_bf16", *, ops: OpLists | None = None,
-             fp8: "Fp8Options | dict | None" = None) -> Callable:
+             fp8: "Fp8Options | dict | None" = None, reduce_dtype: Any = None) -> Callable:
     """``fn`` transformed to compute in ``policy``'s compute dtype, whatever dtypes it pins.
 
     Matmuls and convolutions run in the compute dtype; deny-listed ops and what
@@ -82,15 +89,21 @@ def autocast(fn: Callable, policy: "str | Policy | Any" = "mixed_bf16", *, ops: 
         function takes the amax histories as keyword ``fp8_state=`` (from
         ``autocast_fn.init_fp8_state(*args)``; the gradient with respect to
         them is their new value); without it each matmul is scaled currently.
+      reduce_dtype: the dtype the gradients of half-precision matmuls,
+        broadcasts and gathers are produced in (``None``: their compute dtype).
+        Under data parallelism XLA reduces a weight gradient across devices
+        where it is produced, in that dtype: ``"f32"`` sums the devices' parts
+        in float32, as one device would (see :mod:`precision.autocast.reductions`).
     """
     if not callable(fn):
         raise TypeError(f"autocast expects a callable, got {type(fn).__name__} {fn!r}")
     compute, on = _compute(policy)
     options = as_fp8_options(fp8)
+    reduce_dtype = reduce_dtype_of(reduce_dtype)
 
     def autocast_fn(*args: Any, fp8_state: dict | None = None, **kwargs: Any) -> Any:
         return call(fn, args, kwargs, compute_dtype=compute, ops=ops, fp8=on,
-                    fp8_run=Fp8Run(options, state=fp8_state))
+                    fp8_run=Fp8Run(options, state=fp8_state), reduce_dtype=reduce_dtype)
 
     def init_fp8_state(*args: Any, **kwargs: Any) -> dict:
         """Zero amax histories for every FP8 matmul ``fn(*args, **kwargs)`` makes (delayed scaling)."""

@@ -70,15 +70,23 @@ def cast(x: Any, dtype: np.dtype, saturate: bool) -> Any:
 
 class Val:
     """A value of the rewritten program: its kind, the module path that made it,
-    and its array in one or more dtypes (casts are made once and kept)."""
+    and its array in one or more dtypes (casts are made once and kept).
 
-    __slots__ = ("kind", "path", "array", "_casts")
+    ``leaf``: an input of the program, or an input moved (cast, reshaped,
+    sliced...): a param as a layer reads it, not an activation. The gradients
+    of leaves are the ones a data-parallel step reduces across devices
+    (:mod:`precision.autocast.reductions`).
+    """
 
-    def __init__(self, kind: Kind, array: Any, path: tuple[str, ...] = (), casts: dict | None = None):
+    __slots__ = ("kind", "path", "array", "_casts", "leaf")
+
+    def __init__(self, kind: Kind, array: Any, path: tuple[str, ...] = (), casts: dict | None = None,
+                 leaf: bool = False):
         self.kind = kind
         self.array = array
         self.path = path
         self._casts = {} if casts is None else casts
+        self.leaf = leaf
 
     @property
     def dtype(self) -> Any:
@@ -100,12 +108,12 @@ class Val:
 
     def retag(self, kind: Kind, path: tuple[str, ...] | None = None) -> "Val":
         """The same array (and casts) under another kind or path."""
-        return Val(kind, self.array, self.path if path is None else path, self._casts)
+        return Val(kind, self.array, self.path if path is None else path, self._casts, self.leaf)
 
 
 def make_val(array: Any, kind: Kind = Kind.HALF, path: tuple[str, ...] = ()) -> Val:
     """A Val for an input array: ``kind`` if it is a policy float, KEEP otherwise."""
-    return Val(kind if is_policy_float(getattr(array, "dtype", None)) else Kind.KEEP, array, path)
+    return Val(kind if is_policy_float(getattr(array, "dtype", None)) else Kind.KEEP, array, path, leaf=True)
 
 
 def const_val(c: Any) -> Val:

@@ -34,7 +34,8 @@ __all__ = ["with_policy", "LinenWithPolicy", "NNXWithPolicy"]
 
 
 def with_policy(module: Any, policy: "str | Policy", rules: "Iterable[Any] | None" = None, *,
-                autocast: bool = True, ops: OpLists | None = None, fp8: "Fp8Options | dict | None" = None):
+                autocast: bool = True, ops: OpLists | None = None, fp8: "Fp8Options | dict | None" = None,
+                reduce_dtype: Any = None):
     """Puts an unmodified Flax module under a precision policy.
 
     Args:
@@ -50,6 +51,12 @@ def with_policy(module: Any, policy: "str | Policy", rules: "Iterable[Any] | Non
       ops: autocast's allow/deny lists (:func:`precision.op_lists`).
       fp8: :func:`precision.fp8_options` (scaling, history, min_size) for the
         FP8 matmuls of a policy or rule whose compute is ``f8``.
+      reduce_dtype: the dtype the gradients of params read by half-precision
+        matmuls, bias adds and embedding lookups are produced in (``"f32"``,
+        ``"bf16"``, ``"f16"``; ``None``: the compute dtype). A data-parallel
+        step reduces each such gradient across devices where it is produced,
+        so this is the dtype gradients travel in; ``"f32"`` also hands them to
+        the float32 masters unrounded (:mod:`precision.autocast.reductions`).
 
     Returns:
       A :class:`LinenWithPolicy` (``init`` / ``apply``) or an
@@ -58,8 +65,10 @@ def with_policy(module: Any, policy: "str | Policy", rules: "Iterable[Any] | Non
     resolved_policy, resolved_rules, ops = resolve(policy, rules, ops)
     options = as_fp8_options(fp8)
     if isinstance(module, nn.Module):
-        return LinenWithPolicy(module, resolved_policy, resolved_rules, autocast=bool(autocast), ops=ops, fp8=options)
+        return LinenWithPolicy(module, resolved_policy, resolved_rules, autocast=bool(autocast), ops=ops, fp8=options,
+                               reduce_dtype=reduce_dtype)
     if isinstance(module, nnx.Module):
-        return NNXWithPolicy(module, resolved_policy, resolved_rules, autocast=bool(autocast), ops=ops, fp8=options)
+        return NNXWithPolicy(module, resolved_policy, resolved_rules, autocast=bool(autocast), ops=ops, fp8=options,
+                             reduce_dtype=reduce_dtype)
     raise TypeError(f"with_policy expects a flax.linen.Module or flax.nnx.Module, got "
                     f"{type(module).__name__}")

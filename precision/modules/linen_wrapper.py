@@ -13,6 +13,7 @@ import jax
 from precision.autocast import fused_attention, transform as autocast_lib
 from precision.autocast.fp8_sites import Fp8Run
 from precision.autocast.op_lists import OpLists
+from precision.autocast.reductions import reduce_dtype_of
 from precision.fp8 import FP8_COLLECTION, Fp8Options, init_fp8_state
 from precision.autocast.regions import compute_in, in_module
 from precision.modules.common import (Compute, cast_by_path, check_fp8_needs_autocast, cast_like, compute_of, map_params, resolve, split_fp8,
@@ -34,13 +35,14 @@ class LinenWithPolicy:
     """A Linen module under a policy, with the module's ``init`` / ``apply``."""
 
     def __init__(self, module: nn.Module, policy: Policy, rules: Sequence[Rule], *, autocast: bool = True,
-                 ops: OpLists | None = None, fp8: Fp8Options | None = None):
+                 ops: OpLists | None = None, fp8: Fp8Options | None = None, reduce_dtype: Any = None):
         self.module = module
         self.policy = policy
         self.rules = tuple(rules)
         self.autocast = autocast
         self.ops = ops or OpLists()
         self.fp8 = fp8 or Fp8Options()
+        self.reduce_dtype = reduce_dtype_of(reduce_dtype)
         check_fp8_needs_autocast(policy, self.rules, autocast)
         self._classes: PathClasses | None = None  # module structure, recorded once
 
@@ -86,7 +88,7 @@ class LinenWithPolicy:
         """The same module under another policy (e.g. float16 for inference), keeping
         the module structure already recorded, so :meth:`cast_params` works at once."""
         other = LinenWithPolicy(self.module, *resolve(policy, rules, self.ops)[:2], autocast=self.autocast,
-                                ops=self.ops, fp8=self.fp8)
+                                ops=self.ops, fp8=self.fp8, reduce_dtype=self.reduce_dtype)
         other._classes = self._classes
         return other
 
@@ -135,7 +137,8 @@ class LinenWithPolicy:
 
         fp8_run = fp8_run or Fp8Run(self.fp8, state=fp8_state)
         vals = autocast_lib.call_vals(run, (variables, rngs, args, kwargs), {}, compute_dtype=root.dtype,
-                                      ops=self.ops, log=log, fp8=root.fp8, fp8_run=fp8_run)
+                                      ops=self.ops, log=log, fp8=root.fp8, fp8_run=fp8_run,
+                                      reduce_dtype=self.reduce_dtype)
         if mutable is False:
             return vals_in(vals, self.policy.output_dtype)
         out, updated = vals if module_mutable is not False else (vals, {})

@@ -15,6 +15,7 @@ from flax import nnx
 from precision.autocast import transform as autocast_lib
 from precision.autocast.fp8_sites import Fp8Run
 from precision.autocast.op_lists import OpLists
+from precision.autocast.reductions import reduce_dtype_of
 from precision.fp8 import Fp8Options, init_fp8_state
 from precision.autocast.regions import compute_in, in_module
 from precision.modules.common import Compute, cast_by_path, check_fp8_needs_autocast, cast_like, compute_of, vals_in, vals_like
@@ -98,12 +99,13 @@ class NNXWithPolicy(nnx.Module):
     """
 
     def __init__(self, module: nnx.Module, policy: Policy, rules: Sequence[Rule], *, autocast: bool = True,
-                 ops: OpLists | None = None, fp8: Fp8Options | None = None):
+                 ops: OpLists | None = None, fp8: Fp8Options | None = None, reduce_dtype: Any = None):
         self.policy = policy
         self.rules = tuple(rules)
         self.autocast = autocast
         self.ops = ops or OpLists()
         self.fp8 = fp8 or Fp8Options()
+        self.reduce_dtype = reduce_dtype_of(reduce_dtype)
         check_fp8_needs_autocast(policy, self.rules, autocast)
         self.module = module
         self._cast_stored_params()
@@ -138,7 +140,8 @@ class NNXWithPolicy(nnx.Module):
 
         root = compute_of(resolve(()))
         out, new_state = autocast_lib.call_vals(run, (state, args, kwargs), {}, compute_dtype=root.dtype, ops=self.ops,
-                                                log=log, fp8=root.fp8, fp8_run=fp8_run or Fp8Run(self.fp8))
+                                                log=log, fp8=root.fp8, fp8_run=fp8_run or Fp8Run(self.fp8),
+                                                reduce_dtype=self.reduce_dtype)
         nnx.update(self.module, vals_like(new_state, state))
         return vals_in(out, self.policy.output_dtype)
 

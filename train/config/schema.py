@@ -176,6 +176,9 @@ class PrecisionConfig(_Schema):
     strict: bool = Field(False, description="fail, instead of warning, when the policy leaves more than 5% of the "
                                             "model's matmul/conv FLOPs in float32")
     fp8: Fp8Config = Field(default_factory=Fp8Config, description="fp8 matmuls (policy mixed_fp8 or compute=f8)")
+    reduce_dtype: str = Field("auto", description="dtype gradients are reduced across devices in: f32, bf16, f16 "
+                                                  "(needs a loss scale); auto: f32 on a mesh of more than one "
+                                                  "device")
 
     @field_validator("policy")
     @classmethod
@@ -185,6 +188,17 @@ class PrecisionConfig(_Schema):
         except precision.PolicyError as e:
             raise invalid(f"precision.policy: {e}") from None
         return policy
+
+    @field_validator("reduce_dtype")
+    @classmethod
+    def _reduce_dtype_parses(cls, value: str) -> str:
+        if value.strip().lower() == "auto":
+            return "auto"
+        try:
+            precision.reduce_dtype_of(value)
+        except precision.PolicyError as e:
+            raise invalid(f"precision.{e}; or auto") from None
+        return value
 
     @field_validator("rules")
     @classmethod
