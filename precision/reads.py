@@ -22,14 +22,11 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from precision.autocast.program import HALF_DTYPES
+from precision.autocast.program import HALF_DTYPES, MOVES
 
 __all__ = ["read_dtypes"]
 
-#: Ops whose output holds the same values as their (first) operand, moved around: casting
-#: before or after them gives the same result.
-_MOVES_DATA = frozenset({"reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "slice",
-                         "dynamic_slice", "rev", "copy", "copy_p", "sharding_constraint", "optimization_barrier"})
+_MOVES_DATA = MOVES | {"optimization_barrier"}
 _OWN = "own"  # read in its own dtype
 
 

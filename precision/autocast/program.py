@@ -16,10 +16,15 @@ import numpy as np
 
 from precision.autocast.regions import module_path, scope_names
 
-__all__ = ["Op", "binders", "iter_ops", "MatmulOp", "matmul_ops", "matmul_flops", "MATMUL_PRIMITIVES", "HALF_DTYPES"]
+__all__ = ["Op", "binders", "iter_ops", "MatmulOp", "matmul_ops", "matmul_flops", "MATMUL_PRIMITIVES", "HALF_DTYPES",
+           "MOVES"]
 
 MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated", "ragged_dot_general")
 HALF_DTYPES = frozenset(np.dtype(d) for d in ("float16", "bfloat16"))
+#: Primitives whose output holds their (first) operand's values, moved around: casting before
+#: or after them gives the same result, and a param through them is still that param.
+MOVES = frozenset({"reshape", "transpose", "broadcast_in_dim", "squeeze", "slice", "dynamic_slice", "rev", "copy",
+                   "sharding_constraint"})
 
 
 class Op(NamedTuple):

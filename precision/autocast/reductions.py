@@ -1,7 +1,7 @@
-"""Gradients of half-precision ops produced in a chosen dtype: the dtype a
-data-parallel gradient reduction runs in.
+"""Gradients of params produced in a chosen dtype: the dtype a data-parallel
+gradient reduction runs in.
 
-When a batch is split over devices, a weight gradient is a sum over the batch:
+When a batch is split over devices, a param's gradient is a sum over the batch:
 XLA's SPMD partitioner computes each device's part with the op that contracts
 the batch (a matmul's weight-gradient product, the sum that transposes a bias's
 broadcast, the scatter-add that transposes an embedding lookup) and reduces
@@ -9,19 +9,26 @@ the parts across devices right there, *in that op's output dtype*. A cast
 written after it does not move the reduction. So choosing the reduction dtype
 means choosing the output dtype of those backward ops.
 
-:func:`bind` binds a half-precision op through a ``custom_vjp`` whose backward
-is the primitive's own transpose rule with its products (or sums) in
-``reduce_dtype``, each result then cast back to its operand's dtype:
+Autocast knows which values are params as a layer reads them (a *leaf*:
+:attr:`~precision.autocast.values.Val.leaf`). :func:`bind` binds an op that
+reads one through a ``custom_vjp`` whose backward is the primitive's own
+transpose rule with, for the param, its product or sum in ``reduce_dtype``:
 
-- ``dot_general`` / ``conv_general_dilated``: the transposed products with
-  ``preferred_element_type=reduce_dtype`` (the same bf16 operands, a float32
+- ``dot_general`` / ``conv_general_dilated``: the transposed product with
+  ``preferred_element_type=reduce_dtype`` (the same half operands; a float32
   accumulator handed over unrounded);
 - ``broadcast_in_dim`` / ``gather``: the transposed sum / scatter-add in
-  ``reduce_dtype``.
+  ``reduce_dtype``;
+- ``add``, ``sub``, ``mul``, ``div``, ``max``, ``min`` broadcasting a param
+  (``x + bias[None, None]``, ``x * scale``): the sum over the broadcast
+  dimensions in ``reduce_dtype``.
 
-On one device this changes no value (a float32 product rounded to bfloat16 is
-the bfloat16 product); across devices the parts are summed in
-``reduce_dtype`` before that rounding, which is what one device computes.
+The gradient reaches the param in the param's own dtype (float32 masters get
+float32). Activation gradients are computed as JAX computes them. On one
+device a float32 ``reduce_dtype`` changes no product's value (a float32 product
+rounded to bfloat16 is the bfloat16 product) but hands it over unrounded and
+sums over tokens in float32; across devices the parts are summed in
+``reduce_dtype``, which for float32 is what one device computes.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import jax
 import numpy as np
 from jax.interpreters import ad
 
+from precision.autocast import program
 from precision.policy import PolicyError, _canonical
 
 __all__ = ["REDUCING", "MOVES", "reduce_dtype_of", "applies", "bind"]
@@ -46,9 +54,8 @@ _LINEAR_ELEMENTWISE = frozenset({"add", "sub"})
 _ELEMENTWISE = _LINEAR_ELEMENTWISE | {"mul", "div", "max", "min"}
 REDUCING = _PRODUCTS | _SUMS | _ELEMENTWISE
 _REDUCE_DTYPES = frozenset({np.dtype(np.float32), np.dtype(jax.numpy.bfloat16), np.dtype(np.float16)})
-#: Ops that move a value without computing: a param through them is still a param (a leaf).
-MOVES = frozenset({"convert_element_type", "reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim",
-                   "copy", "copy_p", "slice", "dynamic_slice", "rev", "reduce_precision", "sharding_constraint"})
+#: Ops that move a value without computing, or cast it: a param through them is still a param (a leaf).
+MOVES = program.MOVES | {"convert_element_type"}
 
 
 def reduce_dtype_of(value: Any) -> np.dtype | None:
@@ -82,7 +89,7 @@ def applies(primitive: Any, arrays: Sequence[Any], leaves: Sequence[bool], reduc
     if name == "conv_general_dilated" and np.dtype(reduce_dtype).itemsize < floats[0].itemsize:
         return False  # a convolution's result is never narrower than its operands
     if name in _SUMS:
-        return bool(leaves[0]) and jax.numpy.issubdtype(arrays[0].dtype, jax.numpy.floating)
+        return bool(leaves[0])
     if name in _ELEMENTWISE:
         return _same_rank(arrays) and any(leaf and _broadcast_axes(a, arrays) for a, leaf in zip(arrays, leaves))
     return any(leaves)

@@ -34,7 +34,7 @@ import numpy as np
 from jax.extend import source_info_util
 from jax.extend.core import DropVar, Literal
 
-from precision.autocast.program import binders
+from precision.autocast.program import MOVES, binders
 from precision.autocast.regions import module_path, scope_names
 
 __all__ = ["SCALES", "Probe", "run"]
@@ -51,10 +51,8 @@ _INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_c
 
 #: Ops that only move, pick or copy values (no rounding, no new magnitude): not probed (their
 #: inputs and consumers are), which keeps the probed program small.
-_MOVES_VALUES = frozenset({"reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "slice",
-                           "dynamic_slice", "dynamic_update_slice", "concatenate", "copy", "copy_p", "rev",
-                           "select_n", "neg", "abs", "max", "min", "reduce_max", "reduce_min", "stop_gradient",
-                           "pad", "gather", "sharding_constraint", "optimization_barrier"})
+_MOVES_VALUES = MOVES | {"dynamic_update_slice", "concatenate", "select_n", "neg", "abs", "max", "min", "reduce_max",
+                         "reduce_min", "stop_gradient", "pad", "gather", "optimization_barrier"}
 
 
 class Probe(NamedTuple):
