@@ -189,6 +189,10 @@ def test_multidevice_gradients_are_reduced_in_the_reduce_dtype():
     assert auto.bytes("gradients") == full.bytes("gradients")
     assert {c.dtype for c in half.select("gradients")} == {"bf16"}
     assert half.bytes("gradients") <= 0.5 * full.bytes("gradients")
+    wrapped = precision.with_policy(_TokenNet(), "mixed_bf16", reduce_dtype="bf16")  # "auto" keeps its own
+    layout = Layout(make_mesh(8, 1, jax.devices()[:8]))
+    assert create_train_state(wrapped, None, optax.sgd(0.1), jax.random.PRNGKey(0), DATA.sample_input(1),
+                              layout=layout).model.reduce_dtype == BF16
     sharded = _report(net, "mixed_bf16", 2, 4, reduce_dtype="bf16")
     assert {c.dtype for c in sharded.select("gradients")} == {"bf16"}
     assert {c.dtype for c in sharded.select("params", "all-gather")} == {"bf16"}

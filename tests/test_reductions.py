@@ -166,3 +166,38 @@ def test_create_train_state_resolves_and_checks_reduce_dtype():
     wrapped = precision.with_policy(_TokenNet(), "mixed_bf16", reduce_dtype="bf16")
     assert create_train_state(wrapped, None, optax.sgd(0.1), jax.random.PRNGKey(0), IDS[:1]).model.reduce_dtype == BF16
     assert wrapped.reduce_dtype == BF16
+
+
+def test_an_explicit_broadcast_of_a_param_is_summed_in_the_reduce_dtype():
+    """``x + jnp.broadcast_to(bias, x.shape)``: the sum over the batch that transposes the
+    broadcast is the reduction, in float32 or in bfloat16 as asked."""
+    def layer(p, x):
+        return x @ p["kernel"] + jnp.broadcast_to(p["bias"], x.shape[:-1] + (24,))
+
+    k = jax.random.split(jax.random.PRNGKey(4), 3)
+    p = {"kernel": jax.random.normal(k[0], (32, 24)), "bias": jnp.zeros((24,))}
+    x = jax.random.normal(k[1], (12, 40, 32))
+    g = jax.random.normal(k[2], (12, 40, 24)).astype(jnp.bfloat16).astype(jnp.float32)
+    exact = np.asarray(g, np.float64).sum((0, 1))
+    bias = {(policy, r): jax.vjp(lambda q: precision.autocast(layer, policy, reduce_dtype=r)(q, x), p)[1](g)[0]["bias"]
+            for policy, r in (("mixed_bf16", "f32"), ("fp32", "bf16"))}
+    wide = bias["mixed_bf16", "f32"]
+    assert np.max(np.abs(np.asarray(wide, np.float64) - exact)) < 1e-5 * np.abs(exact).max()
+    half = bias["fp32", "bf16"]
+    np.testing.assert_array_equal(np.asarray(half), np.asarray(half.astype(jnp.bfloat16).astype(jnp.float32)))
+
+
+def test_reduce_dtype_needs_autocast_and_the_optimizers_own_loss_scale_counts():
+    with pytest.raises(ValueError, match="reduce_dtype=bfloat16 needs autocast=True"):
+        precision.with_policy(_TokenNet(), "mixed_bf16", reduce_dtype="bf16", autocast=False)
+    mesh = Layout(make_mesh(1, 1, jax.devices()[:1]))
+    plain = create_train_state(_TokenNet(), "mixed_bf16", optax.sgd(0.1), jax.random.PRNGKey(0), IDS[:1],
+                               autocast=False, layout=mesh)
+    assert plain.model.reduce_dtype is None and not plain.model.autocast
+    with pytest.raises(ValueError, match="needs autocast=True"):
+        create_train_state(_TokenNet(), "mixed_bf16", optax.sgd(0.1), jax.random.PRNGKey(0), IDS[:1],
+                           autocast=False, reduce_dtype="f32")
+    # A pre-wrapped optimizer's loss scale is the one checked: a dynamic one allows f16.
+    tx = precision.mixed_precision(optax.sgd(0.1), precision.DynamicLossScale(2.0 ** 15))
+    state = create_train_state(_TokenNet(), "mixed_bf16", tx, jax.random.PRNGKey(0), IDS[:1], reduce_dtype="f16")
+    assert state.model.reduce_dtype == np.dtype(np.float16)

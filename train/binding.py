@@ -98,6 +98,7 @@ def _reducing_in(model: Any, reduce_dtype: Any) -> Any:
     dtype = precision.reduce_dtype_of(reduce_dtype)
     if dtype == model.reduce_dtype:
         return model
+    precision.modules.common.check_needs_autocast(model.policy, model.rules, model.autocast, dtype)
     if isinstance(model, NNXModel):  # the unwrapped module, bound afresh
         return bind(model.module, model.policy, model.rules, ops=model.ops, autocast=model.autocast, fp8=model.fp8,
                     reduce_dtype=dtype)

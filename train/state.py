@@ -95,8 +95,7 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
     """
     try:
         wrapped = bind(model, policy, rules, ops=ops, autocast=autocast, fp8=fp8,
-                       reduce_dtype=_reduce_dtype(reduce_dtype, layout))
-        _check_reduce_dtype(wrapped, loss_scale)
+                       reduce_dtype=_reduce_dtype(reduce_dtype, layout, model, autocast))
     except (TypeError, ValueError) as e:
         raise type(e)(f"create_train_state: {e}") from None
     _check_coverage(wrapped, sample_input, strict)
@@ -117,30 +116,33 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
     params = variables["params"]
     model_state = {k: v for k, v in variables.items() if k != "params"}
     tx = _mixed_precision_optimizer(optimizer, params, wrapped.policy, loss_scale, max_grad_norm, skip_with)
+    _check_reduce_dtype(wrapped, precision.current_loss_scale(jax.eval_shape(tx.init, params)))
     state = TrainState(step=jnp.zeros([], jnp.int32), params=params, opt_state=_sharded_jit(tx.init, layout)(params),
                        model_state=model_state, rng=rng, model=wrapped, tx=tx)
     return state if layout is None else layout.put_state(state)
 
 
-def _reduce_dtype(reduce_dtype: Any, layout: Layout | None) -> Any:
-    """``reduce_dtype`` with ``"auto"`` resolved: float32 where gradients are reduced across devices."""
+def _reduce_dtype(reduce_dtype: Any, layout: Layout | None, model: Any, autocast: bool) -> Any:
+    """``reduce_dtype`` with ``"auto"`` resolved: float32 where gradients are reduced across
+    devices (under autocast, which makes it), unless a wrapped model has its own."""
     if isinstance(reduce_dtype, str) and reduce_dtype.strip().lower() == "auto":
-        return "f32" if layout is not None and layout.data_shards > 1 else None
+        if isinstance(model, (precision.LinenWithPolicy, precision.NNXWithPolicy, NNXModel)):
+            if model.reduce_dtype is not None:
+                return None  # bind keeps the wrapper's own
+            autocast = model.autocast
+        return "f32" if autocast and layout is not None and layout.data_shards > 1 else None
     if reduce_dtype is None:
         raise precision.PolicyError("reduce_dtype=None: give 'auto', 'f32', 'bf16' or 'f16'")
     return precision.reduce_dtype_of(reduce_dtype)
 
 
-def _check_reduce_dtype(wrapped: Any, loss_scale: Any) -> None:
-    """A float16 reduction needs a loss scale. Raises :class:`precision.PolicyError`."""
-    dtype = wrapped.reduce_dtype
-    if dtype is None or dtype == jnp.float32:
-        return
-    scale = precision.get_loss_scale(loss_scale, wrapped.policy) if isinstance(loss_scale, str) else loss_scale
-    if dtype == jnp.float16 and isinstance(scale, precision.NoOpLossScale):
-        raise precision.PolicyError("reduce_dtype=f16 needs a loss scale (gradients reduced in float16 underflow "
-                                    f"and overflow without one), and this run has none (policy {wrapped.policy}): "
-                                    "give loss_scale='dynamic', or reduce_dtype='bf16' or 'f32'")
+def _check_reduce_dtype(wrapped: Any, scale: LossScale) -> None:
+    """A float16 reduction needs a loss scale (the optimizer's, whoever made it)."""
+    if wrapped.reduce_dtype == jnp.float16 and isinstance(scale, precision.NoOpLossScale):
+        raise precision.PolicyError(
+            "create_train_state: reduce_dtype=f16 needs a loss scale (gradients reduced in float16 underflow and "
+            f"overflow without one), and this run has none (policy {wrapped.policy}): give loss_scale='dynamic', "
+            "or reduce_dtype='bf16' or 'f32'")
 
 
 def _check_coverage(wrapped: Any, sample_input: Any, strict: bool) -> None:

@@ -200,7 +200,7 @@ def bind_reducing(site: Site, ins: list[Val], args: Sequence[Any], reduce_dtype:
 
 
 def _moves_a_leaf(site: Site, ins: list[Val]) -> bool:
-    """A reshape, slice, broadcast or narrowing cast of a param (other operands: indices)."""
+    """A reshape, slice, size-1 broadcast or narrowing cast of a param (other operands: indices)."""
     head = ins[0] if ins else None
     if site.name not in reductions.MOVES or head is None or not head.leaf or head.kind in (Kind.KEEP, Kind.NEUTRAL):
         return False
@@ -209,6 +209,8 @@ def _moves_a_leaf(site: Site, ins: list[Val]) -> bool:
     if site.name == "convert_element_type":
         dst = np.dtype(site.eqn.params["new_dtype"])
         return is_policy_float(dst) and dst.itemsize <= head.dtype.itemsize
+    if site.name == "broadcast_in_dim":  # one that repeats the param sums its gradient: a reduction, not a move
+        return np.size(head.array) == int(np.prod(site.eqn.params["shape"]))
     return True
 
 

@@ -15,7 +15,8 @@ from precision.fp8 import FP8_COLLECTION
 from precision.policy import Policy, get_policy
 from precision.rules import Rule, as_rules, get_rules
 
-__all__ = ["Compute", "compute_of", "uses_fp8", "check_fp8_needs_autocast", "split_fp8", "resolve", "cast_by_path", "cast_like", "vals_in", "vals_like", "map_params"]
+__all__ = ["Compute", "compute_of", "uses_fp8", "check_needs_autocast", "split_fp8", "resolve", "cast_by_path",
+           "cast_like", "vals_in", "vals_like", "map_params"]
 
 
 class Compute(NamedTuple):
@@ -35,10 +36,16 @@ def uses_fp8(policy: Policy, rules: Iterable[Rule]) -> bool:
     return policy.fp8 or any(rule.policy.fp8 for rule in rules)
 
 
-def check_fp8_needs_autocast(policy: Policy, rules: Iterable[Rule], autocast: bool) -> None:
-    """FP8 matmuls are made by autocast: a wrapper that only casts at module boundaries cannot have them."""
-    if uses_fp8(policy, rules) and not autocast:
+def check_needs_autocast(policy: Policy, rules: Iterable[Rule], autocast: bool, reduce_dtype: Any) -> None:
+    """FP8 matmuls and a ``reduce_dtype`` are made by autocast: a wrapper that only
+    casts at module boundaries can have neither."""
+    if autocast:
+        return
+    if uses_fp8(policy, rules):
         raise ValueError(f"with_policy: {policy} runs matmuls in FP8, which needs autocast=True "
+                         "(autocast=False only casts at module boundaries)")
+    if reduce_dtype is not None:
+        raise ValueError(f"with_policy: reduce_dtype={np.dtype(reduce_dtype).name} needs autocast=True "
                          "(autocast=False only casts at module boundaries)")
 
 

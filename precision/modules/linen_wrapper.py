@@ -16,7 +16,7 @@ from precision.autocast.op_lists import OpLists
 from precision.autocast.reductions import reduce_dtype_of
 from precision.fp8 import FP8_COLLECTION, Fp8Options, init_fp8_state
 from precision.autocast.regions import compute_in, in_module
-from precision.modules.common import (Compute, cast_by_path, check_fp8_needs_autocast, cast_like, compute_of, map_params, resolve, split_fp8,
+from precision.modules.common import (Compute, cast_by_path, check_needs_autocast, cast_like, compute_of, map_params, resolve, split_fp8,
                                       uses_fp8, vals_in, vals_like)
 from precision.policy import Policy, _cast_floating
 from precision.rules import Resolver, Rule, class_names_of
@@ -43,7 +43,7 @@ class LinenWithPolicy:
         self.ops = ops or OpLists()
         self.fp8 = fp8 or Fp8Options()
         self.reduce_dtype = reduce_dtype_of(reduce_dtype)
-        check_fp8_needs_autocast(policy, self.rules, autocast)
+        check_needs_autocast(policy, self.rules, autocast, self.reduce_dtype)
         self._classes: PathClasses | None = None  # module structure, recorded once
 
     def __repr__(self) -> str:
