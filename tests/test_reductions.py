@@ -201,3 +201,24 @@ def test_reduce_dtype_needs_autocast_and_the_optimizers_own_loss_scale_counts():
     tx = precision.mixed_precision(optax.sgd(0.1), precision.DynamicLossScale(2.0 ** 15))
     state = create_train_state(_TokenNet(), "mixed_bf16", tx, jax.random.PRNGKey(0), IDS[:1], reduce_dtype="f16")
     assert state.model.reduce_dtype == np.dtype(np.float16)
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_scanned_and_rematerialised_layers_get_their_weight_gradients_in_the_reduce_dtype(remat):
+    """The project's GPT with its blocks in one lax.scan (stacked params sliced per layer),
+    rematerialised or not: the weight-gradient products inside the scan body are float32
+    products, its forward matmuls still bfloat16."""
+    from train.models import GPT
+
+    model = GPT(vocab_size=32, block_size=16, num_layers=2, num_heads=2, d_model=32, scan_layers=True, remat=remat)
+    ids = jnp.zeros((4, 16), jnp.int32)
+    params = model.init(jax.random.PRNGKey(0), ids)["params"]
+    wrapped = precision.with_policy(model, "mixed_bf16", reduce_dtype="f32")
+    jaxpr = jax.make_jaxpr(jax.grad(lambda p: jnp.mean(wrapped.apply({"params": p}, ids).astype(jnp.float32) ** 2)))(
+        params)
+    kernels = {s for x in jax.tree_util.tree_leaves(params["blocks"]) if x.ndim == 3
+               for s in (tuple(x.shape[1:]), tuple(x.shape[1:])[::-1])}
+    dots = [op for op in iter_ops(jaxpr.jaxpr) if op.primitive == "dot_general"]
+    weight = [op for op in dots if tuple(op.eqn.outvars[0].aval.shape) in kernels]
+    assert len(weight) >= 4 and all(op.out_dtypes == (F32,) for op in weight)
+    assert any(op.out_dtypes == (BF16,) and not op.backward for op in dots)

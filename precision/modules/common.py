@@ -12,7 +12,7 @@ import numpy as np
 from precision.autocast.op_lists import OpLists
 from precision.autocast.values import Val
 from precision.fp8 import FP8_COLLECTION
-from precision.policy import Policy, get_policy
+from precision.policy import Policy, PolicyError, get_policy
 from precision.rules import Rule, as_rules, get_rules
 
 __all__ = ["Compute", "compute_of", "uses_fp8", "check_needs_autocast", "split_fp8", "resolve", "cast_by_path",
@@ -45,8 +45,8 @@ def check_needs_autocast(policy: Policy, rules: Iterable[Rule], autocast: bool, 
         raise ValueError(f"with_policy: {policy} runs matmuls in FP8, which needs autocast=True "
                          "(autocast=False only casts at module boundaries)")
     if reduce_dtype is not None:
-        raise ValueError(f"with_policy: reduce_dtype={np.dtype(reduce_dtype).name} needs autocast=True "
-                         "(autocast=False only casts at module boundaries)")
+        raise PolicyError(f"reduce_dtype={np.dtype(reduce_dtype).name} needs autocast=True (autocast=False only "
+                          "casts at module boundaries)")
 
 
 def split_fp8(variables: Any, mutable: Any) -> tuple[Any, Any, Any]:
