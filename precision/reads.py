@@ -26,7 +26,8 @@ from precision.autocast.program import HALF_DTYPES, MOVES
 
 __all__ = ["read_dtypes"]
 
-_MOVES_DATA = MOVES | {"optimization_barrier"}
+#: ...and a lookup (gather) selects an operand's values: casting before or after it is the same.
+_MOVES_DATA = MOVES | {"optimization_barrier", "gather"}
 _OWN = "own"  # read in its own dtype
 
 
@@ -40,17 +41,16 @@ def read_dtypes(fn: Callable[[Any], Any], tree: Any) -> Any:
     jaxpr = closed.jaxpr
     out = []
     for var, leaf in zip(jaxpr.invars, leaves, strict=True):
-        reads = _reads(jaxpr, var)
+        reads = {_OWN if isinstance(r, tuple) else r for r in _reads(jaxpr, var)}  # an output: read as is
         only = next(iter(reads)) if len(reads) == 1 else _OWN
         out.append(only if only != _OWN else np.dtype(leaf.dtype))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def _reads(jaxpr: Any, var: Any) -> set:
-    """The dtypes ``var`` is read in within ``jaxpr`` (``_OWN`` for any use that is not a half cast)."""
-    found: set = set()
-    if any(v is var for v in jaxpr.outvars):
-        found.add(_OWN)
+    """The dtypes ``var`` is read in within ``jaxpr`` (``_OWN`` for any use that is not a half
+    cast), and ``("out", k)`` where it leaves ``jaxpr`` as output ``k``, moved only."""
+    found: set = {("out", k) for k, v in enumerate(jaxpr.outvars) if v is var}
     for eqn in jaxpr.eqns:
         positions = [i for i, v in enumerate(eqn.invars) if v is var]
         if not positions:
@@ -66,9 +66,22 @@ def _reads(jaxpr: Any, var: Any) -> set:
             found |= set().union(*(_reads(jaxpr, out) for out in eqn.outvars[:1]))
         else:
             inner = _inner_binders(eqn, positions)
-            found |= set().union(*(_reads(sub, v) for sub, v in inner)) if inner else {_OWN}
+            found |= set().union(*(_leaving(jaxpr, eqn, sub, _reads(sub, v)) for sub, v in inner)) if inner else {_OWN}
         if _OWN in found:
             return found
+    return found
+
+
+def _leaving(jaxpr: Any, eqn: Any, sub: Any, reads: set) -> set:
+    """``reads`` of a sub-program of ``eqn``, each of its outputs followed on as the result of
+    ``eqn`` it is (a jit, remat or custom_vjp returns its body's outputs as they are; a
+    scan stacks them, so they count as a read in the own dtype)."""
+    found = {r for r in reads if not isinstance(r, tuple)}
+    exits = [r[1] for r in reads if isinstance(r, tuple)]
+    if exits and (eqn.primitive.name in ("scan", "while") or len(sub.outvars) != len(eqn.outvars)):
+        return found | {_OWN}
+    for k in exits:
+        found |= _reads(jaxpr, eqn.outvars[k])
     return found
 
 

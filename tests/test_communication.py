@@ -31,12 +31,14 @@ def test_read_dtypes_half_only_where_every_read_is_a_half_cast():
         c = jnp.concatenate([t["both"].astype(jnp.bfloat16).astype(jnp.float32), t["both"]])  # read both ways
         d = jax.jit(lambda x: x.astype(jnp.float16))(t["in_jit"])
         e = jax.lax.cond(True, lambda x: x.astype(jnp.bfloat16), lambda x: -x.astype(jnp.bfloat16), t["in_cond"])
-        return a.sum() + b.sum() + c.sum() + d.sum() + e.sum(), t["returned"]
+        lookup = jax.jit(lambda x: jnp.take(x, jnp.arange(4), axis=0))  # rows moved out of a jit, cast after
+        f = lookup(t["looked_up"]).astype(jnp.bfloat16) + lookup(t["looked_up_f32"]) * 2.0
+        return a.sum() + b.sum() + c.sum() + d.sum() + e.sum() + f.sum(), t["returned"]
 
-    tree = {k: jnp.ones((8,)) for k in ("matmul", "norm", "both", "in_jit", "in_cond", "returned")}
-    got = precision.read_dtypes(fn, tree)
+    names = ("matmul", "norm", "both", "in_jit", "in_cond", "looked_up", "looked_up_f32", "returned")
+    got = precision.read_dtypes(fn, {k: jnp.ones((8,)) for k in names})
     assert got == {"matmul": BF16, "norm": F32, "both": F32, "in_jit": np.dtype(np.float16), "in_cond": BF16,
-                   "returned": F32}
+                   "looked_up": BF16, "looked_up_f32": F32, "returned": F32}
 
 
 def test_read_dtypes_follow_scanned_layers_and_leave_while_loops_alone():
@@ -90,6 +92,29 @@ def test_hlo_collectives_reads_kind_dtype_group_and_what_they_carry():
     assert Collective("all-gather", "f32", (4,), 1, "params", "").sent_bytes == 0
 
 
+SLICED = """
+  %all-reduce.5 = f32[64,16]{1,0} all-reduce(%dot.1), channel_id=6, replica_groups=[2,4]<=[8], to_apply=%add, metadata={op_name="jit(train_step)/transpose(jvp(MLP))/dot_general"}
+  %transpose.6 = f32[16,64]{0,1} transpose(%all-reduce.5), dimensions={1,0}
+  %dynamic-slice.7 = f32[16,16]{0,1} dynamic-slice(%transpose.6, %c0, %offset), dynamic_slice_sizes={16,16}
+  %all-reduce.8 = f32[64]{0} all-reduce(%r), channel_id=7, replica_groups=[2,4]<=[8], to_apply=%add, metadata={op_name="jit(train_step)/transpose(jvp(MLP))/reduce_sum"}
+  %dynamic-slice.9 = f32[16]{0} dynamic-slice(%all-reduce.8, %offset), dynamic_slice_sizes={16}
+  %multiply.10 = f32[64]{0} multiply(%all-reduce.8, %all-reduce.8)
+"""
+
+
+def test_an_all_reduce_sliced_to_each_devices_part_is_counted_as_a_reduce_scatter_would_send():
+    """An all-reduce whose every use keeps 1/k of it (through moves) is a reduce-scatter done
+    the long way: ``parts`` says so, and ``scattered_sent_bytes`` is what a reduce-scatter
+    sends (half the all-reduce's ring bytes); one with any other use is left as it is."""
+    sliced, kept = hlo_collectives(SLICED, device_count=8)
+    assert (sliced.parts, kept.parts) == (4, 1) and sliced.group == 4
+    assert sliced.scattered_sent_bytes == pytest.approx(sliced.sent_bytes / 2) == pytest.approx(64 * 16 * 4 * 3 / 4)
+    assert kept.scattered_sent_bytes == kept.sent_bytes
+    # over data x fsdp (8 devices, each keeping a quarter): scatter over 8, then gather each quarter over 2
+    both = Collective("all-reduce", "f32", (64, 16), 8, "gradients", "", parts=4)
+    assert both.scattered_sent_bytes == pytest.approx(both.bytes * (7 / 8 + 1 / 4 * 1 / 2))
+
+
 def test_a_step_on_one_device_sends_nothing():
     data = load_synthetic(num_train=64, num_test=8, input_shape=(16,), num_classes=4, seed=0)
     state = create_train_state(MLP(hidden=(32,), num_classes=4), "mixed_bf16", optax.sgd(0.1), jax.random.PRNGKey(0),
@@ -124,6 +149,10 @@ def test_multidevice_fsdp_gathers_params_in_the_compute_dtype(policy="mixed_bf16
     assert mixed.bytes("params") <= 0.5 * full.bytes("params")
     assert mixed.select("gradients") and mixed.select("scalars")  # gradients reduced; loss, norm, finiteness
     assert "params" in str(mixed) and half in str(mixed)
+    # each split kernel's gradient: reduced whole, then each device keeps its quarter
+    sliced = [c for c in mixed.select("gradients") if c.parts > 1]
+    assert len(sliced) == 3 and {c.parts for c in sliced} == {4} and "as reduce-scatters" in str(mixed)
+    assert mixed.scattered_sent_bytes("gradients") < mixed.sent_bytes("gradients")
 
 
 @needs8
@@ -172,6 +201,7 @@ class _TokenNet(nn.Module):
     @nn.compact
     def __call__(self, x):
         h = nn.Embed(32, 16)((jnp.abs(x[:, :8]) * 10).astype(jnp.int32))  # (batch, 8 tokens, 16)
+        h = h + nn.Embed(8, 16, name="positions")(jnp.arange(8))[None]  # the same rows for every example
         h = nn.LayerNorm()(nn.Dense(32)(h))
         return nn.Dense(4)(h.mean(axis=1))
 
@@ -185,7 +215,8 @@ def test_multidevice_gradients_are_reduced_in_the_reduce_dtype():
     auto = _report(net, "mixed_bf16", 8, 1)
     half = _report(net, "mixed_bf16", 8, 1, reduce_dtype="bf16")
     assert len(auto.select("gradients")) == len(full.select("gradients")) >= 7
-    assert {c.dtype for c in auto.select("gradients")} == {"f32"}
+    assert {c.dtype for c in auto.select("gradients")} == {"f32"}  # the position table's too
+    assert all(c.parts == 1 for c in full.select("gradients"))  # data parallel: every device keeps all
     assert auto.bytes("gradients") == full.bytes("gradients")
     assert {c.dtype for c in half.select("gradients")} == {"bf16"}
     assert half.bytes("gradients") <= 0.5 * full.bytes("gradients")

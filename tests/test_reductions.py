@@ -187,6 +187,26 @@ def test_an_explicit_broadcast_of_a_param_is_summed_in_the_reduce_dtype():
     np.testing.assert_array_equal(np.asarray(half), np.asarray(half.astype(jnp.bfloat16).astype(jnp.float32)))
 
 
+def test_a_position_table_read_at_constant_indices_is_summed_over_the_batch_in_the_reduce_dtype():
+    """``x + positions[arange(length)]`` (GPT's learned positions): the rows are the same for
+    every example, so the table's gradient is a sum over the batch, like a bias's. It is
+    summed in float32 under reduce_dtype=f32 (it was a bfloat16 sum: >1e-3 off)."""
+    def layer(p, x):
+        return x + jnp.take(p["positions"], jnp.arange(x.shape[1]), axis=0)[None]
+
+    k = jax.random.split(jax.random.PRNGKey(5), 3)
+    p = {"positions": jax.random.normal(k[0], (40, 24))}
+    x = jax.random.normal(k[1], (64, 40, 24))
+    g = jax.random.normal(k[2], (64, 40, 24)).astype(jnp.bfloat16).astype(jnp.float32)
+    exact = np.asarray(g, np.float64).sum(0)
+    got = {r: jax.vjp(lambda q: precision.autocast(layer, "mixed_bf16", reduce_dtype=r)(q, x), p)[1](g)[0]["positions"]
+           for r in (None, "f32")}
+    error = {r: float(np.max(np.abs(np.asarray(v, np.float64) - exact)) / np.abs(exact).max()) for r, v in got.items()}
+    assert got["f32"].dtype == F32 and error["f32"] < 1e-5 and error[None] > 1e-3, error
+    out = precision.autocast(layer, "mixed_bf16", reduce_dtype="f32")(p, x)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(precision.autocast(layer, "mixed_bf16")(p, x)))
+
+
 def test_reduce_dtype_needs_autocast_and_the_optimizers_own_loss_scale_counts():
     with pytest.raises(ValueError, match="reduce_dtype=bfloat16 needs autocast=True"):
         precision.with_policy(_TokenNet(), "mixed_bf16", reduce_dtype="bf16", autocast=False)

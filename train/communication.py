@@ -9,6 +9,11 @@ device sends, and what it carries (params, gradients, activations, scalars).
 
 ``stage="partitioned"`` (the default) reads the program right after SPMD
 partitioning, before backend-specific rewrites: what a GPU or TPU sends.
+There a sharded (FSDP) param's gradient is an all-reduce followed by a slice of
+each device's part (:attr:`Collective.parts`); XLA's GPU and TPU pipelines can
+rewrite that pair into a reduce-scatter, which sends about half
+(:attr:`Collective.scattered_sent_bytes`), and ``stage="compiled"`` on them
+shows whether they did.
 XLA's CPU backend then widens 16-bit collectives to float32 (it has no 16-bit
 collectives), which ``stage="compiled"`` shows: what this backend sends.
 """
@@ -32,6 +37,10 @@ KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective
 _INSTRUCTION = re.compile(
     r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>\(.*?\)|\S+)\s+(?P<kind>" + "|".join(KINDS)
     + r")(?P<start>-start)?\((?P<rest>.*)$", re.M)
+_OP = re.compile(r"^\s*(?:ROOT\s+)?(?P<name>%?[\w.\-]+)\s*=\s*(?P<shape>\(.*?\)|\S+)\s+(?P<op>[\w\-]+)"
+                 r"\((?P<args>[^)]*)\)", re.M)
+#: Ops between an all-reduce and the slice that keeps a device's part, moving its values only.
+_MOVES = frozenset({"transpose", "copy", "reshape", "bitcast", "convert"})
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
           "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
@@ -47,6 +56,18 @@ class Collective(NamedTuple):
     group: int  # devices in each group
     carries: str  # params, gradients, activations or scalars
     op_name: str  # JAX's name for the op it came from
+    parts: int = 1  # an all-reduce whose result each device slices: it keeps 1/parts of it
+
+    @property
+    def scattered_sent_bytes(self) -> float:
+        """Bytes each device would send were a sliced all-reduce a reduce-scatter over its
+        group and an all-gather of the ``parts`` among the devices keeping the same one
+        (:attr:`sent_bytes` for any other collective)."""
+        n, k = self.group, self.parts
+        if self.kind != "all-reduce" or k <= 1 or n % k:
+            return self.sent_bytes
+        replicas = n // k
+        return self.bytes * (n - 1) / n + self.bytes / k * (replicas - 1) / replicas
 
     @property
     def bytes(self) -> int:
@@ -85,6 +106,11 @@ class CommunicationReport(NamedTuple):
         """Bytes each device sends for the selected collectives."""
         return sum(c.sent_bytes for c in self.select(carries, kind, dtype))
 
+    def scattered_sent_bytes(self, carries: str | None = None, kind: str | None = None,
+                             dtype: str | None = None) -> float:
+        """:meth:`sent_bytes` with each sliced all-reduce sent as a reduce-scatter."""
+        return sum(c.scattered_sent_bytes for c in self.select(carries, kind, dtype))
+
     def rows(self) -> list[dict[str, Any]]:
         """One row per (what it carries, kind, dtype): count, array bytes, bytes sent per device."""
         groups: dict[tuple[str, str, str], list[Collective]] = {}
@@ -105,6 +131,13 @@ class CommunicationReport(NamedTuple):
             lines.append("  none: every array this step uses is on the device that uses it")
         total = sum(c.sent_bytes for c in self.collectives)
         lines.append(f"  total sent per device: {total / 2 ** 20:.3f} MiB")
+        sliced = [c for c in self.collectives if c.scattered_sent_bytes < c.sent_bytes]
+        if sliced:
+            lines += [f"  {len(sliced)} all-reduces keep only each device's part of their sum (split params' "
+                      f"gradients): as reduce-scatters",
+                      f"  they would send {sum(c.scattered_sent_bytes for c in sliced) / 2 ** 20:.3f} MiB, not "
+                      f"{sum(c.sent_bytes for c in sliced) / 2 ** 20:.3f} (XLA's GPU and TPU compilers can rewrite "
+                      f"them so; stage='compiled' there shows it)"]
         if self.stage == "compiled" and self.backend == "cpu":
             lines.append("  (XLA's CPU backend widens 16-bit collectives to float32; stage='partitioned' shows "
                          "what a GPU sends)")
@@ -115,6 +148,7 @@ def hlo_collectives(text: str, device_count: int) -> list[Collective]:
     """The collectives of an HLO module's text (a tuple-shaped, combined one counts
     once per array it carries)."""
     found = []
+    users = _users(text) if "all-reduce" in text else {}
     for m in _INSTRUCTION.finditer(text):
         kind, rest = m.group("kind"), m.group("rest")
         arrays = [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _ARRAY.findall(m.group("shape"))]
@@ -125,9 +159,46 @@ def hlo_collectives(text: str, device_count: int) -> list[Collective]:
             arrays = [(dt, _scattered_from(shape, rest, group)) for dt, shape in arrays]
         op_name = re.search(r'op_name="([^"]*)"', rest)
         name = op_name.group(1) if op_name else ""
+        parts = _parts(m.group(0), users, arrays) if kind == "all-reduce" and not m.group("start") else 1
         for dtype, shape in arrays:
-            found.append(Collective(kind, dtype, shape, group, _carries(name, shape), name))
+            found.append(Collective(kind, dtype, shape, group, _carries(name, shape), name, parts))
     return found
+
+
+def _users(text: str) -> dict[str, list[tuple[str, str, int]]]:
+    """For each instruction name, its users: (name, opcode, elements of the result)."""
+    users: dict[str, list[tuple[str, str, int]]] = {}
+    for m in _OP.finditer(text):
+        arrays = _ARRAY.findall(m.group("shape"))
+        size = math.prod(int(d) for d in arrays[0][1].split(",") if d) if len(arrays) == 1 else -1
+        for operand in re.findall(r"%[\w.\-]+", m.group("args")):
+            users.setdefault(operand, []).append((_percent(m.group("name")), m.group("op"), size))
+    return users
+
+
+def _percent(name: str) -> str:
+    return name if name.startswith("%") else "%" + name
+
+
+def _parts(line: str, users: dict[str, list[tuple[str, str, int]]], arrays: list) -> int:
+    """k where every use of an all-reduce's (one) result keeps 1/k of it: dynamic-slices
+    of one size, reached through ops that only move values; 1 otherwise."""
+    if len(arrays) != 1:
+        return 1
+    size, kept = math.prod(arrays[0][1]), set()
+    pending = [_percent(_OP.match(line).group("name"))]
+    while pending:
+        uses = users.get(pending.pop(), [])
+        if not uses:
+            return 1
+        for name, op, elements in uses:
+            if op in _MOVES:
+                pending.append(name)
+            elif op == "dynamic-slice" and 0 < elements < size and size % elements == 0:
+                kept.add(size // elements)
+            else:
+                return 1
+    return kept.pop() if len(kept) == 1 else 1
 
 
 def _scattered_from(shape: tuple[int, ...], rest: str, group: int) -> tuple[int, ...]:

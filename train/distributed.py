@@ -7,8 +7,8 @@ One mesh with two axes, ``("data", "fsdp")``:
 * params and optimizer state are replicated over ``data`` and, when
   ``fsdp > 1``, each array at least ``fsdp_min_size`` elements large is split
   along its last dimension that ``fsdp`` divides (FSDP / ZeRO-3 style). The
-  train step gathers params where the model uses them and reduce-scatters the
-  gradients back to the split layout.
+  train step gathers params where the model uses them and sums the gradients
+  back to the split layout.
 
 Everything is a sharding annotation on ordinary ``jax.jit`` programs (no
 ``pmap``), so reductions such as the global gradient norm and the finiteness
@@ -213,10 +213,11 @@ class Layout:
         """
         if self.fsdp == 1:
             return tree
-        if dtypes is not None:
-            tree = jax.tree_util.tree_map(_cast_on_shard, tree, dtypes)
+        if dtypes is None:
+            dtypes = jax.tree_util.tree_map(lambda x: x.dtype, tree)
         with jax.named_scope(GATHER_SCOPE):
-            return jax.lax.with_sharding_constraint(tree, jax.tree_util.tree_map(lambda _: self.replicated(), tree))
+            return jax.tree_util.tree_map(lambda x, dtype: _gather(x, np.dtype(dtype), self.replicated()),
+                                          tree, dtypes)
 
     def constrain_batch(self, tree: Any) -> Any:
         """Inside ``jit``: pins a batch's leading dimension to the data axes."""
@@ -251,10 +252,25 @@ class Layout:
         return jax.tree_util.tree_map(make, local)
 
 
-def _cast_on_shard(x: Any, dtype: Any) -> Any:
+def _gather(x: Any, dtype: np.dtype, replicated: NamedSharding) -> Any:
+    """``x`` whole on every device, gathered in ``dtype`` (cast on each shard first).
+
+    A narrower gather still hands the model an array of ``x``'s dtype (holding the
+    narrow values, which the model casts back exactly where it reads them), and
+    its derivative passes the cotangent through unrounded: a param's gradient,
+    reduced across devices in ``reduce_dtype``, reaches its float32 master
+    without a round trip through the gather's dtype, and the reduction is
+    followed by nothing but the slice of each device's part."""
     if x.dtype == dtype:
-        return x
-    return jax.lax.optimization_barrier(x.astype(dtype))
+        return jax.lax.with_sharding_constraint(x, replicated)
+
+    @jax.custom_vjp
+    def gather(x):
+        narrow = jax.lax.optimization_barrier(x.astype(dtype))  # the barrier keeps the cast before the gather
+        return jax.lax.optimization_barrier(jax.lax.with_sharding_constraint(narrow, replicated)).astype(x.dtype)
+
+    gather.defvjp(lambda x: (gather(x), None), lambda _, g: (jax.lax.with_sharding_constraint(g, replicated),))
+    return gather(x)
 
 
 def host_rows(global_size: int) -> slice:

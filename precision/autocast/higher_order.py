@@ -38,26 +38,32 @@ __all__ = ["RULES", "Spec", "retrace"]
 
 
 class Spec(NamedTuple):
-    """What a value entering or leaving a sub-program is: kind, dtype, shape, and
-    whether it is a param as read (:attr:`Val.leaf`)."""
+    """What a value entering or leaving a sub-program is: kind, dtype, shape,
+    whether it is a param as read (:attr:`Val.leaf`) and whether it is computed
+    from constants alone (:attr:`Val.const`)."""
 
     kind: Kind
     dtype: np.dtype
     shape: tuple[int, ...]
     leaf: bool = False
+    const: bool = False
 
     @staticmethod
     def of(val: Val) -> "Spec":
-        return Spec(val.kind, val.dtype, tuple(np.shape(val.array)), val.leaf)
+        return Spec(val.kind, val.dtype, tuple(np.shape(val.array)), val.leaf, val.const)
 
     def key(self) -> tuple:
-        return self.kind, self.dtype, self.leaf
+        return self.kind, self.dtype, self.leaf, self.const
+
+    def val(self, array: Any, path: tuple[str, ...]) -> Val:
+        """A Val of this spec holding ``array``."""
+        return Val(self.kind, array, path, leaf=self.leaf, const=self.const)
 
 
 def _join(a: Spec, b: Spec) -> Spec:
     """A spec both can be cast to: the wider dtype, the stronger kind."""
     dtype = a.dtype if a.dtype == b.dtype or a.dtype.itemsize >= b.dtype.itemsize else b.dtype
-    return Spec(max(a.kind, b.kind), dtype, a.shape, a.leaf and b.leaf)
+    return Spec(max(a.kind, b.kind), dtype, a.shape, a.leaf and b.leaf, a.const and b.const)
 
 
 def retrace(jaxpr: Any, consts: Sequence[Any], in_specs: Sequence[Spec], ctx: Context,
@@ -72,7 +78,7 @@ def retrace(jaxpr: Any, consts: Sequence[Any], in_specs: Sequence[Spec], ctx: Co
     path = module_path(ctx.prefix)
 
     def body(*arrays):
-        vals = [Val(s.kind, a, path, leaf=s.leaf) for s, a in zip(in_specs, arrays)]
+        vals = [s.val(a, path) for s, a in zip(in_specs, arrays)]
         outs = evaluate(jaxpr, [const_val(c) for c in consts], vals, ctx.nested(ctx.prefix, records))
         if force is not None:
             outs = [o if f is None or not o.managed else Val(f.kind, o.as_dtype(f.dtype), o.path)
@@ -90,7 +96,7 @@ def _commit(ctx: Context, records: list | None) -> None:
 
 
 def _vals(site: Site, specs: Sequence[Spec], arrays: Sequence[Any]) -> list[Val]:
-    return [Val(s.kind, a, site.path, leaf=s.leaf) for s, a in zip(specs, arrays)]
+    return [s.val(a, site.path) for s, a in zip(specs, arrays)]
 
 
 def _closed_parts(closed: Any) -> tuple[Any, Sequence[Any]]:
@@ -255,7 +261,7 @@ def _custom_jvp(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
         primals, tangents = xs[n:half], xs[half + n:]
         zeros = [type(t) is SymbolicZero for t in tangents]
         jvp_jaxpr, jvp_consts, out_zeros = thunk.call_wrapped(*zeros)
-        vals = [Val(s.kind, x, (), leaf=s.leaf) for s, x in zip(specs[n:], primals)]
+        vals = [s.val(x, ()) for s, x in zip(specs[n:], primals)]
         vals += [Val(s.kind, t, ()) for s, t, z in zip(specs[n:], tangents, zeros) if not z]
         outs = evaluate(jvp_jaxpr, [const_val(c) for c in jvp_consts], vals, quiet)
         out_primals = [o.as_dtype(s.dtype) if o.managed else o.array
@@ -331,7 +337,7 @@ def _shard_map(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
     inner = ctx.nested(site.scope)
 
     def body(*arrays):
-        vals = [Val(s.kind, a, module_path(inner.prefix), leaf=s.leaf) for s, a in zip(specs, arrays)]
+        vals = [s.val(a, module_path(inner.prefix)) for s, a in zip(specs, arrays)]
         outs = evaluate(params["jaxpr"], [], vals, inner)
         out_specs[:] = [Spec.of(o) for o in outs]
         return tuple(o.array for o in outs)

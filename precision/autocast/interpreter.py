@@ -119,9 +119,10 @@ def evaluate(jaxpr: Any, consts: Sequence[Val], args: Sequence[Val], ctx: Contex
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
         with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
             outs = rewrite_eqn(site, ins, ctx)
-        if site.name in reductions.MOVES and ins and ins[0].leaf:
-            for val in outs:
-                val.leaf = True  # a param reshaped, cast or sliced is still a param as a layer reads it
+        leaf, const = _keeps_leaf(site, ins), all(v.const for v in ins)
+        for val in outs:
+            val.leaf = val.leaf or leaf  # a param reshaped, cast or sliced is still a param as a layer reads it
+            val.const = const
         for var, val in zip(eqn.outvars, outs, strict=True):
             if not isinstance(var, DropVar):
                 env[var] = val if val.path == path else val.retag(val.kind, path)
@@ -199,10 +200,21 @@ def bind_reducing(site: Site, ins: list[Val], args: Sequence[Any], reduce_dtype:
     return reductions.bind(site.eqn.primitive, args, sources, {**site.eqn.params, **param_updates}, reduce_dtype)
 
 
+def _keeps_leaf(site: Site, ins: list[Val]) -> bool:
+    """Whether the op's results are still the param its first operand is: it moves or
+    casts it, or looks it up at constant indices (a position table read at
+    ``arange(length)``: the same rows for every example, so its gradient is a
+    sum over the batch, like a bias's)."""
+    if not ins or not ins[0].leaf:
+        return False
+    return site.name in reductions.MOVES or (site.name == "gather" and ins[1].const)
+
+
 def _moves_a_leaf(site: Site, ins: list[Val]) -> bool:
-    """A reshape, slice, size-1 broadcast or narrowing cast of a param (other operands: indices)."""
+    """A reshape, slice, size-1 broadcast, narrowing cast or constant-index lookup of
+    a param (other operands: indices)."""
     head = ins[0] if ins else None
-    if site.name not in reductions.MOVES or head is None or not head.leaf or head.kind in (Kind.KEEP, Kind.NEUTRAL):
+    if not _keeps_leaf(site, ins) or head.kind in (Kind.KEEP, Kind.NEUTRAL):
         return False
     if any(v.managed for v in ins[1:]):
         return False

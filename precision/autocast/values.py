@@ -76,17 +76,22 @@ class Val:
     sliced...): a param as a layer reads it, not an activation. The gradients
     of leaves are the ones a data-parallel step reduces across devices
     (:mod:`precision.autocast.reductions`).
+
+    ``const``: computed from literals and concrete constants alone (``iota``,
+    ``jnp.arange``...), so the same on every device and every example: a
+    position table looked up at such indices is still a param.
     """
 
-    __slots__ = ("kind", "path", "array", "_casts", "leaf")
+    __slots__ = ("kind", "path", "array", "_casts", "leaf", "const")
 
     def __init__(self, kind: Kind, array: Any, path: tuple[str, ...] = (), casts: dict | None = None,
-                 leaf: bool = False):
+                 leaf: bool = False, const: bool = False):
         self.kind = kind
         self.array = array
         self.path = path
         self._casts = {} if casts is None else casts
         self.leaf = leaf
+        self.const = const
 
     @property
     def dtype(self) -> Any:
@@ -108,20 +113,22 @@ class Val:
 
     def retag(self, kind: Kind, path: tuple[str, ...] | None = None) -> "Val":
         """The same array (and casts) under another kind or path."""
-        return Val(kind, self.array, self.path if path is None else path, self._casts, self.leaf)
+        return Val(kind, self.array, self.path if path is None else path, self._casts, self.leaf, self.const)
 
 
-def make_val(array: Any, kind: Kind = Kind.HALF, path: tuple[str, ...] = ()) -> Val:
+def make_val(array: Any, kind: Kind = Kind.HALF, path: tuple[str, ...] = (), const: bool = False) -> Val:
     """A Val for an input array: ``kind`` if it is a policy float, KEEP otherwise."""
-    return Val(kind if is_policy_float(getattr(array, "dtype", None)) else Kind.KEEP, array, path, leaf=True)
+    kind = kind if is_policy_float(getattr(array, "dtype", None)) else Kind.KEEP
+    return Val(kind, array, path, leaf=True, const=const)
 
 
 def const_val(c: Any) -> Val:
     """Consts of a traced program: closed-over tracers are data, concrete arrays constants."""
-    return make_val(c, Kind.HALF if isinstance(c, jax.core.Tracer) else Kind.NEUTRAL)
+    traced = isinstance(c, jax.core.Tracer)
+    return make_val(c, Kind.HALF if traced else Kind.NEUTRAL, const=not traced)
 
 
 def literal_val(lit: Any) -> Val:
     """A literal of a traced program, as a constant."""
     array = np.asarray(lit.val, lit.aval.dtype) if hasattr(lit.aval, "dtype") else lit.val
-    return make_val(array, Kind.NEUTRAL)
+    return make_val(array, Kind.NEUTRAL, const=True)
