@@ -53,8 +53,8 @@ def measure(layout_name: str, spec: str) -> dict[str, Any]:
 
     def part(carries: str) -> dict[str, Any]:
         chosen = report.select(carries)
-        return {"bytes": sum(c.bytes for c in chosen), "sent_bytes": sum(c.sent_bytes for c in chosen),
-                "scattered_sent_bytes": sum(c.scattered_sent_bytes for c in chosen), "count": len(chosen), "dtypes": sorted({c.dtype for c in chosen})}
+        return {"bytes": report.bytes(carries), "sent_bytes": report.sent_bytes(carries),
+                "scattered_sent_bytes": report.scattered_sent_bytes(carries), "count": len(chosen), "dtypes": sorted({c.dtype for c in chosen})}
 
     return {"layout": layout_name, "policy": policy, "reduce_dtype": reduce_dtype or "auto", "stage": report.stage, "params": part("params"),
             "gradients": part("gradients"), "other": {"sent_bytes": report.sent_bytes() - sum(

@@ -35,7 +35,7 @@ __all__ = ["Collective", "CommunicationReport", "explain_communication", "hlo_co
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _INSTRUCTION = re.compile(
-    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>\(.*?\)|\S+)\s+(?P<kind>" + "|".join(KINDS)
+    r"^\s*(?:ROOT\s+)?(?P<name>%?[\w.\-]+)\s*=\s*(?P<shape>\(.*?\)|\S+)\s+(?P<kind>" + "|".join(KINDS)
     + r")(?P<start>-start)?\((?P<rest>.*)$", re.M)
 _OP = re.compile(r"^\s*(?:ROOT\s+)?(?P<name>%?[\w.\-]+)\s*=\s*(?P<shape>\(.*?\)|\S+)\s+(?P<op>[\w\-]+)"
                  r"\((?P<args>[^)]*)\)", re.M)
@@ -159,7 +159,7 @@ def hlo_collectives(text: str, device_count: int) -> list[Collective]:
             arrays = [(dt, _scattered_from(shape, rest, group)) for dt, shape in arrays]
         op_name = re.search(r'op_name="([^"]*)"', rest)
         name = op_name.group(1) if op_name else ""
-        parts = _parts(m.group(0), users, arrays) if kind == "all-reduce" and not m.group("start") else 1
+        parts = _parts(m.group("name"), users, arrays) if kind == "all-reduce" and not m.group("start") else 1
         for dtype, shape in arrays:
             found.append(Collective(kind, dtype, shape, group, _carries(name, shape), name, parts))
     return found
@@ -180,13 +180,13 @@ def _percent(name: str) -> str:
     return name if name.startswith("%") else "%" + name
 
 
-def _parts(line: str, users: dict[str, list[tuple[str, str, int]]], arrays: list) -> int:
+def _parts(name: str, users: dict[str, list[tuple[str, str, int]]], arrays: list) -> int:
     """k where every use of an all-reduce's (one) result keeps 1/k of it: dynamic-slices
     of one size, reached through ops that only move values; 1 otherwise."""
     if len(arrays) != 1:
         return 1
     size, kept = math.prod(arrays[0][1]), set()
-    pending = [_percent(_OP.match(line).group("name"))]
+    pending = [_percent(name)]
     while pending:
         uses = users.get(pending.pop(), [])
         if not uses:
