@@ -93,8 +93,9 @@ def mixed_precision(inner: optax.GradientTransformation,
         materialises the updates and costs more bytes, but on XLA:CPU it is
         faster: there the update's fusions read a gradient stored transposed
         (as the backward matmul leaves it) element by element, slowly, while a
-        cond passes it in transposed once; ``"auto"`` is cond on CPU, select
-        elsewhere.
+        cond passes it in transposed once; ``"auto"`` is cond where the step
+        is lowered for a CPU, select elsewhere (decided by the lowering's
+        platform, so a step compiled for a GPU from a CPU host gets select).
 
     Returns:
       A transformation whose ``update(scaled_grads, state, params)`` returns
@@ -127,8 +128,13 @@ def mixed_precision(inner: optax.GradientTransformation,
         for finiteness too: a non-finite loss skips the step even when its gradients are finite."""
         if state.master_params is not None and params is None:
             raise ValueError("mixed_precision with half-precision params needs `params` in update()")
-        strategy = skip_with if skip_with != "auto" else ("cond" if jax.default_backend() == "cpu" else "select")
-        return _update(inner, strategy, cast_to_full(scaled_grads), state, params, extra_args)
+        grads = cast_to_full(scaled_grads)
+        if skip_with != "auto":
+            return _update(inner, skip_with, grads, state, params, extra_args)
+        # auto: chosen for the platform the step is lowered for, not the host it is traced on
+        return jax.lax.platform_dependent(
+            grads, state, params, extra_args,
+            cpu=lambda *a: _update(inner, "cond", *a), default=lambda *a: _update(inner, "select", *a))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

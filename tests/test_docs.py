@@ -33,6 +33,13 @@ RUN_BY_TESTS = {
         "tests/test_communication.py::test_multidevice_explain_lists_the_collectives_of_the_experiments_step",
     "python -m train configs/fmnist_resnet_mixed_bf16.yaml workdir=/shared/runs/fmnist distributed.":
         "tests/test_distributed.py::test_two_processes_train_checkpoint_resume_and_match_one_process",
+    # JAX's CUDA plugin: CI's gpu-compile environment runs these (pytest -m gpu_compile)
+    "python -m train configs/gpu/gpt2_small_mixed_bf16.yaml --compile-for h100 --mesh":
+        "tests/test_compile_for.py::test_an_fsdp_step_on_8_h100s_gathers_params_in_bf16_and_its_gemms_stay_half",
+    "python -m train configs/gpu/gpt2_small_mixed_bf16.yaml --compile-for h100 precision.policy=mixed_fp8":
+        "tests/test_compile_for.py::test_mixed_fp8_with_min_size_0_gives_an_fp8_gemm_for_every_fp8_matmul",
+    "python -m train configs/gpu/gpt2_small_mixed_bf16.yaml --compile-for h100":
+        "tests/test_compile_for.py::test_gpt2_small_half_steps_fuse_attention_in_every_layer_with_half_gemms_and_a_third_of_the_memory",
 }
 #: Commands CI cannot run, and why.
 NOT_HERE = {

@@ -5,7 +5,9 @@ The Python API, for your own loop:
   :mod:`train.state` (``TrainState``, ``create_train_state``), :mod:`train.step` (jitted train
   and eval steps, gradient accumulation, several steps per call), :mod:`train.tasks` (losses),
   :mod:`train.inference` (half-precision serving), :mod:`train.distributed` (meshes, shardings,
-  processes), :mod:`train.checkpoint`, :mod:`train.metrics`.
+  processes), :mod:`train.checkpoint`, :mod:`train.metrics`; :mod:`train.compile_for` (a train
+  step compiled for a GPU this machine does not have: :mod:`train.targets`, read back by
+  :mod:`train.gpu_kernels`).
 
 Experiments from YAML, ``python -m train CONFIG key=value ...``:
   :mod:`train.cli` → :mod:`train.config` (schema, files, overrides, errors, help) →
@@ -26,6 +28,7 @@ from train.data import DataError, load_dataset
 from train.data.user import UserData
 from train.checkup import diagnose_experiment
 from train.communication import CommunicationReport, explain_communication
+from train.compile_for import CompiledStep, compile_for, compile_train_step
 from train.diagnose import diagnose_state
 from train.distributed import Layout, MeshError, initialize_distributed, make_mesh
 from train.inference import cast_for_inference, full_precision_params, inference_report
@@ -34,13 +37,14 @@ from train.metrics import MetricsWriter, read_metrics
 from train.references import UserCodeError
 from train.state import TrainState, create_train_state
 from train.step import evaluate, make_eval_step, make_multi_step, make_train_step, summarize_eval
+from train.targets import GpuTarget, TargetError, get_target
 from train.tasks import Task, cross_entropy, get_task
 
-__all__ = ["CheckpointError", "Checkpointer", "CommunicationReport", "ConfigError", "DataError", "ExperimentConfig", "Layout", "MeshError",
+__all__ = ["CheckpointError", "Checkpointer", "CommunicationReport", "CompiledStep", "ConfigError", "DataError", "ExperimentConfig", "Layout", "MeshError",
            "MetricsWriter", "NNXModel", "NonFiniteError", "Task", "TrainState", "UserCodeError", "UserData", "bind",
            "build_data", "build_experiment", "build_model", "build_optimizer", "build_task", "cast_for_inference",
-           "cast_variables", "check_model_fits_data", "create_train_state", "cross_entropy", "diagnose_experiment",
+           "cast_variables", "check_model_fits_data", "compile_for", "compile_train_step", "create_train_state", "cross_entropy", "diagnose_experiment",
            "diagnose_state", "evaluate", "explain_communication",
-           "full_precision_params", "get_task", "help_text", "inference_report", "initialize_distributed",
+           "full_precision_params", "get_target", "get_task", "GpuTarget", "help_text", "inference_report", "initialize_distributed",
            "load_config", "load_dataset", "make_eval_step", "make_mesh", "make_multi_step", "make_train_step",
-           "mode_kwargs", "read_metrics", "rebind", "run", "summarize_eval"]
+           "mode_kwargs", "read_metrics", "rebind", "run", "summarize_eval", "TargetError"]

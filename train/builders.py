@@ -176,11 +176,12 @@ def _build_dataclass(cls: type, values: dict, key: str) -> Any:
 
 
 def check_model_fits_data(model: Any, data: Any, name: str = "model", task: Task | None = None,
-                          model_config: Any = None) -> None:
+                          model_config: Any = None, memory: tuple[int, str] | None = None) -> None:
     """Raises :class:`ConfigError` unless ``model`` takes the data's inputs and the
     task takes its outputs: one logit per class (per token for language models)
     for the built-in tasks, a scalar loss for a user's. Checked abstractly.
-    ``model_config`` (its options, and where each was set) is named in the errors."""
+    ``model_config`` (its options, and where each was set) is named in the errors.
+    ``memory``: (bytes, where) the train state must fit in (0: unchecked); default: this machine's."""
     task = task or get_task("auto", data.task)
     batch = data.train_batch(0, 2, 0)
     bound = bind(model, "fp32")
@@ -192,7 +193,7 @@ def check_model_fits_data(model: Any, data: Any, name: str = "model", task: Task
     except Exception as e:  # noqa: BLE001 - any failure here is a model/data mismatch
         raise ConfigError(f"model '{name}' cannot take {data.name} inputs of shape {tuple(np.shape(sample))[1:]} "
                           f"({one_line(e)}){_with_options(model_config)}") from None
-    _check_params(variables, name, model_config)
+    _check_params(variables, name, model_config, memory)
     try:
         selected = task.select(outputs)
     except UserCodeError as e:
@@ -220,8 +221,8 @@ def check_model_fits_data(model: Any, data: Any, name: str = "model", task: Task
 TRAIN_STATE_BYTES_PER_PARAM = 16
 
 
-def _check_params(variables: Any, name: str, model_config: Any) -> None:
-    """The model has float params to train, and its train state fits in this machine's memory."""
+def _check_params(variables: Any, name: str, model_config: Any, memory: tuple[int, str] | None) -> None:
+    """The model has float params to train, and its train state fits in ``memory`` (this machine's)."""
     params = variables.get("params") if hasattr(variables, "get") else None
     leaves = jax.tree_util.tree_leaves_with_path(params or {})
     if not leaves:
@@ -233,11 +234,12 @@ def _check_params(variables: Any, name: str, model_config: Any) -> None:
                           f"gradients need floats; keep integer state in another collection "
                           f"(self.variable('constants', ...)) or an nnx.Variable that is not a Param")
     count = sum(int(np.prod(x.shape)) for _, x in leaves)
-    need, have = count * TRAIN_STATE_BYTES_PER_PARAM, _memory_bytes()
+    have, where = memory or (_memory_bytes(), "here")
+    need = count * TRAIN_STATE_BYTES_PER_PARAM
     if have and need > have:
         raise ConfigError(f"model '{name}' has {count:.3g} parameters: its train state (params or float32 masters, "
                           f"gradients, optimizer moments) needs about {_bytes(need)}, more than the {_bytes(have)} of "
-                          f"memory here{_with_options(model_config)}")
+                          f"memory {where}{_with_options(model_config)}")
 
 
 def _memory_bytes() -> int | None:

@@ -44,6 +44,18 @@ def _parser() -> argparse.ArgumentParser:
                              "training (checkpoints are only read)")
     parser.add_argument("--diagnose-steps", type=int, default=1, metavar="N",
                         help="with --diagnose: how many steps to diagnose (default 1)")
+    parser.add_argument("--compile-for", metavar="TARGET",
+                        help="compile one train step for a GPU this machine need not have (h100, h200, or a "
+                             "GpuTargetConfigProto text file; needs JAX's CUDA plugin: pip install "
+                             "'.[gpu-compile]'), building the state abstractly, and report whether it fits the "
+                             "device's memory, its kernels (cuDNN attention, GEMMs by library and operand dtypes, "
+                             "FP8 GEMMs), float32 GEMMs under a half policy and the collectives; writes "
+                             "WORKDIR/compiled-TARGET.json and exits without training (exit 1: does not fit)")
+    parser.add_argument("--devices", type=int, metavar="N",
+                        help="with --compile-for: how many devices of the target (default: mesh.data * mesh.fsdp, "
+                             "else 1)")
+    parser.add_argument("--mesh", metavar="data=D,fsdp=F",
+                        help="the device mesh, as the overrides mesh.data=D mesh.fsdp=F")
     return parser
 
 
@@ -61,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     be read (earlier ones kept), 130 interrupted (checkpoint saved).
     """
     args = _parser().parse_intermixed_args(argv)
+    if args.mesh is not None:
+        try:
+            args.overrides += _mesh_overrides(args.mesh)
+        except ValueError as e:
+            return _fail(str(e), 2)
     if not args.print_config:
         from train.distributed import MeshError, initialize_distributed
 
@@ -75,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
         return 0
+    if args.compile_for is not None:
+        return _compile_for(args.config, config, args.compile_for, args.devices)
+    if args.devices is not None:
+        return _fail("--devices goes with --compile-for (a run takes the devices it finds)", 2)
     if args.explain:
         return _explain(args.config, config)
     if args.check:
@@ -132,6 +153,34 @@ def _diagnose(path: str, config, steps: int) -> int:
     except OSError as e:
         return _fail(f"could not write the diagnosis to {config.workdir}: {e.strerror or e}", 3)
     return 0
+
+
+def _mesh_overrides(text: str) -> list[str]:
+    """``data=2,fsdp=4`` as the overrides ``mesh.data=2 mesh.fsdp=4``."""
+    overrides = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        if not sep or key.strip() not in ("data", "fsdp"):
+            raise ValueError(f"--mesh {text!r}: give data=D,fsdp=F (e.g. --mesh data=2,fsdp=4)")
+        overrides.append(f"mesh.{key.strip()}={value.strip()}")
+    return overrides
+
+
+def _compile_for(path: str, config, target: str, devices: int | None) -> int:
+    from train.compile_for import TargetError, compile_for, write_report
+
+    try:
+        report = compile_for(config, target, devices)
+    except TargetError as e:
+        return _fail(str(e), 2)
+    except (ConfigError, DataError) as e:
+        return _fail(f"{path}: {e}", 2)
+    print(report)
+    try:
+        print(f"\nwrote {write_report(report, config.workdir)}")
+    except OSError as e:
+        return _fail(f"could not write the report to {config.workdir}: {e.strerror or e}", 3)
+    return 0 if report.fits else 1
 
 
 def _explain(path: str, config) -> int:

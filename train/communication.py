@@ -31,7 +31,7 @@ import jax
 
 from train.distributed import GATHER_SCOPE
 
-__all__ = ["Collective", "CommunicationReport", "explain_communication", "hlo_collectives"]
+__all__ = ["Collective", "CommunicationReport", "compile_partitioned", "explain_communication", "hlo_collectives"]
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _INSTRUCTION = re.compile(
@@ -257,11 +257,17 @@ def explain_communication(fn: Callable, *args: Any, stage: str = "partitioned", 
 
 def _partitioned_text(lowered: Any) -> str | None:
     """The HLO text right after SPMD partitioning (None where XLA wrote none)."""
+    return compile_partitioned(lowered)[1]
+
+
+def compile_partitioned(lowered: Any) -> tuple[Any, str | None]:
+    """``lowered`` compiled, and its HLO text right after SPMD partitioning (None
+    where XLA wrote none), from the one compilation."""
     with tempfile.TemporaryDirectory() as directory:
-        lowered.compile({"xla_dump_to": directory, "xla_dump_hlo_pass_re": "spmd-partitioning"})
+        compiled = lowered.compile({"xla_dump_to": directory, "xla_dump_hlo_pass_re": "spmd-partitioning"})
         files = glob.glob(os.path.join(directory, "*after_spmd-partitioning*.txt"))
         if not files:
-            return None
+            return compiled, None
         with open(max(files, key=os.path.getsize)) as f:
-            return f.read()
+            return compiled, f.read()
 

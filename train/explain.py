@@ -28,7 +28,8 @@ def explain_experiment(config: ExperimentConfig, experiment: tuple | None = None
     training micro-batch, under its policy, rules and op lists."""
     data, _, model = experiment or build_experiment(config)
     wrapped = bind(model, config.precision.policy, config.precision.rules,
-                   ops=config_lib.build_op_lists(config.precision), autocast=config.precision.autocast)
+                   ops=config_lib.build_op_lists(config.precision), autocast=config.precision.autocast,
+                   fp8=config.precision.fp8.options())
     return explain_model(wrapped, data.sample_input(config.data.batch_size), train=True, backward=True)
 
 

@@ -98,13 +98,14 @@ def check_experiment(config: ExperimentConfig) -> str:
             f"{config.steps} steps; {_describe_layout(layout)}; workdir {workdir}")
 
 
-def build_experiment(config: ExperimentConfig) -> tuple[Any, Any, Any]:
+def build_experiment(config: ExperimentConfig, memory: tuple[int, str] | None = None) -> tuple[Any, Any, Any]:
     """The data, task and (unwrapped) model ``config`` names, checked to fit
-    each other before any compute (:class:`ConfigError` / ``DataError`` if not)."""
+    each other before any compute (:class:`ConfigError` / ``DataError`` if not).
+    ``memory``: (bytes, where) its train state must fit in (0: unchecked); default: this machine's."""
     data = build_data(config.data, config.seed)
     task = build_task(config.task, data, config.model.output)
     model = build_model(config.model, data, config.seed)
-    check_model_fits_data(model, data, config.model.name, task, config.model)
+    check_model_fits_data(model, data, config.model.name, task, config.model, memory)
     return data, task, model
 
 
@@ -140,10 +141,11 @@ def _start_devices(config: ExperimentConfig) -> Layout:
     return layout_of(config)
 
 
-def layout_of(config: ExperimentConfig) -> Layout:
-    """The device mesh the config asks for, checked against the devices and the batch sizes."""
+def layout_of(config: ExperimentConfig, devices: Any = None) -> Layout:
+    """The device mesh the config asks for, checked against the devices (default: every
+    device of every process) and the batch sizes."""
     try:
-        layout = Layout(make_mesh(config.mesh.data, config.mesh.fsdp), config.mesh.fsdp_min_size)
+        layout = Layout(make_mesh(config.mesh.data, config.mesh.fsdp, devices), config.mesh.fsdp_min_size)
         layout.check_batch_size(config.data.batch_size)
         layout.check_batch_size(config.data.eval_batch_size, "data.eval_batch_size")
     except MeshError as e:

@@ -7,12 +7,18 @@ program casts well op by op, but it materialises the ``(batch, heads, T, T)``
 logits, while cuDNN's fused kernel, which needs half-precision operands, never
 does. So while autocast traces a function, each call of
 ``jax.nn.dot_product_attention`` is traced as a marked ``jit`` whose name
-records the call. Where the call should be cuDNN's (on a GPU, half compute, the
-model left ``implementation`` open or asked for cuDNN), the interpreter does
-not rewrite that program but makes the call again with query, key and value in
-the region's compute dtype (everything else as traced). Elsewhere, or where
-cuDNN cannot take the shapes, it rewrites the traced XLA attention op by op as
-any other program: half matmuls around a float32 softmax.
+records the call. Where the call may be cuDNN's (half compute, the model left
+``implementation`` open or asked for cuDNN, and cuDNN's attention can be built
+here for these shapes), the interpreter makes the call again with query, key
+and value in the region's compute dtype, for the platform the program is
+*lowered* for: ``jax.lax.platform_dependent`` holds cuDNN's call for CUDA and
+the traced (XLA) attention rewritten op by op for every other platform, and
+lowering keeps one of the two. So the choice follows the target, not the host:
+compiling for an H100 from a CPU machine (JAX's compile-only CUDA client),
+exporting, and running on the GPU all get cuDNN's kernel, and a CPU run gets
+XLA's. Building cuDNN's call needs JAX's CUDA plugin (it describes cuDNN; no
+GPU is needed); without it, or where cuDNN cannot take the shapes, only the
+op-by-op rewrite is made.
 
 The float32 softmax guarantee holds either way: cuDNN keeps its softmax
 statistics in float32, and the op-by-op rewrite keeps ``exp`` and its sums in
@@ -32,13 +38,13 @@ import ast
 import contextlib
 import inspect
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["MARK", "QKV", "argument_names", "call_cudnn", "is_marked", "marking", "wants_cudnn"]
+__all__ = ["MARK", "QKV", "argument_names", "cudnn_call", "is_marked", "marking", "wants_cudnn"]
 
 #: The arguments autocast casts to the compute dtype; the rest (bias, mask, lengths) stay as traced.
 QKV = ("query", "key", "value")
@@ -137,43 +143,44 @@ def argument_names(eqn: Any) -> tuple[str, ...]:
 
 
 def wants_cudnn(eqn: Any, dtype: Any) -> bool:
-    """Whether the marked call ``eqn`` should run as cuDNN's fused attention with
+    """Whether the marked call ``eqn`` may run as cuDNN's fused attention with
     query, key and value in ``dtype``: half operands, and the model asked for
-    cuDNN or left the choice open on a GPU cuDNN's attention supports (compute
-    capability 8.0 or more). Otherwise autocast rewrites the traced (XLA)
-    attention op by op, as any other program."""
+    cuDNN or left the choice open. Whether cuDNN can take it is
+    :func:`cudnn_call`'s to say; where it runs is the lowering's (see above)."""
     implementation = _call(eqn)[3].get("implementation")
-    chosen = implementation == "cudnn" or (implementation is None and _cudnn_capable())
-    return chosen and np.dtype(dtype) in _HALF
+    return implementation in (None, "cudnn") and np.dtype(dtype) in _HALF and _cudnn_capable()
 
 
 def _cudnn_capable() -> bool:
+    """False only where this host's own GPUs are too old for cuDNN's fused attention
+    (compute capability below 8.0): a program traced there runs there. A CPU host
+    may be compiling for a GPU it does not have."""
     if jax.default_backend() != "gpu":
-        return False
+        return True
     return float(getattr(jax.devices()[0], "compute_capability", "0") or 0) >= 8.0
 
 
-def call_cudnn(eqn: Any, arrays: list) -> list | None:
-    """The marked call ``eqn`` made again as cuDNN's fused attention on ``arrays``
-    (query, key, value and any bias already in the compute dtype); its output
-    arrays, or ``None`` where cuDNN cannot take it (shapes, head size, cuDNN
-    version, or a backward pass it cannot run)."""
+def cudnn_call(eqn: Any, arrays: list) -> Callable[..., list] | None:
+    """The marked call ``eqn`` as cuDNN's fused attention: a function of ``arrays``
+    (query, key, value and any bias already in the compute dtype, in the call's
+    order) returning its output arrays; ``None`` where cuDNN's attention cannot be
+    built for them (no CUDA plugin, shapes, head size, or a backward pass it
+    cannot run), checked abstractly here."""
     names, _, _, static = _call(eqn)
-    kwargs = dict(zip(names, arrays, strict=True))
     static = {**static, "implementation": "cudnn"}
 
     def attend(*values):
-        return _ORIGINAL(**dict(zip(kwargs, values)), **static)
+        out = _ORIGINAL(**dict(zip(names, values, strict=True)), **static)
+        return list(out) if isinstance(out, tuple) else [out]
 
     try:
         # cuDNN checks some cases only when the backward pass is built, which may happen
         # later, outside this call (under jax.checkpoint): build it now, abstractly.
-        specs = [jax.ShapeDtypeStruct(np.shape(v), v.dtype) for v in kwargs.values()]
+        specs = [jax.ShapeDtypeStruct(np.shape(v), v.dtype) for v in arrays]
         jax.eval_shape(lambda *xs: _pull_back(attend, xs), *specs)
-        out = attend(*kwargs.values())
     except (NotImplementedError, RuntimeError, ValueError, TypeError):
         return None
-    return list(out) if isinstance(out, tuple) else [out]
+    return attend
 
 
 def _pull_back(fn: Any, args: tuple) -> Any:

@@ -108,37 +108,54 @@ def _closed_parts(closed: Any) -> tuple[Any, Sequence[Any]]:
 
 
 def _jit(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
-    updates = {}
     if fused_attention.is_marked(site.eqn) and fused_attention.wants_cudnn(site.eqn, site.region):
-        out = _cudnn_attention(site, ins, ctx)
+        out = _fused_attention(site, ins, ctx)
         if out is not None:
             return out
-    if str(site.eqn.params.get("name", "")).startswith(fused_attention.MARK):
-        # Rewritten as any program (a whole call, or a part a transformation split off): the mark
-        # has served, and its long name would be the name of a compiled program (and a cache file).
-        updates["name"] = "dot_product_attention"
     jaxpr, consts = _closed_parts(site.eqn.params["jaxpr"])
     if ctx.fp8.options.delayed and ctx.fp8.reachable:  # inlined: its matmuls then reach their amax histories
         return _inline(site, ins, ctx)
     closed, specs, records = retrace(jaxpr, consts, [Spec.of(v) for v in ins], ctx.at(site.scope))
     _commit(ctx, records)
-    return _vals(site, specs, bind(site, [v.array for v in ins], jaxpr=closed, **updates))
+    return _vals(site, specs, bind(site, [v.array for v in ins], jaxpr=closed, **_unmarked(site)))
 
 
-def _cudnn_attention(site: Site, ins: list[Val], ctx: Context) -> list[Val] | None:
-    """A ``jax.nn.dot_product_attention`` call made again as cuDNN's, query, key and
-    value in the region's compute dtype (see :mod:`precision.autocast.fused_attention`);
-    ``None`` where cuDNN cannot take it."""
+def _unmarked(site: Site) -> dict:
+    """A marked attention call rewritten as any program (a whole call, or a part a
+    transformation split off): the mark has served, and its long name would be the
+    name of a compiled program (and a cache file)."""
+    if str(site.eqn.params.get("name", "")).startswith(fused_attention.MARK):
+        return {"name": "dot_product_attention"}
+    return {}
+
+
+def _fused_attention(site: Site, ins: list[Val], ctx: Context) -> list[Val] | None:
+    """A ``jax.nn.dot_product_attention`` call made again for the platform it is lowered
+    for: cuDNN's fused attention with query, key and value in the region's compute
+    dtype on CUDA, the traced attention rewritten op by op elsewhere (see
+    :mod:`precision.autocast.fused_attention`); ``None`` where cuDNN's cannot be built."""
     names = fused_attention.argument_names(site.eqn)
     arrays = [v.as_dtype(site.region if name in fused_attention.QKV else var.aval.dtype) if v.managed else v.array
               for name, v, var in zip(names, ins, site.eqn.invars, strict=True)]
     if "bias" in names:  # cuDNN takes a bias in the operands' dtype; a -1e9 mask bias saturates, never inf
         i = names.index("bias")
         arrays[i] = cast(arrays[i], site.region, saturate=True)
-    results = fused_attention.call_cudnn(site.eqn, arrays)
-    if results is None:
+    cudnn = fused_attention.cudnn_call(site.eqn, arrays)
+    if cudnn is None:
         return None
-    log(ctx, site, site.region, "fused attention (cuDNN)")
+    jaxpr, consts = _closed_parts(site.eqn.params["jaxpr"])
+    closed, _, records = retrace(jaxpr, consts, [Spec.of(v) for v in ins], ctx.at(site.scope))
+    _commit(ctx, records)
+
+    fused_outs = jax.eval_shape(cudnn, *arrays)
+
+    def elsewhere(_, traced_args):  # in cuDNN's output dtypes: both branches give one type
+        outs = bind(site, traced_args, jaxpr=closed, **_unmarked(site))
+        return [o.astype(want.dtype) for o, want in zip(outs, fused_outs, strict=True)]
+
+    results = jax.lax.platform_dependent(arrays, [v.array for v in ins], cuda=lambda fused, _: cudnn(*fused),
+                                         default=elsewhere)
+    log(ctx, site, site.region, "fused attention (cuDNN where lowered for CUDA, XLA's elsewhere)")
     return outputs(site, results, Kind.HALF)
 
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 import math
 from typing import Any, Iterator, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from precision.autocast.regions import module_path, scope_names
 
 __all__ = ["Op", "binders", "iter_ops", "MatmulOp", "matmul_ops", "matmul_flops", "MATMUL_PRIMITIVES", "HALF_DTYPES",
-           "MOVES"]
+           "MOVES", "platform_branch", "host_platform"]
 
 MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated", "ragged_dot_general")
 HALF_DTYPES = frozenset(np.dtype(d) for d in ("float16", "bfloat16"))
@@ -53,12 +54,40 @@ def binders(jaxpr: Any) -> list[Any]:
     return list(jaxpr.all_invars) if hasattr(jaxpr, "all_invars") else [*jaxpr.constvars, *jaxpr.invars]
 
 
+def platform_branch(eqn: Any, platform: str | None) -> int | None:
+    """For a ``cond`` made by ``jax.lax.platform_dependent``, the branch a program
+    lowered for ``platform`` (``"cpu"``, ``"cuda"``...; ``None``: a platform no
+    branch names) keeps; ``None`` for any other equation."""
+    platforms = eqn.params.get("branches_platforms") if eqn.primitive.name == "cond" else None
+    if platforms is None:
+        return None
+    for i, names in enumerate(platforms):
+        if names is None or (platform is not None and platform in names):
+            return i
+    return None
+
+
+def host_platform() -> str:
+    """The lowering platform of this process's default devices: ``cpu``, ``cuda``, ``rocm`` or ``tpu``."""
+    platform = jax.default_backend()
+    if platform == "gpu":
+        version = str(getattr(jax.devices()[0].client, "platform_version", "")).lower()
+        return "rocm" if "rocm" in version else "cuda"
+    return platform
+
+
 def _sub_jaxprs(eqn: Any) -> Iterator[tuple[Any, float]]:
-    """(jaxpr, runs per run of ``eqn``) of each sub-program of ``eqn``."""
+    """(jaxpr, runs per run of ``eqn``) of each sub-program of ``eqn``; of a
+    platform-dependent ``cond``, only the branch for platforms it does not name
+    (the portable program: what the model computes, not a library's kernel)."""
     name = eqn.primitive.name
     times = float(eqn.params.get("length", 1)) if name == "scan" else 1.0
     if name == "shard_map" and "mesh" in eqn.params:
         times = float(getattr(eqn.params["mesh"], "size", 1))
+    branch = platform_branch(eqn, None)
+    if branch is not None:
+        yield eqn.params["branches"][branch].jaxpr, times
+        return
     for key, param in eqn.params.items():
         if name in ("custom_vjp_call", "custom_jvp_call") and key != "call_jaxpr":
             continue

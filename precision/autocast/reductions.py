@@ -154,10 +154,12 @@ def _product_cotangent(primitive: Any, params: dict, xs: Sequence[Any], i: int, 
     """The cotangent of operand ``i`` of a product: its transpose with a ``reduce_dtype``
     result (``None``: the transpose JAX takes, in the operand's dtype).
 
-    XLA's CPU runtime lacks some half x half -> float32 products, so where the
-    default backend is the CPU the operands are widened first: the same value
-    (half values are exact in float32, and the product accumulates in float32
-    either way). Decided when tracing, so the program holds one product."""
+    XLA's CPU runtime lacks some half x half -> float32 products, so a program
+    lowered for the CPU widens the operands first: the same value (half values
+    are exact in float32, and the product accumulates in float32 either way).
+    Decided by the platform the program is lowered for (a GPU gets the half x
+    half product, even compiled from a CPU host), so each lowering holds one
+    product."""
     def transpose(g, *operands):
         args = [_undefined(x) if j == i else x for j, x in enumerate(operands)]
         updates = {} if reduce_dtype is None else {"preferred_element_type": reduce_dtype}
@@ -171,7 +173,7 @@ def _product_cotangent(primitive: Any, params: dict, xs: Sequence[Any], i: int, 
         wide = [x.astype(reduce_dtype) if x.dtype.itemsize < reduce_dtype.itemsize else x for x in operands]
         return transpose(g.astype(wide[0].dtype), *wide)
 
-    return (widened if jax.default_backend() == "cpu" else transpose)(g, *xs)
+    return jax.lax.platform_dependent(g, *xs, cpu=widened, default=transpose)
 
 
 def _sum_cotangent(primitive: Any, params: dict, xs: Sequence[Any], g: Any, reduce_dtype: np.dtype) -> Any:

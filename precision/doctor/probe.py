@@ -16,8 +16,9 @@ inside one ``jax.jit``, and after each equation measures its floating outputs:
   scale with the loss scale), so the scales that keep gradients can be read off.
 
 jit, pjit, remat, custom_jvp/vjp calls are evaluated inline and scans unrolled,
-so every op of every layer is probed; ``while``, ``cond`` and ``shard_map`` run
-as they are, probed as one op. The training step itself is never touched: this
+so every op of every layer is probed; of a ``jax.lax.platform_dependent`` choice,
+the branch for this machine is evaluated inline too; ``while``, other ``cond``s and
+``shard_map`` run as they are, probed as one op. The training step itself is never touched: this
 is a separate program, run for a diagnosis.
 """
 
@@ -34,7 +35,7 @@ import numpy as np
 from jax.extend import source_info_util
 from jax.extend.core import DropVar, Literal
 
-from precision.autocast.program import MOVES, binders
+from precision.autocast.program import MOVES, binders, host_platform, platform_branch
 from precision.autocast.regions import module_path, scope_names
 
 __all__ = ["SCALES", "Probe", "run"]
@@ -192,6 +193,10 @@ class _Run:
             return self.evaluate(jaxpr, consts, ins, scope, backward)
         if name == "scan" and int(eqn.params["length"]) > 0:
             return self._scan(eqn, ins, scope, backward)
+        branch = platform_branch(eqn, host_platform())
+        if branch is not None:  # jax.lax.platform_dependent: the branch this machine runs, probed op by op
+            sub = eqn.params["branches"][branch]
+            return self.evaluate(sub.jaxpr, sub.consts, ins[1:], scope, backward)
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
         with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
             outs = eqn.primitive.bind(*ins, **eqn.params)

@@ -1,8 +1,9 @@
 """A decoder-only, GPT-style Transformer for character-level language modelling.
 
 Attention goes through :func:`jax.nn.dot_product_attention` with
-``is_causal=True``: cuDNN's fused (flash) attention on a GPU when the model
-computes in float16/bfloat16, XLA's implementation elsewhere (its softmax runs
+``is_causal=True``: cuDNN's fused (flash) attention when the model computes in
+float16/bfloat16 and the program is lowered for a CUDA GPU, XLA's implementation
+elsewhere (its softmax runs
 in float32, the two matmuls in the operands' dtype). No causal mask is kept for
 the backward pass: the backward pass rebuilds it (a remat policy that saves no
 boolean value), so the only ``(B, H, T, T)`` values saved are the softmax's.
@@ -20,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-#: ``attention_impl`` values: ``None`` picks cuDNN for half-precision operands on a GPU, XLA otherwise.
+#: ``attention_impl`` values: ``None`` picks cuDNN for half-precision operands lowered for a GPU, XLA otherwise.
 ATTENTION_IMPLS = (None, "xla", "cudnn")
 
 _HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
@@ -52,38 +53,40 @@ def _saves_no_masks(prim: Any, *avals: Any, **params: Any) -> bool:
     return not (dtypes and all(d is not None and not jnp.issubdtype(d, jnp.inexact) for d in dtypes))
 
 
-def _implementation(q: jax.Array, requested: str | None) -> str | None:
-    if requested is not None:
-        return None if requested == "xla" else requested
-    if jax.default_backend() == "gpu" and np.dtype(q.dtype) in _HALF:
-        return "cudnn"
-    return None
-
-
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str | None = None) -> jax.Array:
     """Causal softmax(q k^T) v over ``(batch, length, heads, head_dim)`` operands, ``q`` already scaled.
 
-    ``implementation``: ``None`` (cuDNN for half operands on a GPU, else XLA),
-    ``"xla"`` or ``"cudnn"``. Where cuDNN cannot take the shapes (head_dim over
-    its limit, no cuDNN), the automatic choice falls back to XLA.
+    ``implementation``: ``None`` (cuDNN for half operands where the program is
+    lowered for a CUDA GPU, else XLA), ``"xla"`` or ``"cudnn"``. The automatic
+    choice is made by the platform the program is lowered for
+    (``jax.lax.platform_dependent``), not the host that traces it, so a step
+    compiled for a GPU from a CPU machine gets cuDNN's kernel too; where cuDNN
+    cannot take the shapes (head_dim over its limit, no CUDA plugin to build its
+    call), it is XLA's everywhere.
     """
-    impl = _implementation(q, implementation)
+    def cudnn(q, k, v):  # its backward keeps q, k, v, the output and softmax statistics: no mask
+        return jax.nn.dot_product_attention(q, k, v, scale=1.0, is_causal=True, implementation="cudnn")
 
-    def attend(q, k, v, impl=impl):
-        if impl is None and np.dtype(q.dtype) == np.float16 and jax.default_backend() == "cpu":
-            # jax.nn's XLA attention asks float16 logits for the F16_F16_F32 dot algorithm, which
-            # XLA:CPU cannot compile (its fallback only catches errors raised while tracing).
-            return explicit_causal_attention(q, k, v)
-        return jax.nn.dot_product_attention(q, k, v, scale=1.0, is_causal=True, implementation=impl)
-
-    if impl == "cudnn" and implementation is None:
+    xla = jax.checkpoint(_xla_causal_attention, policy=_saves_no_masks)
+    if implementation == "cudnn":
+        return cudnn(q, k, v)
+    if implementation is None and np.dtype(q.dtype) in _HALF:
         try:
-            return attend(q, k, v)
+            return jax.lax.platform_dependent(q, k, v, cuda=cudnn, default=xla)
         except (NotImplementedError, RuntimeError, ValueError):  # checked while tracing: shapes, cuDNN version
-            impl = None
-    if impl == "cudnn":
-        return attend(q, k, v)  # its backward keeps q, k, v, the output and softmax statistics: no mask
-    return jax.checkpoint(lambda q, k, v: attend(q, k, v, None), policy=_saves_no_masks)(q, k, v)
+            pass
+    return xla(q, k, v)
+
+
+def _xla_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    def fused(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, scale=1.0, is_causal=True)
+
+    if np.dtype(q.dtype) == np.float16:
+        # jax.nn's XLA attention asks float16 logits for the F16_F16_F32 dot algorithm, which
+        # XLA:CPU cannot compile (its fallback only catches errors raised while tracing).
+        return jax.lax.platform_dependent(q, k, v, cpu=explicit_causal_attention, default=fused)
+    return fused(q, k, v)
 
 
 def explicit_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, softmax: Any = jax.nn.softmax,

@@ -1,0 +1,144 @@
+"""The H100 program of every policy on the benchmark models, compiled without a GPU.
+
+Each model of the suite at its ``gpu`` size (:mod:`benchmarks.workloads`: the
+GPT at the GPT-2-small shape, 16 x 1024 tokens; its pinned-dtype twin, every
+layer ``dtype=float32``; the ResNet; the MLP) under every policy of the suite
+and ``mixed_fp8`` (``min_size`` 0, and the default), its train step compiled
+for the target by JAX's compile-only CUDA client (:func:`train.compile_for`'s
+machinery) and read back: XLA's memory plan, cuDNN attention calls, GEMMs by
+operand dtype (float32, half, FP8), cuDNN convolutions, compile time.
+
+What it proves: the kernels, their operand dtypes and the memory plan XLA's GPU
+compiler makes for the target. What it does not: time. No autotuning runs
+without a GPU, so GEMMs get XLA's default configurations (Triton fusions where
+a tuned run might pick cuBLAS), and nothing is executed.
+
+    python -m benchmarks.compiled [--target h100] [--models gpt,mlp] [--policies fp32,mixed_bf16] [--out DIR]
+
+Needs JAX's CUDA plugin (``pip install '.[gpu-compile]'``; run with
+``JAX_PLATFORMS=cpu``). Writes ``<target>-compiled.{json,md}`` to ``--out``
+(default ``benchmarks/results``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import precision
+from benchmarks.report import RESULTS, environment
+from benchmarks.workloads import POLICIES, policy_case, workload
+from train import create_train_state
+from train.compile_for import compile_train_step
+from train.distributed import Layout, make_mesh
+from train.targets import TargetError, get_target, target_devices
+
+MODELS = ("gpt", "gpt_pinned", "resnet", "mlp")
+#: name -> (policy preset, loss scale, fp8 min_size or None)
+CASES = {**{c.name: (c.policy, c.loss_scale, None) for c in POLICIES},
+         "mixed_fp8": ("mixed_fp8", "none", 0), "mixed_fp8_default": ("mixed_fp8", "none", None)}
+
+
+def measure(model_name: str, case: str, target: Any, device: Any) -> dict[str, Any]:
+    """One model under one policy case, compiled for ``target``: its row of the table."""
+    w = workload(model_name, "gpu")
+    policy, loss_scale, min_size = CASES[case]
+    fp8 = precision.fp8_options(min_size=min_size) if min_size is not None else None
+    precision_name = policy_case(case).matmul_precision if case in {c.name for c in POLICIES} else None
+    task = "language_model" if w.tokens_per_example > 1 else "classification"
+    with jax.default_matmul_precision(precision_name or "default"):
+        sample = jnp.zeros((1, *w.inputs.shape[1:]), w.inputs.dtype)
+        state = jax.eval_shape(lambda: create_train_state(w.model, policy, optax.adamw(1e-3), jax.random.PRNGKey(0),
+                                                          sample, loss_scale=loss_scale, fp8=fp8))
+        labels = w.inputs.shape if task == "language_model" else w.inputs.shape[:1]
+        batch = {"inputs": w.inputs, "labels": jax.ShapeDtypeStruct(labels, "int32")}
+        report = compile_train_step(state, batch, Layout(make_mesh(1, 1, [device])), target, task=task,
+                                    experiment=f"{model_name} {case}")
+    kinds = {k: report.count(k) for k in ("cudnn_attention", "cudnn_attention_backward", "cudnn_conv")}
+    gemms = [k for k in report.kernels if k.gemm]
+    convs = [k for k in report.kernels if k.kind == "cudnn_conv"]
+    return {"model": model_name, "policy": case, "memory": report.memory, "fits": report.fits,
+            **kinds, "gemms": len(gemms), "f32_gemms": sum(k.has_f32_operand for k in gemms),
+            "half_gemms": sum(not k.has_f32_operand and not k.fp8 for k in gemms),
+            "fp8_gemms": sum(k.fp8 for k in gemms), "f32_convs": sum(k.has_f32_operand for k in convs),
+            "gemm_libraries": sorted({k.kind for k in gemms}), "seconds": report.seconds}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The rows as markdown, temporaries against the same model's fp32."""
+    fp32 = {r["model"]: r["memory"]["temp"] for r in rows if r["policy"] == "fp32"}
+    head = ("| model | policy | peak GiB | temp GiB | temp / fp32 | cuDNN attn fwd / bwd | GEMMs | f32 | half | fp8 "
+            "| convs f32 | compile s |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        m = r["memory"]
+        ratio = f"{m['temp'] / fp32[r['model']]:.2f}" if fp32.get(r["model"]) else "-"
+        lines.append(f"| {r['model']} | {r['policy']} | {m['peak'] / 2 ** 30:.2f} | {m['temp'] / 2 ** 30:.2f} | "
+                     f"{ratio} | {r['cudnn_attention']} / {r['cudnn_attention_backward']} | {r['gemms']} | "
+                     f"{r['f32_gemms']} | {r['half_gemms']} | {r['fp8_gemms']} | {r['f32_convs']} of "
+                     f"{r['cudnn_conv']} | {r['seconds']['compile']:.1f} |")
+    return "\n".join(lines)
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The table's page: what was compiled, the rows, and what they prove."""
+    return (f"# Train steps compiled for {result['device_kind']} without one\n\n"
+            f"`{result['command']}` (jax {result['environment']['jax']}, JAX's compile-only CUDA client on "
+            f"{result['environment']['device']}, {result['environment']['date']}). One train step per row, "
+            f"batch sizes of `benchmarks/workloads.py`'s `gpu` size (GPT: 16 x 1024 tokens). Peak: arguments + "
+            f"outputs - aliased + temporaries, per device, from XLA's memory plan; GEMMs by operand dtype; convs: "
+            f"cuDNN convolutions with a float32 operand, of all.\n\n{table(result['rows'])}\n\n"
+            "What it proves: the kernels XLA's GPU compiler chose for an H100, their operand dtypes and the memory "
+            "plan: under every half policy the GPT's attention is cuDNN's fused kernel forward and backward in "
+            "every layer, every GEMM and convolution reads half (or FP8) operands, pinned `dtype=float32` layers "
+            "included, and temporaries fall to a quarter of fp32's for the GPT, half for the ResNet. `mixed_fp8` "
+            "at the default `min_size` (1024) makes no FP8 GEMM at the GPT-2-small shape (d_model 768), as "
+            "`explain` says. What it does not prove: time. No autotuning runs without a GPU, so GEMMs get XLA's "
+            "default Triton configurations (a tuned run may pick cuBLAS), and nothing executes; the allocator's "
+            "peak on a device adds the CUDA context and fragmentation to XLA's plan.\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.compiled", description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default="h100", help="h100, h200 or a GpuTargetConfigProto text file")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    p.add_argument("--policies", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    p.add_argument("--out", default=str(RESULTS), help="directory for <target>-compiled.{json,md}")
+    args = p.parse_args(argv)
+    models, cases = args.models.split(","), args.policies.split(",")
+    unknown = [m for m in models if m not in MODELS] + [c for c in cases if c not in CASES]
+    if unknown:
+        p.error(f"unknown {', '.join(unknown)}; models: {', '.join(MODELS)}; policies: {', '.join(CASES)}")
+    try:
+        target = get_target(args.target)
+        device = target_devices(target)[0]
+    except TargetError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rows = []
+    for model_name in models:
+        for case in (["fp32"] if "fp32" not in cases else []) + cases:
+            rows.append(measure(model_name, case, target, device))
+            print(f"{model_name:<12}{case:<18}temp {rows[-1]['memory']['temp'] / 2 ** 30:7.2f} GiB  "
+                  f"GEMMs {rows[-1]['gemms']} (f32 {rows[-1]['f32_gemms']}, fp8 {rows[-1]['fp8_gemms']})", flush=True)
+    text = table(rows)
+    name = target.name.removesuffix(".txtpb")
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"target": target.name, "device_kind": target.device_kind, "environment": environment(),
+              "command": " ".join(["python", "-m", "benchmarks.compiled", *(argv or sys.argv[1:])]), "rows": rows}
+    (out / f"{name}-compiled.json").write_text(json.dumps(result, indent=1))
+    (out / f"{name}-compiled.md").write_text(markdown(result))
+    print(f"\n{text}\n\nwrote {out / f'{name}-compiled.json'} and {out / f'{name}-compiled.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

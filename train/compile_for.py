@@ -1,0 +1,239 @@
+"""``python -m train CONFIG --compile-for h100``: the experiment's train step,
+compiled for a GPU this machine does not have, and what that program does.
+
+Before renting GPUs, learn whether a config fits and whether its policy reaches
+the kernels it should: the train state is built abstractly (``jax.eval_shape``:
+nothing allocated, so a model far larger than this machine can be described),
+laid out on N compile-only devices of the target (:mod:`train.targets`), and one
+train step is lowered and compiled by XLA's GPU compiler. The report reads the
+compiled program (:mod:`train.gpu_kernels`, :mod:`train.communication`):
+
+- memory per device from XLA's plan (arguments, outputs, aliased, temporaries)
+  against the device's memory: whether it fits;
+- the kernels: cuDNN attention forward and backward, GEMMs by library (cuBLAS,
+  cuBLASLt, cuBLASLt FP8, Triton) and operand dtypes, cuDNN convolutions;
+- under a half policy, every GEMM with a float32 operand, by module path, and
+  which of them a rule asked for;
+- the collectives a step sends on N devices, with dtypes and bytes;
+- the time to trace and lower, and to compile.
+
+No autotuning runs without a GPU (XLA's default GEMM configurations), so it
+proves structure, dtypes and memory, not speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections import Counter
+from typing import Any
+
+import jax
+import numpy as np
+
+from train.communication import CommunicationReport, compile_partitioned, hlo_collectives
+from train.config import ConfigError, ExperimentConfig
+from train.distributed import Layout, MeshError, make_mesh
+from train.gpu_kernels import Kernel, read_kernels
+from train.targets import GpuTarget, TargetError, get_target, target_devices
+
+__all__ = ["CompiledStep", "compile_for", "compile_train_step", "write_report", "TargetError"]
+
+_KIND_NAMES = {"cudnn_attention": "cuDNN fused attention", "cudnn_attention_backward": "cuDNN fused attention (bwd)",
+               "cublas": "cuBLAS GEMM", "cublaslt": "cuBLASLt GEMM", "cublaslt_fp8": "cuBLASLt FP8 GEMM",
+               "triton_gemm": "Triton GEMM fusion", "xla_dot": "XLA dot (no GEMM library)",
+               "cudnn_conv": "cuDNN convolution"}
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledStep:
+    """One train step compiled for a GPU target, read back."""
+
+    target: GpuTarget
+    devices: int
+    mesh: dict[str, int]
+    experiment: str  # what was compiled: model, policy, batch
+    policy_half: bool  # the policy computes in half (or fp8): float32 GEMMs are worth naming
+    memory: dict[str, int]  # per device: argument, output, alias, temp, peak bytes
+    kernels: tuple[Kernel, ...]
+    communication: CommunicationReport
+    seconds: dict[str, float]  # lower, compile
+    hlo_text: str = dataclasses.field(default="", repr=False)  # the optimized program (compiled.as_text())
+
+    @property
+    def fits(self) -> bool:
+        return self.memory["peak"] <= self.target.memory_bytes
+
+    def f32_gemms(self, declared: bool = False) -> dict[str, int]:
+        """GEMMs with a float32 operand, counted by module path ("" for an op outside any
+        module): outside float32 regions (rules, ``precision.compute_in``), or, with
+        ``declared``, inside them."""
+        return dict(Counter(k.module for k in self.kernels
+                            if k.gemm and k.has_f32_operand and (k.region == "float32") == declared))
+
+    def kernel_rows(self) -> list[dict[str, Any]]:
+        """One row per (kernel kind, operand dtypes): how many."""
+        counts = Counter((k.kind, k.operands) for k in self.kernels)
+        order = list(_KIND_NAMES)
+        return [{"kind": kind, "operands": list(ops), "count": n} for (kind, ops), n in
+                sorted(counts.items(), key=lambda kv: (order.index(kv[0][0]) if kv[0][0] in order else 99, kv[0][1]))]
+
+    def count(self, kind: str | None = None, fp8: bool | None = None) -> int:
+        """Kernels of ``kind`` (None: any GEMM); ``fp8``: only (or no) FP8 GEMMs."""
+        return sum(1 for k in self.kernels if (k.kind == kind if kind else k.gemm)
+                   and (fp8 is None or k.fp8 == fp8))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"target": self.target.name, "device_kind": self.target.device_kind,
+                "device_memory_bytes": self.target.memory_bytes, "devices": self.devices, "mesh": self.mesh,
+                "experiment": self.experiment, "fits": self.fits, "memory": self.memory,
+                "kernels": self.kernel_rows(), "gemms": self.count(), "fp8_gemms": self.count(fp8=True),
+                "f32_gemms": self.f32_gemms() if self.policy_half else {},
+                "f32_gemms_in_float32_regions": self.f32_gemms(declared=True) if self.policy_half else {},
+                "collectives": self.communication.rows(), "seconds": self.seconds,
+                "jax": jax.__version__}
+
+    def __str__(self) -> str:
+        m, t = self.memory, self.target
+        lines = [f"Compiled for {t.device_kind} ({t.name}; {self.devices} device{'s' * (self.devices > 1)}, mesh "
+                 f"{self.mesh}; compile-only: XLA's default kernels, no autotuning) in "
+                 f"{self.seconds['compile']:.1f} s, after {self.seconds['lower']:.1f} s to trace and lower",
+                 f"  one train step of {self.experiment}",
+                 f"Memory per device (XLA's plan): arguments {_size(m['argument'])}, outputs {_size(m['output'])} "
+                 f"({_size(m['alias'])} aliased), temporaries {_size(m['temp'])}",
+                 f"  peak about {_size(m['peak'])} of {t.memory_bytes / 2 ** 30:.1f} GiB: "
+                 + ("fits" if self.fits else "DOES NOT FIT"),
+                 "Kernels:", f"  {'kind':<30}{'operands':<24}{'count':>6}"]
+        for row in self.kernel_rows():
+            lines.append(f"  {_KIND_NAMES.get(row['kind'], row['kind']):<30}{' x '.join(row['operands']):<24}"
+                         f"{row['count']:>6}")
+        if not self.kernels:
+            lines.append("  no GEMM, attention or convolution kernel")
+        fp8 = self.count(fp8=True)
+        if fp8 or "f8" in self.experiment:
+            lines.append(f"FP8 GEMMs: {fp8} of {self.count()} GEMMs")
+        if self.policy_half:
+            lines += self._f32_lines()
+        if self.devices > 1:
+            lines.append(str(self.communication))
+        return "\n".join(lines)
+
+    def _f32_lines(self) -> list[str]:
+        lines = []
+        for declared, what in ((False, "GEMMs with a float32 operand"),
+                               (True, "GEMMs with a float32 operand in float32 regions (rules)")):
+            f32 = self.f32_gemms(declared)
+            if not f32:
+                lines += [] if declared else [f"{what}: none"]
+                continue
+            lines.append(f"{what}: {sum(f32.values())}")
+            lines += [f"  {module or '(outside any module)'}: {n}"
+                      for module, n in sorted(f32.items(), key=lambda kv: (-kv[1], kv[0]))]
+        return lines
+
+
+def compile_for(config: ExperimentConfig, target: str | GpuTarget = "h100", devices: int | None = None
+                ) -> CompiledStep:
+    """Compiles one train step of ``config`` for ``target`` (``"h100"``, ``"h200"`` or a
+    ``GpuTargetConfigProto`` text file) on ``devices`` of it (default: the config's
+    mesh size, else 1), without a GPU, and reads the program back.
+
+    Raises:
+      TargetError: no CUDA plugin here, an unknown target, or a mesh that does not fit the devices.
+      ConfigError, DataError: the config cannot run (as :func:`train.run` would say).
+    """
+    from train.builders import build_train_state
+    from train.loop import build_experiment
+
+    gpu = get_target(target)
+    layout = _layout(config, target_devices(gpu, devices or _mesh_devices(config)))
+    data, task, model = build_experiment(config, memory=(0, ""))  # XLA's plan says what fits, below
+    start = time.perf_counter()
+    state = jax.eval_shape(lambda: build_train_state(config, model, data, layout)[0])  # nothing allocated
+    size = config.data.batch_size * config.accum_steps
+    batch = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
+                                   data.train_batch(0, size, config.seed))
+    return compile_train_step(state, batch, layout, gpu, task=task, accum_steps=config.accum_steps,
+                              experiment=_describe(config, state, size), started=start)
+
+
+def compile_train_step(state: Any, batch: Any, layout: Layout, target: GpuTarget, *, task: Any = "classification",
+                       accum_steps: int = 1, experiment: str = "", started: float | None = None) -> CompiledStep:
+    """Compiles :func:`train.make_train_step`'s step for ``target`` on the
+    compile-only devices of ``layout``'s mesh and reads the program back.
+    ``state``, ``batch``: abstract (``jax.eval_shape``), placed here by ``layout``."""
+    from train.step import make_train_step
+
+    start = time.perf_counter() if started is None else started
+    state = _placed(state, layout.state(state))
+    batch = _placed(batch, jax.tree_util.tree_map(lambda _: layout.batch(), batch))
+    lowered = make_train_step(accum_steps=accum_steps, layout=layout, task=task).lower(state, batch)
+    lowered_at = time.perf_counter()
+    compiled, partitioned = compile_partitioned(lowered)
+    done = time.perf_counter()
+    text, count = compiled.as_text(), layout.mesh.devices.size
+    stage = "partitioned" if partitioned is not None else "compiled"
+    return CompiledStep(
+        target=target, devices=count, mesh=dict(layout.mesh.shape), experiment=experiment,
+        policy_half=np.dtype(state.model.policy.compute_dtype).itemsize < 4, memory=_memory(compiled),
+        kernels=tuple(read_kernels(text)),
+        communication=CommunicationReport(tuple(hlo_collectives(partitioned or text, count)), stage, target.name),
+        seconds={"lower": round(lowered_at - start, 2), "compile": round(done - lowered_at, 2)}, hlo_text=text)
+
+
+def _size(n: float) -> str:
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} bytes"
+
+
+def _mesh_devices(config: ExperimentConfig) -> int:
+    if config.mesh.data == -1:
+        return config.mesh.fsdp
+    return config.mesh.data * config.mesh.fsdp
+
+
+def _layout(config: ExperimentConfig, devices: list) -> Layout:
+    try:
+        layout = Layout(make_mesh(config.mesh.data, config.mesh.fsdp, devices), config.mesh.fsdp_min_size)
+        layout.check_batch_size(config.data.batch_size)
+    except MeshError as e:
+        raise TargetError(f"{e} (--devices {len(devices)})".replace(
+            "; use mesh.data=-1 to take all of them, or set XLA_FLAGS=--xla_force_host_platform_device_count=N for "
+            "N CPU devices", "")) from None
+    return layout
+
+
+def _placed(state: Any, shardings: Any) -> Any:
+    return jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+
+
+def _memory(compiled: Any) -> dict[str, int]:
+    """XLA's memory plan per device; ``peak``: what must be resident at once (live
+    arguments, outputs not aliased to them, temporaries)."""
+    stats = compiled.memory_analysis()
+    m = {"argument": int(stats.argument_size_in_bytes), "output": int(stats.output_size_in_bytes),
+         "alias": int(stats.alias_size_in_bytes), "temp": int(stats.temp_size_in_bytes),
+         "code": int(getattr(stats, "generated_code_size_in_bytes", 0))}
+    m["peak"] = m["argument"] + m["output"] - m["alias"] + m["temp"] + m["code"]
+    return m
+
+
+def _describe(config: ExperimentConfig, state: Any, batch: int) -> str:
+    params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(state.params))
+    shape = getattr(config.data, "seq_len", None)
+    tokens = f" x {shape} tokens" if config.data.name in ("shakespeare", "synthetic_text") and shape else ""
+    return (f"{config.model.name} ({params / 1e6:.1f}M params), policy {config.precision.policy}, "
+            f"batch {batch}{tokens}")
+
+
+def write_report(report: CompiledStep, workdir: str) -> str:
+    """Writes ``WORKDIR/compiled-<target>.json``; returns its path."""
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, f"compiled-{report.target.name.removesuffix('.txtpb')}.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(report.to_json(), f, indent=1)
+    return path

@@ -1,0 +1,202 @@
+"""The kernels of a program compiled for a GPU, read from its optimized HLO text.
+
+What a policy promises on a GPU is decided by XLA's GPU compiler, so it is read
+from the program that compiler produced (``jax.jit(f).lower(...).compile()
+.as_text()``, for a real GPU or a compile-only target): which GEMMs run where
+(cuBLAS, cuBLASLt, cuBLASLt's FP8 GEMM, a Triton GEMM fusion, or an XLA dot
+left alone) with their operand dtypes, cuDNN's fused attention forward and
+backward, cuDNN's convolutions, each with the module path of the op it came
+from. A GEMM's operand dtypes are those its matrix unit reads: the ``dot``'s
+operands inside a Triton fusion (a ``convert`` the fusion applies first is part
+of the kernel), the custom call's operands for a library call.
+
+Each instruction is counted once: a loop body (a scanned layer) counts once
+however many times it runs.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterator, NamedTuple
+from urllib.parse import unquote
+
+from precision.autocast.regions import MODULE_PREFIX, TAG_PREFIX
+
+__all__ = ["Kernel", "read_kernels", "GEMM_KINDS", "module_of", "region_of"]
+
+#: Kernel kinds that are matrix multiplications.
+GEMM_KINDS = ("cublas", "cublaslt", "cublaslt_fp8", "triton_gemm", "xla_dot")
+#: Library calls by custom-call target (exact, or prefix for cuDNN's families).
+_LIBRARY = {"__cublas$gemm": "cublas", "__cublas$lt$matmul": "cublaslt", "__cublas$lt$matmul$f8": "cublaslt_fp8"}
+_TRITON_GEMM = ("__triton_gemm", "__triton_nested_gemm_fusion", "__cublas$lt$matmul")  # fusion kinds holding a GEMM
+FP8_TYPES = frozenset({"f8e4m3fn", "f8e5m2", "f8e4m3", "f8e4m3fnuz", "f8e5m2fnuz", "f8e3m4", "f8e4m3b11fnuz"})
+HALF_TYPES = frozenset({"f16", "bf16"}) | FP8_TYPES
+
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\((?P<params>.*)\)\s*->\s*.*\{\s*$")
+_PARAM = re.compile(r"%?([\w.\-]+):\s*\(?([a-z][a-z0-9]*)\[")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>\([^=]*?\)|[a-z][a-z0-9]*\[[^\]]*\]\S*)\s+"
+                    r"(?P<op>[\w\-]+)\((?P<rest>.*)$")
+_DTYPE = re.compile(r"([a-z][a-z0-9]*)\[")
+#: Frames JAX writes into op names without parentheses (control flow, remat), not module scopes.
+_JAX_FRAME = re.compile(r"cond|branch_\d+_fun|while|body|checkpoint|remat|rematted_computation|closed_call")
+
+
+class Kernel(NamedTuple):
+    """One kernel of a compiled GPU program."""
+
+    kind: str  # cublas, cublaslt, cublaslt_fp8, triton_gemm, xla_dot, cudnn_attention, cudnn_attention_backward,
+    #            cudnn_conv
+    operands: tuple[str, ...]  # HLO element types of the operands it computes on (a GEMM: lhs, rhs)
+    result: str  # HLO element type of its (first) result
+    module: str  # module path of the op it came from ("" if unknown)
+    op_name: str  # JAX's name for that op
+
+    @property
+    def region(self) -> str:
+        """The compute region it sits in (``float32`` for a rule's island; see :func:`region_of`)."""
+        return region_of(self.op_name)
+
+    @property
+    def gemm(self) -> bool:
+        return self.kind in GEMM_KINDS
+
+    @property
+    def fp8(self) -> bool:
+        """A GEMM with FP8 operands (cuBLASLt's FP8 call or a Triton FP8 GEMM)."""
+        return self.gemm and any(t in FP8_TYPES for t in self.operands)
+
+    @property
+    def has_f32_operand(self) -> bool:
+        return "f32" in self.operands or "f64" in self.operands
+
+
+class _Instr(NamedTuple):
+    name: str
+    dtype: str
+    op: str
+    operands: tuple[str, ...]
+    rest: str
+
+
+def _computations(text: str) -> dict[str, dict]:
+    """Computation name -> {"types": name -> element type, "instrs": [_Instr]}."""
+    comps: dict[str, dict] = {}
+    current = None
+    for line in text.splitlines():
+        header = _HEADER.match(line)
+        if header and not line.startswith(" "):
+            current = {"types": dict(_PARAM.findall(header.group("params"))), "instrs": []}
+            comps[header.group("name")] = current
+            continue
+        if current is None:
+            continue
+        m = _INSTR.match(line)
+        if m is None:
+            continue
+        dtype = _DTYPE.search(m.group("type"))
+        instr = _Instr(m.group("name"), dtype.group(1) if dtype else "", m.group("op"),
+                       tuple(_operand_names(m.group("rest"))), m.group("rest"))
+        current["types"][instr.name] = instr.dtype
+        current["instrs"].append(instr)
+    return comps
+
+
+def _operand_names(rest: str) -> list[str]:
+    """The operand names of an instruction (its text up to the closing paren of its operand list)."""
+    depth, end = 0, len(rest)
+    for i, ch in enumerate(rest):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            if depth == 0:
+                end = i
+                break
+            depth -= 1
+    return re.findall(r"%([\w.\-]+)", rest[:end])
+
+
+def module_of(op_name: str) -> str:
+    """The module path in an op's name: after its last ``precision.module=`` tag, else
+    Flax's scopes, without JAX's transformation frames, region tags and the op itself."""
+    tail = op_name.rsplit(MODULE_PREFIX, 1)[-1].split("/")[:-1]
+    return "/".join(unquote(p) for p in tail if p and not set(p) & set("(=:") and not _JAX_FRAME.fullmatch(p))
+
+
+def region_of(op_name: str) -> str:
+    """The dtype of the innermost compute region (``precision.compute_in``, a rule) an
+    op sits in: ``float32``, ``bfloat16``... (``""``: none)."""
+    tags = re.findall(re.escape(TAG_PREFIX) + r"(?:fp8\+)?([a-z0-9]+)", op_name)
+    return tags[-1] if tags else ""
+
+
+def _attr(rest: str, key: str) -> str:
+    m = re.search(key + r'="([^"]*)"', rest)
+    return m.group(1) if m else ""
+
+
+def _called(rest: str) -> list[str]:
+    return re.findall(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%?([\w.\-]+)", rest)
+
+
+def _dots(comps: dict, name: str, seen: set) -> Iterator[tuple[_Instr, dict]]:
+    """The dot instructions of a computation and the computations it calls."""
+    if name in seen or name not in comps:
+        return
+    seen.add(name)
+    comp = comps[name]
+    for instr in comp["instrs"]:
+        if instr.op == "dot":
+            yield instr, comp
+        for sub in _called(instr.rest):
+            yield from _dots(comps, sub, seen)
+
+
+def read_kernels(text: str) -> list[Kernel]:
+    """The GEMM, attention and convolution kernels of an optimized GPU HLO module's text."""
+    comps = _computations(text)
+    fused = set()  # computations a fusion calls: read through their fusion, not on their own
+    for comp in comps.values():
+        for instr in comp["instrs"]:
+            if instr.op == "fusion":
+                fused.update(_called(instr.rest))
+    kernels = []
+    for name, comp in comps.items():
+        if name in fused:
+            continue
+        for instr in comp["instrs"]:
+            kernels.extend(_kernels_of(instr, comp, comps))
+    return kernels
+
+
+def _kernels_of(instr: _Instr, comp: dict, comps: dict) -> list[Kernel]:
+    op_name = _attr(instr.rest, "op_name")
+    types = comp["types"]
+    if instr.op == "custom-call":
+        target = _attr(instr.rest, "custom_call_target")
+        operands = tuple(types.get(o, "") for o in instr.operands)
+        if target in _LIBRARY:
+            return [Kernel(_LIBRARY[target], operands[:2], instr.dtype, module_of(op_name), op_name)]
+        if target.startswith("__cudnn$fmha"):
+            kind = "cudnn_attention_backward" if "Backward" in target else "cudnn_attention"
+            return [Kernel(kind, operands[:3], instr.dtype, module_of(op_name), op_name)]
+        if target.startswith("__cudnn$conv"):
+            return [Kernel("cudnn_conv", operands[:2], instr.dtype, module_of(op_name), op_name)]
+        return []
+    if instr.op == "fusion":
+        kind = _fusion_kind(instr.rest)
+        found = []
+        for dot, inner in _dots(comps, _called(instr.rest)[0] if _called(instr.rest) else "", set()):
+            operands = tuple(inner["types"].get(o, "") for o in dot.operands[:2])
+            gemm = "triton_gemm" if kind in _TRITON_GEMM else "xla_dot"
+            found.append(Kernel(gemm, operands, dot.dtype, module_of(_attr(dot.rest, "op_name") or op_name),
+                                _attr(dot.rest, "op_name") or op_name))
+        return found
+    if instr.op == "dot":
+        operands = tuple(types.get(o, "") for o in instr.operands[:2])
+        return [Kernel("xla_dot", operands, instr.dtype, module_of(op_name), op_name)]
+    return []
+
+
+def _fusion_kind(rest: str) -> str:
+    m = re.search(r'"kind":"([^"]+)"', rest)
+    return m.group(1) if m else ""
