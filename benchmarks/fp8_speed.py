@@ -2,8 +2,9 @@
 
 Two shapes (issue 26): GPT-2-small (12 layers, d_model 768, sequence 1024) and a
 ~1B Llama-shaped decoder (16 layers, d_model 2048, sequence 2048; the project's
-GPT at that shape). For each: the compiled step's FP8 GEMMs (cuBLASLt custom
-calls whose operands are f8 in the optimized HLO), the median step time of both
+GPT at that shape). For each: the compiled step's FP8 GEMMs (cuBLASLt FP8 calls
+or Triton GEMM fusions whose operands are f8 in the optimized HLO, and which of
+the two ran them), the median step time of both
 policies timed in turn (ABBA rounds), and the loss after the same steps from
 the same init (goal: within 1% of bf16; speed goal on the 1B shape: >= 1.3x).
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import re
+from collections import Counter
 from typing import Any
 
 import jax
@@ -31,6 +32,7 @@ import precision
 from benchmarks.measure import alternating_ratio
 from benchmarks.report import RESULTS, device_slug, environment
 from train import create_train_state, make_train_step
+from train.gpu_kernels import read_kernels
 from train.models import GPT
 
 #: name -> (layers, heads, d_model, sequence, batch)
@@ -39,13 +41,12 @@ SHAPES = {
     "gpt2_small": (12, 12, 768, 1024, 8),
     "llama_1b": (16, 16, 2048, 2048, 4),
 }
-_FP8_OPERAND = re.compile(r"f8e4m3fn\[|f8e5m2\[")
-
-
-def fp8_gemms(compiled_text: str) -> dict[str, int]:
-    """GEMM custom calls of an optimized HLO module, and how many take FP8 operands."""
-    calls = [line for line in compiled_text.splitlines() if "custom-call" in line and "cublas" in line]
-    return {"gemms": len(calls), "fp8_gemms": sum(1 for line in calls if _FP8_OPERAND.search(line))}
+def fp8_gemms(compiled_text: str) -> dict[str, Any]:
+    """GEMMs of an optimized GPU HLO module (cuBLAS/cuBLASLt calls and Triton GEMM fusions),
+    how many take FP8 operands, and which libraries ran them (:mod:`train.gpu_kernels`)."""
+    gemms = [k for k in read_kernels(compiled_text) if k.gemm]
+    return {"gemms": len(gemms), "fp8_gemms": sum(k.fp8 for k in gemms),
+            "fp8_by": dict(Counter(k.kind for k in gemms if k.fp8))}
 
 
 def _state_and_step(shape: tuple[int, ...], policy: str, min_size: int):
@@ -94,7 +95,9 @@ def markdown(result: dict[str, Any]) -> str:
              "loss vs bf16 |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, r in result["shapes"].items():
         g = r["gemms"]["mixed_fp8"]
-        lines.append(f"| {name} | {100 * r['fp8_share']:.0f}% | {g['fp8_gemms']} of {g['gemms']} | "
+        by = ", ".join(f"{n} {kind}" for kind, n in sorted(g.get("fp8_by", {}).items()))
+        lines.append(f"| {name} | {100 * r['fp8_share']:.0f}% | {g['fp8_gemms']} of {g['gemms']}"
+                     f"{f' ({by})' if by else ''} | "
                      f"{1e3 * r['bf16_seconds']:.1f} ms | {1e3 * r['fp8_seconds']:.1f} ms | {r['speedup']:.2f}x | "
                      f"{100 * r['loss_vs_bf16']:+.2f}% |")
     return "\n".join(lines) + "\n"
