@@ -123,6 +123,22 @@ class Explanation:
         return sum(self.uncovered.values()) / total if total else 0.0
 
     @property
+    def fp8_coverage(self) -> str:
+        """``"fp8 covers 0% of matmul FLOPs (all below fp8 min_size 1024)"``: the FP8 share,
+        and why the rest is not FP8 (each reason once, without its sizes)."""
+        share = self.fp8_share
+        if share != share:  # nan: no matmul at all
+            return "fp8 covers no matmul FLOPs (the model has no matmul or convolution)"
+        reasons = list(dict.fromkeys(m.not_fp8_reason.split(" (")[0] for m in self.modules
+                                     if m.total_flops > m.fp8_flops and m.not_fp8_reason))
+        text = f"fp8 covers {100 * share:.0f}% of matmul FLOPs"
+        if share >= 1.0 or not reasons:
+            return text
+        if share == 0:
+            return f"{text} (all {reasons[0]})" if len(reasons) == 1 else f"{text} ({'; '.join(reasons)})"
+        return f"{text} (the rest: {'; '.join(reasons)})"
+
+    @property
     def shows_fp8(self) -> bool:
         """The policy, a rule or a region put matmuls in FP8: the table shows FP8 shares."""
         return self.policy.fp8 or sum(self.fp8) > 0
@@ -137,6 +153,7 @@ class Explanation:
             lines.append("matmul/conv FLOPs with fp8 operands: "
                          + share_text("forward", (self.fp8[0], self.forward[1]))
                          + ("; " + share_text("backward", (self.fp8[1], self.backward[1])) if self.backward else ""))
+            lines.append(self.fp8_coverage)
             lines += columns(fp8_rows(self.modules))
         else:
             rows = [("module", "params", "matmul/conv", "half", "float32 because")]

@@ -196,6 +196,38 @@ def test_explain_gives_fp8_shares_and_why_a_matmul_is_not_fp8():
     assert "min_size" in by_path["head"].not_fp8_reason  # N = 8 < 16
     assert "dot_general only" in by_path["Conv_0"].not_fp8_reason
     assert 0 < e.fp8_share < 1 and "not fp8 because" in e.table()
+    assert e.fp8_coverage.startswith(f"fp8 covers {100 * e.fp8_share:.0f}% of matmul FLOPs (the rest: ")
+    assert "below fp8 min_size 16" in e.fp8_coverage and e.fp8_coverage in e.table()
+    none = precision.explain(Net(), x, policy="mixed_fp8", fp8={"min_size": 4096})
+    assert none.fp8_coverage == "fp8 covers 0% of matmul FLOPs (fp8 takes dot_general only; below fp8 min_size 4096)"
+
+
+def test_a_run_that_computes_nothing_in_fp8_says_so_in_its_header_summary_and_explain(tmp_path):
+    """Issue 39 (2, 3): the default experiment under mixed_fp8 (every matmul below min_size 1024)
+    trained as bf16 without a word, and --explain ignored precision.fp8.*."""
+    from train.cli import main
+
+    base = ["configs/default.yaml", "precision.policy=mixed_fp8", "steps=2", "progress=false",
+            "inference_dtypes=[]", "checkpoint_every=0", "eval_every=0"]
+    out = _run_cli(main, [*base, f"workdir={tmp_path / 'a'}"])
+    assert out.count("fp8 covers 0% of matmul FLOPs (all below fp8 min_size 1024)") == 2  # header and summary
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["notes"] == [
+        "fp8 covers 0% of matmul FLOPs (all below fp8 min_size 1024)"]
+    out = _run_cli(main, [*base, f"workdir={tmp_path / 'b'}", "precision.fp8.min_size=0"])
+    assert out.count("fp8 covers 100% of matmul FLOPs") == 2
+    explained = _run_cli(main, ["configs/default.yaml", "precision.policy=mixed_fp8", "precision.fp8.min_size=0",
+                                "--explain"])
+    assert "fp8 covers 100% of matmul FLOPs" in explained and "below fp8 min_size" not in explained
+
+
+def _run_cli(main, argv):
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    return out.getvalue()
 
 
 # ----------------------------------------------------------------------------- delayed scaling in training

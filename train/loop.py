@@ -32,7 +32,7 @@ from train.distributed import Layout, MeshError, host_rows, initialize_distribut
 from train.inference import inference_report
 from train.metrics import OutputError, Progress
 from train.outputs import Outputs, restore, save_last_good, save_on_interrupt
-from train.state import TrainState
+from train.state import TrainState, explain_model
 from train.step import evaluate, make_eval_step, make_multi_step, make_train_step
 from train.tracker import NonFiniteError, Tracker, format_summary, model_label
 from train.workdir import RESUMABLE_CHANGES, check_same_experiment, check_writable, resolved_config  # noqa: F401
@@ -173,11 +173,23 @@ def _start_tracking(config: ExperimentConfig, state: TrainState, start: int, dat
     """The progress bar and the host-side bookkeeping; announces the run."""
     primary = jax.process_index() == 0
     progress = Progress(config.steps, start, primary and config.progress and start < config.steps)
-    tracker = Tracker(config, state, data, task, outputs.writer, progress, outputs.on_record)
+    notes = _fp8_coverage(config, state, data)
+    tracker = Tracker(config, state, data, task, outputs.writer, progress, outputs.on_record, notes)
     print(f"{model_label(config.model.name)} on {data.describe()}; policy {state.policy} ({config.precision.policy}), "
           f"loss scale {type(state.loss_scale).__name__}; steps {start} -> {config.steps}; "
           f"{_describe_layout(layout)}; workdir {outputs.workdir}", file=outputs.out)
+    for note in notes:
+        print(note, file=outputs.out)
     return tracker
+
+
+def _fp8_coverage(config: ExperimentConfig, state: TrainState, data: Any) -> list[str]:
+    """Under an FP8 policy, the share of matmul FLOPs FP8 covers (a run that computes
+    nothing in FP8 says so, instead of training as bf16 without a word)."""
+    if not state.policy.fp8:
+        return []
+    explanation = explain_model(state.model, data.sample_input(config.data.batch_size), train=True, backward=True)
+    return [explanation.fp8_coverage]
 
 
 class _Evaluator:

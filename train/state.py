@@ -21,9 +21,10 @@ class TrainState(struct.PyTreeNode):
     float32 masters then live in the optimizer state), optimizer state (holding
     the loss-scale state), model state (BatchNorm statistics) and the RNG key.
 
-    ``model`` (the module under its policy) and ``tx`` (the mixed-precision
-    optimizer) are static: they are not saved in checkpoints and define how the
-    arrays are used.
+    ``model`` (the module under its policy), ``tx`` (the mixed-precision
+    optimizer) and ``layout`` (the mesh and shardings it was created in, if any)
+    are static: they are not saved in checkpoints and define how the arrays are
+    used. A step made without a layout runs a state in its own.
     """
 
     step: jax.Array
@@ -33,6 +34,7 @@ class TrainState(struct.PyTreeNode):
     rng: jax.Array
     model: Any = struct.field(pytree_node=False)  # precision.LinenWithPolicy or train.NNXModel
     tx: optax.GradientTransformation = struct.field(pytree_node=False)
+    layout: Layout | None = struct.field(pytree_node=False, default=None)  # the mesh it was created on
 
     @property
     def policy(self) -> precision.Policy:
@@ -118,7 +120,7 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
     tx = _mixed_precision_optimizer(optimizer, params, wrapped.policy, loss_scale, max_grad_norm, skip_with)
     _check_reduce_dtype(wrapped, precision.current_loss_scale(jax.eval_shape(tx.init, params)))
     state = TrainState(step=jnp.zeros([], jnp.int32), params=params, opt_state=_sharded_jit(tx.init, layout)(params),
-                       model_state=model_state, rng=rng, model=wrapped, tx=tx)
+                       model_state=model_state, rng=rng, model=wrapped, tx=tx, layout=layout)
     return state if layout is None else layout.put_state(state)
 
 

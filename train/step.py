@@ -75,6 +75,34 @@ def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], A
         raise ValueError(f"accum_steps must be an integer >= 1, got {accum_steps!r}")
     task = get_task(task)
 
+    def train_step(state: TrainState, batch: dict) -> tuple[TrainState, Metrics]:
+        lay = step_layout(layout, state, "make_train_step")
+        if lay is not None:
+            batch = lay.constrain_batch(batch)
+        loss_scale = precision.current_loss_scale(state.opt_state)
+        rng = jax.random.fold_in(state.rng, state.step)
+        grads, fp8_state, loss, task_metrics, model_state = _gradients(
+            _loss_fn(lay, task, train_kwarg), state, batch, rng, loss_scale, accum_steps, lay)
+        if lay is not None:
+            grads = lay.constrain_state(grads)
+        # value: the loss, checked with the gradients (a non-finite loss skips the step too)
+        updates, opt_state = state.tx.update(grads, state.opt_state, state.params, value=loss)
+        model_state = _with_fp8_state(model_state, fp8_state, state, opt_state)
+        metrics = {**task_metrics, "loss": loss, **_optimizer_metrics(loss_scale, opt_state)}
+        if learning_rate_fn is not None:
+            applied = state.step - loss_scale.skipped_steps
+            metrics["learning_rate"] = jnp.asarray(learning_rate_fn(applied), jnp.float32)
+        new_state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                                  opt_state=opt_state, model_state=model_state)
+        if lay is not None:
+            new_state = lay.constrain_state(new_state)
+            metrics = jax.lax.with_sharding_constraint(metrics, lay.replicated())
+        return new_state, metrics
+
+    return _LaidOutStep(jax.jit(train_step, donate_argnums=(0,) if donate else ()), layout, "make_train_step")
+
+
+def _loss_fn(layout: Layout | None, task: Task, train_kwarg: str | None) -> Callable:
     def loss_fn(params, fp8_state, model_state, batch, rng, state, loss_scale, gather_dtypes=None):
         """The scaled loss of one (micro-)batch, and (loss, task metrics, new model state); the
         gradient with respect to ``fp8_state`` (FP8 amax histories, or None) is their new value.
@@ -90,30 +118,50 @@ def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], A
         loss, task_metrics = task.loss(outputs, batch)
         return loss_scale.scale(loss), (loss, task_metrics, new_model_state)
 
-    def train_step(state: TrainState, batch: dict) -> tuple[TrainState, Metrics]:
-        if layout is not None:
-            batch = layout.constrain_batch(batch)
-        loss_scale = precision.current_loss_scale(state.opt_state)
-        rng = jax.random.fold_in(state.rng, state.step)
-        grads, fp8_state, loss, task_metrics, model_state = _gradients(loss_fn, state, batch, rng, loss_scale,
-                                                                       accum_steps, layout)
-        if layout is not None:
-            grads = layout.constrain_state(grads)
-        # value: the loss, checked with the gradients (a non-finite loss skips the step too)
-        updates, opt_state = state.tx.update(grads, state.opt_state, state.params, value=loss)
-        model_state = _with_fp8_state(model_state, fp8_state, state, opt_state)
-        metrics = {**task_metrics, "loss": loss, **_optimizer_metrics(loss_scale, opt_state)}
-        if learning_rate_fn is not None:
-            applied = state.step - loss_scale.skipped_steps
-            metrics["learning_rate"] = jnp.asarray(learning_rate_fn(applied), jnp.float32)
-        new_state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                                  opt_state=opt_state, model_state=model_state)
-        if layout is not None:
-            new_state = layout.constrain_state(new_state)
-            metrics = jax.lax.with_sharding_constraint(metrics, layout.replicated())
-        return new_state, metrics
+    return loss_fn
 
-    return jax.jit(train_step, donate_argnums=(0,) if donate else ())
+
+def step_layout(given: Layout | None, state: TrainState, what: str) -> Layout | None:
+    """The layout a step runs ``state`` in: the one given, else the one the state was
+    created in (``create_train_state(..., layout=)``); the two must agree."""
+    own = getattr(state, "layout", None)
+    if given is not None and own is not None and given != own:
+        raise ValueError(f"{what}: layout= (mesh {dict(given.mesh.shape)}) is not the layout the state was created "
+                         f"in (mesh {dict(own.mesh.shape)}); pass the state's (state.layout) or none")
+    return given if given is not None else own
+
+
+class _LaidOutStep:
+    """A jitted step that refuses a state split over devices with no layout to run it in:
+    without one XLA would gather activations across devices (and say so only in a warning)."""
+
+    def __init__(self, jitted: Callable, layout: Layout | None, what: str):
+        self._jitted, self._layout, self._what = jitted, layout, what
+
+    def _check(self, state: Any) -> None:
+        if self._layout is not None or getattr(state, "layout", None) is not None:
+            return
+        for leaf in jax.tree_util.tree_leaves(getattr(state, "params", None)):
+            sharding = getattr(leaf, "sharding", None)
+            if isinstance(leaf, jax.core.Tracer) or sharding is None or len(sharding.device_set) <= 1:
+                continue
+            mesh = getattr(sharding, "mesh", None)
+            where = f"a mesh {dict(mesh.shape)}" if mesh is not None else f"{len(sharding.device_set)} devices"
+            raise ValueError(f"{self._what}: this state's params are split over {where}, and the step has no layout "
+                             f"to run them in (XLA would gather activations across devices): pass the layout the "
+                             f"state was placed with, {self._what}(layout=layout), or create the state with "
+                             f"create_train_state(..., layout=layout)")
+
+    def __call__(self, state: Any, *args: Any, **kwargs: Any) -> Any:
+        self._check(state)
+        return self._jitted(state, *args, **kwargs)
+
+    def lower(self, state: Any, *args: Any, **kwargs: Any) -> Any:
+        self._check(state)
+        return self._jitted.lower(state, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:  # the jitted function's own (trace, eval_shape, ...)
+        return getattr(self._jitted, name)
 
 
 def _gather_dtypes(forward: Callable[[Any], Any], params: Any, layout: Layout | None) -> Any:
@@ -268,19 +316,20 @@ def make_eval_step(*, train_kwarg: str | None = "auto", layout: Layout | None = 
 
     def eval_step(state: TrainState, batch: dict) -> Metrics:
         mode = _mode(state.model, False, train_kwarg)
+        lay = step_layout(layout, state, "make_eval_step")
 
         def forward(params):
             return state.model.apply({"params": params, **state.model_state}, batch["inputs"], **mode)
 
         params = state.params
-        if layout is not None:
-            batch = layout.constrain_batch(batch)
-            params = layout.gather(params, _gather_dtypes(forward, params, layout))
+        if lay is not None:
+            batch = lay.constrain_batch(batch)
+            params = lay.gather(params, _gather_dtypes(forward, params, lay))
         outputs = forward(params)
         sums = task.eval_sums(outputs, batch)
-        return sums if layout is None else jax.lax.with_sharding_constraint(sums, layout.replicated())
+        return sums if lay is None else jax.lax.with_sharding_constraint(sums, lay.replicated())
 
-    return jax.jit(eval_step)
+    return _LaidOutStep(jax.jit(eval_step), layout, "make_eval_step")
 
 
 def summarize_eval(sums: dict[str, Any], task: str = "classification") -> dict[str, float]:

@@ -41,8 +41,9 @@ class Tracker:
     non-finite stop rule, and records to the metrics writer."""
 
     def __init__(self, config: ExperimentConfig, state: TrainState, data: Any, task: Any, writer: MetricsWriter,
-                 progress: Progress, on_record: Callable[[dict], None] | None):
+                 progress: Progress, on_record: Callable[[dict], None] | None, notes: list[str] | None = None):
         self.config, self.data, self.writer, self.on_record = config, data, writer, on_record
+        self.notes = list(notes or [])  # what the summary repeats of the run's header (the fp8 share)
         self.language_model = task.name == "language_model"
         self.progress = progress
         self.leaf_paths = ["params/" + name for name in leaf_names(state.params)]
@@ -211,6 +212,7 @@ class Tracker:
                            "increases": self.increases, "decreases": self.decreases,
                            "skipped_steps": self.skipped, "skipped_this_run": self.skipped - self.skipped_start},
             "inference": report,
+            "notes": self.notes,
         }
 
 
@@ -241,5 +243,6 @@ def format_summary(s: dict) -> str:
         halves = ", ".join(f"{d} {m['accuracy']:.4f} ({m['accuracy_delta']:+.4f})"
                            for d, m in s["inference"].items() if d != "float32")
         lines.append(f"inference accuracy: float32 {f32:.4f}, {halves}")
+    lines += s.get("notes", [])
     lines.append(f"outputs in {s['workdir']}: metrics.jsonl, config.yaml, summary.json, checkpoints/, tensorboard/")
     return "\n".join(lines)

@@ -80,7 +80,7 @@ def skip_reason(primitive: str, ins: list, eqn: Any, options: Fp8Options) -> str
     dims = eqn.params["dimension_numbers"]
     m, k, n = matmul_sizes(eqn.invars[0].aval.shape, eqn.invars[1].aval.shape, dims)
     if min(m, k, n) < options.min_size:
-        return f"{BELOW_MIN_SIZE} ({m}x{k}x{n} < {options.min_size})"
+        return f"{BELOW_MIN_SIZE} {options.min_size} (M x K x N = {m}x{k}x{n})"
     return None
 
 
