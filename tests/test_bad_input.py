@@ -277,6 +277,15 @@ CHECKED = [
     (["precision.policy=mixed_bf16", "precision.growth_factor=0.5"], "precision: growth_factor must be a number > 1"),
     (["precision.backoff_factor=2"], "precision: backoff_factor must be a number in (0, 1], got 2.0"),
     (["precision.policy=p=f32,  c=f17"], "Invalid precision policy 'p=f32,  c=f17': unknown dtype 'f17' at position 10"),
+    # issue 39 (5): a loss scale of 0 skipped every step and exited 0; min_lr above lr decayed upwards
+    (["precision.loss_scale=static", "precision.initial_scale=0"],
+     "the command line (precision.initial_scale=0): precision.initial_scale must be > 0, got 0"),
+    (["precision.loss_scale=dynamic", "precision.initial_scale=0"], "precision.initial_scale must be > 0, got 0"),
+    (["precision.min_scale=0"], "precision.min_scale must be > 0, got 0"),
+    (["optimizer.min_lr=1", "optimizer.lr=0.1"], "optimizer.min_lr (1) must not exceed optimizer.lr (0.1)"),
+    # issue 39 (12): a typo on the command line was blamed on the config file
+    (["optimizer.lrr=1"], "error: the command line (optimizer.lrr=1): unknown key 'optimizer.lrr'. Did you mean"),
+    (["optimizr.lr=1"], "error: the command line (optimizr.lr=1): unknown key 'optimizr'."),
 ]
 
 
@@ -294,6 +303,37 @@ def test_a_workdir_that_cannot_be_written_is_one_line(workdir, capsys):
     assert code == 2 and len(err) == 1
     assert re.fullmatch(rf"error: {ROOT / 'configs' / 'default.yaml'}: workdir: {workdir} is not writable "
                         rf"\((Permission denied|Operation not permitted)\); give a directory you can write to", err[0])
+
+
+def test_check_refuses_what_the_run_refuses_when_it_builds_the_state(tmp_path, capsys):
+    """Issue 39 (4): --check passed a config the run stops on (the strict coverage check of a
+    model whose layers pin float32 with autocast off)."""
+    from train.cli import main
+
+    code = main([str(ROOT / "examples" / "user_models" / "linen_lm.yaml"), "precision.autocast=false",
+                 "precision.strict=true", f"workdir={tmp_path}", "--check"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(err) == 1 and "precision.strict: policy p=f32,c=bf16,o=f32 leaves 100%" in err[0]
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_config_error_names_the_file_when_the_key_came_from_it(tmp_path, capsys):
+    config = tmp_path / "typo.yaml"
+    config.write_text("optimizer:\n  lrr: 0.1\n")
+    from train.cli import main
+
+    assert main([str(config), "optimizer.lr=0.1", "--check"]) == 2
+    assert f"error: {config}: unknown key 'optimizer.lrr'" in capsys.readouterr().err
+
+
+def test_no_arguments_ask_for_the_config_only(capsys):
+    from train.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "give the experiment's config file" in err and "key=value" not in \
+        err.splitlines()[-1].split("(")[0]
 
 
 def test_check_writes_nothing_and_says_what_it_checked(tmp_path, capsys):

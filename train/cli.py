@@ -26,7 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m train", usage=USAGE, description=DESCRIPTION, epilog=help_text(),
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config", help="the experiment's YAML file (see configs/)")
+    parser.add_argument("config", nargs="?", help="the experiment's YAML file (see configs/)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides of config fields")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config and exit without training")
@@ -72,7 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint or the metrics could not be written, or no intact checkpoint could
     be read (earlier ones kept), 130 interrupted (checkpoint saved).
     """
-    args = _parser().parse_intermixed_args(argv)
+    parser = _parser()
+    args = parser.parse_intermixed_args(argv)
+    if args.config is None:
+        parser.error("give the experiment's config file, e.g. python -m train configs/default.yaml "
+                     "(key=value overrides are optional)")
     if args.mesh is not None:
         try:
             args.overrides += _mesh_overrides(args.mesh)

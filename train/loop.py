@@ -82,8 +82,9 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
 def check_experiment(config: ExperimentConfig) -> str:
     """What :func:`run` checks before it computes anything, without training: the
     workdir (and a named compile cache) writable, the mesh fitting the devices, the
-    data, task and model fitting each other (abstractly), and the workdir holding no
-    other experiment's checkpoints. Returns a line describing the experiment.
+    data, task and model fitting each other, the train state buildable under the
+    policy (``precision.strict`` included; both abstractly), and the workdir holding
+    no other experiment's checkpoints. Returns a line describing the experiment.
 
     Raises:
       ConfigError, DataError: as :func:`run` would, before any compute.
@@ -94,6 +95,9 @@ def check_experiment(config: ExperimentConfig) -> str:
     layout = layout_of(config)
     data, task, model = build_experiment(config)
     check_same_experiment(workdir, resolved_config(config, model, data))
+    # The train state's own checks (policy and rules on this model, strict coverage, reduce_dtype, the loss
+    # scale against the optimizer), abstractly: nothing is allocated.
+    jax.eval_shape(lambda: build_train_state(config, model, data, layout)[0])
     return (f"{model_label(config.model.name)} on {data.describe()}; policy {config.precision.policy}; "
             f"{config.steps} steps; {_describe_layout(layout)}; workdir {workdir}")
 

@@ -3,6 +3,7 @@
 as one line naming the key; and a config back as plain data."""
 
 import os
+import re
 from typing import Any
 
 import yaml
@@ -62,11 +63,28 @@ def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> Experimen
     try:
         config = from_dict(_beside(path, apply_overrides(raw, list(overrides))))
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
+        raise ConfigError(_with_origin(str(e), path, overrides)) from None
     given = {item.partition("=")[0].strip() for item in overrides}
     config.model._origins = {key: "the command line" if {f"model.{key}", f"model.options.{key}"} & given else path
                              for key in config.model.options}
     return config
+
+
+def _with_origin(message: str, path: str, overrides: list[str] | tuple[str, ...]) -> str:
+    """``message`` after where the key it is about was set: ``the command line
+    (key=value)`` for an override, else the config file. The key is the message's
+    subject: the override it names, the quoted key of "unknown key '...'", else its
+    first word."""
+    named = re.match(r"override '([^']*)': (.*)", message, re.S)
+    if named:
+        return f"the command line ({named.group(1)}): {named.group(2)}"
+    quoted = re.match(r"unknown key '([^']+)'", message)
+    subject = quoted.group(1) if quoted else message.split(" ", 1)[0]
+    for item in overrides:
+        key = item.partition("=")[0].strip()
+        if key and (key == subject or key.startswith(subject + ".") or subject.startswith(key + ".")):
+            return f"the command line ({item.strip()}): {message}"
+    return f"{path}: {message}"
 
 
 def _beside(config_path: str, raw: dict) -> dict:

@@ -132,6 +132,13 @@ class OptimizerConfig(_Schema):
     max_grad_norm: Number | None = Field(None, gt=0, description="clip unscaled gradients to this global norm "
                                                                  "(null: off)")
 
+    @model_validator(mode="after")
+    def _min_lr_at_most_lr(self) -> "OptimizerConfig":
+        if self.min_lr > self.lr:
+            raise invalid(f"optimizer.min_lr ({self.min_lr:g}) must not exceed optimizer.lr ({self.lr:g}): the "
+                          f"schedules decay from lr to min_lr")
+        return self
+
 
 def _lower(value: Any) -> Any:
     return value.strip().lower() if isinstance(value, str) else value
@@ -158,11 +165,12 @@ class PrecisionConfig(_Schema):
                                                  "(norms in f32; O1 adds softmax)")
     loss_scale: Annotated[Literal[precision.LOSS_SCALE_KINDS], BeforeValidator(_lower)] = Field(
         "auto", description=f"{', '.join(precision.LOSS_SCALE_KINDS)} (auto: dynamic for float16, none otherwise)")
-    initial_scale: Number = Field(2.0 ** 15, description="initial (or static) loss scale")
+    initial_scale: Number = Field(2.0 ** 15, gt=0, description="initial (or static) loss scale (> 0: a scale of 0 "
+                                                               "makes every gradient 0/0 and skips every step)")
     growth_interval: int = Field(2000, description="finite steps before a dynamic scale grows")
     growth_factor: Number = Field(2.0, description="dynamic scale growth factor")
     backoff_factor: Number = Field(0.5, description="dynamic scale back-off factor")
-    min_scale: Number = Field(1.0, description="smallest dynamic loss scale")
+    min_scale: Number = Field(1.0, gt=0, description="smallest dynamic loss scale (> 0)")
     max_scale: Number = Field(2.0 ** 24, description="largest dynamic loss scale")
     hysteresis: int = Field(1, description="consecutive non-finite steps before backing off")
     skip_with: Literal[precision.optim.SKIP_STRATEGIES] = Field(
