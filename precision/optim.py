@@ -29,6 +29,8 @@ on traced values.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any, NamedTuple
 
 import jax
@@ -150,7 +152,8 @@ def _update(inner: optax.GradientTransformationExtraArgs, strategy: str, scaled:
     # update, where the multiply fuses into the optimizer's own elementwise pass.
     squares = _leaf_squared_norms(scaled, one_loop=strategy == "select")
     grad_norm = state.loss_scale.unscale(jnp.sqrt(sum(squares)))
-    finite = jnp.isfinite(grad_norm)
+    grads_ok = jnp.isfinite(grad_norm)
+    finite = grads_ok
     if extra_args.get("value") is not None:
         finite = jnp.logical_and(finite, jnp.all(jnp.isfinite(jnp.asarray(extra_args["value"]))))
     ref = params if params is not None else scaled
@@ -186,11 +189,20 @@ def _update(inner: optax.GradientTransformationExtraArgs, strategy: str, scaled:
         updates = select_tree(finite, updates, _identity_updates(ref))
     return updates, MixedPrecisionState(
         inner_state=new_inner,
-        loss_scale=state.loss_scale.adjust(finite),
+        loss_scale=_adjusted(state.loss_scale, grads_ok, finite),
         master_params=master,
         grads_finite=finite,
         grad_norm=grad_norm,
         nonfinite_leaf=_first_nonfinite(squares, finite))
+
+
+def _adjusted(scale: Any, grads_finite: jax.Array, applied: jax.Array) -> Any:
+    """The loss scale after a step: it moves on the gradients' finiteness alone (a loss
+    that is non-finite while its gradients are finite is no overflow a lower scale could
+    fix: the scale stays where it is), and counts every skipped step."""
+    moved = select_tree(jnp.logical_or(applied, jnp.logical_not(grads_finite)), scale.adjust(grads_finite), scale)
+    counted = scale.adjust(applied)
+    return dataclasses.replace(moved, skipped_steps=counted.skipped_steps, nonfinite_streak=counted.nonfinite_streak)
 
 
 def _update_on_selected_state(inner: optax.GradientTransformationExtraArgs, finite: jax.Array, grads: Any,

@@ -223,6 +223,23 @@ def labels(value, num_classes=None):
     y[3] = value
     out = {"train": {"inputs": X, "labels": y}, "eval": {"inputs": X, "labels": np.zeros(20, int)}}
     return {**out, "num_classes": num_classes} if num_classes else out
+def complex_inputs():
+    return {"train": {"inputs": X.astype(np.complex64), "labels": np.arange(20) % 2},
+            "eval": {"inputs": X.astype(np.complex64), "labels": np.arange(20) % 2}}
+def one_class():
+    return {"train": {"inputs": X, "labels": np.full(20, 2)}, "eval": {"inputs": X, "labels": np.arange(20) % 3},
+            "num_classes": 10}
+def word_classes():
+    return {"train": {"inputs": X, "labels": np.arange(20) % 2}, "eval": {"inputs": X, "labels": np.arange(20) % 2},
+            "num_classes": "ten"}
+def scalar_inputs():
+    return {"train": {"inputs": np.arange(40, dtype=np.float32), "labels": np.arange(40) % 10},
+            "eval": {"inputs": np.arange(10, dtype=np.float32), "labels": np.arange(10)}}
+""",
+    "tasks.py": """
+import jax.numpy as jnp
+def int_loss(outputs, batch):
+    return jnp.sum(batch["labels"]), {}
 """,
 }
 
@@ -277,6 +294,13 @@ CHECKED = [
     (["precision.policy=mixed_bf16", "precision.growth_factor=0.5"], "precision: growth_factor must be a number > 1"),
     (["precision.backoff_factor=2"], "precision: backoff_factor must be a number in (0, 1], got 2.0"),
     (["precision.policy=p=f32,  c=f17"], "Invalid precision policy 'p=f32,  c=f17': unknown dtype 'f17' at position 10"),
+    # issue 39 (7, 8): nonsense that trained with exit 0, and a traceback
+    (["data.name={d}/data.py:complex_inputs", "data.batch_size=8"], "inputs are complex (complex64); models train "
+                                                                     "on real numbers"),
+    (["data.name={d}/data.py:one_class", "data.batch_size=8"], "train split: every label is 2: with one class"),
+    (["data.name={d}/data.py:word_classes", "data.batch_size=8"],
+     "num_classes must be a whole number (how many classes), got 'ten'"),
+    (["task={d}/tasks.py:int_loss"], "returns a loss of dtype int32: nothing can train on it"),
     # issue 39 (5): a loss scale of 0 skipped every step and exited 0; min_lr above lr decayed upwards
     (["precision.loss_scale=static", "precision.initial_scale=0"],
      "the command line (precision.initial_scale=0): precision.initial_scale must be > 0, got 0"),
@@ -324,6 +348,16 @@ def test_a_config_error_names_the_file_when_the_key_came_from_it(tmp_path, capsy
 
     assert main([str(config), "optimizer.lr=0.1", "--check"]) == 2
     assert f"error: {config}: unknown key 'optimizer.lrr'" in capsys.readouterr().err
+
+
+def test_scalar_inputs_get_a_note_in_the_run_header(user_files, capsys):
+    from train.cli import main
+
+    code = main([str(ROOT / "configs" / "default.yaml"), f"data.name={user_files}/data.py:scalar_inputs",
+                 "data.batch_size=8", "steps=1", f"workdir={user_files}/run", "progress=false", "inference_dtypes=[]",
+                 "data.eval_batch_size=8"])
+    out = capsys.readouterr().out
+    assert code == 0 and "note: scalar_inputs's inputs are one number per example (shape ())" in out
 
 
 def test_no_arguments_ask_for_the_config_only(capsys):

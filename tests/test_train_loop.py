@@ -173,15 +173,24 @@ def test_the_stop_rule_counts_steps_at_the_minimum_scale_and_names_it(tmp_path):
     assert error["step"] == 7 and error["first_nonfinite_step"] == 5
 
 
-def test_a_loss_that_is_not_finite_skips_the_step_even_with_finite_gradients(tmp_path):
+@pytest.mark.parametrize("loss_scale", ["none", "dynamic"])
+def test_a_loss_that_is_not_finite_skips_the_step_even_with_finite_gradients(tmp_path, loss_scale):
+    """Issue 39 (6): a NaN loss with finite gradients was reported as non-finite gradients, its
+    streak counted from the step the scale bottomed out, and the scale halved 15 times."""
     (tmp_path / "nan_code.py").write_text(NAN_CODE)
-    config = _config(tmp_path / "run", steps=30, max_nonfinite_steps=4, accum_steps=1,
-                     **{"task": f"{tmp_path}/nan_code.py:nan_loss", "precision.loss_scale": "none"})
-    with pytest.raises(NonFiniteError, match="At step 1, the loss was non-finite while its gradients were finite"):
+    config = _config(tmp_path / "run", steps=30, max_nonfinite_steps=4, accum_steps=1, log_every=1,
+                     **{"task": f"{tmp_path}/nan_code.py:nan_loss", "precision.loss_scale": loss_scale})
+    with pytest.raises(NonFiniteError) as stop:
         run(config)
+    message = str(stop.value)
+    assert message.startswith("training stopped at step 4: the loss itself was non-finite, while its gradients were "
+                              "finite, for 4 consecutive "
+                              "steps (since step 1; max_nonfinite_steps=4): no loss scale can fix that.")
+    assert "gradients were non-finite" not in message
     train_records = [r for r in read_metrics(str(tmp_path / "run")) if r["kind"] == "train"]
-    assert train_records and all(not r["grads_finite"] for r in train_records)
-    assert train_records[-1]["skipped_steps"] >= 4
+    assert [r["step"] for r in train_records] == [1, 2, 3, 4] and all(not r["grads_finite"] for r in train_records)
+    assert train_records[-1]["skipped_steps"] == 4
+    assert {r["loss_scale"] for r in train_records} == {1.0 if loss_scale == "none" else 2.0 ** 15}  # never lowered
 
 
 def test_a_norm_that_overflows_while_every_gradient_is_finite_names_the_largest():

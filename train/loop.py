@@ -182,9 +182,17 @@ def _start_tracking(config: ExperimentConfig, state: TrainState, start: int, dat
     print(f"{model_label(config.model.name)} on {data.describe()}; policy {state.policy} ({config.precision.policy}), "
           f"loss scale {type(state.loss_scale).__name__}; steps {start} -> {config.steps}; "
           f"{_describe_layout(layout)}; workdir {outputs.workdir}", file=outputs.out)
-    for note in notes:
+    for note in [*_data_notes(data), *notes]:
         print(note, file=outputs.out)
     return tracker
+
+
+def _data_notes(data: Any) -> list[str]:
+    """What looks wrong in the data without being an error: one number per example."""
+    if data.input_shape == () and data.task == "classification":
+        return [f"note: {data.name}'s inputs are one number per example (shape ()); if each example has "
+                f"features, return inputs with one row per example, e.g. shape (examples, features)"]
+    return []
 
 
 def _fp8_coverage(config: ExperimentConfig, state: TrainState, data: Any) -> list[str]:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from train.references import UserCodeError, is_reference, resolve
@@ -172,6 +173,11 @@ def _checked(fn: Callable, name: str, key: str) -> LossFn:
         if reserved:
             raise UserCodeError(f"{key}: {name} returns metrics named {reserved}, which the train step reports "
                                 f"itself; rename them")
+        dtype = getattr(loss, "dtype", None) or np.asarray(loss).dtype
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise UserCodeError(f"{key}: {name} returns a loss of dtype {dtype}: nothing can train on it (an "
+                                f"{'integer' if jnp.issubdtype(dtype, jnp.integer) else dtype} loss has no "
+                                f"gradient); compute it in floating point")
         shapes = {"loss": jnp.shape(loss), **{f"metrics[{k!r}]": jnp.shape(v) for k, v in metrics.items()}}
         bad = {k: s for k, s in shapes.items() if s != ()}
         if bad:

@@ -54,7 +54,8 @@ class Tracker:
         self.skipped_start = int(np.asarray(getattr(scale, "skipped_steps", 0)))
         self.skipped = self.skipped_start
         self.streak_start: tuple[int, int] | None = None  # (step, nonfinite_leaf) where the streak began
-        self.streak = 0  # consecutive non-finite steps at the minimum loss scale
+        self.streak = 0  # consecutive skipped steps no lower loss scale could have saved
+        self.streak_loss_only = True  # every step of the streak: the loss non-finite, its gradients finite
         self.dynamic_scale = hasattr(scale, "min_loss_scale")
         self.at_min_scale_step: int | None = None  # first non-finite step of a dynamic scale at its minimum
         self.interval: list[dict] = []
@@ -126,24 +127,33 @@ class Tracker:
             self._log(step, m)
 
     def _check_finite(self, step: int, m: dict) -> None:
-        """The stop rule: ``max_nonfinite_steps`` consecutive non-finite steps that each
-        used the lowest loss scale there is (no lower one is left to try)."""
-        if m["grads_finite"] or not m["at_min_scale"]:
-            self.streak_start, self.streak = None, 0
+        """The stop rule: ``max_nonfinite_steps`` consecutive skipped steps that no lower
+        loss scale could have saved: each used the lowest scale there is, or its loss
+        itself was non-finite while its gradients were finite (a scale cannot fix that)."""
+        skipped = not m["grads_finite"]
+        loss_only = skipped and int(m["nonfinite_leaf"]) == -1
+        if not skipped or not (m["at_min_scale"] or loss_only):
+            self.streak_start, self.streak, self.streak_loss_only = None, 0, True
             return
         if self.streak_start is None:
-            self.streak_start = (step, int(m["nonfinite_leaf"]))
-            if self.dynamic_scale and self.at_min_scale_step is None:
+            self.streak_start, self.streak_loss_only = (step, int(m["nonfinite_leaf"])), True
+            if self.dynamic_scale and self.at_min_scale_step is None and not loss_only:
                 self.at_min_scale_step = step
         self.streak += 1
+        self.streak_loss_only = self.streak_loss_only and loss_only
         k = self.config.max_nonfinite_steps
         if self.streak >= k:
             first_step, leaf = self.streak_start
-            what = self._culprit(leaf)
-            message = (f"gradients were non-finite for {self.streak} consecutive steps (since step {first_step}) "
-                       f"at the minimum loss scale {m['loss_scale']:g} "
-                       f"(max_nonfinite_steps={k}). At step {first_step}, {what}. Try a lower optimizer.lr, "
-                       f"optimizer.max_grad_norm, or precision.policy=mixed_bf16.")
+            if self.streak_loss_only:
+                message = (f"the loss itself was non-finite, while its gradients were finite, for {self.streak} "
+                           f"consecutive steps (since step {first_step}; max_nonfinite_steps={k}): no loss scale "
+                           f"can fix that. Check the task's loss and the data (a log of 0, a division by zero, NaN "
+                           f"or inf in the inputs or labels).")
+            else:
+                message = (f"gradients were non-finite for {self.streak} consecutive steps (since step "
+                           f"{first_step}) at the minimum loss scale {m['loss_scale']:g} "
+                           f"(max_nonfinite_steps={k}). At step {first_step}, {self._culprit(leaf)}. Try a lower "
+                           f"optimizer.lr, optimizer.max_grad_norm, or precision.policy=mixed_bf16.")
             self._log(step, m)
             self.record({"kind": "error", "step": step, "message": message, "param": self._leaf_path(leaf),
                          "first_nonfinite_step": first_step})

@@ -106,6 +106,36 @@ def _check_labels(splits: tuple["_Split", ...], num_classes: int, name: str) -> 
                             f"labels must be class indices")
 
 
+def _whole_number_of_classes(num_classes: Any, name: str) -> int:
+    if isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)):
+        raise DataError(f"{name}: num_classes must be a whole number (how many classes), got {num_classes!r}")
+    return int(num_classes)
+
+
+def _check_one_class(split: "_Split", num_classes: int, task: str, name: str) -> None:
+    """At least 2 classes, and training labels of a classifier not all one class: with
+    one, the loss is 0 (or the labels constant) whatever the model does."""
+    if num_classes < 2:
+        raise DataError(f"{name}: num_classes={num_classes}: a classifier needs at least 2 classes (with one, the "
+                        f"loss is 0 whatever the model does, and nothing trains)")
+    if task != "classification" or split.arrays is None or "labels" not in split.arrays:
+        return
+    classes = np.unique(split.arrays["labels"])
+    if classes.size == 1:
+        raise DataError(f"{split.where}: every label is {int(classes[0])}: with one class among the training "
+                        f"labels (of {num_classes}) there is nothing to learn; check the labels you return")
+
+
+def _check_inputs(split: "_Split") -> None:
+    """Real-valued (or integer) inputs: complex numbers are no model's input here."""
+    dtype = np.asarray(split.example["inputs"]).dtype
+    if np.issubdtype(dtype, np.complexfloating):
+        raise DataError(f"{split.where}: inputs are complex ({dtype}); models train on real numbers: pass the "
+                        f"real and imaginary parts as features (e.g. np.stack([x.real, x.imag], -1))")
+    if not (np.issubdtype(dtype, np.number) or dtype == np.bool_):
+        raise DataError(f"{split.where}: inputs of dtype {dtype} are not numbers; convert them to arrays of numbers")
+
+
 class UserData:
     """Train and eval splits of a user's data with the shipped datasets' batching."""
 
@@ -116,6 +146,7 @@ class UserData:
         self.eval = _Split(evaluation, f"{name}: eval split")
         self._order = EpochOrder(self.train.size, name)
         _check_splits_agree(self.train, self.eval, name)
+        _check_inputs(self.train)
         self.task = task or _infer_task(self.train.example)
         if num_classes is None and self.task is not None:
             splits = (self.train.arrays, self.eval.arrays)
@@ -123,8 +154,11 @@ class UserData:
                 raise DataError(f"{name}: give num_classes with a {self.task} source (sources are not scanned "
                                 f"for their largest label)")
             num_classes = int(max(np.max(arrays["labels"]) for arrays in splits)) + 1
+        if num_classes is not None:
+            num_classes = _whole_number_of_classes(num_classes, name)
         if num_classes is not None and self.task is not None:
             _check_labels((self.train, self.eval), num_classes, name)
+            _check_one_class(self.train, num_classes, self.task, name)
         self.num_classes = num_classes
 
     @property
