@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from typing import Any, Mapping, TypeVar
 
 import jax
@@ -210,9 +211,31 @@ PRESETS: Mapping[str, tuple[str, str, str, str]] = {
 _PRESET_LOOKUP = {name.lower(): name for name in PRESETS}
 
 
-def _suggest(token: str, choices) -> str:
-    close = difflib.get_close_matches(token, list(choices), n=1, cutoff=0.5)
+def _suggest(token: str, choices, dtype: bool = False) -> str:
+    close = ([_nearest_dtype(token)] if dtype and _nearest_dtype(token) else []) \
+        or difflib.get_close_matches(token, list(choices), n=1, cutoff=0.5)
     return f" Did you mean {close[0]!r}?" if close else ""
+
+
+#: Bit widths each dtype spelling takes, the likelier meant first (half precision is what a policy is for).
+_WIDTHS = {"bfloat": ("16",), "bf": ("16",), "float": ("16", "32", "8", "64"), "fp": ("16", "32", "8", "64"),
+           "f": ("16", "32", "8", "64")}
+
+
+def _nearest_dtype(token: str) -> str | None:
+    """The dtype a typo of a spelling and a width means: ``fp61`` -> ``fp16`` (the same digits),
+    ``fp3`` -> ``fp32``, ``fp8x`` -> ``fp8``; None when it is no such typo."""
+    match = re.fullmatch(r"(bfloat|float|bf|fp|f)(\d+)\D*", token)
+    if match is None:
+        return None
+    prefix, digits = match.groups()
+    widths = _WIDTHS[prefix]
+    for same in (lambda w: w == digits, lambda w: sorted(w) == sorted(digits),
+                 lambda w: w.startswith(digits) or digits.startswith(w)):
+        found = [w for w in widths if same(w)]
+        if found:
+            return prefix + found[0]
+    return None
 
 
 #: The longest spec or token an error message quotes whole; longer ones are cut around the error.
@@ -232,11 +255,12 @@ def _error(spec: str, token: str, position: int, what: str, choices=(), *,
     where = f" at position {position}" if position >= 0 else ""
     dtypes, keys = ", ".join(_VALID_DTYPE_NAMES), "p|params, c|compute, o|output"
     # jmp says "Unknown dtype" for a bad dtype: code matching that phrase keeps working.
-    valid = (f"Unknown dtype: the valid ones are {dtypes}; valid keys: {keys};" if bad_dtype
-             else f"Valid keys: {keys}; valid dtypes: {dtypes};")
+    fp8 = f"and for compute only {', '.join(_FP8_NAMES)} (FP8 matmuls, e.g. compute=fp8 or fp8/f16)"
+    valid = (f"Unknown dtype: the valid ones are {dtypes}, {fp8}; valid keys: {keys};" if bad_dtype
+             else f"Valid keys: {keys}; valid dtypes: {dtypes}, {fp8};")
     shown = repr(_short(spec, position)) + (f" ({len(spec)} characters)" if len(spec) > _QUOTED else "")
     msg = (f"Invalid precision policy {shown}: {what} {_short(token)!r}{where}."
-           + _suggest(token.lower()[:_QUOTED], choices)
+           + _suggest(token.lower()[:_QUOTED], choices, dtype=bad_dtype)
            + f" {valid} presets: {', '.join(PRESETS)}."
            " Example: 'params=f32,compute=f16,output=f32'.")
     return PolicyError(msg, spec=spec, token=token, position=position)

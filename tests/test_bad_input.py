@@ -402,6 +402,26 @@ def test_an_unreachable_coordinator_is_one_line_naming_the_key(tmp_path):
     assert f"distributed.coordinator_address 127.0.0.1:{port}: no coordinator answered within 3 s" in lines[0]
 
 
+def test_a_coordinator_whose_processes_never_connect_is_one_line_not_a_cpp_stack(tmp_path):
+    """Issue 39 (9): process 0 starts the coordinator and waits for the others; when they never
+    come, JAX's client aborts the process with a C++ stack trace. Its stderr passes through a
+    watchdog that says it in one line (the process still ends by SIGABRT: JAX's doing)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = [sys.executable, "-m", "train", "configs/default.yaml", f"workdir={tmp_path}",
+            f"distributed.coordinator_address=127.0.0.1:{port}", "distributed.num_processes=2",
+            "distributed.process_id=0", "distributed.timeout_seconds=3"]
+    result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode != 0 and len(lines) == 1, result.stderr[-3000:]
+    assert lines[0] == (f"error: distributed: not all 2 processes connected to the coordinator at 127.0.0.1:{port} "
+                        f"within 3 s (distributed.timeout_seconds): start every process with the same "
+                        f"distributed.* settings, or wait longer")
+
+
 # ----------------------------------------------------------------------------- generated bad configs
 
 BAD_VALUES = {

@@ -222,3 +222,13 @@ def test_objects_that_are_not_dtypes_are_policy_errors_never_float64():
         get_policy(mock.Mock())  # looks like a jmp policy, its dtypes are not dtypes
     with pytest.raises(PolicyError, match="None is not a dtype"):
         Policy(None, "f32", "f32")
+
+
+@pytest.mark.parametrize("typo, meant", [("compute=fp61", "fp16"), ("c=f61", "f16"), ("c=float61", "float16"),
+                                         ("c=fp23", "fp32"), ("p=fp3", "fp32"), ("c=fp8x", "fp8"), ("c=bf61", "bf16")])
+def test_a_dtype_typo_suggests_the_dtype_a_user_would_mean(typo, meant):
+    """Issue 39 (11): ``fp61`` suggested ``fp64``; the same digits in another order mean fp16."""
+    with pytest.raises(precision.PolicyError) as info:
+        precision.get_policy(typo)
+    assert f"Did you mean {meant!r}?" in str(info.value)
+    assert "for compute only f8, fp8, float8 (FP8 matmuls" in str(info.value)

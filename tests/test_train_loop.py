@@ -1,5 +1,6 @@
 """Experiments end to end: CLI, outputs, resume bit for bit, the non-finite stop rule."""
 
+import io
 import json
 import os
 import subprocess
@@ -67,6 +68,8 @@ def test_an_interrupted_run_resumes_to_the_same_params_bit_for_bit(tmp_path):
     with pytest.raises(KeyboardInterrupt, match="saved a checkpoint at step 7"):  # one step ran ahead of the log
         run(_config(tmp_path / "resumed"), on_record=interrupt)
     assert Checkpointer(tmp_path / "resumed" / "checkpoints").latest_step() == 7
+    interrupted = [r for r in read_metrics(str(tmp_path / "resumed")) if r["kind"] == "interrupted"]
+    assert [r["step"] for r in interrupted] == [7]  # issue 39 (14): the step of the checkpoint, not of the log
     run(_config(tmp_path / "resumed"))
     step_a, a = saved_leaves(tmp_path / "straight")
     step_b, b = saved_leaves(tmp_path / "resumed")
@@ -81,6 +84,10 @@ def test_a_larger_steps_continues_a_finished_run(tmp_path):
     assert_bitwise_equal(saved_leaves(tmp_path / "straight")[1], saved_leaves(tmp_path / "extended")[1])
     steps = [r["step"] for r in read_metrics(str(tmp_path / "extended")) if r["kind"] == "train"]
     assert steps == [2, 4, 6, 8]
+    out = io.StringIO()  # issue 39 (13): fewer steps than done: nothing to train, and what to do instead
+    run(_config(tmp_path / "extended", steps=3), out=out)
+    assert ("no training this run (the workdir's checkpoint is at step 8, at or past steps=3: give a higher steps to "
+            "continue it, or a new workdir= to start afresh)") in out.getvalue()
 
 
 def test_a_different_experiment_in_the_same_workdir_is_refused(tmp_path):
@@ -207,3 +214,48 @@ def test_a_norm_that_overflows_while_every_gradient_is_finite_names_the_largest(
     tracker._leaf_path = lambda i: Tracker._leaf_path(tracker, i)
     assert Tracker._culprit(tracker, leaf) == ("every gradient was finite but their global norm overflowed float32, "
                                                "the largest in params/b")
+
+
+def _interrupt_cli(args, wait_for):
+    """``python -m train ARGS``, Ctrl-C once ``wait_for`` is printed: (exit status, seconds to exit, stdout, stderr)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from helpers import ROOT, subprocess_env
+
+    proc = subprocess.Popen([sys.executable, "-m", "train", *args], cwd=ROOT, env=subprocess_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    while not any(wait_for in line for line in lines):
+        line = proc.stdout.readline()
+        assert line, f"exited before printing {wait_for!r}: {proc.stderr.read()[-2000:]}"
+        lines.append(line)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    start = time.perf_counter()
+    out, err = proc.communicate(timeout=120)
+    return proc.returncode, time.perf_counter() - start, "".join(lines) + out, err
+
+
+def test_ctrl_c_is_no_error_it_says_what_was_saved_and_how_to_resume(tmp_path):
+    """Issue 39 (14)."""
+    code, _, out, err = _interrupt_cli(["configs/default.yaml", f"workdir={tmp_path}", "steps=100000", "progress=false",
+                                        "log_every=1", "compile_cache=null"], "workdir")
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 130 and len(lines) == 1 and not lines[0].startswith("error"), err
+    assert lines[0].startswith("interrupted; saved a checkpoint at step ")
+    assert lines[0].endswith("; rerun the same command to resume")
+    step = int(lines[0].split("at step ")[1].split(" ")[0])
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["kind"] == "interrupted" and records[-1]["step"] == step
+
+
+def test_a_huge_model_says_so_before_tracing_and_ctrl_c_stops_it_at_once(tmp_path):
+    """Issue 39 (10): 2,000 hidden layers traced for minutes in silence."""
+    hidden = "[" + ",".join(["8"] * 2000) + "]"
+    code, seconds, out, err = _interrupt_cli(["configs/default.yaml", f"workdir={tmp_path}", f"model.hidden={hidden}",
+                                              "model.layer_norm=false"], "param arrays in")
+    assert "model 'mlp': 4,002 param arrays in 2,001 modules" in out and "takes minutes (Ctrl-C stops it)" in out
+    assert code == 130 and seconds < 10 and err.strip() == "interrupted" and "Traceback" not in err

@@ -221,6 +221,10 @@ def check_model_fits_data(model: Any, data: Any, name: str = "model", task: Task
 TRAIN_STATE_BYTES_PER_PARAM = 16
 
 
+#: Param arrays from which a model's program is large enough to take minutes to trace and compile.
+LARGE_PROGRAM_ARRAYS = 1000
+
+
 def _check_params(variables: Any, name: str, model_config: Any, memory: tuple[int, str] | None) -> None:
     """The model has float params to train, and its train state fits in ``memory`` (this machine's)."""
     params = variables.get("params") if hasattr(variables, "get") else None
@@ -234,6 +238,10 @@ def _check_params(variables: Any, name: str, model_config: Any, memory: tuple[in
                           f"gradients need floats; keep integer state in another collection "
                           f"(self.variable('constants', ...)) or an nnx.Variable that is not a Param")
     count = sum(int(np.prod(x.shape)) for _, x in leaves)
+    if len(leaves) >= LARGE_PROGRAM_ARRAYS:  # tracing and compiling take a while: say so before the wait
+        modules = len({"/".join(str(getattr(k, "key", k)) for k in path[:-1]) for path, _ in leaves})
+        print(f"model '{name}': {len(leaves):,} param arrays in {modules:,} modules ({count:.3g} parameters); "
+              f"tracing and compiling a program this large takes minutes (Ctrl-C stops it)", flush=True)
     have, where = memory or (_memory_bytes(), "here")
     need = count * TRAIN_STATE_BYTES_PER_PARAM
     if have and need > have:

@@ -59,8 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _fail(message: str, code: int) -> int:
-    print("error: " + " ".join(line.strip() for line in message.splitlines()), file=sys.stderr)  # one line
+def _fail(message: str, code: int, prefix: str = "error: ") -> int:
+    print(prefix + " ".join(line.strip() for line in message.splitlines()), file=sys.stderr)  # one line
     return code
 
 
@@ -118,17 +118,17 @@ def main(argv: list[str] | None = None) -> int:
         return _stopped(config, str(e), 1)
     except (CheckpointError, OutputError) as e:
         return _stopped(config, str(e), 3)
-    except KeyboardInterrupt as e:
-        return _stopped(config, str(e) or "interrupted", 130)
+    except KeyboardInterrupt as e:  # Ctrl-C is no error: what was saved, and how to go on
+        return _stopped(config, str(e) or "interrupted", 130, prefix="")
     return 0
 
 
-def _stopped(config, message: str, code: int) -> int:
+def _stopped(config, message: str, code: int, prefix: str = "error: ") -> int:
     """A run that stopped: its one line; what libraries say while the process ends goes to the workdir's log."""
     from train.library_log import to_file_until_exit
 
     to_file_until_exit(config.workdir)
-    return _fail(message, code)
+    return _fail(message, code, prefix)
 
 
 def _check(path: str, config) -> int:

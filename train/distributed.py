@@ -20,11 +20,13 @@ scale.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import os
 import socket
+import sys
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import numpy as np
@@ -81,14 +83,64 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if explicit and process_id != 0:
         _wait_for_coordinator(coordinator_address, timeout_seconds)
-    jax.distributed.initialize(coordinator_address, num_processes, process_id,
-                               initialization_timeout=timeout_seconds)
+    with _aborts_reported(f"distributed: not all {num_processes} processes connected to the coordinator at "
+                          f"{coordinator_address} within {timeout_seconds} s (distributed.timeout_seconds): start "
+                          f"every process with the same distributed.* settings, or wait longer"):
+        jax.distributed.initialize(coordinator_address, num_processes, process_id,
+                                   initialization_timeout=timeout_seconds)
     # Leave through the shutdown barrier while everything is still alive: JAX does not shut its
     # runtime down at exit, and interpreter teardown may destroy process 0's coordination service
     # while the others are still in their barrier ("Shutdown barrier has failed", seen on jax 0.11).
     # Registered now, it runs after the exit handlers registered later (orbax's async saves).
     atexit.register(jax.distributed.shutdown)
     return True
+
+
+#: What JAX's distributed client writes before it aborts the process (a C++ stack trace follows).
+_FATAL = (b"Terminating process because the JAX distributed service", b"*** Check failure stack trace")
+
+
+@contextlib.contextmanager
+def _aborts_reported(message: str) -> Iterator[None]:
+    """Runs the body with this process's stderr passing through a small watchdog
+    process: JAX's distributed client does not raise when the processes fail to
+    connect, it aborts the process with a C++ stack trace. The watchdog turns that
+    into ``error: <message>`` (one line) and passes anything else through."""
+    read, write = os.pipe()
+    sys.stderr.flush()
+    child = os.fork()
+    if child == 0:  # the watchdog: only os calls, then _exit
+        os.close(write)
+        _relay(read, message)
+    os.close(read)
+    saved = os.dup(2)
+    os.dup2(write, 2)
+    os.close(write)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)  # the pipe's last writer gone: the watchdog reads to the end and leaves
+        os.close(saved)
+        os.waitpid(child, 0)
+
+
+def _relay(fd: int, message: str) -> None:
+    """The watchdog's loop: stderr passed through until a fatal line, then one line of ours."""
+    pending, fatal = b"", False
+    while chunk := os.read(fd, 65536):
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            if any(mark in line for mark in _FATAL):
+                if not fatal:
+                    os.write(2, f"error: {message}\n".encode())
+                fatal = True
+            elif not fatal:
+                os.write(2, line + b"\n")
+    if pending and not fatal:
+        os.write(2, pending)
+    os._exit(0)
 
 
 def _wait_for_coordinator(address: str, timeout_seconds: float) -> None:

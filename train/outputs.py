@@ -96,7 +96,9 @@ def save_on_interrupt(outputs: Outputs, state: TrainState, tracker: Tracker) -> 
         message = f"interrupted; saved a checkpoint at step {step}"
     except Exception as e:  # a buffer donated to a step that never returned cannot be saved
         checkpoints.close()
+        step = checkpoints.latest_step()
         message = (f"interrupted; the current state could not be saved ({type(e).__name__}); the newest "
-                   f"checkpoint is at step {checkpoints.latest_step()}")
-    tracker.record({"kind": "interrupted", "step": tracker.last_step, "message": message})
+                   f"checkpoint is at step {step}")
+    # the step a resume starts from (the metrics read so far may end a few steps earlier)
+    tracker.record({"kind": "interrupted", "step": step, "message": message})
     return f"{message} in {checkpoints.directory}; rerun the same command to resume"

@@ -210,6 +210,7 @@ class Tracker:
             "loss_scale_type": type(state.loss_scale).__name__,
             "steps": int(to_host(state.step)),
             "start_step": start,
+            "steps_asked": self.config.steps,
             "first_step_seconds": self.first_step_seconds,
             "train_seconds": self.train_seconds,
             "steps_per_sec": rate,
@@ -240,7 +241,11 @@ def format_summary(s: dict) -> str:
     else:
         lines.append(f"steps {s['start_step']} -> {s['steps']}")
     final = s["final_train_loss"]
-    parts = [f"final train loss {final:.4f}" if final is not None else "no training this run",
+    idle = "no training this run"
+    if final is None and s["start_step"] >= s.get("steps_asked", s["start_step"] + 1):
+        idle += (f" (the workdir's checkpoint is at step {s['start_step']}, at or past steps={s['steps_asked']}: give "
+                 f"a higher steps to continue it, or a new workdir= to start afresh)")
+    parts = [f"final train loss {final:.4f}" if final is not None else idle,
              f"eval loss {ev.get('loss', float('nan')):.4f}"]
     parts += [f"{k} {v:.4f}" for k, v in ev.items() if k != "loss"]
     lines.append(", ".join(parts))
