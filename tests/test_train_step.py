@@ -144,3 +144,18 @@ def test_create_train_state_starts_from_given_variables_under_any_policy():
     with pytest.raises(ValueError, match="do not match the model at batch_stats/BatchNorm_0/mean"):
         create_train_state(model, "O2", optax.sgd(0.1), jax.random.PRNGKey(1), x,
                            variables={"params": trained.params})
+
+
+def test_learning_rate_is_a_metric_only_with_a_learning_rate_fn():
+    """docs/python-api.md says so (issue 39, 15)."""
+    import optax
+
+    from train import create_train_state, make_train_step
+    from train.models import MLP
+
+    x = jnp.ones((4, 8))
+    state = create_train_state(MLP(hidden=(8,), num_classes=3), "fp32", optax.sgd(0.1), jax.random.PRNGKey(0), x[:1])
+    batch = {"inputs": x, "labels": jnp.zeros(4, jnp.int32)}
+    assert "learning_rate" not in make_train_step(donate=False)(state, batch)[1]
+    _, metrics = make_train_step(donate=False, learning_rate_fn=lambda step: 0.1)(state, batch)
+    assert float(metrics["learning_rate"]) == pytest.approx(0.1)
