@@ -35,12 +35,14 @@ from train import create_train_state, make_train_step
 from train.gpu_kernels import read_kernels
 from train.models import GPT
 
-#: name -> (layers, heads, d_model, sequence, batch)
+#: name -> (layers, heads, d_model, sequence, batch, vocabulary)
 SHAPES = {
-    "tiny": (2, 2, 64, 32, 4),
-    "gpt2_small": (12, 12, 768, 1024, 8),
-    "llama_1b": (16, 16, 2048, 2048, 4),
+    "tiny": (2, 2, 64, 32, 4, 256),
+    "gpt2_small": (12, 12, 768, 1024, 8, 32768),
+    "llama_1b": (16, 16, 2048, 2048, 4, 32768),
 }
+
+
 def fp8_gemms(compiled_text: str) -> dict[str, Any]:
     """GEMMs of an optimized GPU HLO module (cuBLAS/cuBLASLt calls and Triton GEMM fusions),
     how many take FP8 operands, and which libraries ran them (:mod:`train.gpu_kernels`)."""
@@ -50,9 +52,9 @@ def fp8_gemms(compiled_text: str) -> dict[str, Any]:
 
 
 def _state_and_step(shape: tuple[int, ...], policy: str, min_size: int):
-    layers, heads, d_model, seq, batch = shape
-    model = GPT(vocab_size=32768, block_size=seq, num_layers=layers, num_heads=heads, d_model=d_model)
-    tokens = np.random.default_rng(0).integers(0, 32768, size=(batch, seq + 1))
+    layers, heads, d_model, seq, batch, vocab = shape
+    model = GPT(vocab_size=vocab, block_size=seq, num_layers=layers, num_heads=heads, d_model=d_model)
+    tokens = np.random.default_rng(0).integers(0, vocab, size=(batch, seq + 1))
     data = {"inputs": jnp.asarray(tokens[:, :-1]), "labels": jnp.asarray(tokens[:, 1:])}
     state = create_train_state(model, policy, optax.adamw(3e-4), jax.random.PRNGKey(0), data["inputs"][:1],
                                fp8=precision.fp8_options(min_size=min_size))
@@ -64,26 +66,24 @@ def measure(name: str, steps: int, rounds: int, min_size: int) -> dict[str, Any]
     """Both policies on one shape: FP8 GEMMs in the compiled step, step-time ratio, losses."""
     shape = SHAPES[name]
     runs = {p: _state_and_step(shape, p, min_size) for p in ("mixed_bf16", "mixed_fp8")}
-    hlo = {p: step.lower(state, data).compile().as_text() for p, (state, step, data) in runs.items()}
-    explanation = precision.explain(GPT(vocab_size=32768, block_size=shape[3], num_layers=shape[0],
-                                        num_heads=shape[1], d_model=shape[2]),
-                                    runs["mixed_fp8"][2]["inputs"][:1], policy="mixed_fp8", backward=True,
-                                    fp8={"min_size": min_size})
+    # One compilation per policy: the compiled step is the one timed and trained with.
+    compiled = {p: step.lower(state, data).compile() for p, (state, step, data) in runs.items()}
+    explanation = precision.explain(runs["mixed_fp8"][0].model.module, runs["mixed_fp8"][2]["inputs"][:1],
+                                    policy="mixed_fp8", backward=True, fp8={"min_size": min_size})
 
     def stepper(policy):
-        _, step, data = runs[policy]
-        return lambda carry: step(carry[0], data)
+        return lambda carry: compiled[policy](carry[0], runs[policy][2])
 
+    losses = {}
+    for policy, (state, _, data) in runs.items():  # the same steps from the same init: the loss each reaches
+        state = jax.tree_util.tree_map(jnp.copy, state)  # the timing below donates the originals
+        for _ in range(steps):
+            state, metrics = compiled[policy](state, data)
+        losses[policy] = float(metrics["loss"])
     timing = alternating_ratio(stepper("mixed_bf16"), (runs["mixed_bf16"][0], None), stepper("mixed_fp8"),
                                (runs["mixed_fp8"][0], None), rounds=rounds, steps_per_round=steps)
-    losses = {}
-    for policy in runs:  # the same steps from the same init: the loss each reaches
-        state, step, data = _state_and_step(shape, policy, min_size)
-        for _ in range(steps):
-            state, metrics = step(state, data)
-        losses[policy] = float(metrics["loss"])
-    return {"shape": dict(zip(("layers", "heads", "d_model", "seq", "batch"), shape)), "min_size": min_size,
-            "fp8_share": explanation.fp8_share, "gemms": {p: fp8_gemms(t) for p, t in hlo.items()},
+    return {"shape": dict(zip(("layers", "heads", "d_model", "seq", "batch", "vocab"), shape)), "min_size": min_size,
+            "fp8_share": explanation.fp8_share, "gemms": {p: fp8_gemms(c.as_text()) for p, c in compiled.items()},
             "bf16_seconds": timing["a_seconds"], "fp8_seconds": timing["b_seconds"],
             "speedup": 1.0 / timing["ratio"], "loss": losses,
             "loss_vs_bf16": losses["mixed_fp8"] / losses["mixed_bf16"] - 1}
