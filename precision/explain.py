@@ -33,7 +33,7 @@ from precision.autocast.fp8_sites import Fp8Run
 from precision.autocast.op_lists import OpLists
 from precision.autocast.program import MATMUL_PRIMITIVES, MatmulOp, matmul_ops
 from precision.autocast.values import REGION
-from precision.explain_table import columns, share_text, fp8_rows
+from precision.explain_table import columns, coverage_text, share_text, fp8_rows
 from precision.fp8 import Fp8Options, as_fp8_options
 from precision.modules import LinenWithPolicy, NNXWithPolicy, with_policy
 from precision.policy import Policy, PolicyError, get_policy
@@ -126,17 +126,8 @@ class Explanation:
     def fp8_coverage(self) -> str:
         """``"fp8 covers 0% of matmul FLOPs (all below fp8 min_size 1024)"``: the FP8 share,
         and why the rest is not FP8 (each reason once, without its sizes)."""
-        share = self.fp8_share
-        if share != share:  # nan: no matmul at all
-            return "fp8 covers no matmul FLOPs (the model has no matmul or convolution)"
-        reasons = list(dict.fromkeys(m.not_fp8_reason.split(" (")[0] for m in self.modules
-                                     if m.total_flops > m.fp8_flops and m.not_fp8_reason))
-        text = f"fp8 covers {100 * share:.0f}% of matmul FLOPs"
-        if share >= 1.0 or not reasons:
-            return text
-        if share == 0:
-            return f"{text} (all {reasons[0]})" if len(reasons) == 1 else f"{text} ({'; '.join(reasons)})"
-        return f"{text} (the rest: {'; '.join(reasons)})"
+        return coverage_text(self.fp8_share, [m.not_fp8_reason for m in self.modules
+                                              if m.total_flops > m.fp8_flops and m.not_fp8_reason])
 
     @property
     def shows_fp8(self) -> bool:

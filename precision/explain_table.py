@@ -38,3 +38,17 @@ def fp8_rows(modules: Any) -> list[tuple[str, ...]]:
                      pct(m.half_flops - m.fp8_flops, m), pct(m.total_flops - m.half_flops, m),
                      why if m.total_flops > m.fp8_flops else ""))
     return rows
+
+
+def coverage_text(share: float, reasons: list[str]) -> str:
+    """The FP8 share of matmul FLOPs in words, with the reasons (sizes dropped, each once)
+    the rest is not FP8."""
+    if share != share:  # nan: no matmul at all
+        return "fp8 covers no matmul FLOPs (the model has no matmul or convolution)"
+    why = list(dict.fromkeys(reason.split(" (")[0] for reason in reasons))
+    text = f"fp8 covers {100 * share:.0f}% of matmul FLOPs"
+    if share >= 1.0 or not why:
+        return text
+    if share == 0:
+        return f"{text} (all {why[0]})" if len(why) == 1 else f"{text} ({'; '.join(why)})"
+    return f"{text} (the rest: {'; '.join(why)})"

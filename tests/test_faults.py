@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import precision
-from helpers import assert_bitwise_equal, saved_leaves, subprocess_env
+from helpers import saved_state, assert_bitwise_equal, saved_leaves, subprocess_env
 from train import create_train_state, make_train_step, run
 from train.checkpoint import CheckpointError, Checkpointer, fingerprint
 from train.config import from_dict
@@ -278,6 +278,31 @@ def test_the_fingerprint_changes_with_any_single_bit_flip(dtype, size, data):
         view = flipped.view(np.dtype(f"uint{bits}"))
         view[position] ^= np.array(1 << bit, view.dtype)
     assert fingerprint({"x": jnp.asarray(x)}) != fingerprint({"x": jnp.asarray(flipped)})
+
+
+def test_high_bit_flips_the_first_fingerprint_missed_are_caught_and_its_checkpoints_still_restore(tmp_path):
+    """Version 1 summed ``w * p + (w ^ p)``: flipping a bit b where p has a 1 changed it by
+    2**b * (p - 1), 0 mod 2**32 for b >= 28 (a float32's exponent). Version 2 is written now;
+    a checkpoint recorded with version 1 is still checked with it, and restores."""
+    import json
+
+    x = np.array([345.5842], np.float32)
+    flipped = x.copy()
+    flipped.view(np.uint32)[0] ^= np.uint32(1 << 28)
+    assert fingerprint({"x": jnp.asarray(x)}, version=1) == fingerprint({"x": jnp.asarray(flipped)}, version=1)
+    assert fingerprint({"x": jnp.asarray(x)}) != fingerprint({"x": jnp.asarray(flipped)})
+    workdir = tmp_path / "run"
+    run(from_dict(_raw(workdir, steps=8)), out=open(os.devnull, "w"))
+    meta_path = workdir / "checkpoints" / "8" / "meta" / "metadata"
+    meta = json.loads(meta_path.read_text())
+    assert meta.pop("fingerprint_version") == 2
+    assert meta["fingerprint"] == fingerprint(saved_state(workdir, 8)[1])
+    meta["fingerprint"] = fingerprint(saved_state(workdir, 8)[1], version=1)  # as an older version wrote it
+    meta_path.write_text(json.dumps(meta))
+    records = []
+    run(from_dict(_raw(workdir, steps=10)), out=open(os.devnull, "w"), on_record=records.append)
+    assert not [r for r in records if "corrupt" in json.dumps(r)]  # no false alarm: resumed from 8
+    assert [r["step"] for r in records if r["kind"] == "train"][0] == 9
 
 
 # ----------------------------------------------------------------------------- a full disk

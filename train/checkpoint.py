@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import errno
 import glob
+import functools
 import os
 import re
 import tempfile
@@ -65,24 +66,35 @@ def _words(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32).ravel()
 
 
-@jax.jit
-def _fingerprint_leaves(leaves: list[jax.Array]) -> list[jax.Array]:
+#: The fingerprint a checkpoint's record holds: 2 weighs each word by an odd number, so any change of
+#: one word (any single bit flip) changes it; 1 (records without a version) missed some high-bit flips.
+FINGERPRINT_VERSION = 2
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _fingerprint_leaves(leaves: list[jax.Array], version: int) -> list[jax.Array]:
     out = []
     for leaf in leaves:
         words = _words(leaf)
-        position = jnp.arange(1, words.size + 1, dtype=jnp.uint32) * jnp.uint32(2654435761)
-        out.append(jnp.sum(words * position + (words ^ position), dtype=jnp.uint32))  # wraps mod 2**32
+        index = jnp.arange(1, words.size + 1, dtype=jnp.uint32)
+        if version == 1:
+            position = index * jnp.uint32(2654435761)
+            out.append(jnp.sum(words * position + (words ^ position), dtype=jnp.uint32))  # wraps mod 2**32
+        else:  # an odd weight is invertible mod 2**32: a word changed by d != 0 changes the sum by d * odd != 0
+            odd = (index * jnp.uint32(2) - jnp.uint32(1)) * jnp.uint32(2654435761)
+            out.append(jnp.sum(words * odd, dtype=jnp.uint32))
     return out
 
 
-def fingerprint(tree: Any) -> dict[str, int]:
+def fingerprint(tree: Any, version: int = FINGERPRINT_VERSION) -> dict[str, int]:
     """A position-weighted checksum (mod 2**32) of every array's bits, by leaf name.
 
     Any change to one word of an array changes its value; computed on the
-    devices, sharded or not, so it costs one pass over the state.
+    devices, sharded or not, so it costs one pass over the state. ``version``:
+    that of the record being checked (1 for checkpoints written before version 2).
     """
     leaves = jax.tree_util.tree_leaves(tree)
-    sums = to_host(_fingerprint_leaves(leaves))
+    sums = to_host(_fingerprint_leaves(leaves, version))
     return {name: int(v) for name, v in zip(leaf_names(tree), sums)}
 
 
@@ -133,7 +145,7 @@ class Checkpointer:
             self._write_failed(step, e)
         ocp = self._ocp
         arrays = _arrays(state)
-        record = dict(meta, step=step, fingerprint=fingerprint(arrays))
+        record = dict(meta, step=step, fingerprint=fingerprint(arrays), fingerprint_version=FINGERPRINT_VERSION)
         self._pending = step
         try:
             self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(arrays),
@@ -201,7 +213,7 @@ class Checkpointer:
         expected = meta.get("fingerprint")
         if not isinstance(expected, dict):  # lost with its record: nothing proves the arrays are what was saved
             raise _Corrupt(f"checkpoint {where} has no fingerprint record, so its arrays cannot be checked")
-        actual = fingerprint(state)
+        actual = fingerprint(state, int(meta.get("fingerprint_version", 1)))
         bad = [name for name in actual if expected.get(name) != actual[name]]
         if bad:
             raise _Corrupt(f"checkpoint {where} is corrupted: {len(bad)} of {len(actual)} arrays differ from "

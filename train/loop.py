@@ -34,6 +34,7 @@ from train.metrics import OutputError, Progress
 from train.outputs import Outputs, restore, save_last_good, save_on_interrupt
 from train.state import TrainState, explain_model
 from train.step import evaluate, make_eval_step, make_multi_step, make_train_step
+from train.interrupts import interrupts_between_calls
 from train.tracker import NonFiniteError, Tracker, format_summary, model_label
 from train.workdir import RESUMABLE_CHANGES, check_same_experiment, check_writable, resolved_config  # noqa: F401
 
@@ -242,7 +243,9 @@ def _train(config: ExperimentConfig, state: TrainState, start: int, data: Any, t
     holder = [state]  # the newest state, also when a call is interrupted
     doctor = RunDoctor(config, data, task, outputs, tracker)
     try:
-        _train_calls(config, holder, start, step_fn, batches, outputs, tracker, evaluate_now, doctor)
+        with interrupts_between_calls() as interrupted:
+            _train_calls(config, holder, start, step_fn, batches, outputs, tracker, evaluate_now, doctor,
+                         interrupted)
     except KeyboardInterrupt:
         saved = save_on_interrupt(outputs, holder[0], tracker)
         outputs.writer.close()
@@ -264,14 +267,17 @@ def _train(config: ExperimentConfig, state: TrainState, start: int, data: Any, t
 
 
 def _train_calls(config: ExperimentConfig, holder: list, start: int, step_fn: Callable, batches: Iterator,
-                 outputs: Outputs, tracker: Tracker, evaluate_now: _Evaluator, doctor: RunDoctor) -> None:
+                 outputs: Outputs, tracker: Tracker, evaluate_now: _Evaluator, doctor: RunDoctor,
+                 interrupted: Callable[[], None]) -> None:
     """The device calls of :func:`plan_calls`, their metrics read once per log
     interval (the device always has a call queued), checkpoints and evaluations
-    on their steps. ``holder[0]`` is the newest state."""
+    on their steps. ``holder[0]`` is the newest state; ``interrupted()`` raises a
+    Ctrl-C received since the last call."""
     per_call = _steps_per_call(config, start)
     pending: list[tuple[int, int | None, Any]] = []  # dispatched calls whose metrics are still on the device
     observed = start
     for first, n in plan_calls(start, config.steps, per_call, (config.eval_every, config.checkpoint_every)):
+        interrupted()
         holder[0], metrics = step_fn(holder[0], next(batches), n)
         step = first + n
         tracker.progress.update(n)

@@ -67,7 +67,9 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: s
     def cudnn(q, k, v):  # its backward keeps q, k, v, the output and softmax statistics: no mask
         return jax.nn.dot_product_attention(q, k, v, scale=1.0, is_causal=True, implementation="cudnn")
 
-    xla = jax.checkpoint(_xla_causal_attention, policy=_saves_no_masks)
+    # A new function each call: JAX caches the trace of a function it checkpoints, and a trace made
+    # outside autocast (by init) would hide the attention call autocast recognises.
+    xla = jax.checkpoint(lambda q, k, v: _xla_causal_attention(q, k, v), policy=_saves_no_masks)
     if implementation == "cudnn":
         return cudnn(q, k, v)
     if implementation is None and np.dtype(q.dtype) in _HALF:
