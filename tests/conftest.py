@@ -41,3 +41,13 @@ def pytest_collection_modifyitems(config, items):
                                    f"(run with JAX_PLATFORMS=cuda on a machine with one)")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+@pytest.fixture
+def doctor_off(monkeypatch):
+    """For tests of the loop's stop rule, not of the doctor: the diagnosis a non-finite stop
+    (or a loss scale at its minimum) makes, a large probed program, is stood in for by a line
+    (tests/test_diagnose_training.py checks the real one)."""
+    from train.diagnose import RunDoctor
+
+    monkeypatch.setattr(RunDoctor, "diagnose", lambda self, state, step, reason: "(doctor off in this test)")

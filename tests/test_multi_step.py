@@ -211,7 +211,7 @@ def test_a_run_in_calls_resumes_bit_for_bit_and_may_change_its_call_size(tmp_pat
     assert_bitwise_equal(a, b)
 
 
-def test_nonfinite_steps_inside_a_call_still_stop_the_run(tmp_path):
+def test_nonfinite_steps_inside_a_call_still_stop_the_run(tmp_path, doctor_off):
     config = _config(tmp_path / "run", steps=40, steps_per_call=8, checkpoint_every=0, max_nonfinite_steps=3,
                      precision={"policy": "mixed_f16", "loss_scale": "static", "initial_scale": 1e30})
     with pytest.raises(NonFiniteError, match=r"stopped at step \d+: gradients were non-finite for 3 consecutive "

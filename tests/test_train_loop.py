@@ -96,7 +96,7 @@ def test_a_different_experiment_in_the_same_workdir_is_refused(tmp_path):
         run(_config(tmp_path / "run", **{"optimizer.lr": 1e-2}))
 
 
-def test_nonfinite_gradients_at_the_minimum_scale_stop_with_the_param_path(tmp_path):
+def test_nonfinite_gradients_at_the_minimum_scale_stop_with_the_param_path(tmp_path, doctor_off):
     config = _config(tmp_path / "run", steps=20, checkpoint_every=2, max_nonfinite_steps=3,
                      **{"precision.loss_scale": "static", "precision.initial_scale": 1e30})
     with pytest.raises(NonFiniteError) as info:
@@ -164,7 +164,7 @@ def nan_loss(outputs, batch):  # a NaN the gradients never see
 '''
 
 
-def test_the_stop_rule_counts_steps_at_the_minimum_scale_and_names_it(tmp_path):
+def test_the_stop_rule_counts_steps_at_the_minimum_scale_and_names_it(tmp_path, doctor_off):
     """A dynamic scale from 16 down to its minimum 1 (four halvings): the rule counts the steps computed at 1,
     not the one that first reached it, and says 1."""
     (tmp_path / "nan_code.py").write_text(NAN_CODE)
@@ -181,7 +181,7 @@ def test_the_stop_rule_counts_steps_at_the_minimum_scale_and_names_it(tmp_path):
 
 
 @pytest.mark.parametrize("loss_scale", ["none", "dynamic"])
-def test_a_loss_that_is_not_finite_skips_the_step_even_with_finite_gradients(tmp_path, loss_scale):
+def test_a_loss_that_is_not_finite_skips_the_step_even_with_finite_gradients(tmp_path, loss_scale, doctor_off):
     """Issue 39 (6): a NaN loss with finite gradients was reported as non-finite gradients, its
     streak counted from the step the scale bottomed out, and the scale halved 15 times."""
     (tmp_path / "nan_code.py").write_text(NAN_CODE)
