@@ -12,8 +12,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def subprocess_env(**overrides: str) -> dict:
     """This process's environment plus ``overrides``, with the project root put
-    in front of ``PYTHONPATH`` (whatever the user had there stays after it)."""
+    in front of ``PYTHONPATH`` (whatever the user had there stays after it) and
+    ``XLA_FLAGS`` given added to this session's."""
     env = dict(os.environ, **overrides)
+    if "XLA_FLAGS" in overrides and os.environ.get("XLA_FLAGS"):  # added to this session's flags, not instead
+        env["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} {overrides['XLA_FLAGS']}"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     return env
 

@@ -281,3 +281,27 @@ def test_a_ctrl_c_while_training_is_noted_and_raised_between_device_calls():
             os.kill(os.getpid(), signal.SIGINT)  # the second press
             time.sleep(0.05)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_ctrl_c_landing_in_a_gc_callback_is_delivered_after_it():
+    """Python swallows an exception raised in a gc callback ("exception ignored"), so a Ctrl-C
+    handled there was lost and tracing or training went on. It is delivered again outside."""
+    import gc
+    import os
+    import signal
+    import time
+
+    from train.interrupts import reliable_interrupts
+
+    def press_during_collection(phase, info):
+        if phase == "start":
+            os.kill(os.getpid(), signal.SIGINT)
+            sum(range(10000))  # the handler runs in here, inside the callback
+
+    gc.callbacks.append(press_during_collection)
+    try:
+        with reliable_interrupts(), pytest.raises(KeyboardInterrupt):
+            gc.collect()
+            time.sleep(2)  # delivered again here
+    finally:
+        gc.callbacks.remove(press_during_collection)

@@ -65,6 +65,15 @@ def _fail(message: str, code: int, prefix: str = "error: ") -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parses the command line, runs the experiment, returns the exit status (see :func:`_main`).
+    A Ctrl-C is never lost to a garbage-collection callback (:mod:`train.interrupts`)."""
+    from train.interrupts import reliable_interrupts
+
+    with reliable_interrupts():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None = None) -> int:
     """Parses the command line, runs the experiment, returns the exit status.
 
     Exit status: 0 done, 2 bad config or data (nothing was computed), 1
