@@ -283,25 +283,53 @@ def test_a_ctrl_c_while_training_is_noted_and_raised_between_device_calls():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_a_ctrl_c_landing_in_a_gc_callback_is_delivered_after_it():
-    """Python swallows an exception raised in a gc callback ("exception ignored"), so a Ctrl-C
-    handled there was lost and tracing or training went on. It is delivered again outside."""
-    import gc
+def _press_ctrl_c_here():
     import os
     import signal
+
+    os.kill(os.getpid(), signal.SIGINT)
+    for _ in range(1000):  # Python runs the handler at a bytecode in here, inside the callback
+        pass
+
+
+def _collect_with_a_press_in_a_gc_callback():
+    import gc
+
+    def press_during_collection(phase, info):
+        if phase == "start":
+            _press_ctrl_c_here()
+
+    gc.callbacks.append(press_during_collection)
+    try:
+        gc.collect()
+    finally:
+        gc.callbacks.remove(press_during_collection)
+
+
+def _drop_an_object_with_a_press_in_its_weakref_callback():
+    import weakref
+
+    class Thing:
+        pass
+
+    thing = Thing()
+    ref = weakref.ref(thing, lambda _: _press_ctrl_c_here())
+    del thing
+    return ref
+
+
+@pytest.mark.parametrize(
+    "swallowing_place",
+    [_collect_with_a_press_in_a_gc_callback, _drop_an_object_with_a_press_in_its_weakref_callback],
+    ids=["gc callback", "weakref callback"],
+)
+def test_a_ctrl_c_landing_where_python_swallows_exceptions_is_delivered_after_it(swallowing_place):
+    """Python swallows an exception raised in a gc or weakref callback ("exception ignored"),
+    so a Ctrl-C handled there was lost and tracing or training went on. It is raised again."""
     import time
 
     from train.interrupts import reliable_interrupts
 
-    def press_during_collection(phase, info):
-        if phase == "start":
-            os.kill(os.getpid(), signal.SIGINT)
-            sum(range(10000))  # the handler runs in here, inside the callback
-
-    gc.callbacks.append(press_during_collection)
-    try:
-        with reliable_interrupts(), pytest.raises(KeyboardInterrupt):
-            gc.collect()
-            time.sleep(2)  # delivered again here
-    finally:
-        gc.callbacks.remove(press_during_collection)
+    with reliable_interrupts(), pytest.raises(KeyboardInterrupt):
+        swallowing_place()
+        time.sleep(2)  # delivered again here

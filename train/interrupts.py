@@ -1,13 +1,13 @@
 """Ctrl-C: raised where it can be acted on, never lost.
 
 Python raises ``KeyboardInterrupt`` at whatever bytecode runs next, and when that
-is inside a garbage-collection callback (JAX registers one) the interrupt is
-reported as "exception ignored" and swallowed: tracing, compiling or training
-goes on as if nothing was pressed (1 press in 7 during training, on a loaded
-machine). So:
+is inside a garbage-collection callback (JAX registers one), a weakref callback or
+a finalizer, the interrupt is reported as "exception ignored" and swallowed:
+tracing, compiling or training goes on as if nothing was pressed (1 press in 7
+during training, on a loaded machine). So:
 
-- :func:`reliable_interrupts` (the CLI, around everything): a press that lands
-  inside a gc callback is delivered again a moment later, outside it;
+- :func:`reliable_interrupts` (the CLI, around everything): a press swallowed that
+  way (Python hands it to ``sys.unraisablehook``) is delivered again a moment later;
 - :func:`interrupts_between_calls` (the training loop): the first press is only
   noted and the loop raises it between device calls, where the newest state can
   be checkpointed; a second press raises at once.
@@ -17,45 +17,47 @@ from __future__ import annotations
 
 import _thread
 import contextlib
-import gc
 import signal
+import sys
 import threading
-from types import FrameType
 from typing import Callable, Iterator
 
 __all__ = ["interrupts_between_calls", "reliable_interrupts"]
 
 
-def _in_gc_callback(frame: FrameType | None) -> bool:
-    codes = {getattr(callback, "__code__", None) for callback in gc.callbacks}
-    while frame is not None:
-        if frame.f_code in codes:
-            return True
-        frame = frame.f_back
-    return False
+def _redeliver_soon() -> None:
+    threading.Timer(0.05, _thread.interrupt_main).start()
 
 
-def _raise_outside_gc(frame: FrameType | None) -> None:
-    """``KeyboardInterrupt`` now, or, inside a gc callback (which would swallow it), again soon."""
-    if _in_gc_callback(frame):
-        threading.Timer(0.05, _thread.interrupt_main).start()
-        return
-    raise KeyboardInterrupt
+@contextlib.contextmanager
+def _swallowed_interrupts_redelivered() -> Iterator[None]:
+    """Within: a ``KeyboardInterrupt`` Python could not raise (it reports it to
+    ``sys.unraisablehook``) is raised again a moment later, where it can be."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            _redeliver_soon()
+        else:
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
 
 
 @contextlib.contextmanager
 def reliable_interrupts() -> Iterator[None]:
-    """Within: Ctrl-C raises ``KeyboardInterrupt`` as usual, but never inside a gc callback.
+    """Within: Ctrl-C raises ``KeyboardInterrupt`` as usual, and one that lands where
+    Python swallows exceptions (a gc or weakref callback) is raised again just after.
     Outside the main thread: nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.getsignal(signal.SIGINT)
-    signal.signal(signal.SIGINT, lambda signum, frame: _raise_outside_gc(frame))
-    try:
+    with _swallowed_interrupts_redelivered():
         yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 @contextlib.contextmanager
@@ -71,7 +73,7 @@ def interrupts_between_calls() -> Iterator[Callable[[], None]]:
     def note(signum, frame):
         pressed[0] += 1
         if pressed[0] > 1:  # a second press: the user means now
-            _raise_outside_gc(frame)
+            raise KeyboardInterrupt
 
     def check() -> None:
         if pressed[0]:
@@ -79,6 +81,7 @@ def interrupts_between_calls() -> Iterator[Callable[[], None]]:
 
     signal.signal(signal.SIGINT, note)
     try:
-        yield check
+        with _swallowed_interrupts_redelivered():
+            yield check
     finally:
         signal.signal(signal.SIGINT, previous)
