@@ -32,8 +32,10 @@ from precision.autocast import transform
 from precision.autocast.fp8_sites import Fp8Run
 from precision.autocast.op_lists import OpLists
 from precision.autocast.program import MATMUL_PRIMITIVES, MatmulOp, matmul_ops
+from precision.autocast.attention_fusion import ATTENTION
 from precision.autocast.values import REGION
-from precision.explain_table import columns, coverage_text, share_text, fp8_rows
+from precision.explain_table import (NOT_FUSED, attention_lines, attention_reports, columns, coverage_text,
+                                    fp8_rows, share_text)
 from precision.fp8 import Fp8Options, as_fp8_options
 from precision.modules import LinenWithPolicy, NNXWithPolicy, with_policy
 from precision.policy import Policy, PolicyError, get_policy
@@ -95,6 +97,12 @@ class Explanation:
     forward: tuple[float, float]  # (half FLOPs, all matmul/conv FLOPs)
     backward: tuple[float, float] | None
     fp8: tuple[float, float] = (0.0, 0.0)  # fp8 FLOPs (forward, backward)
+    attention: tuple[tuple[str, str], ...] = ()  # (module, fused how or why not), per softmax attention
+
+    @property
+    def fused_attention(self) -> tuple[str, ...]:
+        """The modules whose softmax attention runs fused (cuDNN's where lowered for CUDA)."""
+        return tuple(path for path, how in self.attention if not how.startswith(NOT_FUSED))
 
     @property
     def fp8_share(self) -> float:
@@ -153,6 +161,7 @@ class Explanation:
                 rows.append((m.path or "(top)", ",".join(m.param_dtypes), ",".join(m.matmul_dtypes), share,
                              m.f32_reason))
             lines += columns(rows)
+        lines += attention_lines(self.attention)
         if self.islands:
             lines.append("float32 islands:")
             for island in self.islands:
@@ -359,7 +368,8 @@ def _summarize(traced: _Traced, policy: Policy, autocast: bool) -> Explanation:
                                     not_fp8.get(path, "") if total > fp8 else ""))
     fp8_flops = (sum(m.flops for m in forward if m.fp8), sum(m.flops for m in backward or [] if m.fp8))
     return Explanation(traced.name, policy, autocast, tuple(modules), _islands(traced),
-                       _flops(forward), _flops(backward) if backward is not None else None, fp8_flops)
+                       _flops(forward), _flops(backward) if backward is not None else None, fp8_flops,
+                       attention_reports(traced.log, lambda p: _path(p, traced.root)))
 
 
 def _flops(ops: list[MatmulOp]) -> tuple[float, float]:
@@ -369,7 +379,7 @@ def _flops(ops: list[MatmulOp]) -> tuple[float, float]:
 def _islands(traced: _Traced) -> tuple[Island, ...]:
     grouped: dict[tuple[str, str], collections.Counter] = collections.defaultdict(collections.Counter)
     for r in traced.log:
-        if r.dtype == np.dtype(np.float32) and r.primitive not in MATMUL_PRIMITIVES:
+        if r.dtype == np.dtype(np.float32) and r.primitive not in MATMUL_PRIMITIVES and r.primitive != ATTENTION:
             grouped[(_path(r.path, traced.root), r.reason)][r.primitive] += 1
     return tuple(Island(path, reason, tuple(counter.items())) for (path, reason), counter in grouped.items())
 

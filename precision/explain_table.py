@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
-__all__ = ["share_text", "columns", "fp8_rows"]
+__all__ = ["share_text", "columns", "fp8_rows", "coverage_text", "attention_reports", "attention_lines", "NOT_FUSED"]
+
+#: How an attention left as it is is reported (then why).
+NOT_FUSED = "not fused"
+_FUSED = "fused attention"
 
 
 def share_text(what: str, flops: tuple[float, float]) -> str:
@@ -52,3 +56,21 @@ def coverage_text(share: float, reasons: list[str]) -> str:
     if share == 0:
         return f"{text} (all {why[0]})" if len(why) == 1 else f"{text} ({'; '.join(why)})"
     return f"{text} (the rest: {'; '.join(why)})"
+
+
+def attention_reports(log: Any, path_of: Callable) -> tuple[tuple[str, str], ...]:
+    """(module, what) for each softmax attention autocast met: fused and how, or why not
+    (from its log; a module's attention traced again for the backward pass counted once)."""
+    seen: dict[tuple[str, str], None] = {}
+    for r in log:
+        if r.primitive == "attention" or r.reason.startswith(_FUSED):
+            seen.setdefault((path_of(r.path), r.reason), None)
+    return tuple(seen)
+
+
+def attention_lines(reports: tuple[tuple[str, str], ...]) -> list[str]:
+    """The table's attention section: one line per module's attention."""
+    if not reports:
+        return []
+    fused = sum(not how.startswith(NOT_FUSED) for _, how in reports)
+    return [f"attention: {fused} of {len(reports)} fused"] + [f"  {path or '(top)'}: {how}" for path, how in reports]

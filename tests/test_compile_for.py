@@ -147,6 +147,17 @@ def test_the_compiled_benchmark_writes_its_table(tmp_path):
 
 
 @gpu_compile
+def test_the_fused_attention_benchmark_writes_its_table(tmp_path):
+    from benchmarks import fused_attention
+
+    argv = ["--layers", "1", "--models", "hf_llama", "--cases", "mixed_bf16", "--out", str(tmp_path)]
+    assert fused_attention.main(argv) == 0
+    (row,) = json.loads((tmp_path / "h100-fused-attention.json").read_text())["rows"]
+    assert row["cudnn_attention"] == row["cudnn_attention_backward"] == 1 and row["f32_gemms"] == 0
+    assert "| hf_llama | mixed_bf16 |" in (tmp_path / "h100-fused-attention.md").read_text()
+
+
+@gpu_compile
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
 def test_every_shipped_config_and_user_model_compiles_for_an_h100_with_its_policy_kept(path, tmp_path):
     """On tiny stand-ins for the data CI lacks; shapes, not values, are compiled."""
@@ -163,6 +174,40 @@ def test_every_shipped_config_and_user_model_compiles_for_an_h100_with_its_polic
         assert report.f32_gemms() == {}, report.f32_gemms()
         assert all(set(k.operands) <= {"bf16", "f16", "f8e4m3fn", "f8e5m2"} for k in report.kernels
                    if k.kind == "cudnn_conv"), report.kernel_rows()
+
+
+#: Users' models at the GPT-2-small layer shape (16 x 1024 tokens, 768 wide, 12 heads), two layers
+#: and a small vocabulary, so attention, not the head, dominates memory.
+LAYER_SHAPE = ("data.seq_len=1024", "data.batch_size=16", "data.num_classes=1024", "data.num_test=65536",
+               "model.width=768", "model.heads=12", "model.layers=2", "model.max_len=1024")
+USER = ROOT / "examples" / "user_models"
+WRITTEN_OUT = {  # model: (config, overrides, its attention modules)
+    "linen SelfAttention GPT": ("linen_gpt.yaml", (), ["block_0/attn", "block_1/attn"]),
+    "HF-style GPT-2": ("hf_style.yaml", (), ["h_0_attn", "h_1_attn"]),
+    "HF-style Llama": ("hf_style.yaml", ("model.name=hf_style.py:Llama",),
+                       ["layers_0_self_attn", "layers_1_self_attn"]),
+    "NNX MultiHeadAttention": ("nnx_lm.yaml", ("model.vocab_size=1024",), ["blocks/0/attn", "blocks/1/attn"]),
+}
+
+
+@gpu_compile
+@pytest.mark.parametrize("name", WRITTEN_OUT)
+def test_users_attention_compiles_to_cudnn_fused_attention_in_every_layer_at_a_third_of_the_memory(name):
+    config, overrides, modules = WRITTEN_OUT[name]
+    fp32 = _compiled(USER / "linen_gpt.yaml", *LAYER_SHAPE, "precision.policy=fp32")
+    policies = ("mixed_bf16", "mixed_f16") if name == "linen SelfAttention GPT" else ("mixed_bf16",)
+    for policy in policies:
+        report = _compiled(USER / config, *LAYER_SHAPE, *overrides, f"precision.policy={policy}")
+        half = "bf16" if policy == "mixed_bf16" else "f16"
+        for kind in ("cudnn_attention", "cudnn_attention_backward"):
+            calls = [k for k in report.kernels if k.kind == kind]
+            assert sorted(k.module for k in calls) == modules, (kind, report.kernel_rows())
+            assert all(set(k.operands) == {half} for k in calls)
+        assert report.f32_gemms() == {}
+        assert report.memory["temp"] <= 0.35 * fp32.memory["temp"], (report.memory, fp32.memory)
+    if name == "linen SelfAttention GPT":  # fusion off: XLA's attention, materialised logits
+        off = _compiled(USER / config, *LAYER_SHAPE, "precision.policy=mixed_bf16", "precision.fuse_attention=false")
+        assert off.count("cudnn_attention") == 0 and off.memory["temp"] > 0.45 * fp32.memory["temp"]
 
 
 @gpu_compile

@@ -316,7 +316,7 @@ def test_a_failed_checkpoint_write_stops_clearly_and_keeps_the_earlier_ones(tmp_
     assert result.returncode == 3, result.stderr[-3000:]
     message = " ".join(result.stderr.split())  # the CLI wraps its paragraph
     assert "error: could not write the checkpoint at step 8" in message and "Checkpoints still intact: 4" in message
-    assert "File too large" in message and str(ROOT / "train") not in message
+    assert "File too large" in message and str(ROOT / "train") not in message, message
     assert len(result.stderr.splitlines()) == 1 and "Traceback" not in result.stderr  # the libraries' noise: a file
     assert (workdir / "train.log").exists()
     assert not _unfinished(workdir)  # the partial write is cleaned up
@@ -373,3 +373,23 @@ def test_a_really_full_disk(tmp_path):
             assert saved_leaves(workdir, step)[0] == step  # each kept checkpoint reads back
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_a_write_error_names_the_operating_systems_reason_however_deep_a_library_wrapped_it():
+    import errno
+
+    from train.checkpoint import _short
+
+    try:
+        try:
+            raise OSError(errno.EFBIG, "File too large")
+        except OSError as e:
+            raise RuntimeError("the asynchronous save failed") from e
+    except RuntimeError as e:
+        wrapped = e
+    assert _short(wrapped) == "File too large [Errno 27]: the asynchronous save failed"
+    grouped = ExceptionGroup("saves failed", [ValueError("x"), OSError(errno.ENOSPC, "No space left on device")])
+    assert _short(grouped).startswith("No space left on device [Errno 28]")
+    tensorstore = ValueError("FAILED_PRECONDITION: writing [os_error_code='28'] See full TensorStore details: ...")
+    assert _short(tensorstore) == "No space left on device [Errno 28]: FAILED_PRECONDITION: writing [os_error_code='28']"
+    assert _short(ValueError("plain")) == "plain"

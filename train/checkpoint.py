@@ -297,9 +297,28 @@ def _remedy(error: Exception, directory: str) -> str:
 
 
 def _short(error: Exception) -> str:
+    """The error's first line, led by the operating system's reason where one is in it or in
+    what caused it (a full disk, a file too large), however deep a library wrapped it."""
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     text = text.split(" See full TensorStore details")[0]
-    cause = re.search(r"([A-Z][^:\[]*?)\s*\[os_error_code='(\d+)'\]", text)  # TensorStore's OS error, at the end
-    if cause:
-        text = f"{cause.group(1)} [Errno {cause.group(2)}]: {text}"
+    errno = _os_errno(error)
+    if errno is not None and not text.startswith(os.strerror(errno)):
+        text = f"{os.strerror(errno)} [Errno {errno}]: {text}"
     return text if len(text) <= 300 else text[:300] + " ..."
+
+
+def _os_errno(error: BaseException) -> int | None:
+    """The OS error number in ``error``, its causes, its contexts or grouped errors (None: none)."""
+    pending, seen = [error], set()
+    while pending:
+        e = pending.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno:
+            return e.errno
+        found = re.search(r"os_error_code='(\d+)'|\[Errno (\d+)\]", str(e))  # TensorStore's, or wrapped text
+        if found:
+            return int(found.group(1) or found.group(2))
+        pending += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
+    return None

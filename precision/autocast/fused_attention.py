@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["MARK", "QKV", "argument_names", "cudnn_call", "is_marked", "marking", "wants_cudnn"]
+__all__ = ["MARK", "QKV", "argument_names", "cudnn_call", "cudnn_function", "is_marked", "marking", "wants_cudnn"]
 
 #: The arguments autocast casts to the compute dtype; the rest (bias, mask, lengths) stay as traced.
 QKV = ("query", "key", "value")
@@ -167,6 +167,13 @@ def cudnn_call(eqn: Any, arrays: list) -> Callable[..., list] | None:
     built for them (no CUDA plugin, shapes, head size, or a backward pass it
     cannot run), checked abstractly here."""
     names, _, _, static = _call(eqn)
+    return cudnn_function(names, static, arrays)
+
+
+def cudnn_function(names: tuple[str, ...], static: dict, arrays: list) -> Callable[..., list] | None:
+    """``jax.nn.dot_product_attention(**dict(zip(names, arrays)), **static)`` as cuDNN's
+    fused attention, a function of the arrays returning its outputs as a list; ``None``
+    where cuDNN cannot take them (checked abstractly, the backward pass included)."""
     static = {**static, "implementation": "cudnn"}
 
     def attend(*values):

@@ -41,7 +41,7 @@ from precision.autocast.op_lists import OpClass, OpLists
 from precision.autocast.program import binders
 from precision.autocast.fp8_matmul import E4M3
 from precision.autocast.fp8_sites import NOT_FP8_REGION, Fp8Run, fp8_dot, skip_reason
-from precision.autocast import reductions
+from precision.autocast import attention_fusion, reductions
 from precision.autocast.regions import module_path, region_dtype, region_fp8, scope_names, within
 from precision.autocast.values import (AS_TRACED, DENIED, F32, FOLLOWS_F32, REGION, STATISTICS, UPCAST, Kind, Record,
                                        Val, is_policy_float, literal_val)
@@ -99,34 +99,63 @@ def evaluate(jaxpr: Any, consts: Sequence[Val], args: Sequence[Val], ctx: Contex
     for var, val in zip(binders(jaxpr), [*consts, *args], strict=True):
         env[var] = val
     demanded = demanded_vars(jaxpr, [v.kind for v in [*consts, *args]], ctx.prefix, ctx.ops)
-    here = module_path(ctx.prefix)
+    known = {var: val.array for var, val in zip(jaxpr.constvars, consts) if val.const}
+    fusions = attention_fusion.plan(jaxpr, known, ctx)
+    fused = {i for f in fusions.values() for i in f.attention.eqns}
+    for i, eqn in enumerate(jaxpr.eqns):
+        if i in fusions:
+            _fuse(jaxpr, fusions[i], env, demanded, ctx)
+        elif i not in fused:
+            _run(eqn, env, demanded, ctx)
+    return [_read(env, v, module_path(ctx.prefix)) for v in jaxpr.outvars]
 
-    def read(var: Any, consumer: tuple[str, ...]) -> Val:
-        if isinstance(var, Literal):
-            return literal_val(var)
-        val = env[var]
-        if val.kind is Kind.FULL and not within(consumer, val.path):
-            return val.retag(Kind.HALF)  # an island ends where its value leaves its module
-        return val
 
-    for eqn in jaxpr.eqns:
-        scope = ctx.prefix + scope_names(eqn.source_info.name_stack)
-        path = module_path(scope)
-        site = Site(eqn, scope, path, region_dtype(scope, ctx.root),
-                    any(v in demanded for v in eqn.outvars if not isinstance(v, DropVar)),
-                    region_fp8(scope, ctx.root_fp8))
-        ins = [read(v, path) for v in eqn.invars]
-        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
-            outs = rewrite_eqn(site, ins, ctx)
-        leaf, const = _keeps_leaf(site, ins), all(v.const for v in ins)
-        for val in outs:
-            val.leaf = val.leaf or leaf  # a param reshaped, cast or sliced is still a param as a layer reads it
-            val.const = const
-        for var, val in zip(eqn.outvars, outs, strict=True):
-            if not isinstance(var, DropVar):
-                env[var] = val if val.path == path else val.retag(val.kind, path)
-    return [read(v, here) for v in jaxpr.outvars]
+def _read(env: dict, var: Any, consumer: tuple[str, ...]) -> Val:
+    if isinstance(var, Literal):
+        return literal_val(var)
+    val = env[var]
+    if val.kind is Kind.FULL and not within(consumer, val.path):
+        return val.retag(Kind.HALF)  # an island ends where its value leaves its module
+    return val
+
+
+def _run(eqn: Any, env: dict, demanded: set, ctx: Context) -> None:
+    """Rewrites ``eqn`` reading its operands from ``env`` and writing its results there."""
+    scope = ctx.prefix + scope_names(eqn.source_info.name_stack)
+    path = module_path(scope)
+    site = Site(eqn, scope, path, region_dtype(scope, ctx.root),
+                any(v in demanded for v in eqn.outvars if not isinstance(v, DropVar)),
+                region_fp8(scope, ctx.root_fp8))
+    ins = [_read(env, v, path) for v in eqn.invars]
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        outs = rewrite_eqn(site, ins, ctx)
+    leaf, const = _keeps_leaf(site, ins), all(v.const for v in ins)
+    for val in outs:
+        val.leaf = val.leaf or leaf  # a param reshaped, cast or sliced is still a param as a layer reads it
+        val.const = const
+    for var, val in zip(eqn.outvars, outs, strict=True):
+        if not isinstance(var, DropVar):
+            env[var] = val if val.path == path else val.retag(val.kind, path)
+
+
+def _fuse(jaxpr: Any, fusion: Any, env: dict, demanded: set, ctx: Context) -> None:
+    """Makes a softmax attention's result as one fused call (:mod:`.attention_fusion`);
+    where the program is not lowered for CUDA, its equations rewritten one by one."""
+    att = fusion.attention
+    last = attention_fusion.outermost(jaxpr, att)  # named for its module
+    path = module_path(ctx.prefix + scope_names(last.source_info.name_stack))
+
+    def op_by_op() -> Val:
+        local = dict(env)
+        quiet = ctx.at(ctx.prefix, None)  # its decisions were logged as the fused attention's
+        for i in sorted(att.eqns):
+            _run(jaxpr.eqns[i], local, demanded, quiet)
+        return local[att.out]
+
+    name_stack = source_info_util.current_name_stack() + last.source_info.name_stack
+    with source_info_util.user_context(last.source_info.traceback, name_stack=name_stack):
+        env[att.out] = attention_fusion.emit(fusion, lambda var: _read(env, var, path), op_by_op, path)
 
 
 def log(ctx: Context, site: Site, dtype: np.dtype, reason: str) -> None:

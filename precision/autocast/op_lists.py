@@ -99,13 +99,16 @@ def _known(name: str) -> bool:
 class OpLists:
     """The allow and deny lists autocast uses (hashable, so it can key caches).
 
-    ``follow`` names primitives taken out of the default allow/deny lists.
+    ``follow`` names primitives taken out of the default allow/deny lists;
+    ``fuse_attention``: softmax attention written out in a half-precision region
+    becomes one fused attention call (cuDNN's where lowered for CUDA).
     Build one with :func:`op_lists`.
     """
 
     allow: frozenset[str] = ALLOW
     deny: frozenset[str] = DENY
     follow: frozenset[str] = frozenset()
+    fuse_attention: bool = True
 
     def classify(self, name: str) -> OpClass:
         """The class of primitive ``name`` under these lists."""
@@ -140,13 +143,18 @@ def _names(arg: Iterable[str] | str | None, what: str) -> frozenset[str]:
 
 
 def op_lists(allow: Iterable[str] | str | None = None, deny: Iterable[str] | str | None = None,
-             follow: Iterable[str] | str | None = None, *, base: OpLists | None = None) -> OpLists:
+             follow: Iterable[str] | str | None = None, *, fuse_attention: bool | None = None,
+             base: OpLists | None = None) -> OpLists:
     """The default lists (or ``base``) with primitives moved between classes.
 
     Args:
       allow: primitives to run in the compute dtype (Paddle's ``custom_white_list``).
       deny: primitives to keep in float32 (Paddle's ``custom_black_list``).
       follow: primitives to take out of both lists: they follow their inputs.
+      fuse_attention: ``False`` leaves softmax attention written out in a model
+        (Flax's ``dot_product_attention``, einsum-softmax-einsum) as it is, op by op;
+        by default (``None``: ``base``'s, else ``True``) it becomes one fused attention
+        call where that is the same computation (see ``docs/fused-attention.md``).
 
     A name may appear in only one argument. Names are JAX primitive names
     (``jax.make_jaxpr`` shows them); an unknown name raises :class:`PolicyError`.
@@ -160,4 +168,5 @@ def op_lists(allow: Iterable[str] | str | None = None, deny: Iterable[str] | str
     base = base or OpLists()
     return OpLists(allow=(base.allow - deny_set - follow_set) | allow_set,
                    deny=(base.deny - allow_set - follow_set) | deny_set,
-                   follow=(base.follow - allow_set - deny_set) | follow_set)
+                   follow=(base.follow - allow_set - deny_set) | follow_set,
+                   fuse_attention=base.fuse_attention if fuse_attention is None else bool(fuse_attention))

@@ -181,6 +181,10 @@ class PrecisionConfig(_Schema):
                                              "e.g. [exp]")
     deny: list[str] = Field([], description="primitives added to the deny list (run in float32), e.g. [tanh]")
     follow: list[str] = Field([], description="primitives removed from both lists (follow their inputs)")
+    fuse_attention: bool = Field(True, description="softmax attention a model writes out (Flax's "
+                                                   "dot_product_attention, einsum-softmax-einsum) computed as one "
+                                                   "fused attention call under a half policy (cuDNN's on a GPU) "
+                                                   "where that is the same computation")
     strict: bool = Field(False, description="fail, instead of warning, when the policy leaves more than 5% of the "
                                             "model's matmul/conv FLOPs in float32")
     fp8: Fp8Config = Field(default_factory=Fp8Config, description="fp8 matmuls (policy mixed_fp8 or compute=f8)")
@@ -315,10 +319,10 @@ SECTIONS = {name: f.annotation for name, f in ExperimentConfig.model_fields.item
 
 def build_op_lists(p: PrecisionConfig) -> precision.OpLists | None:
     """The autocast op lists the precision section describes (None: the defaults)."""
-    if not (p.allow or p.deny or p.follow):
+    if not (p.allow or p.deny or p.follow) and p.fuse_attention:
         return None
     try:
-        return precision.op_lists(allow=p.allow, deny=p.deny, follow=p.follow)
+        return precision.op_lists(allow=p.allow, deny=p.deny, follow=p.follow, fuse_attention=p.fuse_attention)
     except (TypeError, precision.PolicyError) as e:
         raise ConfigError(f"precision.allow/deny/follow: {e}") from None
 
