@@ -32,10 +32,9 @@ from precision.autocast import transform
 from precision.autocast.fp8_sites import Fp8Run
 from precision.autocast.op_lists import OpLists
 from precision.autocast.program import MATMUL_PRIMITIVES, MatmulOp, matmul_ops
-from precision.autocast.attention_fusion import ATTENTION
 from precision.autocast.values import REGION
-from precision.explain_table import (NOT_FUSED, attention_lines, attention_reports, columns, coverage_text,
-                                    fp8_rows, share_text)
+from precision.explain_table import (NOT_FUSED, Island, attention_lines, attention_reports, columns, coverage_text,
+                                    fp8_rows, islands, share_text)
 from precision.fp8 import Fp8Options, as_fp8_options
 from precision.modules import LinenWithPolicy, NNXWithPolicy, with_policy
 from precision.policy import Policy, PolicyError, get_policy
@@ -54,14 +53,6 @@ class PrecisionWarning(UserWarning):
 
 class CoverageError(PolicyError):
     """``strict`` coverage: a half-precision policy leaves matmul/conv FLOPs in float32."""
-
-
-class Island(NamedTuple):
-    """Ops of one module computed in float32, for one reason."""
-
-    path: str
-    reason: str
-    primitives: tuple[tuple[str, int], ...]  # (primitive, count)
 
 
 class ModuleReport(NamedTuple):
@@ -367,21 +358,13 @@ def _summarize(traced: _Traced, policy: Policy, autocast: bool) -> Explanation:
         modules.append(ModuleReport(path, traced.params.get(path, ()), dtypes, half, total, reason, fp8,
                                     not_fp8.get(path, "") if total > fp8 else ""))
     fp8_flops = (sum(m.flops for m in forward if m.fp8), sum(m.flops for m in backward or [] if m.fp8))
-    return Explanation(traced.name, policy, autocast, tuple(modules), _islands(traced),
+    return Explanation(traced.name, policy, autocast, tuple(modules), islands(traced.log, lambda p: _path(p, traced.root)),
                        _flops(forward), _flops(backward) if backward is not None else None, fp8_flops,
                        attention_reports(traced.log, lambda p: _path(p, traced.root)))
 
 
 def _flops(ops: list[MatmulOp]) -> tuple[float, float]:
     return sum(m.flops for m in ops if m.half), sum(m.flops for m in ops)
-
-
-def _islands(traced: _Traced) -> tuple[Island, ...]:
-    grouped: dict[tuple[str, str], collections.Counter] = collections.defaultdict(collections.Counter)
-    for r in traced.log:
-        if r.dtype == np.dtype(np.float32) and r.primitive not in MATMUL_PRIMITIVES and r.primitive != ATTENTION:
-            grouped[(_path(r.path, traced.root), r.reason)][r.primitive] += 1
-    return tuple(Island(path, reason, tuple(counter.items())) for (path, reason), counter in grouped.items())
 
 
 def check_coverage(explanation: Explanation, *, threshold: float = 0.05, strict: bool = False,

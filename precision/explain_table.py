@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import collections
+from typing import Any, Callable, NamedTuple
 
-__all__ = ["share_text", "columns", "fp8_rows", "coverage_text", "attention_reports", "attention_lines", "NOT_FUSED"]
+import numpy as np
+
+from precision.autocast.attention_fusion import ATTENTION
+from precision.autocast.program import MATMUL_PRIMITIVES
+
+__all__ = ["share_text", "columns", "fp8_rows", "coverage_text", "attention_reports", "attention_lines", "NOT_FUSED", "Island",
+           "islands"]
 
 #: How an attention left as it is is reported (then why).
 NOT_FUSED = "not fused"
@@ -74,3 +81,20 @@ def attention_lines(reports: tuple[tuple[str, str], ...]) -> list[str]:
         return []
     fused = sum(not how.startswith(NOT_FUSED) for _, how in reports)
     return [f"attention: {fused} of {len(reports)} fused"] + [f"  {path or '(top)'}: {how}" for path, how in reports]
+
+
+class Island(NamedTuple):
+    """Ops of one module computed in float32, for one reason."""
+
+    path: str
+    reason: str
+    primitives: tuple[tuple[str, int], ...]  # (primitive, count)
+
+
+def islands(log: Any, path_of: Callable) -> tuple[Island, ...]:
+    """The float32 islands autocast logged (not matmuls, not attention), grouped by module and reason."""
+    grouped: dict[tuple[str, str], collections.Counter] = collections.defaultdict(collections.Counter)
+    for r in log:
+        if r.dtype == np.dtype(np.float32) and r.primitive not in MATMUL_PRIMITIVES and r.primitive != ATTENTION:
+            grouped[(path_of(r.path), r.reason)][r.primitive] += 1
+    return tuple(Island(path, reason, tuple(counter.items())) for (path, reason), counter in grouped.items())

@@ -302,7 +302,7 @@ def _short(error: Exception) -> str:
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     text = text.split(" See full TensorStore details")[0]
     errno = _os_errno(error)
-    if errno is not None and not text.startswith(os.strerror(errno)):
+    if errno is not None and os.strerror(errno) not in text[:120]:  # said early enough to survive the cut
         text = f"{os.strerror(errno)} [Errno {errno}]: {text}"
     return text if len(text) <= 300 else text[:300] + " ..."
 
