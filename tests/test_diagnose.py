@@ -12,6 +12,7 @@ from flax import nnx
 
 import precision
 import train
+from helpers import ROOT
 from precision import diagnose
 
 X = jax.random.normal(jax.random.key(0), (16, 8)) * 3
@@ -46,7 +47,8 @@ def test_an_activation_past_float16s_range_is_named_and_its_verified_rule_trains
     assert (overflow.kind, overflow.pass_, overflow.path, overflow.op) == ("overflow", "forward", "block", "mul")
     rule = d.recommendations[0]
     assert rule.change == "keep block in float32 (a rule)" and rule.after == "overflow 0%"
-    assert rule.yaml.startswith("precision.rules: [[block, f32]")
+    assert rule.yaml.startswith("precision:\n  rules: [[block, f32]")
+    assert rule.overrides[0].startswith("precision.rules=[[block, f32]")
     assert "first non-finite value: mul in block (forward)" in str(d)
 
     def trained(policy, rules=None):
@@ -123,7 +125,8 @@ def test_gradients_flushing_without_loss_scaling_get_a_verified_loss_scale():
     low, high = d.findings.scale_range
     assert 1 < low <= high
     scale = [r for r in d.recommendations if r.change.startswith("loss scale")]
-    assert scale and scale[0].yaml.startswith("precision.loss_scale: dynamic, precision.initial_scale: ")
+    assert scale and scale[0].yaml.startswith("precision:\n  loss_scale: dynamic\n  initial_scale: ")
+    assert scale[0].overrides[0] == "precision.loss_scale=dynamic"
     before, after = (float(s.split()[-1].rstrip("%")) for s in (scale[0].before, scale[0].after))
     assert after < before / 10
     decoder = next(m for m in d.to_dict()["modules"] if (m["path"], m["pass"]) == ("decoder", "backward"))
@@ -225,3 +228,138 @@ def test_bad_input_gets_a_specific_error():
     with pytest.raises(TypeError, match="expects a Flax Linen or NNX module"):
         diagnose(42, X, policy="mixed_f16")
 
+
+
+def test_every_change_the_doctor_can_recommend_loads_as_yaml_and_as_command_line_overrides(tmp_path):
+    """The ``yaml`` of a recommendation is a mapping to paste into a config file; its
+    ``overrides`` are the command line's key=value: both go through the config loader."""
+    import yaml
+
+    from precision.doctor import examine
+    from precision.doctor.analysis import Findings, Problem
+    from train.config import load_config
+    from train.config.files import from_dict
+
+    setting = examine._Setting(precision.get_policy("mixed_f16"), precision.default_rules(), precision.OpLists(),
+                               1.0, False)
+    overflow = Problem("overflow", "backward", "encoder/block_1/ffn", "tanh", 0.1, "")
+    findings = Findings((), (overflow,), None, (2.0 ** 4, 2.0 ** 14), None, 1.0)
+    changes = [examine._rule_change(overflow, setting), examine._op_list_change(overflow, setting),
+               examine._bf16_change(overflow, setting), examine._scale_change(overflow, setting, findings)]
+    assert all(changes) and len(changes) == 4
+    base = ROOT / "configs" / "default.yaml"
+    raw = yaml.safe_load(base.read_text())
+    for change in changes:
+        pasted = yaml.safe_load(change.yaml)
+        assert list(pasted) == ["precision"], change.yaml
+        merged = {**raw, "workdir": str(tmp_path), "precision": {**raw.get("precision", {}), **pasted["precision"]}}
+        from_file = from_dict(merged)
+        from_command_line = load_config(base, [f"workdir={tmp_path}", *change.overrides])
+        assert from_file.precision == from_command_line.precision, change.change
+        for key, value in pasted["precision"].items():
+            assert getattr(from_file.precision, key) == value
+
+
+# ----------------------------------------------------------------------------- non-finite values that never reach the loss
+
+
+class Buckets(nn.Module):
+    """T5-style relative-position buckets: ``log`` of distances that include 0 (-inf), discarded by ``where``."""
+
+    @nn.compact
+    def __call__(self, x):
+        distance = jnp.abs(jnp.arange(x.shape[-1])[:, None] - jnp.arange(x.shape[-1])[None, :]).astype(jnp.float32)
+        large = 2.0 + jnp.log(distance / 2.0) / np.log(4.0)  # -inf on the diagonal
+        bucket = jnp.where(distance < 2.0, distance, jnp.minimum(large, 3.0))
+        bias = self.param("bias", nn.initializers.normal(0.1), (4,))[bucket.astype(jnp.int32)]
+        return x + bias.sum(0)
+
+
+class FeedForward(nn.Module):
+    boost: float
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(16, name="wo")(x) * self.boost
+
+
+class BucketsNet(nn.Module):
+    boost: float = 1.0
+
+    @nn.compact
+    def __call__(self, x):
+        h = Buckets(name="relative")(nn.Dense(16, name="inp")(x))
+        h = FeedForward(self.boost, name="ffn")(h)
+        return nn.Dense(4, name="out")(nn.LayerNorm(name="norm")(h))
+
+
+def test_an_inf_the_model_discards_with_where_is_a_note_not_a_problem():
+    d = diagnose(BucketsNet(), X, policy="mixed_f16", loss_fn=xent, loss_scale=1024.0)
+    assert d.healthy and d.first_nonfinite is None and not d.problems, str(d)
+    assert any("log in relative (forward)" in n and "discards" in n for n in d.notes), d.notes
+
+
+def test_a_real_overflow_beside_a_discarded_inf_is_named_and_its_fix_verified():
+    d = diagnose(BucketsNet(boost=30000.0), X, policy="mixed_f16", loss_fn=xent, loss_scale=1024.0)
+    assert d.first_nonfinite == {"op": "mul", "path": "ffn", "pass": "forward"}, str(d)
+    assert (d.problems[0].kind, d.problems[0].path) == ("overflow", "ffn")
+    assert d.recommendations, str(d)  # verification is no longer blocked by the discarded log(0)
+    assert d.recommendations[0].after.endswith(" 0%")
+
+
+def test_a_nan_loss_from_finite_outputs_is_a_finding():
+    def nan_loss(out):
+        return xent(out) * jnp.float32(np.nan)  # a user's loss gone wrong, the model's outputs finite
+
+    d = diagnose(BucketsNet(), X, policy="mixed_bf16", loss_fn=nan_loss)
+    assert not d.healthy
+    assert any(p.kind == "nonfinite" and p.pass_ == "forward" for p in d.problems), str(d)
+    assert "healthy" not in str(d).splitlines()[0]
+
+
+def test_a_matmuls_float32_result_overflowing_in_its_cast_to_half_names_the_matmul():
+    from precision.doctor import probe
+    from precision.doctor.analysis import analyze
+
+    w = jnp.full((64, 16), 40.0, jnp.float16)
+
+    def layer(x):  # an accumulator in float32, the narrowing cast to float16 makes the inf
+        y = jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return y.astype(jnp.float16)
+
+    _, probes, _ = probe.run(layer, (jnp.full((8, 64), 30.0, jnp.float16),))
+    findings = analyze(probes, float("nan"), 1.0, None, {}, outputs_finite=False)
+    assert findings.first_nonfinite["op"] == "dot_general"
+    (overflow,) = [p for p in findings.problems if p.kind == "overflow"]
+    assert overflow.op == "dot_general" and "float32 result, cast to float16" in overflow.detail
+
+
+class HotFeedForward(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(16, name="wi")(x) * 3000.0  # fine in float32, and in float16 (< 65504)
+
+
+class ResidualBlock(nn.Module):
+    """T5-style: the residual adds the feed-forward's output to a stream in half precision;
+    kept float32 by a rule, the feed-forward's result is cast back to half by this sum."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = x + HotFeedForward(name="ffn")(x)  # the sum of two large values passes 65504
+        return h + HotFeedForward(name="ffn2")(h) * 0.0 + h
+
+
+class ResidualNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = ResidualBlock(name="block")(nn.Dense(16, name="inp")(x) * 30.0)
+        return nn.Dense(4, name="out")(nn.LayerNorm(name="norm")(h))
+
+
+def test_when_the_smallest_rule_moves_the_overflow_out_the_enclosing_module_is_tried_and_verified():
+    d = diagnose(ResidualNet(), X, policy="mixed_f16", loss_fn=xent, loss_scale=1.0)
+    assert d.problems and d.problems[0].kind == "overflow", str(d)
+    assert d.recommendations, str(d)
+    fix = d.recommendations[0]
+    assert d.problems[0].path == "block/ffn" and fix.change == "keep block in float32 (a rule)", str(d)

@@ -57,19 +57,22 @@ def test_a_run_with_a_planted_overflow_stops_with_one_line_naming_the_op_module_
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: training stopped at step")
     assert "mul in block (forward) first went non-finite" in err
-    assert "verified fix: precision.rules: [[block, f32], [BatchNorm, f32]" in err and "-> overflow 0%" in err
+    # Diagnosed at the scale the run used before the streak drove it to 1 (at 1, small gradients underflow).
+    assert "at loss scale 4 (in use before it fell to 1)" in err
+    assert "verified fix: 'precision.rules=[[block, f32], [BatchNorm, f32]" in err and "-> overflow 0%" in err
     saved = json.loads((tmp_path / "run" / "diagnosis.json").read_text())
     assert saved["reason"] == "training stopped on non-finite gradients" and saved["step"] == 3
+    assert saved["loss_scale"] == 4
     assert saved["first_nonfinite"] == {"op": "mul", "path": "block", "pass": "forward"}
     assert saved["problems"][0]["kind"] == "overflow" and saved["problems"][0]["path"] == "block"
-    assert saved["recommendations"][0]["yaml"].startswith("precision.rules: [[block, f32]")
+    assert saved["recommendations"][0]["yaml"].startswith("precision:\n  rules: [[block, f32]")
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     diagnosis = [r for r in records if r["kind"] == "diagnosis"]
     assert diagnosis and diagnosis[0]["first_nonfinite"]["path"] == "block"
     assert os.listdir(tmp_path / "run" / "checkpoints")  # the last good state is saved as before
 
-    # The verified rule, applied as the diagnosis wrote it, trains.
-    rules = yaml.safe_load(saved["recommendations"][0]["yaml"].removeprefix("precision.rules: "))
+    # The verified rule, applied as the diagnosis wrote it (pasted into the config), trains.
+    rules = yaml.safe_load(saved["recommendations"][0]["yaml"])["precision"]["rules"]
     fixed = _config_file(tmp_path, f"{tmp_path}/hot_model.py:HotMLP", workdir=str(tmp_path / "fixed"),
                          precision={**TINY["precision"], "rules": rules})
     assert main([fixed]) == 0

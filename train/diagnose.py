@@ -29,10 +29,12 @@ __all__ = ["DIAGNOSIS_FILE", "RunDoctor", "diagnose_state", "summary_line", "wri
 DIAGNOSIS_FILE = "diagnosis.json"
 
 
-def diagnose_state(state: TrainState, batch: dict, task: Any, *, verify: bool = True) -> precision.Diagnosis:
+def diagnose_state(state: TrainState, batch: dict, task: Any, *, verify: bool = True,
+                   loss_scale: float | None = None) -> precision.Diagnosis:
     """The diagnosis of one train step of ``state`` on ``batch``: forward and backward
-    of the model under its policy, rules and op lists, at the state's loss scale, on
-    its float32 (master) params; with ``verify``, the changes that fix what it finds."""
+    of the model under its policy, rules and op lists, at the state's loss scale (or
+    ``loss_scale``), on its float32 (master) params; with ``verify``, the changes that
+    fix what it finds."""
     params = jax.device_get(precision.full_precision_params(state.params, state.opt_state))
     model_state = jax.device_get(state.model_state)
     batch = {k: np.asarray(v) for k, v in jax.device_get(batch).items()}
@@ -46,7 +48,7 @@ def diagnose_state(state: TrainState, batch: dict, task: Any, *, verify: bool = 
     else:
         target, variables = state.model, {"params": params, **model_state}
         kwargs = mode_kwargs(state.model, True)
-    scale = jax.device_get(state.loss_scale)
+    scale = jax.device_get(state.loss_scale) if loss_scale is None else loss_scale
     return precision.diagnose(target, batch["inputs"], variables=variables, loss_fn=loss_fn, loss_scale=scale,
                               verify=verify, **kwargs)
 
@@ -76,7 +78,8 @@ def summary_line(diagnosis: precision.Diagnosis) -> str:
         return "the doctor found no overflow, non-finite value, underflow or rounding on that batch"
     if diagnosis.recommendations:
         r = diagnosis.recommendations[0]
-        return f"{where}; verified fix: {r.yaml} ({r.before} -> {r.after})"
+        fix = r.command_line or r.change
+        return f"{where}; verified fix: {fix} ({r.before} -> {r.after})"
     if diagnosis.notes:
         return f"{where}; {diagnosis.notes[0]}"
     return f"{where}; no change the doctor tried fixed it"
@@ -106,6 +109,11 @@ class RunDoctor:
         line = self.diagnose(state, step, "the dynamic loss scale reached its minimum on a non-finite step")
         print(f"warning: step {step} was non-finite at the minimum loss scale: {line}", file=self.outputs.out)
 
+    def _scale_in_use(self, state: TrainState) -> float | None:
+        """A dynamic scale: the one of the newest step with finite gradients, not the one the
+        non-finite streak drove down to (at 1 every small gradient underflows). Others: the state's."""
+        return self.tracker.scale_in_use if self.tracker.dynamic_scale else None
+
     def diagnose(self, state: TrainState, step: int, reason: str) -> str:
         """Diagnoses the batch of ``step`` from ``state``; the summary line (or why there is none)."""
         if jax.process_count() > 1:
@@ -114,11 +122,14 @@ class RunDoctor:
             with self.tracker.paused():
                 batch_size = self.config.data.batch_size * self.config.accum_steps
                 batch = self.data.train_batch(step - 1, batch_size, self.config.seed)
-                diagnosis = diagnose_state(state, batch, self.task)
+                diagnosis = diagnose_state(state, batch, self.task, loss_scale=self._scale_in_use(state))
                 path = write_diagnosis(self.outputs.workdir, diagnosis, step, reason)
         except Exception as e:  # noqa: BLE001 - a failed diagnosis must not cost the run its checkpoint
             return f"the doctor could not diagnose step {step}'s batch ({type(e).__name__}: {e})"
         line = summary_line(diagnosis)
+        now = float(np.asarray(getattr(jax.device_get(state.loss_scale), "loss_scale", 1.0)))
+        if diagnosis.loss_scale != now:
+            line = f"at loss scale {diagnosis.loss_scale:g} (in use before it fell to {now:g}): {line}"
         self.tracker.record({"kind": "diagnosis", "step": step, "reason": reason, "summary": line, "file": path,
                              "first_nonfinite": diagnosis.first_nonfinite,
                              "problems": [p.to_dict() for p in diagnosis.problems],

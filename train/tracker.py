@@ -58,6 +58,7 @@ class Tracker:
         self.streak_loss_only = True  # every step of the streak: the loss non-finite, its gradients finite
         self.dynamic_scale = hasattr(scale, "min_loss_scale")
         self.at_min_scale_step: int | None = None  # first non-finite step of a dynamic scale at its minimum
+        self.scale_in_use = self.initial_scale  # the loss scale of the newest step with finite gradients
         self.interval: list[dict] = []
         self.last_step = int(to_host(state.step))
         self.last_train: dict = {}
@@ -120,6 +121,8 @@ class Tracker:
         elif scale < self.last_scale:
             self.decreases += 1
         self.last_scale = scale
+        if m.get("grads_finite", True):
+            self.scale_in_use = scale
         self.skipped = int(m["skipped_steps"])
         self.interval.append(m)
         self._check_finite(step, m)

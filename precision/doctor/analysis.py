@@ -15,7 +15,7 @@ import numpy as np
 
 from precision.doctor.probe import SCALES, Probe
 
-__all__ = ["THRESHOLDS", "Findings", "ModuleStats", "Problem", "analyze", "rounding_shares"]
+__all__ = ["THRESHOLDS", "Findings", "ModuleStats", "Problem", "analyze", "rounding_shares", "without_sites"]
 
 #: When a share is a problem: underflow of values that are non-zero in float32 (per module and pass),
 #: updates that round away (per param).
@@ -64,6 +64,8 @@ class Findings:
     underflow_at: dict | None  # float16 backward: {scale: share of gradient values flushed}
     loss: float
     seconds: dict = dataclasses.field(default_factory=dict)  # probed program: trace, compile, run
+    outputs_finite: bool = True  # the loss and every gradient (forward only: the outputs) finite
+    nonfinite_sites: tuple[tuple[str, str, str], ...] = ()  # (op, path, pass) that made inf/NaN from finite inputs
 
     def metric(self, problem: Problem) -> float:
         """The share ``problem`` measured, as this run measures it (0 when it is gone)."""
@@ -131,7 +133,8 @@ def _overflow_problems(probes: list[Probe]) -> list[Problem]:
         bad = sum(int(p.stats["overflow"] if kind == "overflow" else p.stats["inf"] + p.stats["nan"]) for p in group)
         dtype = group[0].dtype
         ref = max(float(p.stats.get("ref_amax", 0.0)) for p in group)
-        detail = (f"{op} in {dtype} made {bad} values past {float(jnp.finfo(dtype).max):g} (largest in float32 "
+        how = f"{op}'s float32 result, cast to {dtype}," if any(p.narrowed for p in group) else f"{op} in {dtype}"
+        detail = (f"{how} made {bad} values past {float(jnp.finfo(dtype).max):g} (largest in float32 "
                   f"{ref:.4g})" if kind == "overflow" else f"{op} made inf/NaN from finite inputs")
         problems.append(Problem(kind, "backward" if backward else "forward", path, op, bad / size, detail))
     return problems
@@ -188,8 +191,9 @@ def rounding_shares(params: Any, updates: Any) -> dict[str, float]:
 
 
 def analyze(probes: list[Probe], loss: float, loss_scale: float, rounding: dict[str, float] | None,
-            storage: dict[str, str], seconds: dict | None = None) -> Findings:
-    """The findings of one probed run (``rounding``: per param share, ``storage``: its dtype)."""
+            storage: dict[str, str], seconds: dict | None = None, outputs_finite: bool = True) -> Findings:
+    """The findings of one probed run (``rounding``: per param share, ``storage``: its dtype;
+    ``outputs_finite``: whether the loss and gradients, or the outputs, came out finite)."""
     modules = _module_stats(probes)
     problems = _overflow_problems(probes) + _underflow_problems(modules)
     for name, share in (rounding or {}).items():
@@ -197,11 +201,35 @@ def analyze(probes: list[Probe], loss: float, loss_scale: float, rounding: dict[
             problems.append(Problem("rounding", "update", name, "", share,
                                     f"{100 * share:.1f}% of its updates are below half an ulp of a "
                                     f"{storage.get(name, '?')} param: applied to it, they round away"))
-    first = _first_nonfinite(probes)
-    first_info = None if first is None else {"op": first.primitive, "path": _path(first.path),
-                                             "pass": "backward" if first.backward else "forward"}
-    forward_failed = first_info is not None and first_info["pass"] == "forward"  # no gradient to read then
+    sites = tuple(dict.fromkeys((p.primitive, _path(p.path), "backward" if p.backward else "forward")
+                                for p in probes if _made_nonfinite(p)))
+    if not outputs_finite and not sites:  # a non-finite constant or input, or the loss's own NaN
+        problems.append(Problem("nonfinite", "forward", "(top)", "loss", 1.0,
+                                "the loss is non-finite, though no op made a non-finite value from finite inputs: "
+                                "a non-finite input, constant or label reaches it"))
+        sites = (("loss", "(top)", "forward"),)
+    return _sorted(Findings(modules, tuple(problems), _first(sites), None, None, loss, dict(seconds or {}),
+                            outputs_finite, sites), probes, loss_scale)
+
+
+def _first(sites: tuple[tuple[str, str, str], ...]) -> dict | None:
+    return None if not sites else {"op": sites[0][0], "path": sites[0][1], "pass": sites[0][2]}
+
+
+def _sorted(findings: Findings, probes: list[Probe], loss_scale: float) -> Findings:
+    first = findings.first_nonfinite
+    forward_failed = (not findings.outputs_finite and first is not None
+                      and first["pass"] == "forward")  # no gradient to read then
     scale_range, underflow_at = (None, None) if forward_failed else _scale_analysis(probes, loss_scale)
     order = {"nonfinite": 0, "overflow": 1, "underflow": 2, "rounding": 3}
-    problems.sort(key=lambda p: (order[p.kind], p.pass_ != "forward", -p.share))
-    return Findings(modules, tuple(problems), first_info, scale_range, underflow_at, loss, dict(seconds or {}))
+    problems = tuple(sorted(findings.problems, key=lambda p: (order[p.kind], p.pass_ != "forward", -p.share)))
+    return dataclasses.replace(findings, problems=problems, scale_range=scale_range, underflow_at=underflow_at)
+
+
+def without_sites(findings: Findings, masked: set) -> Findings:
+    """``findings`` without the non-finite values made at ``masked`` sites ((op, path, pass)):
+    values the model discards (``where``, a clamp) before they reach its loss or gradients."""
+    sites = tuple(site for site in findings.nonfinite_sites if site not in masked)
+    problems = tuple(p for p in findings.problems
+                     if p.kind not in ("overflow", "nonfinite") or (p.op, p.path, p.pass_) not in masked)
+    return dataclasses.replace(findings, problems=problems, nonfinite_sites=sites, first_nonfinite=_first(sites))

@@ -2,7 +2,8 @@
 probed, name where numerics fail, and recommend only what it verified.
 
 For each problem the doctor tries the changes that could fix it, cheapest first:
-a float32 rule on the smallest module that contains it, taking the primitive out
+a float32 rule on the smallest module that contains it (then on each enclosing
+module outward: a caller may cast the rule's result back to half), taking the primitive out
 of the half ops (an op-list change), bfloat16 instead of float16, a loss scale
 inside the range where float16 gradients neither overflow nor flush, float32
 master weights. Each is applied, the program diagnosed again, and kept only when
@@ -23,12 +24,14 @@ import optax
 
 from precision.autocast import ALLOW, OpLists, op_lists
 from precision.doctor import probe
+from precision.doctor.config_text import config_text
 from precision.doctor.analysis import (
     THRESHOLDS,
     Findings,
     Problem,
     analyze,
     rounding_shares,
+    without_sites,
 )
 from precision.doctor.report import Diagnosis, Recommendation
 from precision.doctor.subject import Subject, subject_of
@@ -55,8 +58,8 @@ def _examine(subject: Subject, s: _Setting, loss_fn: Callable | None, optimizer:
     """One probed run under setting ``s``."""
     forward, params = subject.program(s.policy, s.rules, s.ops)
     if loss_fn is None:
-        _, probes, seconds = probe.run(forward, (params,))
-        return analyze(probes, math.nan, 1.0, None, {}, seconds)
+        outputs, probes, seconds = probe.run(forward, (params,))
+        return analyze(probes, math.nan, 1.0, None, {}, seconds, _all_finite(outputs))
 
     def scaled(p):
         return jnp.asarray(loss_fn(forward(p)), jnp.float32) * s.loss_scale
@@ -75,7 +78,14 @@ def _examine(subject: Subject, s: _Setting, loss_fn: Callable | None, optimizer:
         rounding = rounding_shares(stored, updates)
         storage = {jax.tree_util.keystr(path, simple=True, separator="/"): str(x.dtype)
                    for path, x in jax.tree_util.tree_leaves_with_path(stored)}
-    return analyze(probes, float(value) / s.loss_scale, s.loss_scale, rounding, storage, seconds)
+    return analyze(probes, float(value) / s.loss_scale, s.loss_scale, rounding, storage, seconds,
+                   _all_finite((value, grads)))
+
+
+def _all_finite(tree: Any) -> bool:
+    """Whether every floating value of ``tree`` is finite."""
+    return all(bool(np.all(np.isfinite(np.asarray(x, np.float32)))) for x in jax.tree_util.tree_leaves(tree)
+               if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating))
 
 
 # ----------------------------------------------------------------------------- changes to try
@@ -84,21 +94,33 @@ def _examine(subject: Subject, s: _Setting, loss_fn: Callable | None, optimizer:
 @dataclasses.dataclass(frozen=True)
 class _Change:
     change: str
-    yaml: str
+    yaml: str  # a YAML mapping (see .config_text)
     python: str
     setting: _Setting
+    overrides: tuple[str, ...] = ()  # the same, as key=value for the command line
 
 
-def _rule_change(problem: Problem, s: _Setting) -> _Change | None:
-    if problem.path == "(top)" or s.policy.compute_dtype == F32:
+def _rule_change(problem: Problem, s: _Setting, path: str | None = None) -> _Change | None:
+    """A float32 rule on ``path`` (default: the problem's module)."""
+    path = problem.path if path is None else path
+    if path == "(top)" or s.policy.compute_dtype == F32:
         return None
-    rules = ((problem.path, "f32"), *s.rules)
-    shown = [[problem.path, "f32"], *([r.pattern, _policy_name(r.policy)] for r in s.rules)]
+    rules = ((path, "f32"), *s.rules)
+    shown = [[path, "f32"], *([r.pattern, _policy_name(r.policy)] for r in s.rules)]
     rest = ("*precision.default_rules()" if s.rules == default_rules()
             else ", ".join(f"({r.pattern!r}, {_policy_name(r.policy)!r})" for r in s.rules))
-    python = f"rules=[({problem.path!r}, 'f32')" + (f", {rest}]" if rest else "]")
-    return _Change(f"keep {problem.path} in float32 (a rule)", f"precision.rules: {shown}".replace("'", ""),
-                   python, dataclasses.replace(s, rules=rules))
+    python = f"rules=[({path!r}, 'f32')" + (f", {rest}]" if rest else "]")
+    yaml_text, overrides = config_text(rules=shown)
+    return _Change(f"keep {path} in float32 (a rule)", yaml_text, python, dataclasses.replace(s, rules=rules),
+                   overrides)
+
+
+def _rule_changes(problem: Problem, s: _Setting) -> list[_Change | None]:
+    """Float32 rules from the problem's module outward, one per enclosing module: where a
+    rule's float32 result is cast back to half by its caller (a residual), the overflow
+    moves out, and the smallest scope that contains it is the one to keep."""
+    parts = problem.path.split("/")
+    return [_rule_change(problem, s, "/".join(parts[:n])) for n in range(len(parts), 0, -1)]
 
 
 def _policy_name(policy: Policy) -> str:
@@ -114,8 +136,9 @@ def _op_list_change(problem: Problem, s: _Setting) -> _Change | None:
         ops = op_lists(deny=[problem.op], base=s.ops)
     except Exception:  # noqa: BLE001 - not a primitive the op lists know
         return None
-    return _Change(f"compute {problem.op} in float32 (the deny list)", f"precision.deny: [{problem.op}]",
-                   f"ops=precision.op_lists(deny=[{problem.op!r}])", dataclasses.replace(s, ops=ops))
+    return _Change(f"compute {problem.op} in float32 (the deny list)", *_with_python(
+        config_text(deny=sorted(ops.deny - OpLists().deny)), f"ops=precision.op_lists(deny=[{problem.op!r}])",
+        dataclasses.replace(s, ops=ops)))
 
 
 def _bf16_change(problem: Problem, s: _Setting) -> _Change | None:
@@ -124,8 +147,9 @@ def _bf16_change(problem: Problem, s: _Setting) -> _Change | None:
     half = {F16: BF16}
     policy = Policy(half.get(s.policy.param_dtype, s.policy.param_dtype), BF16,
                     half.get(s.policy.output_dtype, s.policy.output_dtype))
-    return _Change("bfloat16 instead of float16 (float32's range)", f"precision.policy: {policy}",
-                   f"precision.with_policy(model, {str(policy)!r})", dataclasses.replace(s, policy=policy))
+    return _Change("bfloat16 instead of float16 (float32's range)", *_with_python(
+        config_text(policy=str(policy)), f"precision.with_policy(model, {str(policy)!r})",
+        dataclasses.replace(s, policy=policy)))
 
 
 def _scale_change(problem: Problem, s: _Setting, findings: Findings) -> _Change | None:
@@ -135,17 +159,24 @@ def _scale_change(problem: Problem, s: _Setting, findings: Findings) -> _Change 
     scale = low if problem.kind == "underflow" else max((x for x in probe.SCALES if x <= high / 2), default=None)
     if scale is None or scale == s.loss_scale:
         return None
-    return _Change(f"loss scale {scale:g}", f"precision.loss_scale: dynamic, precision.initial_scale: {scale:g}",
-                   f"precision.DynamicLossScale({scale:g})", dataclasses.replace(s, loss_scale=scale))
+    return _Change(f"loss scale {scale:g}", *_with_python(
+        config_text(loss_scale="dynamic", initial_scale=scale), f"precision.DynamicLossScale({scale:g})",
+        dataclasses.replace(s, loss_scale=scale)))
 
 
 def _masters_change(problem: Problem, s: _Setting) -> _Change | None:
     if problem.kind != "rounding" or s.masters:
         return None
     return _Change("float32 master weights (updates applied to them, not to the half params)",
-                   "(kept by the framework's optimizer: precision.mixed_precision)",
+                   "# nothing to set: the framework's optimizer (precision.mixed_precision) keeps them",
                    "tx = precision.mixed_precision(optimizer)  # keeps float32 masters of half params",
                    dataclasses.replace(s, masters=True))
+
+
+def _with_python(config: tuple[str, tuple[str, ...]], python: str, setting: _Setting) -> tuple:
+    """_Change's fields after its description, from config_text's pair."""
+    yaml_text, overrides = config
+    return yaml_text, python, setting, overrides
 
 
 def _changes(problem: Problem, s: _Setting, findings: Findings) -> list[_Change]:
@@ -154,17 +185,18 @@ def _changes(problem: Problem, s: _Setting, findings: Findings) -> list[_Change]
     elif problem.kind == "underflow":
         tries = [_scale_change(problem, s, findings), _bf16_change(problem, s), _rule_change(problem, s)]
     else:
-        tries = [_rule_change(problem, s), _op_list_change(problem, s), _scale_change(problem, s, findings),
+        tries = [*_rule_changes(problem, s), _op_list_change(problem, s), _scale_change(problem, s, findings),
                  _bf16_change(problem, s)]
     return [c for c in tries if c is not None]
 
 
 def _fixed(problem: Problem, after: Findings) -> bool:
+    """The problem is gone, and nothing non-finite reaches the loss or gradients."""
     if problem.kind in ("overflow", "nonfinite"):
-        return after.first_nonfinite is None and after.metric(problem) == 0
+        return after.outputs_finite and after.first_nonfinite is None and after.metric(problem) == 0
     limit = THRESHOLDS["rounding" if problem.kind == "rounding" else
                       "underflow_backward" if problem.pass_ == "backward" else "underflow_forward"]
-    return after.metric(problem) <= limit and after.first_nonfinite is None
+    return after.metric(problem) <= limit and after.outputs_finite and after.first_nonfinite is None
 
 
 def _name(problem: Problem) -> str:
@@ -199,21 +231,35 @@ def diagnose(target: Any, *args: Any, policy: Any = None, variables: Any = None,
         optimizer = optax.sgd(learning_rate)
     setting = _Setting(subject.policy, subject.rules, subject.ops, scale, False)
     findings = _examine(subject, setting, loss_fn, optimizer)
-    notes, recommendations = [], []
-    if findings.first_nonfinite and subject.policy != Policy(F32, F32, F32):
+    notes, recommendations, masked = [], [], set()
+    if findings.nonfinite_sites and findings.outputs_finite:  # made, then discarded: never reaches the loss
+        masked = set(findings.nonfinite_sites)
+    elif findings.first_nonfinite and subject.policy != Policy(F32, F32, F32):
         full = _examine(subject, dataclasses.replace(setting, policy=Policy(F32, F32, F32), loss_scale=1.0), loss_fn,
                         None)
-        if full.first_nonfinite:
-            first = full.first_nonfinite
+        if not full.outputs_finite:
+            first = full.first_nonfinite or findings.first_nonfinite
             notes.append(f"{first['op']} in {first['path']} ({first['pass']}) is non-finite in float32 too: the "
                          f"model's math, not precision")
-    if verify and not notes:
-        recommendations = _verified(subject, setting, findings, loss_fn, optimizer, most)
+        else:
+            masked = set(full.nonfinite_sites)  # the model's own inf/NaN, discarded in float32 as in half
+    if masked:
+        findings = without_sites(findings, masked)
+        notes.append(_masked_note(masked))
+    if verify and not any("float32 too" in n for n in notes):
+        recommendations = _verified(subject, setting, findings, loss_fn, optimizer, most, masked)
     return Diagnosis(subject.name, subject.policy, scale, findings, tuple(recommendations), tuple(notes))
 
 
+def _masked_note(masked: set) -> str:
+    where = ", ".join(f"{op} in {path} ({pass_})" for op, path, pass_ in sorted(masked)[:4])
+    more = f" and {len(masked) - 4} more" if len(masked) > 4 else ""
+    return (f"{where}{more} made inf/NaN that the model discards (a where or clamp) before the loss and "
+            f"gradients: not a problem")
+
+
 def _verified(subject: Subject, setting: _Setting, findings: Findings, loss_fn: Callable | None, optimizer: Any,
-              most: int) -> list[Recommendation]:
+              most: int, masked: set = frozenset()) -> list[Recommendation]:
     """For each of the ``most`` worst problems, the first change that fixes it when applied."""
     found: list[Recommendation] = []
     tried: dict[_Setting, Findings] = {}
@@ -222,13 +268,14 @@ def _verified(subject: Subject, setting: _Setting, findings: Findings, loss_fn: 
             continue
         for change in _changes(problem, setting, findings):
             if change.setting not in tried:
-                tried[change.setting] = _examine(subject, change.setting, loss_fn, optimizer)
+                tried[change.setting] = without_sites(_examine(subject, change.setting, loss_fn, optimizer), masked)
             after = tried[change.setting]
             if _fixed(problem, after):
                 if any(r.change == change.change for r in found):
                     break  # already recommended, for a worse problem it fixes too
                 found.append(Recommendation(change.change, change.yaml, change.python, problem,
                                             f"{_name(problem)} {100 * problem.share:.3g}%",
-                                            f"{_name(problem)} {100 * after.metric(problem):.3g}%"))
+                                            f"{_name(problem)} {100 * after.metric(problem):.3g}%",
+                                            change.overrides))
                 break
     return found

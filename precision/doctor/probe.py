@@ -56,6 +56,9 @@ _MOVES_VALUES = MOVES | {"dynamic_update_slice", "concatenate", "select_n", "neg
                          "reduce_min", "stop_gradient", "pad", "gather", "optimization_barrier"}
 
 
+_MATMULS = ("dot_general", "conv_general_dilated")
+
+
 class Probe(NamedTuple):
     """What was measured at one output of one op (the arrays come back from the device)."""
 
@@ -66,6 +69,7 @@ class Probe(NamedTuple):
     dtype: np.dtype
     size: int
     stats: dict  # name -> scalar (host values after the run)
+    narrowed: bool = False  # the op's float32 result as cast to half (the cast is what was measured)
 
 
 def _is_float(aval: Any) -> bool:
@@ -154,9 +158,10 @@ class _Run:
 
     def __init__(self, loss_scale: float):
         self.loss_scale = loss_scale
-        self.probes: list[tuple[int, tuple, str, bool, np.dtype, int]] = []
+        self.probes: list[tuple[int, tuple, str, bool, np.dtype, int, bool]] = []
         self.arrays: list[dict] = []
         self.finite: dict[int, tuple[Any, jax.Array]] = {}  # id(value) -> (value, all finite): counted once
+        self.made_by: dict[int, tuple[str, Any]] = {}  # id(value) -> (the matmul that made it, the value)
 
     def _finite(self, x: Any) -> jax.Array:
         """Whether every value of ``x`` is finite: from its probe when an op made it, else reduced once."""
@@ -201,15 +206,20 @@ class _Run:
         with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
             outs = eqn.primitive.bind(*ins, **eqn.params)
         outs = list(outs) if eqn.primitive.multiple_results else [outs]
+        if name in _MATMULS:
+            self.made_by.update((id(out), (name, out)) for out in outs)
         if name in _MOVES_VALUES:
             return outs
+        # A matmul's float32 result cast to half: the cast overflows, the matmul is what the user wrote.
+        made_by = self.made_by.get(id(ins[0]), ("",))[0] if name == "convert_element_type" else ""
+        shown = made_by or name
         floats_in = [x for x, v in zip(ins, eqn.invars) if _is_float(v.aval)]
         inputs_finite = jnp.all(jnp.stack([self._finite(x) for x in floats_in])) if floats_in else jnp.array(True)
         for i, (out, var) in enumerate(zip(outs, eqn.outvars)):
             if _is_float(var.aval) and np.dtype(var.aval.dtype) in (*HALF, F32) and math.prod(var.aval.shape):
                 shadow = _shadow(eqn, ins, i) if np.dtype(var.aval.dtype) in HALF else None
-                self.probes.append((len(self.probes), module_path(scope), name, backward, np.dtype(var.aval.dtype),
-                                    int(math.prod(var.aval.shape))))
+                self.probes.append((len(self.probes), module_path(scope), shown, backward, np.dtype(var.aval.dtype),
+                                    int(math.prod(var.aval.shape)), bool(made_by)))
                 stats = _measure(out, shadow, inputs_finite, backward, self.loss_scale)
                 self.arrays.append(stats)
                 self.finite[id(out)] = (out, stats["inf"] + stats["nan"] == 0)
@@ -262,6 +272,6 @@ def run(fn: Any, args: Sequence[Any], loss_scale: float = 1.0, n_primal: int | N
     outs, arrays = jax.block_until_ready(compiled(consts, flat_args))
     arrays = jax.device_get(arrays)
     seconds = {"trace": traced - start, "compile": compiled_at - traced, "run": time.perf_counter() - compiled_at}
-    probes = [Probe(i, path, prim, backward, dtype, size, {k: np.asarray(v) for k, v in stats.items()})
-              for (i, path, prim, backward, dtype, size), stats in zip(probing.probes, arrays)]
+    probes = [Probe(i, path, prim, backward, dtype, size, {k: np.asarray(v) for k, v in stats.items()}, narrowed)
+              for (i, path, prim, backward, dtype, size, narrowed), stats in zip(probing.probes, arrays)]
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs), probes, seconds

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shlex
 
 from precision.doctor.analysis import Findings, ModuleStats, Problem
 from precision.doctor.probe import SCALES
@@ -19,15 +20,21 @@ class Recommendation:
     """A change the doctor applied, diagnosed again, and saw fix a problem."""
 
     change: str  # in words
-    yaml: str  # as config lines (``precision.*``)
+    yaml: str  # a YAML mapping to merge into a config file (``precision:`` and its keys)
     python: str  # as code
     problem: Problem  # the problem it fixes
     before: str  # e.g. "overflow 2.1%"
     after: str  # e.g. "overflow 0%"
+    overrides: tuple[str, ...] = ()  # the same as ``key=value`` for ``python -m train CONFIG ...``
+
+    @property
+    def command_line(self) -> str:
+        """The overrides as shell words (quoted where a shell would split or glob them)."""
+        return " ".join(shlex.quote(o) for o in self.overrides)
 
     def to_dict(self) -> dict:
-        return {"change": self.change, "yaml": self.yaml, "python": self.python, "problem": self.problem.to_dict(),
-                "before": self.before, "after": self.after}
+        return {"change": self.change, "yaml": self.yaml, "overrides": list(self.overrides), "python": self.python,
+                "problem": self.problem.to_dict(), "before": self.before, "after": self.after}
 
 
 def _pct(share: float) -> str:
@@ -105,9 +112,11 @@ class Diagnosis:
             lines.append("verified changes (applied, diagnosed again):")
             for r in self.recommendations:
                 lines.append(f"  {r.change}: {r.before} -> {r.after}")
-                lines.append(f"    yaml:   {r.yaml}")
+                lines.append("    yaml:   " + r.yaml.replace("\n", "\n            "))
+                if r.overrides:
+                    lines.append(f"    command line: {r.command_line}")
                 lines.append(f"    python: {r.python}")
-        elif self.notes:
+        elif any("float32 too" in n for n in self.notes):
             lines.append("no change recommended: the failure is the same in float32 (see the note)")
         else:
             lines.append("no verified change: none of the changes tried fixed these")
