@@ -140,9 +140,47 @@ def _overflow_problems(probes: list[Probe]) -> list[Problem]:
     return problems
 
 
-def _underflow_problems(modules: Iterable[ModuleStats]) -> list[Problem]:
+def _module_of(name: str) -> str:
+    """The module of a param leaf's path (``block/dense/kernel`` -> ``block/dense``; NNX's ``value`` dropped)."""
+    parts = name.split("/")
+    if len(parts) > 1 and parts[-1] == "value":
+        parts = parts[:-1]
+    return "/".join(parts[:-1]) or "(top)"
+
+
+def gradient_underflow(grads: Any, reference: Any) -> dict[str, tuple[int, int]]:
+    """Per module: (parameter-gradient values non-zero and finite in the float32 reference run,
+    of those zero in the policy's run): the gradients the step applies, not the cotangents."""
+    import jax
+
+    counts: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree_util.tree_leaves(reference)):
+        if not jnp.issubdtype(jnp.asarray(g).dtype, jnp.floating):
+            continue
+        g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
+        nonzero = (r != 0) & np.isfinite(r)
+        module = _module_of(jax.tree_util.keystr(path, simple=True, separator="/"))
+        counts[module][0] += int(np.sum(nonzero))
+        counts[module][1] += int(np.sum(nonzero & (g == 0)))
+    return {m: (n, f) for m, (n, f) in counts.items()}
+
+
+def _gradient_problems(underflow: dict[str, tuple[int, int]]) -> list[Problem]:
+    problems = []
+    for module, (nonzero, flushed) in sorted(underflow.items()):
+        share = flushed / nonzero if nonzero else 0.0
+        if share > THRESHOLDS["underflow_backward"]:
+            problems.append(Problem("underflow", "backward", module, "", share,
+                                    f"{100 * share:.1f}% of its parameter-gradient values non-zero in a float32 run "
+                                    f"are zero in this one"))
+    return problems
+
+
+def _underflow_problems(modules: Iterable[ModuleStats], backward: bool = True) -> list[Problem]:
     problems = []
     for m in modules:
+        if m.backward and not backward:
+            continue
         limit = THRESHOLDS["underflow_backward" if m.backward else "underflow_forward"]
         if m.flushed > limit:
             what = "gradient (cotangent)" if m.backward else "activation"
@@ -191,11 +229,15 @@ def rounding_shares(params: Any, updates: Any) -> dict[str, float]:
 
 
 def analyze(probes: list[Probe], loss: float, loss_scale: float, rounding: dict[str, float] | None,
-            storage: dict[str, str], seconds: dict | None = None, outputs_finite: bool = True) -> Findings:
+            storage: dict[str, str], seconds: dict | None = None, outputs_finite: bool = True,
+            gradients: dict[str, tuple[int, int]] | None = None) -> Findings:
     """The findings of one probed run (``rounding``: per param share, ``storage``: its dtype;
-    ``outputs_finite``: whether the loss and gradients, or the outputs, came out finite)."""
+    ``outputs_finite``: whether the loss and gradients, or the outputs, came out finite;
+    ``gradients``: :func:`gradient_underflow` against a float32 run, which then measures the
+    backward pass's underflow in place of the cotangents)."""
     modules = _module_stats(probes)
-    problems = _overflow_problems(probes) + _underflow_problems(modules)
+    problems = _overflow_problems(probes) + _underflow_problems(modules, backward=gradients is None)
+    problems += _gradient_problems(gradients or {})
     for name, share in (rounding or {}).items():
         if share > THRESHOLDS["rounding"]:
             problems.append(Problem("rounding", "update", name, "", share,

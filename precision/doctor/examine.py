@@ -30,6 +30,7 @@ from precision.doctor.analysis import (
     Findings,
     Problem,
     analyze,
+    gradient_underflow,
     rounding_shares,
     without_sites,
 )
@@ -54,8 +55,20 @@ class _Setting:
     masters: bool  # updates applied to float32 masters (not to the stored params)
 
 
-def _examine(subject: Subject, s: _Setting, loss_fn: Callable | None, optimizer: Any) -> Findings:
-    """One probed run under setting ``s``."""
+def _reference_grads(subject: Subject, s: _Setting, loss_fn: Callable, cache: dict) -> Any:
+    """The gradients of a float32 run at ``s``'s loss scale (not probed): what the policy's
+    gradients are measured against (cached per scale)."""
+    if s.loss_scale not in cache:
+        forward, params = subject.program(Policy(F32, F32, F32), s.rules, s.ops)
+        full = jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), params)
+        cache[s.loss_scale] = jax.jit(jax.grad(lambda p: jnp.asarray(loss_fn(forward(p)), jnp.float32)
+                                               * s.loss_scale))(full)
+    return cache[s.loss_scale]
+
+
+def _examine(subject: Subject, s: _Setting, loss_fn: Callable | None, optimizer: Any,
+             reference: dict | None = None) -> Findings:
+    """One probed run under setting ``s`` (``reference``: a cache of float32 runs' gradients)."""
     forward, params = subject.program(s.policy, s.rules, s.ops)
     if loss_fn is None:
         outputs, probes, seconds = probe.run(forward, (params,))
@@ -78,8 +91,11 @@ def _examine(subject: Subject, s: _Setting, loss_fn: Callable | None, optimizer:
         rounding = rounding_shares(stored, updates)
         storage = {jax.tree_util.keystr(path, simple=True, separator="/"): str(x.dtype)
                    for path, x in jax.tree_util.tree_leaves_with_path(stored)}
+    gradients = None
+    if s.policy.compute_dtype != F32 and reference is not None:
+        gradients = gradient_underflow(grads, _reference_grads(subject, s, loss_fn, reference))
     return analyze(probes, float(value) / s.loss_scale, s.loss_scale, rounding, storage, seconds,
-                   _all_finite((value, grads)))
+                   _all_finite((value, grads)), gradients)
 
 
 def _all_finite(tree: Any) -> bool:
@@ -152,12 +168,15 @@ def _bf16_change(problem: Problem, s: _Setting) -> _Change | None:
         dataclasses.replace(s, policy=policy)))
 
 
-def _scale_change(problem: Problem, s: _Setting, findings: Findings) -> _Change | None:
+def _scale_change(problem: Problem, s: _Setting, findings: Findings, step: int = 0) -> _Change | None:
+    """A loss scale from the range where float16 gradients neither overflow nor flush: for
+    underflow its low end (``step`` > 0: 2**(8 * step) times it, while below the top)."""
     if findings.scale_range is None or problem.pass_ != "backward":
         return None
     low, high = findings.scale_range
-    scale = low if problem.kind == "underflow" else max((x for x in probe.SCALES if x <= high / 2), default=None)
-    if scale is None or scale == s.loss_scale:
+    scale = (low * 2.0 ** (8 * step) if problem.kind == "underflow"
+             else max((x for x in probe.SCALES if x <= high / 2), default=None))
+    if scale is None or scale == s.loss_scale or (step and scale > high / 2):
         return None
     return _Change(f"loss scale {scale:g}", *_with_python(
         config_text(loss_scale="dynamic", initial_scale=scale), f"precision.DynamicLossScale({scale:g})",
@@ -183,15 +202,19 @@ def _changes(problem: Problem, s: _Setting, findings: Findings) -> list[_Change]
     if problem.kind == "rounding":
         tries = [_masters_change(problem, s)]
     elif problem.kind == "underflow":
-        tries = [_scale_change(problem, s, findings), _bf16_change(problem, s), _rule_change(problem, s)]
+        tries = [*(_scale_change(problem, s, findings, step) for step in range(3)), _bf16_change(problem, s),
+                 _rule_change(problem, s)]
     else:
         tries = [*_rule_changes(problem, s), _op_list_change(problem, s), _scale_change(problem, s, findings),
                  _bf16_change(problem, s)]
     return [c for c in tries if c is not None]
 
 
-def _fixed(problem: Problem, after: Findings) -> bool:
-    """The problem is gone, and nothing non-finite reaches the loss or gradients."""
+def _fixed(problem: Problem, after: Findings, every_layer: bool = False) -> bool:
+    """The problem is gone, and nothing non-finite reaches the loss or gradients;
+    ``every_layer`` (a new loss scale): no layer's gradients underflow past the threshold either."""
+    if every_layer and any(p.kind == "underflow" and p.pass_ == "backward" for p in after.problems):
+        return False
     if problem.kind in ("overflow", "nonfinite"):
         return after.outputs_finite and after.first_nonfinite is None and after.metric(problem) == 0
     limit = THRESHOLDS["rounding" if problem.kind == "rounding" else
@@ -230,7 +253,8 @@ def diagnose(target: Any, *args: Any, policy: Any = None, variables: Any = None,
     if optimizer is None and learning_rate is not None:
         optimizer = optax.sgd(learning_rate)
     setting = _Setting(subject.policy, subject.rules, subject.ops, scale, False)
-    findings = _examine(subject, setting, loss_fn, optimizer)
+    reference: dict = {}
+    findings = _examine(subject, setting, loss_fn, optimizer, reference)
     notes, recommendations, masked = [], [], set()
     if findings.nonfinite_sites and findings.outputs_finite:  # made, then discarded: never reaches the loss
         masked = set(findings.nonfinite_sites)
@@ -247,7 +271,7 @@ def diagnose(target: Any, *args: Any, policy: Any = None, variables: Any = None,
         findings = without_sites(findings, masked)
         notes.append(_masked_note(masked))
     if verify and not any("float32 too" in n for n in notes):
-        recommendations = _verified(subject, setting, findings, loss_fn, optimizer, most, masked)
+        recommendations = _verified(subject, setting, findings, loss_fn, optimizer, most, masked, reference)
     return Diagnosis(subject.name, subject.policy, scale, findings, tuple(recommendations), tuple(notes))
 
 
@@ -259,7 +283,7 @@ def _masked_note(masked: set) -> str:
 
 
 def _verified(subject: Subject, setting: _Setting, findings: Findings, loss_fn: Callable | None, optimizer: Any,
-              most: int, masked: set = frozenset()) -> list[Recommendation]:
+              most: int, masked: set = frozenset(), reference: dict | None = None) -> list[Recommendation]:
     """For each of the ``most`` worst problems, the first change that fixes it when applied."""
     found: list[Recommendation] = []
     tried: dict[_Setting, Findings] = {}
@@ -268,9 +292,10 @@ def _verified(subject: Subject, setting: _Setting, findings: Findings, loss_fn: 
             continue
         for change in _changes(problem, setting, findings):
             if change.setting not in tried:
-                tried[change.setting] = without_sites(_examine(subject, change.setting, loss_fn, optimizer), masked)
+                tried[change.setting] = without_sites(
+                    _examine(subject, change.setting, loss_fn, optimizer, reference), masked)
             after = tried[change.setting]
-            if _fixed(problem, after):
+            if _fixed(problem, after, every_layer=change.setting.loss_scale != setting.loss_scale):
                 if any(r.change == change.change for r in found):
                     break  # already recommended, for a worse problem it fixes too
                 found.append(Recommendation(change.change, change.yaml, change.python, problem,
