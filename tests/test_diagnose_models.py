@@ -46,10 +46,9 @@ ARCHITECTURES = {
 }
 
 
-#: float16 for every model (its range is the narrow one); bfloat16 for the two whose attention is
-#: written out by hand (each diagnosis is ~25 s of CI: the six bfloat16 twins would be 2.5 minutes).
-CASES = [(name, "mixed_f16", 2.0 ** 15) for name in ARCHITECTURES] + [
-    (name, "mixed_bf16", 1.0) for name in ("T5-style encoder-decoder", "ViT-style encoder")]
+#: float16 for every model (its range is the narrow one); bfloat16 for T5, whose discarded log(0) is
+#: there in any dtype (each diagnosis is ~25 s of CI: the six bfloat16 twins would be 2.5 minutes).
+CASES = [(name, "mixed_f16", 2.0 ** 15) for name in ARCHITECTURES] + [("T5-style encoder-decoder", "mixed_bf16", 1.0)]
 
 
 @pytest.mark.parametrize("name,policy,loss_scale", CASES, ids=[f"{n}-{p}" for n, p, _ in CASES])
