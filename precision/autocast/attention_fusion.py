@@ -64,12 +64,13 @@ def plan(jaxpr: Any, consts: dict, ctx: Any) -> dict[int, Fusion]:
                       f"the model's attention runs as written. Please report this.", RuntimeWarning, stacklevel=2)
         return {}
     chosen: dict[int, Fusion] = {}
+    graph = Graph(jaxpr, consts)  # one for every attention of the program
     for att in found:
         path, dtype = _where(jaxpr, att, ctx)
         why = _why_not(att, dtype, ctx)
         fusion = None
         if why is None:
-            fusion = _fusion(jaxpr, consts, att, dtype)
+            fusion = _fusion(graph, att, dtype)
             why = None if fusion is not None else _cannot_build()
         if fusion is not None:
             chosen[att.last] = fusion
@@ -113,10 +114,9 @@ def _log(ctx: Any, path: tuple, dtype: np.dtype, reason: str) -> None:
         ctx.log.append(Record(path, ATTENTION, dtype, reason))
 
 
-def _fusion(jaxpr: Any, consts: dict, att: Attention, dtype: np.dtype) -> Fusion | None:
+def _fusion(graph: Graph, att: Attention, dtype: np.dtype) -> Fusion | None:
     """cuDNN's call for ``att`` in ``dtype`` (built abstractly), or None where it cannot be."""
-    graph = Graph(jaxpr, consts)
-    logits = _logits_shape(jaxpr, att)
+    logits = _logits_shape(graph.jaxpr, att)
     heads = att.q_dims[3] is not None
     reads: dict = {}
     for role, var in (("query", att.query), ("key", att.key), ("value", att.value)):

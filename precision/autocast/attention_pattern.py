@@ -57,12 +57,6 @@ class Attention:
     mask: Any = None  # a var or (jit eqn, operand index): where the logits are kept
     is_causal: bool = False
 
-    @property
-    def reads(self) -> list[Any]:
-        """The program's vars the fused call reads."""
-        mask = self.mask[1] if isinstance(self.mask, tuple) else self.mask
-        return [v for v in (self.query, self.key, self.value, self.bias, mask) if v is not None]
-
 
 def find_attention(jaxpr: Any, consts: dict | None = None) -> list[Attention]:
     """Every softmax attention of ``jaxpr`` (its own equations, not sub-programs);
