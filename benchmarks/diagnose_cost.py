@@ -1,14 +1,19 @@
-"""Cost of the numerics doctor against the plain train step, on the GPT-2-small shape.
+"""Cost of the numerics doctor against the plain train step, on the GPT-2-small shape at several depths.
 
 The doctor runs a separate program: the train step's forward and backward with
 every op probed (each result measured, each half-precision op computed again in
-float32). This times, in one process, the plain jitted ``train.make_train_step``
-(compile, then the median of ``--steps`` steps) and one diagnosis of the same
-state and batch (``train.diagnose_state``, ``verify=False``: trace, compile and
-run of the probed program). The train step is never changed by the doctor
-(``tests/test_diagnose_training.py`` compares its HLO).
+float32), cut into segments, one per layer and pass, that share compiled programs
+where layers repeat; and a float32 run of the same step, its gradients the
+reference for underflow. For each depth this times, in one process, the plain
+jitted ``train.make_train_step`` (compile, then the median of ``--steps`` steps)
+and one diagnosis of the same state and batch (``train.diagnose_state``,
+``verify=False``), and reads the peak memory of each: the plain step's from XLA's
+memory analysis of its compiled program (arguments, outputs and temporaries), the
+doctor's as it ran (live values plus the running segment's temporaries). The
+train step is never changed by the doctor (``tests/test_diagnose_training.py``
+compares its HLO).
 
-    python -m benchmarks.diagnose_cost [--layers 12 --d-model 768 --heads 12 --vocab 50257 --seq 128 --batch 4]
+    python -m benchmarks.diagnose_cost [--layers 2 12 24 --d-model 768 --heads 12 --vocab 50257 --seq 128 --batch 4]
 
 Prints a table and writes ``benchmarks/results/diagnose_cost-<device>.{md,json}``
 (``--out DIR`` for elsewhere).
@@ -34,7 +39,7 @@ RESULTS = pathlib.Path(__file__).parent / "results"
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.diagnose_cost", description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--layers", type=int, nargs="+", default=[2, 12, 24])
     p.add_argument("--d-model", type=int, default=768)
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--vocab", type=int, default=50257)
@@ -46,9 +51,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def measure(args: argparse.Namespace) -> dict:
-    """The plain step's compile and step seconds, and the diagnosis's trace, compile and run seconds."""
-    model = GPT(vocab_size=args.vocab, block_size=args.seq, num_layers=args.layers, num_heads=args.heads,
+def _compiled_peak(compiled) -> int:
+    """A compiled program's peak bytes by XLA's memory analysis: arguments, outputs, temporaries."""
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+
+def measure(args: argparse.Namespace, layers: int) -> dict:
+    """At ``layers`` layers: the plain step's compile and step seconds and peak bytes; the
+    diagnosis's seconds (in all, and the probed program's trace, compile, run) and peak bytes."""
+    model = GPT(vocab_size=args.vocab, block_size=args.seq, num_layers=layers, num_heads=args.heads,
                 d_model=args.d_model)
     tokens = jax.random.randint(jax.random.key(0), (args.batch, args.seq + 1), 0, args.vocab)
     batch = {"inputs": tokens[:, :-1], "labels": tokens[:, 1:]}
@@ -68,27 +80,33 @@ def measure(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     diagnosis = train.diagnose_state(state, batch, task, verify=False)
     total = time.perf_counter() - start
-    seconds = diagnosis.findings.seconds
+    cost = diagnosis.findings.seconds
+    plain = plain_compile + statistics.median(times)
     params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
-    return {"shape": {k: getattr(args, k) for k in ("layers", "d_model", "heads", "vocab", "seq", "batch")},
-            "params": int(params), "policy": args.policy, "device": jax.devices()[0].device_kind,
+    return {"layers": layers, "params": int(params),
             "plain_compile_s": plain_compile, "plain_step_s": statistics.median(times),
-            "doctor_trace_s": seconds["trace"], "doctor_compile_s": seconds["compile"],
-            "doctor_run_s": seconds["run"], "doctor_total_s": total,
-            "run_ratio": seconds["run"] / statistics.median(times),
-            "compile_ratio": seconds["compile"] / plain_compile,
-            "healthy": diagnosis.healthy, "jax": jax.__version__, "python": platform.python_version()}
+            "plain_peak_bytes": _compiled_peak(compiled),
+            "doctor_total_s": total, "doctor_probe_trace_s": cost["trace"], "doctor_probe_compile_s": cost["compile"],
+            "doctor_probe_run_s": cost["run"], "doctor_peak_bytes": int(cost["peak_bytes"]),
+            "segments": int(cost["segments"]), "segments_compiled": int(cost["compiled"]),
+            "ratio": total / plain, "healthy": diagnosis.healthy}
 
 
-def table(r: dict) -> str:
-    rows = [("", "plain train step", "instrumented (doctor)", "ratio"),
-            ("compile", f"{r['plain_compile_s']:.1f} s", f"{r['doctor_compile_s']:.1f} s", f"{r['compile_ratio']:.1f}x"),
-            ("one step", f"{r['plain_step_s']:.2f} s", f"{r['doctor_run_s']:.2f} s", f"{r['run_ratio']:.1f}x")]
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    shape = r["shape"]
-    head = (f"GPT {shape['layers']} layers, d_model {shape['d_model']}, {shape['heads']} heads, vocab {shape['vocab']}, "
-            f"batch {shape['batch']} x {shape['seq']} tokens ({r['params'] / 1e6:.0f}M params), {r['policy']}, "
-            f"{r['device']}; doctor trace {r['doctor_trace_s']:.1f} s, total {r['doctor_total_s']:.1f} s")
+def table(result: dict) -> str:
+    rows = [("layers", "params", "plain: compile + step", "doctor: total (probe trace / compile / run)",
+             "ratio", "segments (compiled)", "peak: plain / doctor")]
+    for r in result["depths"]:
+        rows.append((str(r["layers"]), f"{r['params'] / 1e6:.0f}M",
+                     f"{r['plain_compile_s']:.1f} + {r['plain_step_s']:.2f} s",
+                     f"{r['doctor_total_s']:.1f} s ({r['doctor_probe_trace_s']:.1f} / {r['doctor_probe_compile_s']:.1f}"
+                     f" / {r['doctor_probe_run_s']:.1f})",
+                     f"{r['ratio']:.1f}x", f"{r['segments']} ({r['segments_compiled']})",
+                     f"{r['plain_peak_bytes'] / 2**30:.2f} / {r['doctor_peak_bytes'] / 2**30:.2f} GiB"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    shape = result["shape"]
+    head = (f"GPT, d_model {shape['d_model']}, {shape['heads']} heads, vocab {shape['vocab']}, batch {shape['batch']} x "
+            f"{shape['seq']} tokens, {result['policy']}, {result['device']}, jax {result['jax']}; ratio: the whole "
+            f"diagnosis (verify=False) over the plain step's compile + one step")
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     return "\n".join([head, "", *lines])
@@ -96,7 +114,12 @@ def table(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     args = _parser().parse_args(argv)
-    result = measure(args)
+    result = {"shape": {k: getattr(args, k) for k in ("d_model", "heads", "vocab", "seq", "batch")},
+              "policy": args.policy, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "python": platform.python_version(), "depths": []}
+    for layers in args.layers:
+        result["depths"].append(measure(args, layers))
+        print(f"{layers} layers: {json.dumps(result['depths'][-1])}", flush=True)
     text = table(result)
     print(text)
     out = pathlib.Path(args.out) if args.out else RESULTS

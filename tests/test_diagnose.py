@@ -77,6 +77,37 @@ def test_an_overflow_inside_a_scan_over_layers_is_named():
     assert d.first_nonfinite == {"op": "mul", "path": "blocks", "pass": "forward"}
 
 
+def test_a_scan_is_probed_as_a_scan_with_statistics_for_every_iteration_in_order():
+    from precision.doctor import probe
+
+    def grow(x):  # x * 100 three times in float16: 3e2, 3e4, then past 65504 in the last iteration
+        y, _ = jax.lax.scan(lambda h, _: (h * jnp.float16(100.0), None), x, None, length=3)
+        return y
+
+    _, probes, cost = probe.run(grow, (jnp.full((4, 8), 3.0, jnp.float16),))
+    muls = [p for p in probes if p.primitive == "mul"]
+    assert [float(p.stats["amax"]) for p in muls[:2]] == [300.0, 30000.0] and int(muls[2].stats["inf"]) == 32
+    assert [bool(p.stats["inputs_finite"]) for p in muls] == [True, True, True]
+    assert cost["segments"] == 1 and cost["compiled"] == 1
+
+
+class Stack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(16, name="inp")(x)
+        for i in range(6):
+            h = h + nn.Dense(16, name=f"block_{i}")(nn.LayerNorm(name=f"norm_{i}")(h))
+        return nn.Dense(4, name="out")(h)
+
+
+def test_the_layers_of_a_stack_share_one_compiled_probe_per_pass_and_each_is_measured():
+    d = diagnose(Stack(), X, policy="mixed_f16", loss_fn=xent, loss_scale=1024.0, verify=False)
+    cost = d.findings.seconds
+    assert cost["segments"] >= 24 and 3 * cost["compiled"] <= cost["segments"], cost  # 6 layers, 2 modules, 2 passes
+    assert {m.path for m in d.findings.modules if m.backward} >= {f"block_{i}" for i in range(6)}
+    assert cost["peak_bytes"] > 0
+
+
 # ----------------------------------------------------------------------------- (b) attention logits
 
 

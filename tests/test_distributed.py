@@ -7,6 +7,7 @@ test session runs them in a subprocess with 8 forced CPU host devices
 test starts real ``jax.distributed`` processes with CPU (gloo) collectives.
 """
 
+import os
 import socket
 import subprocess
 import sys
@@ -114,6 +115,17 @@ def test_a_mesh_that_does_not_fit_fails_before_compute(tmp_path):
                         "progress": False})
     with pytest.raises(ConfigError, match="mesh.data \\* mesh.fsdp"):
         run(config)
+    assert not (tmp_path / "run").exists()
+
+
+def test_diagnose_on_several_processes_refuses_with_one_line(monkeypatch, tmp_path):
+    from train.checkup import diagnose_experiment
+    from train.data import DataError
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(DataError, match=r"^--diagnose runs in one process, and this is process 0 of 2: diagnose on one "
+                                        r"host \(its devices can form the mesh\)$"):
+        diagnose_experiment(from_dict({"workdir": str(tmp_path / "run"), "progress": False}))
     assert not (tmp_path / "run").exists()
 
 
@@ -382,3 +394,37 @@ def test_two_processes_train_checkpoint_resume_and_match_one_process(tmp_path):
     _assert_close(saved_state(multi, 10)[1]["params"], saved_state(single, 10)[1]["params"], 1e-5)
     lines = (Path(multi) / "metrics.jsonl").read_text().splitlines()
     assert len([line for line in lines if '"kind": "train"' in line]) == 5  # one writer, no duplicates
+
+
+@needs8
+def test_multidevice_diagnose_runs_on_the_configs_mesh_and_finds_what_one_device_finds(tmp_path, monkeypatch):
+    """``--diagnose`` on a mesh config: the state sharded (FSDP) and the batch split as a run places
+    them, each probed segment partitioned as its arrays are; the diagnosis is one device's."""
+    from train.builders import build_train_state
+    from train.checkup import diagnose_experiment
+    from train.diagnose import diagnose_state
+    from train.loop import build_experiment
+
+    spec = {"steps": 1, "progress": False, "inference_dtypes": [], "model": {"name": "mlp", "hidden": [64]},
+            "data": {"name": "digits", "batch_size": 16, "eval_batch_size": 16, "eval_batches": 1},
+            "precision": {"policy": "mixed_f16", "loss_scale": "dynamic"}}
+    from precision.doctor import probe
+
+    compile_segment, placed = probe._compile, set()
+
+    def spy(part, values, *rest):  # the arrays each probed segment is compiled for
+        placed.update(str(getattr(v.sharding, "spec", None)) for v in values if isinstance(v, jax.Array) and v.ndim == 2)
+        return compile_segment(part, values, *rest)
+
+    monkeypatch.setattr(probe, "_compile", spy)
+    config = from_dict({**spec, "workdir": str(tmp_path), "mesh": {"data": 2, "fsdp": 4, "fsdp_min_size": 64}})
+    with open(os.devnull, "w") as quiet:
+        sharded, _ = diagnose_experiment(config, out=quiet)
+    assert "P(None, 'fsdp')" in placed, placed  # the kernels, split as the run splits them
+    data, task, model = build_experiment(config)
+    state, _ = build_train_state(config, model, data)  # one device
+    single = diagnose_state(state, data.train_batch(0, 16, config.seed), task)
+    assert sharded.healthy == single.healthy and sharded.problems == single.problems, (str(sharded), str(single))
+    rows = {(m.path, m.backward): m.amax for m in single.findings.modules}
+    for m in sharded.findings.modules:
+        np.testing.assert_allclose(m.amax, rows[(m.path, m.backward)], rtol=1e-2)

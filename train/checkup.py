@@ -1,7 +1,9 @@
 """``python -m train CONFIG --diagnose``: a check-up of an experiment by the numerics doctor.
 
-Builds the experiment as :func:`train.run` would, from its initial state or the
-newest intact checkpoint in its workdir (read, never written or moved), runs N
+Builds the experiment as :func:`train.run` would (on the config's mesh: the
+state sharded and the batches split as a run places them), from its initial
+state or the newest intact checkpoint in its workdir (read, never written or
+moved), runs N
 train steps each diagnosed (:func:`train.diagnose_state`), verifies the fixes
 for the worst one, prints it and writes ``WORKDIR/diagnosis.json``.
 """
@@ -12,12 +14,14 @@ import os
 import sys
 from typing import TextIO
 
+import jax
+
 import precision
 from train.builders import build_train_state
 from train.config import ExperimentConfig
 from train.data import DataError
 from train.diagnose import diagnose_state, write_diagnosis
-from train.loop import build_experiment, start_compile_cache
+from train.loop import build_experiment, layout_of, start_compile_cache
 from train.state import TrainState
 from train.step import make_train_step
 
@@ -33,15 +37,19 @@ def diagnose_experiment(config: ExperimentConfig, steps: int = 1, out: TextIO | 
     out = sys.stdout if out is None else out
     if not isinstance(steps, int) or steps < 1:
         raise DataError(f"--diagnose-steps must be an integer >= 1, got {steps!r}")
+    if jax.process_count() > 1:
+        raise DataError(f"--diagnose runs in one process, and this is process {jax.process_index()} of "
+                        f"{jax.process_count()}: diagnose on one host (its devices can form the mesh)")
     start_compile_cache(config.compile_cache)  # a step's probed program, compiled once for all N
     data, task, model = build_experiment(config)
-    state, schedule = build_train_state(config, model, data)
+    layout = layout_of(config)  # the config's mesh: the state and batches are placed as a run places them
+    state, schedule = build_train_state(config, model, data, layout)
     state, start = _latest_checkpoint(config, state, out)
     step_fn = make_train_step(accum_steps=config.accum_steps, learning_rate_fn=schedule, task=task, donate=False)
     batch_size = config.data.batch_size * config.accum_steps
     worst, steps_seen = None, []  # worst: (index, state, batch, diagnosis), the only state kept
     for index in range(start, start + steps):
-        batch = data.train_batch(index, batch_size, config.seed)
+        batch = layout.global_batch(data.train_batch(index, batch_size, config.seed), batch_size)
         found = diagnose_state(state, batch, task, verify=False)
         steps_seen.append({"step": index + 1, "healthy": found.healthy, "problems": len(found.problems),
                            "first_nonfinite": found.first_nonfinite})

@@ -33,11 +33,13 @@ def diagnose_state(state: TrainState, batch: dict, task: Any, *, verify: bool = 
                    loss_scale: float | None = None) -> precision.Diagnosis:
     """The diagnosis of one train step of ``state`` on ``batch``: forward and backward
     of the model under its policy, rules and op lists, at the state's loss scale (or
-    ``loss_scale``), on its float32 (master) params; with ``verify``, the changes that
-    fix what it finds."""
-    params = jax.device_get(precision.full_precision_params(state.params, state.opt_state))
-    model_state = jax.device_get(state.model_state)
-    batch = {k: np.asarray(v) for k, v in jax.device_get(batch).items()}
+    ``loss_scale``), on its float32 (master) params, where the state and batch are (a
+    state on a mesh: on that mesh, each probed segment partitioned as the arrays are);
+    with ``verify``, the changes that fix what it finds."""
+    # On the device(s) the state is on: a state on a mesh is diagnosed on that mesh, as it is sharded.
+    params = precision.full_precision_params(state.params, state.opt_state)
+    model_state = state.model_state
+    batch = {k: v if isinstance(v, jax.Array) else np.asarray(v) for k, v in batch.items()}
 
     def loss_fn(outputs: Any) -> jax.Array:
         return task.loss(outputs, batch)[0]

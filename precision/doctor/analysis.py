@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -63,7 +65,7 @@ class Findings:
     scale_range: tuple[float, float] | None  # float16: (smallest scale with least underflow, largest without overflow)
     underflow_at: dict | None  # float16 backward: {scale: share of gradient values flushed}
     loss: float
-    seconds: dict = dataclasses.field(default_factory=dict)  # probed program: trace, compile, run
+    seconds: dict = dataclasses.field(default_factory=dict)  # probed program: trace, compile, run, segments, peak_bytes
     outputs_finite: bool = True  # the loss and every gradient (forward only: the outputs) finite
     nonfinite_sites: tuple[tuple[str, str, str], ...] = ()  # (op, path, pass) that made inf/NaN from finite inputs
 
@@ -148,20 +150,31 @@ def _module_of(name: str) -> str:
     return "/".join(parts[:-1]) or "(top)"
 
 
-def gradient_underflow(grads: Any, reference: Any) -> dict[str, tuple[int, int]]:
-    """Per module: (parameter-gradient values non-zero and finite in the float32 reference run,
-    of those zero in the policy's run): the gradients the step applies, not the cotangents."""
-    import jax
+@functools.partial(jax.jit, static_argnums=2)
+def _gradient_counts(grads: list, reference: list, tiny: float) -> list:
+    """Per leaf, on the device: (values non-zero and finite in ``reference``, of those zero in ``grads`` and below ``tiny``)."""
+    found = []
+    for g, r in zip(grads, reference):
+        r = r.astype(jnp.float32)
+        nonzero = (r != 0) & jnp.isfinite(r)
+        found.append((jnp.sum(nonzero), jnp.sum(nonzero & (g == 0) & (jnp.abs(r) < tiny))))
+    return found
 
+
+def gradient_underflow(grads: Any, reference: Any, tiny: float = math.inf) -> dict[str, tuple[int, int]]:
+    """Per module: (parameter-gradient values non-zero and finite in the float32 reference run,
+    of those zero in the policy's run and below ``tiny`` in the reference, the smallest normal of
+    the compute dtype): the gradients the step applies, not the cotangents. A value zero in half
+    but of normal size is a sum that cancelled in rounding, not a value too small for the format."""
+    leaves = [(path, g, r) for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads),
+                                                    jax.tree_util.tree_leaves(reference))
+              if jnp.issubdtype(jnp.asarray(g).dtype, jnp.floating)]
+    measured = jax.device_get(_gradient_counts([g for _, g, _ in leaves], [r for _, _, r in leaves], tiny))
     counts: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
-    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree_util.tree_leaves(reference)):
-        if not jnp.issubdtype(jnp.asarray(g).dtype, jnp.floating):
-            continue
-        g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
-        nonzero = (r != 0) & np.isfinite(r)
+    for (path, _, _), (nonzero, flushed) in zip(leaves, measured):
         module = _module_of(jax.tree_util.keystr(path, simple=True, separator="/"))
-        counts[module][0] += int(np.sum(nonzero))
-        counts[module][1] += int(np.sum(nonzero & (g == 0)))
+        counts[module][0] += int(nonzero)
+        counts[module][1] += int(flushed)
     return {m: (n, f) for m, (n, f) in counts.items()}
 
 
@@ -211,8 +224,6 @@ def _scale_analysis(probes: list[Probe], loss_scale: float) -> tuple[tuple[float
 def rounding_shares(params: Any, updates: Any) -> dict[str, float]:
     """Per param leaf: the share of non-zero updates smaller than half an ulp of the
     param in its storage dtype (they round away when applied to it directly)."""
-    import jax
-
     shares = {}
     for (path, p), u in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree_util.tree_leaves(updates)):
         if not jnp.issubdtype(p.dtype, jnp.floating):

@@ -60,7 +60,7 @@ def _reference_grads(subject: Subject, s: _Setting, loss_fn: Callable, cache: di
     gradients are measured against (cached per scale)."""
     if s.loss_scale not in cache:
         forward, params = subject.program(Policy(F32, F32, F32), s.rules, s.ops)
-        full = jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), params)
+        full = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32), params)
         cache[s.loss_scale] = jax.jit(jax.grad(lambda p: jnp.asarray(loss_fn(forward(p)), jnp.float32)
                                                * s.loss_scale))(full)
     return cache[s.loss_scale]
@@ -77,11 +77,15 @@ def _examine(subject: Subject, s: _Setting, loss_fn: Callable | None, optimizer:
     def scaled(p):
         return jnp.asarray(loss_fn(forward(p)), jnp.float32) * s.loss_scale
 
-    shape = jax.eval_shape(scaled, params).shape
-    if shape != ():
+    try:
+        (value, grads), probes, seconds = probe.run(jax.value_and_grad(scaled), (params,), s.loss_scale,
+                                                    n_primal=1)
+    except TypeError as e:
+        if "scalar" not in str(e):
+            raise
+        shape = jax.eval_shape(scaled, params).shape
         raise ValueError(f"diagnose: loss_fn must return a scalar (the loss of the batch), got an array of shape "
-                         f"{shape}; reduce it, e.g. with .mean()")
-    (value, grads), probes, seconds = probe.run(jax.value_and_grad(scaled), (params,), s.loss_scale, n_primal=1)
+                         f"{shape}; reduce it, e.g. with .mean()") from None
     rounding, storage = None, {}
     if optimizer is not None:
         full = jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), params)
@@ -93,15 +97,21 @@ def _examine(subject: Subject, s: _Setting, loss_fn: Callable | None, optimizer:
                    for path, x in jax.tree_util.tree_leaves_with_path(stored)}
     gradients = None
     if s.policy.compute_dtype != F32 and reference is not None:
-        gradients = gradient_underflow(grads, _reference_grads(subject, s, loss_fn, reference))
+        gradients = gradient_underflow(grads, _reference_grads(subject, s, loss_fn, reference),
+                                       float(jnp.finfo(s.policy.compute_dtype).tiny))
     return analyze(probes, float(value) / s.loss_scale, s.loss_scale, rounding, storage, seconds,
                    _all_finite((value, grads)), gradients)
 
 
 def _all_finite(tree: Any) -> bool:
     """Whether every floating value of ``tree`` is finite."""
-    return all(bool(np.all(np.isfinite(np.asarray(x, np.float32)))) for x in jax.tree_util.tree_leaves(tree)
-               if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating))
+    leaves = [x for x in jax.tree_util.tree_leaves(tree) if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)]
+    return bool(_finite_leaves(leaves))
+
+
+@jax.jit
+def _finite_leaves(leaves: list) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.array(True)
 
 
 # ----------------------------------------------------------------------------- changes to try

@@ -1,25 +1,20 @@
 """Evaluating a traced program with a probe on every op: what each op computed,
-read in float32 from the dtype it computed in.
+read in float32 from the dtype it computed in (:mod:`precision.doctor.measure`).
 
 The program is the one the policy runs (a model under :func:`precision.with_policy`
 or :func:`precision.autocast`, differentiated by ``jax.value_and_grad``: forward
-and backward in one jaxpr). :func:`run` evaluates it again, equation by equation,
-inside one ``jax.jit``, and after each equation measures its floating outputs:
-
-- the largest finite magnitude (``amax``), and how many values are inf or NaN,
-  with whether the equation's inputs were all finite (an op that *makes* a
-  non-finite value from finite inputs is where numerics failed);
-- for outputs in float16 / bfloat16, the op computed again from the same inputs
-  in float32 (the *shadow*): how many values are non-zero there but zero in the
-  half result (flushed), and how many are subnormal; for float16 in the backward
-  pass, how many would flush at each loss scale ``2**0 .. 2**24`` (the cotangents
-  scale with the loss scale), so the scales that keep gradients can be read off.
-
-jit, pjit, remat, custom_jvp/vjp calls are evaluated inline and scans unrolled,
-so every op of every layer is probed; of a ``jax.lax.platform_dependent`` choice,
-the branch for this machine is evaluated inline too; ``while``, other ``cond``s and
-``shard_map`` run as they are, probed as one op. The training step itself is never touched: this
-is a separate program, run for a diagnosis.
+and backward in one jaxpr). :func:`run` flattens it (:mod:`precision.doctor.flat`:
+jit, pjit, remat, custom_jvp/vjp calls and this machine's branch of a
+``jax.lax.platform_dependent`` choice inlined), cuts it into segments, one per
+layer and pass, and evaluates each segment again, equation by equation, inside
+one ``jax.jit``, measuring every floating output an op computes (ops that only
+move values are not probed: their inputs and consumers are). Segments of the
+same structure (the layers of a stack, forward or backward) share one compiled
+program; a ``scan`` runs as a scan, its body probed once with statistics per
+iteration. Values are dropped after their last segment, so the probe holds about
+what the program itself holds. ``while``, ``cond`` and ``shard_map`` run as they are,
+probed as one op. The training step itself is never touched: this is a separate
+program, run for a diagnosis.
 """
 
 from __future__ import annotations
@@ -33,30 +28,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import source_info_util
-from jax.extend.core import DropVar, Literal
+from jax.extend.core import Literal
 
-from precision.autocast.program import MOVES, binders, host_platform, platform_branch
-from precision.autocast.regions import module_path, scope_names
+from precision.autocast.program import MOVES, host_platform
+from precision.autocast.regions import module_path
+from precision.doctor.flat import Step, flatten, primal_eqns
+from precision.doctor.measure import (HALF, SCALES, flushed_at, half_matmul, pack, reduce_terms, shadow, terms,
+                                      unpack)
+from precision.doctor.segments import Segment, plan
 
 __all__ = ["SCALES", "Probe", "run"]
 
 F32 = np.dtype(np.float32)
-HALF = (np.dtype(np.float16), np.dtype(jnp.bfloat16))
-#: The loss scales at which float16 backward flushes are counted: 2**0 .. 2**24.
-SCALES = tuple(2.0 ** k for k in range(25))
-_F16_ZERO_EXPONENT = -25  # below 2**-25, half float16's smallest subnormal (2**-24), a value rounds to zero
-_INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-           "remat2": "jaxpr", "checkpoint": "jaxpr", "custom_jvp_call": "call_jaxpr",
-           "custom_vjp_call": "call_jaxpr", "custom_lin": None}
 
-
-#: Ops that only move, pick or copy values (no rounding, no new magnitude): not probed (their
-#: inputs and consumers are), which keeps the probed program small.
+#: Ops that only move, pick or copy values (no rounding, no new magnitude): not probed.
 _MOVES_VALUES = MOVES | {"dynamic_update_slice", "concatenate", "select_n", "neg", "abs", "max", "min", "reduce_max",
                          "reduce_min", "stop_gradient", "pad", "gather", "optimization_barrier"}
-
-
-_MATMULS = ("dot_general", "conv_general_dilated")
 
 
 class Probe(NamedTuple):
@@ -72,206 +59,243 @@ class Probe(NamedTuple):
     narrowed: bool = False  # the op's float32 result as cast to half (the cast is what was measured)
 
 
+class _Template(NamedTuple):
+    """A probe as the trace of a segment knows it; the step it measures is found by ``locator``
+    (positions in the segment, then in scan bodies) in each segment the program serves."""
+
+    locator: tuple[int, ...]
+    shown: str
+    dtype: np.dtype
+    size: int
+    narrowed: bool
+    inner: tuple | None = None  # a scan: its body's templates, (length, reverse)
+    loop: tuple[int, bool] | None = None
+
+
 def _is_float(aval: Any) -> bool:
     return hasattr(aval, "dtype") and jnp.issubdtype(aval.dtype, jnp.floating)
 
 
-def _measure(out: jax.Array, shadow: jax.Array | None, inputs_finite: jax.Array, backward: bool,
-             loss_scale: float) -> dict:
-    """The scalar statistics of one output (traced). The counts are one reduction over
-    stacked masks, the maxima another: a few reductions per op keep the probed
-    program quick to compile."""
-    out = jax.lax.optimization_barrier(out)  # a value XLA could fold (from constants) is measured at run time
-    shadow = None if shadow is None else jax.lax.optimization_barrier(shadow)
-    x = out.astype(jnp.float32).reshape(-1)
-    magnitude = jnp.abs(x)
-    counts = {"inf": jnp.isinf(x), "nan": jnp.isnan(x)}
-    maxima = {"amax": jnp.where(jnp.isfinite(x), magnitude, 0.0)}
-    flushed_at = None
-    if np.dtype(out.dtype) in HALF:
-        tiny = float(jnp.finfo(out.dtype).tiny)
-        counts["subnormal"] = (x != 0) & (magnitude < tiny)
-        if shadow is not None:
-            ref = shadow.astype(jnp.float32).reshape(-1)
-            ref_magnitude = jnp.abs(ref)
-            ref_finite = jnp.isfinite(ref)
-            nonzero = (ref != 0) & ref_finite
-            counts["nonzero_ref"] = nonzero
-            counts["flushed"] = nonzero & (x == 0)
-            counts["overflow"] = jnp.isinf(x) & ref_finite  # past the half range, finite in float32
-            maxima["ref_amax"] = jnp.where(ref_finite, ref_magnitude, 0.0)
-            if backward and np.dtype(out.dtype) == np.float16:
-                # At loss scale 2**k a value t (at scale 1) flushes when t * 2**k < 2**-25, that is when
-                # k < -25 - floor(log2 t): a histogram of that bound (one scatter-add) counts every scale.
-                exponent = jnp.floor(jnp.log2(jnp.maximum(ref_magnitude / loss_scale, 1e-45)))
-                bound = jnp.clip(_F16_ZERO_EXPONENT - exponent, 0, len(SCALES)).astype(jnp.int32)
-                histogram = jnp.zeros(len(SCALES) + 1, jnp.int32).at[bound].add(nonzero.astype(jnp.int32))
-                flushed_at = jnp.cumsum(histogram[::-1])[::-1][1:]  # flushed at 2**k: bound > k
-    names = list(counts)
-    summed = jnp.sum(jnp.stack([counts[k] for k in names]).astype(jnp.int32), axis=1)
-    stats = {k: summed[i] for i, k in enumerate(names)}
-    peaks = jnp.max(jnp.stack(list(maxima.values())), axis=1, initial=0.0)
-    stats.update({k: peaks[i] for i, k in enumerate(maxima)})
-    stats["inputs_finite"] = inputs_finite
-    if flushed_at is not None:
-        stats["flushed_at"] = flushed_at
-    return stats
+def _widening(eqn: Any) -> bool:
+    """A cast to a wider float type: the value is kept exactly (its input is probed)."""
+    if eqn.primitive.name != "convert_element_type" or not _is_float(eqn.invars[0].aval):
+        return False
+    source, target = np.dtype(eqn.invars[0].aval.dtype), np.dtype(eqn.outvars[0].aval.dtype)
+    return jnp.issubdtype(target, jnp.floating) and target.itemsize > source.itemsize
 
 
-def _shadow(eqn: Any, ins: Sequence[Any], index: int) -> Any:
-    """Output ``index`` of ``eqn`` computed from the same inputs in float32, or None."""
-    name = eqn.primitive.name
-    if name in ("convert_element_type", "reduce_precision"):
-        return ins[0] if _is_float(eqn.invars[0].aval) else None  # the value before it was narrowed
-    if name.startswith("scatter") or any(hasattr(v, "eqns") or hasattr(v, "jaxpr") for v in eqn.params.values()):
-        return None  # a program typed in its dtypes (a scatter's update, a reduction's body): no float32 twin
-    wide = [x.astype(jnp.float32) if hasattr(x, "dtype") and np.dtype(x.dtype) in HALF else x for x in ins]
-    params = dict(eqn.params)
-    if params.get("preferred_element_type") is not None:
-        params["preferred_element_type"] = F32
-    try:
-        out = eqn.primitive.bind(*wide, **params)
-    except Exception:  # noqa: BLE001 - an op that only exists in its dtypes: no shadow
-        return None
-    out = out if eqn.primitive.multiple_results else [out]
-    if index >= len(out) or np.dtype(out[index].dtype) != F32:
-        return None
-    return out[index]
+#: Ops whose output is finite exactly when their (first) input is: finiteness passes through.
+_SAME_VALUES = frozenset({"reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "copy", "rev",
+                          "copy_p"})
 
 
-def _primal_eqns(jaxpr: Any, n_primal: int) -> set[int]:
-    """Indices of the equations the first ``n_primal`` outputs need. In a differentiated
-    program, the others before the transposes compute derivatives (sqrt's ``0.5 / y``):
-    backward work, even where JAX places it in the forward pass."""
-    needed = {v for v in jaxpr.outvars[:n_primal] if not isinstance(v, Literal)}
-    found = set()
-    for i in range(len(jaxpr.eqns) - 1, -1, -1):
-        eqn = jaxpr.eqns[i]
-        if any(v in needed for v in eqn.outvars if not isinstance(v, DropVar)):
-            found.add(i)
-            needed.update(v for v in eqn.invars if not isinstance(v, Literal))
+class _Collector:
+    """One traced evaluation of steps: the templates and statistics of the probes, and
+    whether each value is finite (measured once per value). Measurements are reduced
+    together when the collector is flushed (:func:`measure.reduce_terms`)."""
+
+    def __init__(self, loss_scale: float, finite: dict | None = None):
+        self.loss_scale = loss_scale
+        self.templates: list[_Template] = []
+        self.arrays: list[Any] = []
+        self.finite: dict[Any, jax.Array] = dict(finite or {})
+        self.same: dict[int, tuple[Any, Any]] = {}  # value number -> (number, value) it has the finiteness of
+        self.pending: list[tuple[int, tuple, Any, list, int | None]] = []  # (probe, terms, sample, inputs, number)
+
+    def flag(self, ref: Any, value: Any) -> jax.Array:
+        """Whether every value of ``value`` (number or literal ``ref``) is finite."""
+        while not isinstance(ref, Literal) and ref in self.same and ref not in self.finite:
+            ref, value = self.same[ref]
+        if isinstance(ref, Literal):
+            value, ref = np.asarray(value), id(ref)
+        if not (hasattr(value, "dtype") and jnp.issubdtype(value.dtype, jnp.floating)):
+            return jnp.array(True)
+        if ref not in self.finite:
+            self.finite[ref] = jnp.all(jnp.isfinite(value))
+        return self.finite[ref]
+
+    def execute(self, steps: Sequence[Step], env: dict, locator: tuple = ()) -> None:
+        for position, step in enumerate(steps):
+            ins = [x.val if isinstance(x, Literal) else env[x] for x in step.ins]
+            outs = self.step(step, ins, env, (*locator, position))
+            for number, out in zip(step.outs, outs, strict=True):
+                if number is not None:
+                    env[number] = out
+
+    def flush(self) -> None:
+        """Reduces the pending measurements; fills the probes' statistics and the values' finiteness."""
+        pending, self.pending = self.pending, []
+        reduced = reduce_terms([terms for _, terms, _, _, _ in pending])
+        for (_, _, _, _, number), stats in zip(pending, reduced):
+            if number is not None:
+                self.finite[number] = stats["inf"] + stats["nan"] == 0
+        for (probe, _, sample, inputs, _), stats in zip(pending, reduced):
+            flags = [self.flag(ref, x) for ref, x in inputs]
+            stats["inputs_finite"] = jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
+            if sample is not None:
+                stats["sample"] = sample
+            self.arrays[probe] = stats
+
+    def step(self, step: Step, ins: list, env: dict, locator: tuple) -> list:
+        eqn = step.eqn
+        if step.body is not None:
+            return self.scan(step, ins, env, locator)
+        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        shadows: dict[int, jax.Array] = {}
+        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+            matmul = half_matmul(eqn, ins)
+            if matmul is not None:
+                outs, shadows = [matmul[0]], {0: matmul[1]}
+            else:
+                outs = eqn.primitive.bind(*ins, **eqn.params)
+                outs = list(outs) if eqn.primitive.multiple_results else [outs]
+        name = eqn.primitive.name
+        if (name in _SAME_VALUES or _widening(eqn)) and step.outs[0] is not None and step.ins:
+            self.same[step.outs[0]] = (step.ins[0], ins[0])
+        if name in _MOVES_VALUES or _widening(eqn):
+            return outs
+        inputs = [(ref, x) for ref, x, v in zip(step.ins, ins, eqn.invars) if _is_float(v.aval)]
+        # A matmul's float32 result cast to half: the cast overflows, the matmul is what the user wrote.
+        shown = "dot_general" if step.narrowed else name
+        for i, (out, var) in enumerate(zip(outs, eqn.outvars)):
+            dtype = np.dtype(var.aval.dtype) if _is_float(var.aval) else None
+            if dtype not in (*HALF, F32) or not math.prod(var.aval.shape):
+                continue
+            ref = shadows.get(i, shadow(eqn, ins, i) if dtype in HALF else None)
+            value = jax.lax.optimization_barrier(out) if step.static else out  # else XLA folds it at compile time
+            counts, maxima, sample = terms(value, ref, step.backward, self.loss_scale)
+            self.pending.append((len(self.arrays), (counts, maxima), sample, inputs, step.outs[i]))
+            self.templates.append(_Template(locator, shown, dtype, int(math.prod(var.aval.shape)), step.narrowed))
+            self.arrays.append(None)
+        return outs
+
+    def scan(self, step: Step, ins: list, env: dict, locator: tuple) -> list:
+        """A scan run as a scan: its body probed, statistics stacked per iteration."""
+        from precision.autocast.higher_order import _scan_counts
+
+        self.flush()  # the body reads the finiteness of the values before it
+        params, body = step.eqn.params, step.body
+        n_consts, n_carry = _scan_counts(params)
+        consts, carry, xs = ins[:n_consts], ins[n_consts:n_consts + n_carry], ins[n_consts + n_carry:]
+        traced: list[_Collector] = []
+
+        def iteration(c, x):
+            inner = _Collector(self.loss_scale, self.finite)
+            local = dict(env)
+            local.update(zip(body.inputs, [*consts, *c, *x], strict=True))
+            inner.execute(body.steps, local, locator)
+            inner.flush()
+            outs = [o.val if isinstance(o, Literal) else local[o] for o in body.outputs]
+            traced.append(inner)
+            return outs[:n_carry], (outs[n_carry:], inner.arrays)
+
+        length, reverse = int(params["length"]), bool(params.get("reverse", False))
+        carry, (ys, arrays) = jax.lax.scan(iteration, list(carry), list(xs), length=length, reverse=reverse)
+        self.templates.append(_Template(locator, "scan", F32, 0, False, tuple(traced[-1].templates),
+                                        (length, reverse)))
+        self.arrays.append(arrays)
+        return [*carry, *ys]
+
+
+def _expand(templates: Sequence[_Template], arrays: Sequence[Any], steps: Sequence[Step]) -> list[tuple]:
+    """(path, primitive, backward, dtype, size, narrowed, stats) of each probe of a segment run, in evaluation order."""
+    found = []
+    for t, stats in zip(templates, arrays):
+        step = steps[t.locator[0]]
+        for position in t.locator[1:]:
+            step = step.body.steps[position]
+        if t.inner is None:
+            stats = {k: np.asarray(v) for k, v in stats.items()}
+            if "sample" in stats:
+                stats["flushed_at"] = flushed_at(stats.pop("sample"), int(stats["nonzero_ref"]))
+            found.append((module_path(step.scope), t.shown, step.backward, t.dtype, t.size, t.narrowed, stats))
+            continue
+        length, reverse = t.loop
+        for i in (range(length - 1, -1, -1) if reverse else range(length)):
+            found += _expand(t.inner, jax.tree_util.tree_map(lambda a, i=i: a[i], stats), steps)
     return found
 
 
-class _Run:
-    """One probing evaluation: the probes found, in order."""
+def _bytes(x: Any) -> int:
+    return int(getattr(x, "nbytes", 0))
 
-    def __init__(self, loss_scale: float):
-        self.loss_scale = loss_scale
-        self.probes: list[tuple[int, tuple, str, bool, np.dtype, int, bool]] = []
-        self.arrays: list[dict] = []
-        self.finite: dict[int, tuple[Any, jax.Array]] = {}  # id(value) -> (value, all finite): counted once
-        self.made_by: dict[int, tuple[str, Any]] = {}  # id(value) -> (the matmul that made it, the value)
 
-    def _finite(self, x: Any) -> jax.Array:
-        """Whether every value of ``x`` is finite: from its probe when an op made it, else reduced once."""
-        if id(x) not in self.finite:
-            self.finite[id(x)] = (x, jnp.all(jnp.isfinite(x)))  # the value is kept: its id stays its own
-        return self.finite[id(x)][1]
+class _Segment(NamedTuple):
+    compiled: Any
+    templates: tuple
+    stats: Any  # the structure of the statistics (shapes and dtypes), as traced
+    temp_bytes: int
 
-    def evaluate(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], prefix: tuple = (),
-                 backward: bool = False, primal: set[int] | None = None) -> list:
-        """Evaluates ``jaxpr``, probing its ops; ``primal``: the indices of the equations
-        the primal outputs need (the others are derivative work), None: all."""
-        env = dict(zip(binders(jaxpr), [*consts, *args], strict=True))
 
-        def read(v):
-            return v.val if isinstance(v, Literal) else env[v]
+def _compile(part: Segment, values: list, flags: list, loss_scale: float, seconds: dict) -> _Segment:
+    """The probed program of one segment, traced and compiled."""
+    traced: list[_Collector] = []
+    inputs, outputs = part.inputs, part.outputs
 
-        for index, eqn in enumerate(jaxpr.eqns):
-            stack = getattr(eqn.source_info.name_stack, "stack", ())
-            scope = prefix + scope_names(eqn.source_info.name_stack)
-            is_backward = (backward or (primal is not None and index not in primal)
-                           or any(type(e).__name__ == "Transform" and e.name == "transpose" for e in stack))
-            ins = [read(v) for v in eqn.invars]
-            outs = self._eqn(eqn, ins, scope, is_backward)
-            for var, out in zip(eqn.outvars, outs, strict=True):
-                if not isinstance(var, DropVar):
-                    env[var] = out
-        return [read(v) for v in jaxpr.outvars]
+    def probed(values, flags):
+        collector = _Collector(loss_scale, dict(zip(inputs, flags)))
+        env = dict(zip(inputs, values))
+        collector.execute(part.steps, env)
+        collector.flush()
+        traced.append(collector)
+        return [env[o] for o in outputs], [collector.flag(o, env[o]) for o in outputs], pack(collector.arrays)
 
-    def _eqn(self, eqn: Any, ins: list, scope: tuple, backward: bool) -> list:
-        name = eqn.primitive.name
-        if name in _INLINE and _INLINE[name] and _INLINE[name] in eqn.params:
-            sub = eqn.params[_INLINE[name]]
-            jaxpr, consts = (sub.jaxpr, sub.consts) if hasattr(sub, "consts") else (sub, ())
-            return self.evaluate(jaxpr, consts, ins, scope, backward)
-        if name == "scan" and int(eqn.params["length"]) > 0:
-            return self._scan(eqn, ins, scope, backward)
-        branch = platform_branch(eqn, host_platform())
-        if branch is not None:  # jax.lax.platform_dependent: the branch this machine runs, probed op by op
-            sub = eqn.params["branches"][branch]
-            return self.evaluate(sub.jaxpr, sub.consts, ins[1:], scope, backward)
-        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
-            outs = eqn.primitive.bind(*ins, **eqn.params)
-        outs = list(outs) if eqn.primitive.multiple_results else [outs]
-        if name in _MATMULS:
-            self.made_by.update((id(out), (name, out)) for out in outs)
-        if name in _MOVES_VALUES:
-            return outs
-        # A matmul's float32 result cast to half: the cast overflows, the matmul is what the user wrote.
-        made_by = self.made_by.get(id(ins[0]), ("",))[0] if name == "convert_element_type" else ""
-        shown = made_by or name
-        floats_in = [x for x, v in zip(ins, eqn.invars) if _is_float(v.aval)]
-        inputs_finite = jnp.all(jnp.stack([self._finite(x) for x in floats_in])) if floats_in else jnp.array(True)
-        for i, (out, var) in enumerate(zip(outs, eqn.outvars)):
-            if _is_float(var.aval) and np.dtype(var.aval.dtype) in (*HALF, F32) and math.prod(var.aval.shape):
-                shadow = _shadow(eqn, ins, i) if np.dtype(var.aval.dtype) in HALF else None
-                self.probes.append((len(self.probes), module_path(scope), shown, backward, np.dtype(var.aval.dtype),
-                                    int(math.prod(var.aval.shape)), bool(made_by)))
-                stats = _measure(out, shadow, inputs_finite, backward, self.loss_scale)
-                self.arrays.append(stats)
-                self.finite[id(out)] = (out, stats["inf"] + stats["nan"] == 0)
-        return outs
-
-    def _scan(self, eqn: Any, ins: list, scope: tuple, backward: bool) -> list:
-        """A scan unrolled: its body evaluated (and probed) once per iteration."""
-        from precision.autocast.higher_order import _scan_counts
-
-        params = eqn.params
-        n_consts, n_carry = _scan_counts(params)
-        body = params["jaxpr"]
-        consts, carry, xs = ins[:n_consts], list(ins[n_consts:n_consts + n_carry]), ins[n_consts + n_carry:]
-        length, ys = int(params["length"]), []
-        order = range(length - 1, -1, -1) if params.get("reverse") else range(length)
-        for i in order:
-            outs = self.evaluate(body.jaxpr, body.consts, [*consts, *carry, *(x[i] for x in xs)], scope, backward)
-            carry, y = outs[:n_carry], outs[n_carry:]
-            ys.append(y)
-        if params.get("reverse"):
-            ys.reverse()
-        stacked = [jnp.stack([y[j] for y in ys]) for j in range(len(ys[0]))] if ys else []
-        return [*carry, *stacked]
+    start = time.perf_counter()
+    lowered = jax.jit(probed).lower(values, flags)
+    lowered_at = time.perf_counter()
+    compiled = lowered.compile()
+    seconds["trace"] += lowered_at - start
+    seconds["compile"] += time.perf_counter() - lowered_at
+    analysis = compiled.memory_analysis()
+    temp = int(getattr(analysis, "temp_size_in_bytes", 0)) if analysis is not None else 0
+    stats = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), traced[-1].arrays)
+    return _Segment(compiled, tuple(traced[-1].templates), stats, temp)
 
 
 def run(fn: Any, args: Sequence[Any], loss_scale: float = 1.0, n_primal: int | None = None
         ) -> tuple[Any, list[Probe], dict[str, float]]:
     """Runs ``fn(*args)`` (any function of arrays, traced) with every op probed;
-    returns its outputs, the probes in evaluation order, and the seconds spent
-    tracing, compiling and running the probed program. ``loss_scale``: the scale
-    the program's loss was multiplied by (for the scale grid); ``n_primal``: for a
-    differentiated ``fn``, how many of its leading outputs are primal (the ops only
-    the others need count as backward)."""
+    returns its outputs, the probes in evaluation order, and the cost: the seconds
+    spent tracing, compiling and running the probed program, how many segments it
+    ran and compiled, and the peak bytes it held (live values plus a segment's
+    temporaries). ``loss_scale``: the scale the program's loss was multiplied by
+    (for the scale grid); ``n_primal``: for a differentiated ``fn``, how many of its
+    leading outputs are primal (the ops only the others need count as backward)."""
     start = time.perf_counter()
     flat_args, in_tree = jax.tree_util.tree_flatten(args)
     closed, out_shape = jax.make_jaxpr(lambda *a: fn(*jax.tree_util.tree_unflatten(in_tree, a)),
                                        return_shape=True)(*flat_args)
-    probing = _Run(loss_scale)
-    primal = None if n_primal is None else _primal_eqns(closed.jaxpr, n_primal)
-
-    def instrumented(consts, flat):  # constants as arguments: XLA would otherwise fold reductions over them
-        outs = probing.evaluate(closed.jaxpr, consts, flat, primal=primal)
-        return outs, probing.arrays
-
-    consts = list(closed.consts)
-    lowered = jax.jit(instrumented).lower(consts, flat_args)
-    traced = time.perf_counter()
-    compiled = lowered.compile()
-    compiled_at = time.perf_counter()
-    outs, arrays = jax.block_until_ready(compiled(consts, flat_args))
-    arrays = jax.device_get(arrays)
-    seconds = {"trace": traced - start, "compile": compiled_at - traced, "run": time.perf_counter() - compiled_at}
-    probes = [Probe(i, path, prim, backward, dtype, size, {k: np.asarray(v) for k, v in stats.items()}, narrowed)
-              for (i, path, prim, backward, dtype, size, narrowed), stats in zip(probing.probes, arrays)]
+    primal = None if n_primal is None else primal_eqns(closed.jaxpr, n_primal)
+    program, constants = flatten(closed, primal)
+    env = {k: jax.device_put(v) for k, v in constants.items()}
+    env.update(zip(program.inputs, (jax.device_put(x) for x in flat_args)))
+    flags = dict(zip(env, jax.jit(lambda vs: [jnp.all(jnp.isfinite(v)) if jnp.issubdtype(v.dtype, jnp.floating)
+                                              else jnp.array(True) for v in vs])(list(env.values()))))
+    parts = plan(program, (loss_scale, host_platform()))
+    seconds = {"trace": time.perf_counter() - start, "compile": 0.0}
+    cache: dict[tuple, _Segment] = {}
+    ran, live, peak = [], sum(_bytes(v) for v in env.values()), 0
+    for part in parts:
+        if part.key not in cache:
+            cache[part.key] = _compile(part, [env[x] for x in part.inputs], [flags[x] for x in part.inputs],
+                                       loss_scale, seconds)
+        segment = cache[part.key]
+        values, out_flags, arrays = segment.compiled([env[x] for x in part.inputs], [flags[x] for x in part.inputs])
+        produced = sum(_bytes(v) for v in values)
+        peak = max(peak, live + produced + segment.temp_bytes)
+        env.update(zip(part.outputs, values))
+        flags.update(zip(part.outputs, out_flags))
+        live += produced
+        for x in part.last_reads:
+            live -= _bytes(env.pop(x))
+        ran.append((part.steps, segment, arrays))
+    outs = [x.val if isinstance(x, Literal) else env[x] for x in program.outputs]
+    jax.block_until_ready(outs)
+    found = []
+    for part, segment, arrays in ran:
+        found += _expand(segment.templates, unpack(jax.device_get(arrays), segment.stats), part)
+    seconds["run"] = time.perf_counter() - start - seconds["trace"] - seconds["compile"]
+    seconds.update(segments=len(parts), compiled=len(cache), peak_bytes=peak)
+    probes = [Probe(i, path, shown, backward, dtype, size, stats, narrowed)
+              for i, (path, shown, backward, dtype, size, narrowed, stats) in enumerate(found)]
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs), probes, seconds

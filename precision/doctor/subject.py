@@ -42,7 +42,7 @@ def _linen(module: nn.Module, variables: Any, args: tuple, kwargs: dict, use_aut
     rngs = kwargs.pop("rngs", None) or {"dropout": jax.random.key(0)}
     if variables is None:
         variables = with_policy(module, "fp32", []).init(jax.random.key(0), *args, **kwargs)
-    variables = jax.tree_util.tree_map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating)
+    variables = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating)
                                        else x, dict(variables))
 
     def build(policy: Policy, rules: tuple, ops: OpLists) -> Program:
