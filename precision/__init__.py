@@ -52,6 +52,7 @@ from precision.optim import (
     mixed_precision,
     needs_master_weights,
 )
+from precision.stored import state_bytes, stochastic_round, stored_in
 
 __version__ = "0.1.0"
 
@@ -68,6 +69,7 @@ __all__ = (
     "Diagnosis", "Problem", "Recommendation", "diagnose",
     "MixedPrecisionState", "current_loss_scale", "find_mixed_precision_state",
     "full_precision_params", "mixed_precision", "needs_master_weights",
+    "state_bytes", "stochastic_round", "stored_in",
 )
 
 # Before the autocast package, its modules lived at the top level: their import paths

@@ -42,6 +42,7 @@ from jax.extend.core import Literal
 
 from precision.loss_scale import DynamicLossScale, LossScale, select_tree
 from precision.policy import cast_to_full
+from precision.stored import ROUNDINGS, init_masters, master_updates, stored_in
 
 __all__ = ["MixedPrecisionState", "SKIP_STRATEGIES", "mixed_precision", "find_mixed_precision_state",
            "current_loss_scale", "needs_master_weights"]
@@ -59,6 +60,7 @@ class MixedPrecisionState(NamedTuple):
     # every leaf is finite but the global norm overflowed float32, leaf i contributing most; -1, no leaf
     # (nothing went wrong, or only the loss given as ``value`` was not finite).
     nonfinite_leaf: jax.Array
+    stored_masters: Any = None  # bfloat16 params as their own masters (precision.stored), or None
 
 
 def needs_master_weights(params: Any) -> bool:
@@ -73,7 +75,10 @@ def mixed_precision(inner: optax.GradientTransformation,
                     loss_scale: LossScale | None = None,
                     *,
                     max_grad_norm: float | None = None,
-                    skip_with: str = "auto") -> optax.GradientTransformationExtraArgs:
+                    skip_with: str = "auto",
+                    master_dtype: Any = None,
+                    master_rounding: str = "stochastic",
+                    state_dtype: Any = None) -> optax.GradientTransformationExtraArgs:
     """Wraps ``inner`` for training with scaled half-precision gradients.
 
     Args:
@@ -98,6 +103,16 @@ def mixed_precision(inner: optax.GradientTransformation,
         cond passes it in transposed once; ``"auto"`` is cond where the step
         is lowered for a CPU, select elsewhere (decided by the lowering's
         platform, so a step compiled for a GPU from a CPU host gets select).
+      master_dtype: the dtype of the master weights of half params: float32
+        (``None``, the default: a float32 copy) or bfloat16 (bfloat16 params are
+        their own masters: no copy, the float32 update rounded into them by
+        ``master_rounding``, see :mod:`precision.stored`).
+      master_rounding: ``"stochastic"`` (default), ``"kahan"`` (a bfloat16
+        compensation buffer) or ``"nearest"`` (plain rounding: small updates
+        vanish), for bfloat16 masters.
+      state_dtype: the dtype ``inner``'s floating state is stored in: float32
+        (``None``, the default) or bfloat16 (:func:`precision.stored.stored_in`:
+        updated in float32, stored with stochastic rounding).
 
     Returns:
       A transformation whose ``update(scaled_grads, state, params)`` returns
@@ -113,36 +128,46 @@ def mixed_precision(inner: optax.GradientTransformation,
         inner = optax.chain(optax.clip_by_global_norm(max_grad_norm), inner)
     if skip_with not in SKIP_STRATEGIES:
         raise ValueError(f"skip_with must be one of {', '.join(SKIP_STRATEGIES)}, got {skip_with!r}")
+    lean = master_dtype is not None and np.dtype(master_dtype) == np.dtype(jnp.bfloat16)
+    if master_dtype is not None and np.dtype(master_dtype) not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16)):
+        raise ValueError(f"master_dtype must be float32 or bfloat16, got {np.dtype(master_dtype)} (float16 "
+                         f"masters lose updates to their 10-bit mantissa and 5-bit exponent)")
+    if master_rounding not in ROUNDINGS:
+        raise ValueError(f"master_rounding must be one of {', '.join(ROUNDINGS)}, got {master_rounding!r}")
+    if state_dtype is not None and np.dtype(state_dtype) != np.dtype(jnp.float32):
+        inner = stored_in(inner, state_dtype)
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params):
-        master = cast_to_full(params) if needs_master_weights(params) else None
+        master = cast_to_full(params) if needs_master_weights(params) and not lean else None
         return MixedPrecisionState(
-            inner_state=inner.init(master if master is not None else params),
+            inner_state=inner.init(master if master is not None else cast_to_full(params) if lean else params),
             loss_scale=loss_scale,
             master_params=master,
             grads_finite=jnp.array(True),
             grad_norm=jnp.zeros([], jnp.float32),
-            nonfinite_leaf=jnp.array(-1, jnp.int32))
+            nonfinite_leaf=jnp.array(-1, jnp.int32),
+            stored_masters=init_masters(params, master_rounding) if lean else None)
 
     def update_fn(scaled_grads, state, params=None, **extra_args):
         """``extra_args`` go to ``inner``; a ``value`` among them (the loss, optax's name for it) is checked
         for finiteness too: a non-finite loss skips the step even when its gradients are finite."""
-        if state.master_params is not None and params is None:
+        if (state.master_params is not None or state.stored_masters is not None) and params is None:
             raise ValueError("mixed_precision with half-precision params needs `params` in update()")
         grads = cast_to_full(scaled_grads)
         if skip_with != "auto":
-            return _update(inner, skip_with, grads, state, params, extra_args)
+            return _update(inner, skip_with, grads, state, params, extra_args, master_rounding)
         # auto: chosen for the platform the step is lowered for, not the host it is traced on
         return jax.lax.platform_dependent(
             grads, state, params, extra_args,
-            cpu=lambda *a: _update(inner, "cond", *a), default=lambda *a: _update(inner, "select", *a))
+            cpu=lambda *a: _update(inner, "cond", *a, master_rounding),
+            default=lambda *a: _update(inner, "select", *a, master_rounding))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _update(inner: optax.GradientTransformationExtraArgs, strategy: str, scaled: Any, state: MixedPrecisionState,
-            params: Any, extra_args: dict) -> tuple[Any, MixedPrecisionState]:
+            params: Any, extra_args: dict, master_rounding: str = "stochastic") -> tuple[Any, MixedPrecisionState]:
     """The wrapper's update from float32 gradients of the scaled loss: check, unscale,
     update (or skip, by ``strategy``: ``"cond"`` or ``"select"``), adjust the scale."""
     # One reduction per leaf gives the metric, the check and the culprit: the norm is finite
@@ -158,9 +183,9 @@ def _update(inner: optax.GradientTransformationExtraArgs, strategy: str, scaled:
         finite = jnp.logical_and(finite, jnp.all(jnp.isfinite(jnp.asarray(extra_args["value"]))))
     ref = params if params is not None else scaled
 
-    def step(inner_state, master, selected):
+    def step(inner_state, master, stored, selected):
         grads = state.loss_scale.unscale(scaled)  # inside the cond's branch: no second copy of the gradients
-        inner_params = master if master is not None else params
+        inner_params = master if master is not None else cast_to_full(params) if stored is not None else params
         if selected:
             updates, new_inner = _update_on_selected_state(inner, finite, grads, inner_state, inner_params,
                                                            extra_args)
@@ -172,20 +197,24 @@ def _update(inner: optax.GradientTransformationExtraArgs, strategy: str, scaled:
             # Updates that land the half params exactly on the rounded master.
             updates = jax.tree_util.tree_map(
                 lambda m, p: m.astype(p.dtype).astype(jnp.float32) - p.astype(jnp.float32), master, params)
-        return _cast_updates(updates, ref), new_inner, master
+        if stored is not None:  # bfloat16 params, their own masters: the update rounded into them
+            updates, new_stored = master_updates(params, updates, stored, master_rounding)
+            stored = select_tree(finite, new_stored, stored) if selected else new_stored
+        return _cast_updates(updates, ref), new_inner, master, stored
 
-    def skip(inner_state, master):
-        return _identity_updates(ref), inner_state, master
+    def skip(inner_state, master, stored):
+        return _identity_updates(ref), inner_state, master, stored
 
     if strategy == "cond":
-        updates, new_inner, master = jax.lax.cond(finite, lambda s, m: step(s, m, False), skip,
-                                                  state.inner_state, state.master_params)
+        updates, new_inner, master, stored = jax.lax.cond(finite, lambda s, m, t: step(s, m, t, False), skip,
+                                                          state.inner_state, state.master_params,
+                                                          state.stored_masters)
     else:
         # One pass over each leaf, as plain optax: the new state is selected where it is
         # made and the updates are computed from the selected state (equal to the new one
         # whenever they are kept), so nothing reads the old state after its buffer is
         # overwritten and donated buffers need no copies.
-        updates, new_inner, master = step(state.inner_state, state.master_params, True)
+        updates, new_inner, master, stored = step(state.inner_state, state.master_params, state.stored_masters, True)
         updates = select_tree(finite, updates, _identity_updates(ref))
     return updates, MixedPrecisionState(
         inner_state=new_inner,
@@ -193,7 +222,8 @@ def _update(inner: optax.GradientTransformationExtraArgs, strategy: str, scaled:
         master_params=master,
         grads_finite=finite,
         grad_norm=grad_norm,
-        nonfinite_leaf=_first_nonfinite(squares, finite))
+        nonfinite_leaf=_first_nonfinite(squares, finite),
+        stored_masters=stored)
 
 
 def _adjusted(scale: Any, grads_finite: jax.Array, applied: jax.Array) -> Any:

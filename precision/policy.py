@@ -93,7 +93,12 @@ _FP8_NAMES = ("f8", "fp8", "float8")
 #: The fallback of ``compute=f8`` when none is written: bf16 has the range FP8's scales assume.
 _FP8_FALLBACK = np.dtype(jnp.bfloat16)
 _KEYS = {"p": "param", "params": "param", "c": "compute", "compute": "compute",
-         "o": "output", "output": "output"}
+         "o": "output", "output": "output", "m": "master", "master": "master",
+         "s": "state", "state": "state", "opt": "state"}
+#: How bfloat16 masters round a float32 update into them (see precision.stored); ``sr`` is stochastic.
+_ROUNDING_NAMES = {"sr": "stochastic", "stochastic": "stochastic", "kahan": "kahan", "nearest": "nearest",
+                   "rn": "nearest"}
+_ROUNDING_SHORT = {"stochastic": "sr", "kahan": "kahan", "nearest": "nearest"}
 
 
 def _canonical(dtype: Any) -> np.dtype:
@@ -110,6 +115,36 @@ def _canonical(dtype: Any) -> np.dtype:
             f"dtype {dt} is not a floating dtype a policy can use; valid: "
             f"{', '.join(str(d) for d in _DTYPE_NAMES)}")
     return dt
+
+
+def _stored_dtype(dtype: Any, which: str) -> np.dtype | None:
+    """A master or optimizer-state dtype: None for float32 (the default), bfloat16, else an error."""
+    if dtype is None:
+        return None
+    if which == "state" and _is_int8(dtype):
+        return np.dtype(np.int8)
+    dt = _canonical(dtype)
+    if dt == np.dtype(jnp.float32):
+        return None
+    if dt != np.dtype(jnp.bfloat16):
+        why = ("float16 masters lose small updates to a 10-bit mantissa and a 5-bit exponent" if which == "master"
+               else "float16 loses a second moment's squares of small gradients to its range")
+        raise PolicyError(f"{which}={dtype_to_names[dt][0]}: {which} dtypes are f32 or bf16 ({why}); "
+                          f"e.g. 'params=bf16,compute=bf16,output=f32,master=bf16,opt=bf16'")
+    return dt
+
+
+#: Spellings of 8-bit optimizer state (block-wise quantized moments, precision.quantized).
+_INT8_NAMES = ("int8", "i8", "8bit")
+
+
+def _is_int8(dtype: Any) -> bool:
+    if isinstance(dtype, str):
+        return dtype.strip().lower() in _INT8_NAMES
+    try:
+        return np.dtype(dtype) == np.dtype(np.int8)
+    except TypeError:
+        return False
 
 
 def _cast_floating(tree: T, dtype: np.dtype) -> T:
@@ -137,8 +172,12 @@ class Policy:
     compute_dtype: np.dtype
     output_dtype: np.dtype
     fp8: bool = False
+    master_dtype: np.dtype | None = None  # bfloat16: bf16 params are their own masters; None: float32 masters
+    master_rounding: str | None = None  # of bfloat16 masters: stochastic, kahan or nearest
+    state_dtype: np.dtype | None = None  # the optimizer state's floating arrays; None: float32
 
-    def __init__(self, param_dtype: Any, compute_dtype: Any, output_dtype: Any, fp8: bool = False):
+    def __init__(self, param_dtype: Any, compute_dtype: Any, output_dtype: Any, fp8: bool = False,
+                 master_dtype: Any = None, master_rounding: str | None = None, state_dtype: Any = None):
         for name, value in (("params", param_dtype), ("output", output_dtype)):
             if isinstance(value, str) and _is_fp8_name(value):
                 raise PolicyError(f"{name}={value.strip()}: FP8 is a compute dtype for matmuls only; params and "
@@ -151,6 +190,25 @@ class Policy:
         object.__setattr__(self, "compute_dtype", compute)
         object.__setattr__(self, "output_dtype", _canonical(output_dtype))
         object.__setattr__(self, "fp8", bool(fp8))
+        master, state = _stored_dtype(master_dtype, "master"), _stored_dtype(state_dtype, "state")
+        if master is None and master_rounding is not None:
+            raise PolicyError(f"master rounding {master_rounding!r} is for bfloat16 masters (master=bf16/"
+                              f"{master_rounding}); float32 masters round nothing")
+        rounding = _ROUNDING_NAMES.get(str(master_rounding or "sr").strip().lower())
+        if rounding is None:
+            raise PolicyError(f"master rounding {master_rounding!r}: valid: sr (stochastic), kahan, nearest")
+        if master is not None and self.param_dtype != master:
+            raise PolicyError(f"master=bf16 makes bf16 params their own masters, but params are "
+                              f"{_DTYPE_NAMES[self.param_dtype][0]}: write params=bf16 (or leave master out for "
+                              f"float32 masters)")
+        object.__setattr__(self, "master_dtype", master)
+        object.__setattr__(self, "master_rounding", rounding if master is not None else None)
+        object.__setattr__(self, "state_dtype", state)
+
+    @property
+    def _stored(self) -> dict:
+        return {"master_dtype": self.master_dtype, "master_rounding": self.master_rounding,
+                "state_dtype": self.state_dtype}
 
     def cast_to_param(self, tree: T) -> T:
         """Casts floating leaves to the param dtype; integer and bool leaves are untouched."""
@@ -166,11 +224,12 @@ class Policy:
 
     def with_output_dtype(self, output_dtype: Any) -> "Policy":
         """The same policy with another output dtype."""
-        return Policy(self.param_dtype, self.compute_dtype, output_dtype)
+        return Policy(
+            self.param_dtype, self.compute_name if self.fp8 else self.compute_dtype, output_dtype, **self._stored)
 
     def with_compute_dtype(self, compute_dtype: Any) -> "Policy":
         """The same policy with another compute dtype (``"f8"`` or ``"f8/f16"`` for FP8 matmuls)."""
-        return Policy(self.param_dtype, compute_dtype, self.output_dtype)
+        return Policy(self.param_dtype, compute_dtype, self.output_dtype, **self._stored)
 
     @property
     def is_mixed(self) -> bool:
@@ -186,7 +245,12 @@ class Policy:
 
     def __str__(self) -> str:
         n = lambda d: _DTYPE_NAMES[d][0]
-        return f"p={n(self.param_dtype)},c={self.compute_name},o={n(self.output_dtype)}"
+        text = f"p={n(self.param_dtype)},c={self.compute_name},o={n(self.output_dtype)}"
+        if self.master_dtype is not None:
+            text += f",m={n(self.master_dtype)}/{_ROUNDING_SHORT[self.master_rounding]}"
+        if self.state_dtype is not None:
+            text += f",s={'int8' if self.state_dtype == np.dtype(np.int8) else n(self.state_dtype)}"
+        return text
 
     def __repr__(self) -> str:
         return f"Policy({str(self)!r})"
@@ -207,7 +271,13 @@ PRESETS: Mapping[str, tuple[str, str, str, str]] = {
     "O1": (_F32, _F16, _F32, "Apex/Paddle O1: f16 math, f32 params; norms, softmax, losses in f32"),
     "O2": (_F16, _F16, _F32, "Apex/Paddle O2: f16 params with f32 master weights, f32 norms"),
     "O3": (_F16, _F16, _F16, "Apex O3: pure f16, no f32 rules"),
+    "lean_bf16": (_BF16, _BF16, _F32, "bf16 params as their own masters (stochastic rounding), bf16 math, bf16 "
+                  "optimizer state, f32 outputs: 6 bytes per param with Adam"),
+    "lean_int8": (_BF16, _BF16, _F32, "lean_bf16 with 8-bit block-wise optimizer state: about 4 bytes per param "
+                  "with Adam"),
 }
+#: Presets that also store masters and optimizer state below float32: name -> (master, rounding, state).
+_STORED_PRESETS = {"lean_bf16": (_BF16, "sr", _BF16), "lean_int8": (_BF16, "sr", "int8")}
 _PRESET_LOOKUP = {name.lower(): name for name in PRESETS}
 
 
@@ -253,7 +323,7 @@ def _short(text: str, at: int = 0) -> str:
 def _error(spec: str, token: str, position: int, what: str, choices=(), *,
            bad_dtype: bool = False) -> PolicyError:
     where = f" at position {position}" if position >= 0 else ""
-    dtypes, keys = ", ".join(_VALID_DTYPE_NAMES), "p|params, c|compute, o|output"
+    dtypes, keys = ", ".join(_VALID_DTYPE_NAMES), "p|params, c|compute, o|output, m|master, s|state|opt"
     # jmp says "Unknown dtype" for a bad dtype: code matching that phrase keeps working.
     fp8 = f"and for compute only {', '.join(_FP8_NAMES)} (FP8 matmuls, e.g. compute=fp8 or fp8/f16)"
     valid = (f"Unknown dtype: the valid ones are {dtypes}, {fp8}; valid keys: {keys};" if bad_dtype
@@ -303,8 +373,11 @@ def get_policy(spec: "str | Policy | Any") -> Policy:
     if not stripped:
         raise _error(spec, spec, 0, "empty policy")
     if stripped.lower() in _PRESET_LOOKUP:
-        p, c, o, _ = PRESETS[_PRESET_LOOKUP[stripped.lower()]]
-        return Policy(_NAME_TO_DTYPE[p], c if _is_fp8_name(c) else _NAME_TO_DTYPE[c], _NAME_TO_DTYPE[o])
+        name = _PRESET_LOOKUP[stripped.lower()]
+        p, c, o, _ = PRESETS[name]
+        master, rounding, state = _STORED_PRESETS.get(name, (None, None, None))
+        return Policy(_NAME_TO_DTYPE[p], c if _is_fp8_name(c) else _NAME_TO_DTYPE[c], _NAME_TO_DTYPE[o],
+                      master_dtype=master, master_rounding=rounding, state_dtype=state)
     if "=" not in spec and "," not in spec:
         start = spec.index(stripped)
         low = stripped.lower()
@@ -339,6 +412,15 @@ def _parse_assignments(spec: str) -> Policy:
             raise _error(spec, key, key_pos, "empty key" if not key else "unknown key", _KEYS)
         if field in found:
             raise _error(spec, key, key_pos, f"duplicate key for {field} dtype")
+        if field == "master" and "/" in value:
+            value, _, rounding = value.partition("/")
+            if rounding.strip().lower() not in _ROUNDING_NAMES:
+                raise _error(spec, rounding.strip(), value_pos + len(value) + 1, "unknown master rounding "
+                             "(valid: sr, kahan, nearest)", _ROUNDING_NAMES)
+            found["master_rounding"], value = rounding.strip(), value.strip()
+        if field == "state" and _is_int8(value):
+            found[field] = value
+            continue
         if _is_fp8_name(value):
             if field != "compute":
                 raise _error(spec, value, value_pos, f"FP8 is a compute dtype for matmuls only; {field} must be "
@@ -357,7 +439,8 @@ def _parse_assignments(spec: str) -> Policy:
     param = found.get("param", np.dtype(jnp.float32))
     compute = found.get("compute", param)
     output = found.get("output", compute)
-    return Policy(param, compute, output, fp8=bool(found.get("fp8")))
+    return Policy(param, compute, output, fp8=bool(found.get("fp8")), master_dtype=found.get("master"),
+                  master_rounding=found.get("master_rounding"), state_dtype=found.get("state"))
 
 
 def _is_fp8_name(token: str) -> bool:

@@ -205,6 +205,21 @@ def test_multidevice_data_parallel_and_fsdp_match_one_device(policy, optimizer, 
 
 
 @needs8
+def test_multidevice_lean_bf16_state_is_sharded_like_its_params_and_matches_one_device():
+    """bfloat16 params as their own masters and bfloat16 moments, both stochastically rounded from
+    bits the mesh does not change: within a bfloat16 ulp or two of one device, under FSDP too."""
+    reference, _ = _train(None, "lean_bf16", optimizer=optax.sgd(0.05, 0.9), reduce_dtype="f32")
+    for data, fsdp in [(8, 1), (2, 4)]:
+        state, metrics = _train(_layout(data, fsdp), "lean_bf16", optimizer=optax.sgd(0.05, 0.9))
+        assert metrics["grads_finite"]
+        _assert_close(state.params, reference.params, atol=1e-3, rtol=2 * 2.0 ** -8)
+        _assert_close(state.opt_state, reference.opt_state, atol=1e-3, rtol=2 * 2.0 ** -8)
+        if fsdp > 1:
+            kernel = [x for x in jax.tree_util.tree_leaves(state.opt_state) if x.ndim == 2 and x.size >= 256][0]
+            assert kernel.dtype == jnp.bfloat16 and len({str(s.index) for s in kernel.addressable_shards}) == fsdp
+
+
+@needs8
 def test_multidevice_fp8_delayed_histories_are_the_same_on_every_mesh():
     """The amax of a sharded tensor is its global max: every mesh records the same histories, bit for bit."""
     fp8 = precision.fp8_options("delayed", history=4, min_size=0)

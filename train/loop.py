@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator, TextIO
 
 import jax
 
+import precision
 from train import compile_cache, library_log
 from train.builders import (build_data, build_model, build_optimizer, build_task, build_train_state,  # noqa: F401
                             check_model_fits_data)
@@ -183,9 +184,16 @@ def _start_tracking(config: ExperimentConfig, state: TrainState, start: int, dat
     print(f"{model_label(config.model.name)} on {data.describe()}; policy {state.policy} ({config.precision.policy}), "
           f"loss scale {type(state.loss_scale).__name__}; steps {start} -> {config.steps}; "
           f"{_describe_layout(layout)}; workdir {outputs.workdir}", file=outputs.out)
-    for note in [*_data_notes(data), *notes]:
+    for note in [*_data_notes(data), *notes, _state_note(state)]:
         print(note, file=outputs.out)
     return tracker
+
+
+def _state_note(state: TrainState) -> str:
+    """What the train state stores per parameter, by part (docs/stored-state.md)."""
+    b = precision.state_bytes(state.params, state.opt_state)
+    return (f"train state: {b['total']:.1f} bytes/param (params {b['params']:.1f}, masters {b['masters']:.1f}, "
+            f"optimizer {b['optimizer']:.1f}); policy {state.policy}")
 
 
 def _data_notes(data: Any) -> list[str]:

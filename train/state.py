@@ -183,7 +183,10 @@ def _mixed_precision_optimizer(optimizer, params, policy, loss_scale, max_grad_n
     except ValueError:
         pass
     scale = precision.get_loss_scale(loss_scale, policy) if isinstance(loss_scale, str) else loss_scale
-    return precision.mixed_precision(optimizer, scale, max_grad_norm=max_grad_norm, skip_with=skip_with)
+    return precision.mixed_precision(optimizer, scale, max_grad_norm=max_grad_norm, skip_with=skip_with,
+                                     master_dtype=policy.master_dtype,
+                                     master_rounding=policy.master_rounding or "stochastic",
+                                     state_dtype=policy.state_dtype)
 
 
 def explain_model(wrapped: Any, sample_input: Any, *, train: bool, backward: bool) -> precision.Explanation:
