@@ -58,7 +58,8 @@ SMALL_BENCHMARKS = {
                                     "--out", "{tmp}/overhead.md"],
     "benchmarks.loop": ["--steps", "3", "--rounds", "1", "--out", "{tmp}", "compile_cache=null"],
     "benchmarks.fp8_speed": ["--shapes", "tiny", "--steps", "2", "--rounds", "1", "--min-size", "0", "--out", "{tmp}"],
-    "benchmarks.state_memory": ["--shapes", "tiny", "--policies", "mixed_bf16", "lean_bf16", "--out", "{tmp}"],
+    "benchmarks.state_memory": ["--shapes", "tiny", "--policies", "mixed_bf16", "lean_bf16", "--time-shape", "tiny",
+                                "--time-steps", "2", "--out", "{tmp}"],
     "benchmarks.diagnose_cost": ["--layers", "1", "--d-model", "32", "--heads", "2", "--vocab", "64", "--seq", "16",
                                  "--batch", "2", "--steps", "2", "--out", "{tmp}"],
 }
