@@ -100,12 +100,13 @@ def test_presets(name, expected):
 
 def test_the_lean_preset_also_stores_masters_and_optimizer_state_in_bf16():
     assert get_policy("lean_bf16") == Policy("bf16", "bf16", "f32", master_dtype="bf16", master_rounding="sr",
-                                             state_dtype="bf16")  # tests/test_stored.py trains it
+                                             state_dtype="bf16")  # tests/test_stored.py trains both
+    assert get_policy("lean_int8") == Policy("bf16", "bf16", "f32", master_dtype="bf16", state_dtype="int8")
 
 
 def test_every_documented_preset_is_tested():
     assert set(precision.PRESETS) == {"fp32", "mixed_bf16", "mixed_bfloat16", "mixed_f16", "mixed_float16",
-                                      "pure_bf16", "pure_f16", "O1", "O2", "O3", "mixed_fp8", "lean_bf16"}
+                                      "pure_bf16", "pure_f16", "O1", "O2", "O3", "mixed_fp8", "lean_bf16", "lean_int8"}
 
 
 def test_policy_is_immutable_hashable_and_a_static_jit_argument():
