@@ -52,7 +52,8 @@ from precision.optim import (
     mixed_precision,
     needs_master_weights,
 )
-from precision.stored import state_bytes, stochastic_round, stored_in
+from precision.state_memory import state_bytes
+from precision.stored import stochastic_round, stored_in
 
 __version__ = "0.1.0"
 

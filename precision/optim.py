@@ -118,25 +118,8 @@ def mixed_precision(inner: optax.GradientTransformation,
       A transformation whose ``update(scaled_grads, state, params)`` returns
       updates for ``optax.apply_updates(params, updates)``.
     """
-    if loss_scale is None:
-        loss_scale = DynamicLossScale(2.0 ** 15)
-    if not hasattr(loss_scale, "adjust") or not hasattr(loss_scale, "unscale"):
-        raise TypeError(f"loss_scale must be a NoOp/Static/DynamicLossScale, got {loss_scale!r}")
-    if max_grad_norm is not None:
-        if not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
-            raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}")
-        inner = optax.chain(optax.clip_by_global_norm(max_grad_norm), inner)
-    if skip_with not in SKIP_STRATEGIES:
-        raise ValueError(f"skip_with must be one of {', '.join(SKIP_STRATEGIES)}, got {skip_with!r}")
-    lean = master_dtype is not None and np.dtype(master_dtype) == np.dtype(jnp.bfloat16)
-    if master_dtype is not None and np.dtype(master_dtype) not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16)):
-        raise ValueError(f"master_dtype must be float32 or bfloat16, got {np.dtype(master_dtype)} (float16 "
-                         f"masters lose updates to their 10-bit mantissa and 5-bit exponent)")
-    if master_rounding not in ROUNDINGS:
-        raise ValueError(f"master_rounding must be one of {', '.join(ROUNDINGS)}, got {master_rounding!r}")
-    if state_dtype is not None and np.dtype(state_dtype) != np.dtype(jnp.float32):
-        inner = stored_in(inner, state_dtype)
-    inner = optax.with_extra_args_support(inner)
+    loss_scale, inner, lean = _checked(inner, loss_scale, max_grad_norm, skip_with, master_dtype, master_rounding,
+                                       state_dtype)
 
     def init_fn(params):
         master = cast_to_full(params) if needs_master_weights(params) and not lean else None
@@ -164,6 +147,32 @@ def mixed_precision(inner: optax.GradientTransformation,
             default=lambda *a: _update(inner, "select", *a, master_rounding))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _checked(inner: optax.GradientTransformation, loss_scale: Any, max_grad_norm: Any, skip_with: str,
+             master_dtype: Any, master_rounding: str, state_dtype: Any
+             ) -> tuple[Any, optax.GradientTransformationExtraArgs, bool]:
+    """:func:`mixed_precision`'s arguments checked: the loss scale (default dynamic 2**15),
+    ``inner`` with clipping and its stored state dtype, whether masters are bfloat16."""
+    if loss_scale is None:
+        loss_scale = DynamicLossScale(2.0 ** 15)
+    if not hasattr(loss_scale, "adjust") or not hasattr(loss_scale, "unscale"):
+        raise TypeError(f"loss_scale must be a NoOp/Static/DynamicLossScale, got {loss_scale!r}")
+    if max_grad_norm is not None:
+        if not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}")
+        inner = optax.chain(optax.clip_by_global_norm(max_grad_norm), inner)
+    if skip_with not in SKIP_STRATEGIES:
+        raise ValueError(f"skip_with must be one of {', '.join(SKIP_STRATEGIES)}, got {skip_with!r}")
+    lean = master_dtype is not None and np.dtype(master_dtype) == np.dtype(jnp.bfloat16)
+    if master_dtype is not None and np.dtype(master_dtype) not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16)):
+        raise ValueError(f"master_dtype must be float32 or bfloat16, got {np.dtype(master_dtype)} (float16 "
+                         f"masters lose updates to their 10-bit mantissa and 5-bit exponent)")
+    if master_rounding not in ROUNDINGS:
+        raise ValueError(f"master_rounding must be one of {', '.join(ROUNDINGS)}, got {master_rounding!r}")
+    if state_dtype is not None and np.dtype(state_dtype) != np.dtype(jnp.float32):
+        inner = stored_in(inner, state_dtype)
+    return loss_scale, optax.with_extra_args_support(inner), lean
 
 
 def _update(inner: optax.GradientTransformationExtraArgs, strategy: str, scaled: Any, state: MixedPrecisionState,

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import re
 from typing import Any, Mapping, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from precision.dtype_names import (_DTYPE_NAMES, _FP8_FALLBACK, _FP8_NAMES, _KEYS, _NAME_TO_DTYPE, _QUOTED,
+                                    _ROUNDING_NAMES, _ROUNDING_SHORT, _VALID_DTYPE_NAMES, PolicyError, _is_int8,
+                                    _nearest_dtype, _short, dtype_to_names, half_dtype)
 
 T = TypeVar("T")
 
@@ -33,72 +36,6 @@ __all__ = [
     "cast_to_half",
     "dtype_to_names",
 ]
-
-
-class PolicyError(ValueError):
-    """A precision policy spec that cannot be parsed.
-
-    Carries the offending ``token`` and its character ``position`` in ``spec``.
-    """
-
-    def __init__(self, message: str, *, spec: str = "", token: str = "", position: int = -1):
-        super().__init__(message)
-        self.spec = spec
-        self.token = token
-        self.position = position
-
-
-def half_dtype() -> np.dtype:
-    """The half dtype for the default backend: bfloat16 on TPU, float16 elsewhere (as jmp)."""
-    return np.dtype(jnp.bfloat16) if jax.default_backend() == "tpu" else np.dtype(jnp.float16)
-
-
-# Canonical (first) name of each dtype is what str(Policy) prints.
-_DTYPE_NAMES: dict[np.dtype, tuple[str, ...]] = {
-    np.dtype(jnp.float32): ("f32", "float32", "full", "fp32"),
-    np.dtype(jnp.bfloat16): ("bf16", "bfloat16"),
-    np.dtype(jnp.float16): ("f16", "float16", "fp16"),
-    np.dtype(jnp.float64): ("f64", "float64", "fp64"),
-}
-_NAME_TO_DTYPE = {name: dt for dt, names in _DTYPE_NAMES.items() for name in names}
-
-
-class _DtypeNames(Mapping):
-    """Read-only ``dtype -> names`` whose keys may be any dtype-like
-    (``np.float16``, ``jnp.bfloat16``, ``np.dtype("float32")``)."""
-
-    def __getitem__(self, dtype: Any) -> tuple[str, ...]:
-        try:
-            return _DTYPE_NAMES[np.dtype(dtype)]
-        except TypeError:
-            raise KeyError(dtype) from None
-
-    def __iter__(self):
-        return iter(_DTYPE_NAMES)
-
-    def __len__(self) -> int:
-        return len(_DTYPE_NAMES)
-
-    def __repr__(self) -> str:
-        return f"dtype_to_names({dict(_DTYPE_NAMES)!r})"
-
-
-#: The names each policy dtype is spelled with (jmp's ``dtype_to_names``); the
-#: first is the one ``str(policy)`` prints. Unlike jmp, float32 prints as
-#: ``f32`` (jmp: ``full``); both parse to float32 in either library.
-dtype_to_names: Mapping[np.dtype, tuple[str, ...]] = _DtypeNames()
-_VALID_DTYPE_NAMES = tuple(_NAME_TO_DTYPE) + ("half",)
-#: Spellings of the FP8 compute dtype (matmuls in FP8, the rest in a fallback dtype).
-_FP8_NAMES = ("f8", "fp8", "float8")
-#: The fallback of ``compute=f8`` when none is written: bf16 has the range FP8's scales assume.
-_FP8_FALLBACK = np.dtype(jnp.bfloat16)
-_KEYS = {"p": "param", "params": "param", "c": "compute", "compute": "compute",
-         "o": "output", "output": "output", "m": "master", "master": "master",
-         "s": "state", "state": "state", "opt": "state"}
-#: How bfloat16 masters round a float32 update into them (see precision.stored); ``sr`` is stochastic.
-_ROUNDING_NAMES = {"sr": "stochastic", "stochastic": "stochastic", "kahan": "kahan", "nearest": "nearest",
-                   "rn": "nearest"}
-_ROUNDING_SHORT = {"stochastic": "sr", "kahan": "kahan", "nearest": "nearest"}
 
 
 def _canonical(dtype: Any) -> np.dtype:
@@ -132,19 +69,6 @@ def _stored_dtype(dtype: Any, which: str) -> np.dtype | None:
         raise PolicyError(f"{which}={dtype_to_names[dt][0]}: {which} dtypes are f32 or bf16 ({why}); "
                           f"e.g. 'params=bf16,compute=bf16,output=f32,master=bf16,opt=bf16'")
     return dt
-
-
-#: Spellings of 8-bit optimizer state (block-wise quantized moments, precision.quantized).
-_INT8_NAMES = ("int8", "i8", "8bit")
-
-
-def _is_int8(dtype: Any) -> bool:
-    if isinstance(dtype, str):
-        return dtype.strip().lower() in _INT8_NAMES
-    try:
-        return np.dtype(dtype) == np.dtype(np.int8)
-    except TypeError:
-        return False
 
 
 def _cast_floating(tree: T, dtype: np.dtype) -> T:
@@ -285,39 +209,6 @@ def _suggest(token: str, choices, dtype: bool = False) -> str:
     close = ([_nearest_dtype(token)] if dtype and _nearest_dtype(token) else []) \
         or difflib.get_close_matches(token, list(choices), n=1, cutoff=0.5)
     return f" Did you mean {close[0]!r}?" if close else ""
-
-
-#: Bit widths each dtype spelling takes, the likelier meant first (half precision is what a policy is for).
-_WIDTHS = {"bfloat": ("16",), "bf": ("16",), "float": ("16", "32", "8", "64"), "fp": ("16", "32", "8", "64"),
-           "f": ("16", "32", "8", "64")}
-
-
-def _nearest_dtype(token: str) -> str | None:
-    """The dtype a typo of a spelling and a width means: ``fp61`` -> ``fp16`` (the same digits),
-    ``fp3`` -> ``fp32``, ``fp8x`` -> ``fp8``; None when it is no such typo."""
-    match = re.fullmatch(r"(bfloat|float|bf|fp|f)(\d+)\D*", token)
-    if match is None:
-        return None
-    prefix, digits = match.groups()
-    widths = _WIDTHS[prefix]
-    for same in (lambda w: w == digits, lambda w: sorted(w) == sorted(digits),
-                 lambda w: w.startswith(digits) or digits.startswith(w)):
-        found = [w for w in widths if same(w)]
-        if found:
-            return prefix + found[0]
-    return None
-
-
-#: The longest spec or token an error message quotes whole; longer ones are cut around the error.
-_QUOTED = 80
-
-
-def _short(text: str, at: int = 0) -> str:
-    """``text`` whole when short, else a window of it around position ``at`` with ``...`` for the rest."""
-    if len(text) <= _QUOTED:
-        return text
-    start = max(0, min(at - _QUOTED // 2, len(text) - _QUOTED))
-    return ("..." if start else "") + text[start:start + _QUOTED] + ("..." if start + _QUOTED < len(text) else "")
 
 
 def _error(spec: str, token: str, position: int, what: str, choices=(), *,

@@ -29,8 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from precision.quantized import MIN_SIZE, Blockwise, dequantize, quantize
+
 __all__ = ["ROUNDINGS", "StoredState", "StoredMasters", "stochastic_round", "kahan_add", "step_key", "stored_in", "round_to",
-           "init_masters", "master_updates", "state_bytes"]
+           "init_masters", "master_updates"]
 
 F32, BF16, INT8 = np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.int8)
 #: How a value computed in float32 is stored in bfloat16: ``stochastic`` (unbiased, default),
@@ -90,24 +92,18 @@ def _stored(x: Any) -> bool:
 
 
 def _is_blockwise(x: Any) -> bool:
-    from precision.quantized import Blockwise
-
     return isinstance(x, Blockwise)
 
 
 def _store(x: Any, dtype: np.dtype, key: jax.Array) -> Any:
     """A float32 state array stored in ``dtype``: bfloat16 (stochastic rounding), float32, or
     8-bit blocks (:mod:`precision.quantized`) for an array of at least ``MIN_SIZE`` values."""
-    from precision.quantized import MIN_SIZE, quantize
-
     if dtype == INT8:
         return quantize(x, key) if x.size >= MIN_SIZE else round_to(x, BF16, "stochastic", key)
     return round_to(x, dtype, "stochastic", key)
 
 
 def _load(x: Any) -> Any:
-    from precision.quantized import dequantize
-
     if _is_blockwise(x):
         return dequantize(x)
     return x.astype(jnp.float32) if _stored(x) else x
@@ -187,23 +183,3 @@ def master_updates(params: Any, updates: Any, state: StoredMasters, rounding: st
     compensation = None if state.compensation is None else jax.tree_util.tree_unflatten(treedef, kept)
     return jax.tree_util.tree_unflatten(treedef, out), StoredMasters(state.count + 1, compensation)
 
-
-def _nbytes(tree: Any) -> int:
-    return sum(int(np.prod(np.shape(x), dtype=np.int64)) * np.dtype(x.dtype).itemsize
-               for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "dtype"))
-
-
-def state_bytes(params: Any, opt_state: Any) -> dict[str, float]:
-    """Bytes per parameter of what training stores, by part: ``params``, ``masters``
-    (float32 copies, or bfloat16 masters' compensation), ``optimizer`` (the inner
-    optimizer's state), ``other`` (loss scale, counters) and ``total``. Exact from the
-    leaves' shapes and dtypes: works on ``jax.eval_shape`` results (nothing allocated)."""
-    from precision.optim import find_mixed_precision_state
-
-    count = sum(int(np.prod(np.shape(x), dtype=np.int64)) for x in jax.tree_util.tree_leaves(params)) or 1
-    mp = find_mixed_precision_state(opt_state)
-    parts = {"params": _nbytes(params), "masters": _nbytes((mp.master_params, mp.stored_masters)),
-             "optimizer": _nbytes(mp.inner_state)}
-    parts["other"] = _nbytes(opt_state) - parts["masters"] - parts["optimizer"]
-    parts["total"] = sum(parts.values())
-    return {k: v / count for k, v in parts.items()}

@@ -1,0 +1,126 @@
+"""The names of the dtypes a precision policy is written with, and the pieces of its
+grammar that need no policy: :class:`PolicyError`, dtype spellings (``f16``, ``bfloat16``,
+``full``...), the FP8 compute and 8-bit state spellings, master roundings, and the
+typo-correction and quoting of error messages (used by :mod:`precision.policy`)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["PolicyError", "half_dtype", "dtype_to_names"]
+
+class PolicyError(ValueError):
+    """A precision policy spec that cannot be parsed.
+
+    Carries the offending ``token`` and its character ``position`` in ``spec``.
+    """
+
+    def __init__(self, message: str, *, spec: str = "", token: str = "", position: int = -1):
+        super().__init__(message)
+        self.spec = spec
+        self.token = token
+        self.position = position
+
+
+def half_dtype() -> np.dtype:
+    """The half dtype for the default backend: bfloat16 on TPU, float16 elsewhere (as jmp)."""
+    return np.dtype(jnp.bfloat16) if jax.default_backend() == "tpu" else np.dtype(jnp.float16)
+
+
+# Canonical (first) name of each dtype is what str(Policy) prints.
+_DTYPE_NAMES: dict[np.dtype, tuple[str, ...]] = {
+    np.dtype(jnp.float32): ("f32", "float32", "full", "fp32"),
+    np.dtype(jnp.bfloat16): ("bf16", "bfloat16"),
+    np.dtype(jnp.float16): ("f16", "float16", "fp16"),
+    np.dtype(jnp.float64): ("f64", "float64", "fp64"),
+}
+_NAME_TO_DTYPE = {name: dt for dt, names in _DTYPE_NAMES.items() for name in names}
+
+
+class _DtypeNames(Mapping):
+    """Read-only ``dtype -> names`` whose keys may be any dtype-like
+    (``np.float16``, ``jnp.bfloat16``, ``np.dtype("float32")``)."""
+
+    def __getitem__(self, dtype: Any) -> tuple[str, ...]:
+        try:
+            return _DTYPE_NAMES[np.dtype(dtype)]
+        except TypeError:
+            raise KeyError(dtype) from None
+
+    def __iter__(self):
+        return iter(_DTYPE_NAMES)
+
+    def __len__(self) -> int:
+        return len(_DTYPE_NAMES)
+
+    def __repr__(self) -> str:
+        return f"dtype_to_names({dict(_DTYPE_NAMES)!r})"
+
+
+#: The names each policy dtype is spelled with (jmp's ``dtype_to_names``); the
+#: first is the one ``str(policy)`` prints. Unlike jmp, float32 prints as
+#: ``f32`` (jmp: ``full``); both parse to float32 in either library.
+dtype_to_names: Mapping[np.dtype, tuple[str, ...]] = _DtypeNames()
+_VALID_DTYPE_NAMES = tuple(_NAME_TO_DTYPE) + ("half",)
+#: Spellings of the FP8 compute dtype (matmuls in FP8, the rest in a fallback dtype).
+_FP8_NAMES = ("f8", "fp8", "float8")
+#: The fallback of ``compute=f8`` when none is written: bf16 has the range FP8's scales assume.
+_FP8_FALLBACK = np.dtype(jnp.bfloat16)
+_KEYS = {"p": "param", "params": "param", "c": "compute", "compute": "compute",
+         "o": "output", "output": "output", "m": "master", "master": "master",
+         "s": "state", "state": "state", "opt": "state"}
+#: How bfloat16 masters round a float32 update into them (see precision.stored); ``sr`` is stochastic.
+_ROUNDING_NAMES = {"sr": "stochastic", "stochastic": "stochastic", "kahan": "kahan", "nearest": "nearest",
+                   "rn": "nearest"}
+_ROUNDING_SHORT = {"stochastic": "sr", "kahan": "kahan", "nearest": "nearest"}
+
+
+#: Spellings of 8-bit optimizer state (block-wise quantized moments, precision.quantized).
+_INT8_NAMES = ("int8", "i8", "8bit")
+
+
+def _is_int8(dtype: Any) -> bool:
+    if isinstance(dtype, str):
+        return dtype.strip().lower() in _INT8_NAMES
+    try:
+        return np.dtype(dtype) == np.dtype(np.int8)
+    except TypeError:
+        return False
+
+
+#: Bit widths each dtype spelling takes, the likelier meant first (half precision is what a policy is for).
+_WIDTHS = {"bfloat": ("16",), "bf": ("16",), "float": ("16", "32", "8", "64"), "fp": ("16", "32", "8", "64"),
+           "f": ("16", "32", "8", "64")}
+
+
+def _nearest_dtype(token: str) -> str | None:
+    """The dtype a typo of a spelling and a width means: ``fp61`` -> ``fp16`` (the same digits),
+    ``fp3`` -> ``fp32``, ``fp8x`` -> ``fp8``; None when it is no such typo."""
+    match = re.fullmatch(r"(bfloat|float|bf|fp|f)(\d+)\D*", token)
+    if match is None:
+        return None
+    prefix, digits = match.groups()
+    widths = _WIDTHS[prefix]
+    for same in (lambda w: w == digits, lambda w: sorted(w) == sorted(digits),
+                 lambda w: w.startswith(digits) or digits.startswith(w)):
+        found = [w for w in widths if same(w)]
+        if found:
+            return prefix + found[0]
+    return None
+
+
+#: The longest spec or token an error message quotes whole; longer ones are cut around the error.
+_QUOTED = 80
+
+
+def _short(text: str, at: int = 0) -> str:
+    """``text`` whole when short, else a window of it around position ``at`` with ``...`` for the rest."""
+    if len(text) <= _QUOTED:
+        return text
+    start = max(0, min(at - _QUOTED // 2, len(text) - _QUOTED))
+    return ("..." if start else "") + text[start:start + _QUOTED] + ("..." if start + _QUOTED < len(text) else "")

@@ -1,0 +1,31 @@
+"""What training stores, in bytes per parameter, by part (docs/stored-state.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from precision.optim import find_mixed_precision_state
+
+__all__ = ["state_bytes"]
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(int(np.prod(np.shape(x), dtype=np.int64)) * np.dtype(x.dtype).itemsize
+               for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "dtype"))
+
+
+def state_bytes(params: Any, opt_state: Any) -> dict[str, float]:
+    """Bytes per parameter of what training stores, by part: ``params``, ``masters``
+    (float32 copies, or bfloat16 masters' compensation), ``optimizer`` (the inner
+    optimizer's state), ``other`` (loss scale, counters) and ``total``. Exact from the
+    leaves' shapes and dtypes: works on ``jax.eval_shape`` results (nothing allocated)."""
+    count = sum(int(np.prod(np.shape(x), dtype=np.int64)) for x in jax.tree_util.tree_leaves(params)) or 1
+    mp = find_mixed_precision_state(opt_state)
+    parts = {"params": _nbytes(params), "masters": _nbytes((mp.master_params, mp.stored_masters)),
+             "optimizer": _nbytes(mp.inner_state)}
+    parts["other"] = _nbytes(opt_state) - parts["masters"] - parts["optimizer"]
+    parts["total"] = sum(parts.values())
+    return {k: v / count for k, v in parts.items()}
