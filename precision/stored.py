@@ -41,9 +41,13 @@ ROUNDINGS = ("stochastic", "kahan", "nearest")
 _SEED = 0x5EED  # the stochastic rounding's stream: this seed, folded with the step count and the leaf
 
 
-def step_key(count: jax.Array, leaf: int = 0) -> jax.Array:
-    """The key of stochastic rounding at step ``count`` for leaf number ``leaf``."""
-    return jax.random.fold_in(jax.random.fold_in(jax.random.key(_SEED), count), leaf)
+#: The streams of random bits: the optimizer state's stores and the masters' (never the same bits).
+STATE_STREAM, MASTER_STREAM = 0, 1
+
+
+def step_key(count: jax.Array, leaf: int = 0, stream: int = STATE_STREAM) -> jax.Array:
+    """The key of stochastic rounding at step ``count`` for leaf number ``leaf`` of ``stream``."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(jax.random.key(_SEED), stream), count), leaf)
 
 
 def stochastic_round(x: jax.Array, key: jax.Array, dtype: Any = BF16) -> jax.Array:
@@ -177,7 +181,8 @@ def master_updates(params: Any, updates: Any, state: StoredMasters, rounding: st
         if rounding == "kahan":
             stored, c = kahan_add(p, u, c)
         else:
-            stored = round_to(p.astype(jnp.float32) + u.astype(jnp.float32), BF16, rounding, step_key(state.count, i))
+            stored = round_to(p.astype(jnp.float32) + u.astype(jnp.float32), BF16, rounding,
+                              step_key(state.count, i, MASTER_STREAM))
         out.append(stored.astype(jnp.float32) - p.astype(jnp.float32))  # exact: both are bfloat16 values
         kept.append(c)
     compensation = None if state.compensation is None else jax.tree_util.tree_unflatten(treedef, kept)
