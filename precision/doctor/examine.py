@@ -105,13 +105,8 @@ def _examine(subject: Subject, s: _Setting, loss_fn: Callable | None, optimizer:
 
 def _all_finite(tree: Any) -> bool:
     """Whether every floating value of ``tree`` is finite."""
-    leaves = [x for x in jax.tree_util.tree_leaves(tree) if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)]
-    return bool(_finite_leaves(leaves))
-
-
-@jax.jit
-def _finite_leaves(leaves: list) -> jax.Array:
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.array(True)
+    flags = probe.finite_flags(jax.tree_util.tree_leaves(tree))
+    return bool(jnp.all(jnp.stack(flags))) if flags else True  # one transfer to the host
 
 
 # ----------------------------------------------------------------------------- changes to try

@@ -72,6 +72,12 @@ class _Template(NamedTuple):
     loop: tuple[int, bool] | None = None
 
 
+@jax.jit
+def finite_flags(values: list) -> list:
+    """Per value, whether all of it is finite (non-floating values: True), in one program."""
+    return [jnp.all(jnp.isfinite(v)) if jnp.issubdtype(v.dtype, jnp.floating) else jnp.array(True) for v in values]
+
+
 def _is_float(aval: Any) -> bool:
     return hasattr(aval, "dtype") and jnp.issubdtype(aval.dtype, jnp.floating)
 
@@ -85,8 +91,7 @@ def _widening(eqn: Any) -> bool:
 
 
 #: Ops whose output is finite exactly when their (first) input is: finiteness passes through.
-_SAME_VALUES = frozenset({"reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "copy", "rev",
-                          "copy_p"})
+_SAME_VALUES = frozenset({"reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "copy", "rev"})
 
 
 class _Collector:
@@ -269,8 +274,7 @@ def run(fn: Any, args: Sequence[Any], loss_scale: float = 1.0, n_primal: int | N
     program, constants = flatten(closed, primal)
     env = {k: jax.device_put(v) for k, v in constants.items()}
     env.update(zip(program.inputs, (jax.device_put(x) for x in flat_args)))
-    flags = dict(zip(env, jax.jit(lambda vs: [jnp.all(jnp.isfinite(v)) if jnp.issubdtype(v.dtype, jnp.floating)
-                                              else jnp.array(True) for v in vs])(list(env.values()))))
+    flags = dict(zip(env, finite_flags(list(env.values()))))
     parts = plan(program, (loss_scale, host_platform()))
     seconds = {"trace": time.perf_counter() - start, "compile": 0.0}
     cache: dict[tuple, _Segment] = {}
