@@ -174,3 +174,34 @@ def test_a_lean_run_from_a_config_says_its_bytes_and_resumes_bit_for_bit(tmp_pat
     assert all(x.dtype == BF16 for x in jax.tree_util.tree_leaves(a["params"]) if x.ndim == 2)
     assert any(x.dtype == jnp.float8_e4m3fn for x in jax.tree_util.tree_leaves(a["opt_state"])) == (policy == "lean_int8")
     chex.assert_trees_all_equal(a, b)
+
+
+def test_a_pinned_float32_nnx_model_gets_bfloat16_params_and_state_under_lean_bf16_and_trains_like_mixed():
+    """The NNX LM pins ``dtype=float32, param_dtype=float32``: lean_bf16 must still store its kernels and
+    moments in bfloat16 (not leave them float32 quietly) and train to mixed_bf16's loss."""
+    import sys
+
+    from flax import nnx
+
+    from helpers import ROOT
+
+    sys.path.insert(0, str(ROOT / "examples" / "user_models"))
+    import nnx_lm
+
+    tokens = jax.random.randint(jax.random.key(0), (8, 17), 0, 32)
+    batch = {"inputs": tokens[:, :-1], "labels": tokens[:, 1:]}
+
+    def trained(policy):
+        state = train.create_train_state(nnx_lm.LM(32, 16, 32, 4, 2, rngs=nnx.Rngs(0)), policy, optax.adamw(3e-3),
+                                         jax.random.PRNGKey(0), batch["inputs"][:1])
+        step = train.make_train_step(task="language_model")
+        for _ in range(40):
+            state, metrics = step(state, batch)
+        return state, float(metrics["loss"])
+
+    (lean, lean_loss), (_, mixed_loss) = trained("lean_bf16"), trained("mixed_bf16")
+    kernels = [x for x in jax.tree_util.tree_leaves(lean.params) if x.ndim == 2]
+    assert kernels and all(x.dtype == BF16 for x in kernels)
+    moments = jax.tree_util.tree_leaves(precision.find_mixed_precision_state(lean.opt_state).inner_state)
+    assert any(x.dtype == BF16 and x.ndim == 2 for x in moments)
+    assert abs(lean_loss - mixed_loss) <= 0.02 * mixed_loss, (lean_loss, mixed_loss)
