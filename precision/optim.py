@@ -40,6 +40,7 @@ import optax
 from jax.extend import source_info_util
 from jax.extend.core import Literal
 
+from precision.grad_norms import first_nonfinite, leaf_squared_norms
 from precision.loss_scale import DynamicLossScale, LossScale, select_tree
 from precision.policy import cast_to_full
 from precision.stored import ROUNDINGS, init_masters, master_updates, stored_in
@@ -139,12 +140,12 @@ def mixed_precision(inner: optax.GradientTransformation,
             raise ValueError("mixed_precision with half-precision params needs `params` in update()")
         grads = cast_to_full(scaled_grads)
         if skip_with != "auto":
-            return _update(inner, skip_with, grads, state, params, extra_args, master_rounding)
+            return _update(inner, skip_with, grads, state, params, extra_args, master_rounding, max_grad_norm)
         # auto: chosen for the platform the step is lowered for, not the host it is traced on
         return jax.lax.platform_dependent(
             grads, state, params, extra_args,
-            cpu=lambda *a: _update(inner, "cond", *a, master_rounding),
-            default=lambda *a: _update(inner, "select", *a, master_rounding))
+            cpu=lambda *a: _update(inner, "cond", *a, master_rounding, max_grad_norm),
+            default=lambda *a: _update(inner, "select", *a, master_rounding, max_grad_norm))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -161,7 +162,10 @@ def _checked(inner: optax.GradientTransformation, loss_scale: Any, max_grad_norm
     if max_grad_norm is not None:
         if not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
             raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}")
-        inner = optax.chain(optax.clip_by_global_norm(max_grad_norm), inner)
+        # Clipped in _update with the norm the wrapper takes anyway (optax.clip_by_global_norm
+        # would take it again: a reduction per leaf); identity keeps clip's (empty) state, so
+        # checkpoints keep their structure.
+        inner = optax.chain(optax.identity(), inner)
     if skip_with not in SKIP_STRATEGIES:
         raise ValueError(f"skip_with must be one of {', '.join(SKIP_STRATEGIES)}, got {skip_with!r}")
     lean = master_dtype is not None and np.dtype(master_dtype) == np.dtype(jnp.bfloat16)
@@ -176,16 +180,17 @@ def _checked(inner: optax.GradientTransformation, loss_scale: Any, max_grad_norm
 
 
 def _update(inner: optax.GradientTransformationExtraArgs, strategy: str, scaled: Any, state: MixedPrecisionState,
-            params: Any, extra_args: dict, master_rounding: str = "stochastic") -> tuple[Any, MixedPrecisionState]:
+            params: Any, extra_args: dict, master_rounding: str = "stochastic",
+            max_grad_norm: float | None = None) -> tuple[Any, MixedPrecisionState]:
     """The wrapper's update from float32 gradients of the scaled loss: check, unscale,
-    update (or skip, by ``strategy``: ``"cond"`` or ``"select"``), adjust the scale."""
+    clip, update (or skip, by ``strategy``: ``"cond"`` or ``"select"``), adjust the scale."""
     # One reduction per leaf gives the metric, the check and the culprit: the norm is finite
     # iff every element is, except for finite gradients whose squares overflow float32 (norm >
     # 1.8e19 before unscaling), which count as an overflow too. The norm is taken of the scaled
     # gradients and unscaled as a scalar; the gradients themselves are unscaled inside the
     # update, where the multiply fuses into the optimizer's own elementwise pass.
-    squares = _leaf_squared_norms(scaled, one_loop=strategy == "select")
-    grad_norm = state.loss_scale.unscale(jnp.sqrt(sum(squares)))
+    squares = leaf_squared_norms(scaled, one_loop=strategy == "select")
+    grad_norm = state.loss_scale.unscale(jnp.sqrt(jnp.sum(squares)))
     grads_ok = jnp.isfinite(grad_norm)
     finite = grads_ok
     if extra_args.get("value") is not None:
@@ -194,6 +199,9 @@ def _update(inner: optax.GradientTransformationExtraArgs, strategy: str, scaled:
 
     def step(inner_state, master, stored, selected):
         grads = state.loss_scale.unscale(scaled)  # inside the cond's branch: no second copy of the gradients
+        if max_grad_norm is not None:  # as optax.clip_by_global_norm; the multiply fuses into the update
+            factor = jnp.where(grad_norm < max_grad_norm, 1.0, max_grad_norm / grad_norm)
+            grads = jax.tree_util.tree_map(lambda g: g * factor.astype(g.dtype), grads)
         inner_params = master if master is not None else cast_to_full(params) if stored is not None else params
         if selected:
             updates, new_inner = _update_on_selected_state(inner, finite, grads, inner_state, inner_params,
@@ -231,7 +239,7 @@ def _update(inner: optax.GradientTransformationExtraArgs, strategy: str, scaled:
         master_params=master,
         grads_finite=finite,
         grad_norm=grad_norm,
-        nonfinite_leaf=_first_nonfinite(squares, finite),
+        nonfinite_leaf=first_nonfinite(squares, finite),
         stored_masters=stored)
 
 
@@ -305,52 +313,11 @@ def _update_on_selected_state(inner: optax.GradientTransformationExtraArgs, fini
     return updates, jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes[1]), selected)
 
 
-def _leaf_squared_norms(grads: Any, one_loop: bool = False) -> list[jax.Array]:
-    """Per leaf, the float32 sum of squares: non-finite iff an element is (or the sum overflows).
-
-    ``one_loop``: as one two-output reduction per leaf (:func:`_one_loop_squared_norm`).
-    """
-    norm = _one_loop_squared_norm if one_loop else (lambda g: jnp.sum(jnp.square(g.astype(jnp.float32))))
-    return [norm(jnp.asarray(g)) for g in jax.tree_util.tree_leaves(grads)] or [jnp.zeros([], jnp.float32)]
-
-
-def _one_loop_squared_norm(g: jax.Array) -> jax.Array:
-    """The sum of squares of ``g`` as one two-output reduction, (sum of squares, max |g|),
-    that reads ``g`` once as it is stored (half, transposed).
-
-    XLA:CPU hands a plain sum to a library kernel (YNNPACK) that needs its operand in
-    memory, so it first writes the float32 squares out and reads them back: 5x the bytes
-    of a half gradient, the most expensive pass of a select-skipped update. The two-output
-    reduction is one loop instead; it moves the fewest bytes, though on CPU the loop
-    (single-threaded, strided through a transposed gradient) takes longer than the library
-    sum: the cond strategy, CPU's default, keeps the plain sum. The max is used (the sum is
-    non-finite whenever the max is, and ``total + peak`` is then that same inf or nan), so
-    XLA keeps the pair.
-    """
-    if g.ndim == 0 or g.size == 0:
-        return jnp.sum(jnp.square(g.astype(jnp.float32)))
-    g = g.astype(jnp.float32)
-    zero = jnp.zeros([], jnp.float32)
-    total, peak = jax.lax.reduce((jnp.square(g), jnp.abs(g)), (zero, zero),
-                                 lambda a, b: (a[0] + b[0], jnp.maximum(a[1], b[1])), tuple(range(g.ndim)))
-    return jnp.where(jnp.isfinite(peak), total, total + peak)
-
-
-def _first_nonfinite(squares: list[jax.Array], finite: jax.Array) -> jax.Array:
-    """``nonfinite_leaf`` (see :class:`MixedPrecisionState`) from each leaf's sum of squares."""
-    stacked = jnp.stack(squares)
-    leaves_finite = jnp.isfinite(stacked)
-    culprit = jnp.where(jnp.all(leaves_finite),
-                        jnp.where(jnp.isfinite(jnp.sum(stacked)), -1, -2 - jnp.argmax(stacked)),  # overflow only
-                        jnp.argmin(leaves_finite))
-    return jnp.where(finite, -1, culprit).astype(jnp.int32)
-
-
 def _first_nonfinite_leaf(grads: Any, finite: jax.Array) -> jax.Array:
     """Index of the first leaf of ``grads`` that is not finite (or whose squared norm
     overflows), ``-2 - i`` when only their global norm overflows (leaf ``i`` the largest),
     -1 when ``finite``; the wrapper reports it as ``nonfinite_leaf``."""
-    return _first_nonfinite(_leaf_squared_norms(cast_to_full(grads)), finite)
+    return first_nonfinite(leaf_squared_norms(cast_to_full(grads)), finite)
 
 
 def _is_half(x: Any) -> bool:

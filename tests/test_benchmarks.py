@@ -200,3 +200,25 @@ def test_the_loop_benchmark_measures_the_loop_against_the_bare_step():
     assert row["loop_steps_per_sec"] > 0 and row["bare_steps_per_sec"] > 0
     assert row["efficiency"] == row["loop_steps_per_sec"] / row["bare_steps_per_sec"]
     assert "mixed_bf16" in table([row])
+
+
+def test_profile_step_sums_kernel_time_by_name_and_kind(tmp_path):
+    """The profile's reader (``python -m benchmarks.profile_step``): on a CPU the host's XLA
+    threads stand in for the device's streams; names sort into kinds as GPU kernels do."""
+    from benchmarks import profile_step
+
+    assert [profile_step.kind_of(k) for k in (
+        "nvjet_sm90_tst_128x160_64x5_2x4_h_bz_NTT", "gemm_fusion_dot_52",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16", "input_add_reduce_fusion_8",
+        "input_scatter_fusion", "void cudnn::fusion::compute_dot_do_o_specialized<true, 64>")] == [
+        "gemm", "gemm", "attention", "reduction", "fusion", "attention"]
+    f = jax.jit(lambda x: jnp.tanh(x @ x).sum())
+    x = jnp.ones((256, 256))
+    f(x).block_until_ready()
+    with jax.profiler.trace(str(tmp_path)):
+        for _ in range(3):
+            f(x).block_until_ready()
+    totals, source = profile_step.kernel_times(str(tmp_path))
+    assert source == "host XLA threads" and totals and all(s >= 0 for s in totals.values()), (source, totals)
+    with pytest.raises(FileNotFoundError, match="xplane"):
+        profile_step.kernel_times(str(tmp_path / "empty"))

@@ -147,6 +147,10 @@ class ClippingTest(chex.TestCase):
                                    StaticLossScale(scale))):
             got, _ = self.variant(lambda p, s, g: step(tx, p, s, g))(params, tx.init(params), scaled)
             chex.assert_trees_all_close(got, expected, rtol=1e-6)
+        # Clipped with the wrapper's own norm, its state as with optax's clip: checkpoints restore.
+        clipping = mixed_precision(optax.sgd(1.0), StaticLossScale(scale), max_grad_norm=1.0)
+        assert (jax.tree_util.tree_structure(clipping.init(params).inner_state)
+                == jax.tree_util.tree_structure(reference.init(params)))
 
         # The wrong composition clips the *scaled* gradients, i.e. by norm 1 / scale.
         wrong = optax.chain(optax.clip_by_global_norm(1.0), mixed_precision(optax.sgd(1.0), StaticLossScale(scale)))
@@ -285,3 +289,24 @@ def test_grad_norm_reports_nan_and_inf_as_they_are():
         grads = {"w": jnp.array([1.0, poison, 0.0, 2.0]), "b": jnp.array([0.5, 1.0])}
         _, state = step(tx, params, tx.init(params), grads)
         assert check(float(state.grad_norm)) and int(state.nonfinite_leaf) == 1  # leaves: b, w
+
+
+def test_the_select_strategy_reduces_small_leaves_together_and_keeps_each_leafs_norm():
+    """Small leaves of one size share a reduction (one kernel, not one per leaf); each leaf's
+    sum of squares, the global norm and the first non-finite leaf are what per-leaf sums give."""
+    from precision.grad_norms import SMALL_LEAF, first_nonfinite, leaf_squared_norms
+
+    rng = np.random.default_rng(0)
+    shapes = [(SMALL_LEAF + 8,), (8,), (3, 4), (12,), (), (0,), (8,), (2, SMALL_LEAF), (12,)]
+    grads = [jnp.asarray(rng.standard_normal(s), jnp.bfloat16 if i % 3 == 0 else jnp.float32)
+             for i, s in enumerate(shapes)]
+    per_leaf = np.array([np.sum(np.square(np.asarray(g, np.float64))) for g in grads])
+    together = jax.jit(lambda g: leaf_squared_norms(g, one_loop=True))
+    np.testing.assert_allclose(np.asarray(together(grads)), per_leaf, rtol=1e-5)
+    for bad in (1, 6, 7):  # a small leaf sharing its reduction, its twin, a large leaf
+        for poison in (jnp.nan, jnp.inf):
+            poisoned = list(grads)
+            poisoned[bad] = poisoned[bad].at[(0,) * poisoned[bad].ndim].set(poison)
+            squares = together(poisoned)
+            assert [i for i, s in enumerate(np.asarray(squares)) if not np.isfinite(s)] == [bad]
+            assert int(first_nonfinite(squares, jnp.array(False))) == bad

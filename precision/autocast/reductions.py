@@ -177,9 +177,15 @@ def _product_cotangent(primitive: Any, params: dict, xs: Sequence[Any], i: int, 
 
 
 def _sum_cotangent(primitive: Any, params: dict, xs: Sequence[Any], g: Any, reduce_dtype: np.dtype) -> Any:
-    """The cotangent of a broadcast's or gather's operand, summed in ``reduce_dtype``."""
-    args = [_undefined(xs[0], reduce_dtype), *xs[1:]]
-    return ad.get_primitive_transpose(primitive)(g.astype(reduce_dtype), *args, **params)[0]
+    """The cotangent of a broadcast's or gather's operand, summed in ``reduce_dtype``.
+
+    Transposed through :func:`jax.linear_transpose` rather than the primitive's
+    registered rule: jax 0.11 registers gather's transpose where
+    ``ad.get_primitive_transpose`` no longer finds it."""
+    rest = xs[1:]
+    pull = jax.linear_transpose(lambda x: primitive.bind(x, *rest, **params),
+                                jax.ShapeDtypeStruct(np.shape(xs[0]), reduce_dtype))
+    return pull(g.astype(reduce_dtype))[0]
 
 
 def _elementwise_cotangents(primitive: Any, params: dict, xs: Sequence[Any], leaves: Sequence[bool], g: Any,

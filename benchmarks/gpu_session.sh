@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# One short lease of a GPU (issue 36), in one command, every phase under its own
+# time limit so that a phase that hangs or fails leaves the others their time:
+#   1. the machine (nvidia-smi, versions) and the tests marked gpu, on the GPU;
+#   2. the GPT-2-small benchmark rows (fp32, mixed_bf16; the pinned twin; the
+#      hand-written step; loss-scale overhead): python -m benchmarks --size gpu;
+#   3. the top kernels of the mixed_bf16 step (benchmarks.profile_step);
+#   4. FP8 against bf16 on the ~1B Llama shape (benchmarks.fp8_speed);
+#   5. with the time left, the whole suite on the GPU, one line per test as it ends
+#      (-v under xdist), so a run cut at its limit still names its failures;
+# and, meanwhile on the CPU cores at low priority, the whole suite on this
+# machine's JAX (JAX_PLATFORMS=cpu): the only place our tests meet jax 0.11.
+#
+#   bash benchmarks/gpu_session.sh [SECONDS]   (default 580; results under $OUT)
+#
+# SIZE=quick FP8_SHAPES=tiny CPU_SUITE=0 bash benchmarks/gpu_session.sh checks the
+# script itself on a CPU in a few minutes.
+#
+# Missing packages travel as wheels in .whl/ (docs/results.md, "On a GPU").
+set -u
+SECONDS_TOTAL=${1:-580}
+SIZE=${SIZE:-gpu} FP8_SHAPES=${FP8_SHAPES:-llama_1b} CPU_SUITE=${CPU_SUITE:-1}
+OUT=${OUT:-runs/gpu_session}
+mkdir -p "$OUT"
+LOG="$OUT/session.log"
+START=$(date +%s)
+left() { echo $((SECONDS_TOTAL - ($(date +%s) - START))); }
+phase() {  # phase NAME LIMIT COMMAND...: runs COMMAND for at most LIMIT seconds (less if less is left)
+    local name=$1 limit=$2; shift 2
+    local budget=$(($(left) - 15))
+    ((limit > budget)) && limit=$budget
+    if ((limit < 20)); then echo "== $name: skipped, ${limit} s left" | tee -a "$LOG"; return; fi
+    echo "== $name (limit ${limit} s, $(left) s left): $*" | tee -a "$LOG"
+    local t0=$(date +%s)
+    timeout -k 5 "$limit" "$@" 2>&1 | tee -a "$LOG"
+    echo "== $name: rc ${PIPESTATUS[0]} after $(($(date +%s) - t0)) s" | tee -a "$LOG"
+}
+
+if ls .whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1 MP_COMPILE_CACHE_DIR=/tmp/mp-jax-cache
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+    python3 -c "import sys, jax, flax, optax, chex; print(sys.version.split()[0], 'jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())"
+} 2>&1 | tee -a "$LOG"
+
+((CPU_SUITE)) && (JAX_PLATFORMS=cpu XLA_PYTHON_CLIENT_PREALLOCATE=false nice -n 19 timeout -k 5 $((SECONDS_TOTAL - 30)) python3 -m pytest -q -n 4 -p no:cacheprovider \
+    -m "not gpu and not gpu_compile" > "$OUT/pytest_cpu.log" 2>&1) &
+cpu_suite=$!
+
+phase "tests marked gpu" 90 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
+phase "benchmarks" 300 python3 -m benchmarks --size "$SIZE" --models gpt gpt_pinned --policies fp32 mixed_bf16 --rounds 12 --out "$OUT/bench"
+phase "profile" 60 python3 -m benchmarks.profile_step --size "$SIZE" --out "$OUT/profile"
+phase "fp8" 200 python3 -m benchmarks.fp8_speed --shapes "$FP8_SHAPES" --steps 20 --rounds 2 --out "$OUT/fp8"
+phase "suite on the GPU" 600 env JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -v -n 6 \
+    -p no:cacheprovider -m "not gpu_compile" --tb=line -o console_output_style=classic > "$OUT/pytest_cuda.log"
+grep -E "(FAILED|ERROR) " "$OUT/pytest_cuda.log" | sed -E 's/^.*(FAILED|ERROR) /\1 /' | sort | head -60
+
+if ((CPU_SUITE)); then
+    wait "$cpu_suite"
+    echo "== CPU suite on this machine's JAX: rc $?; $(tail -n 1 "$OUT/pytest_cpu.log")" | tee -a "$LOG"
+    grep -E "^(FAILED|ERROR)" "$OUT/pytest_cpu.log" | head -40
+    cat "$OUT/pytest_cpu.log" >> "$LOG" && rm "$OUT/pytest_cpu.log"  # at most 8 files come back
+fi
+echo "== done in $(($(date +%s) - START)) s"

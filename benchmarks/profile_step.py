@@ -1,0 +1,135 @@
+"""Where a train step's time goes: the top device ops of one benchmark case.
+
+Traces a few steps of a suite workload (the same program ``python -m benchmarks``
+times, so a shared compilation cache loads it) with :func:`jax.profiler.trace`,
+reads the trace back with :class:`jax.profiler.ProfileData` and sums the time of
+each kernel on the device's streams. Prints and saves a table: the top kernels by
+time per step, their share of the device's busy time, and the time by kind
+(GEMMs, cuDNN attention, other fusions, copies).
+
+    python -m benchmarks.profile_step [--model gpt] [--size gpu] [--policy mixed_bf16] [--steps 5] [--out DIR]
+
+On a CPU the device plane is absent and the host's XLA op events are summed
+instead (times then mean little; the script is checked there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import pathlib
+import tempfile
+import time
+from typing import Any
+
+import jax
+
+from benchmarks import suite
+from benchmarks.report import RESULTS, device_slug, environment
+from benchmarks.workloads import MODELS, POLICY_NAMES, SIZES, policy_case, workload
+from train import compile_cache
+
+_KINDS = (("attention", ("sdpa", "fmha", "flash", "attention", "cudnn::fusion")),
+          ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "matmul", "dot")),
+          ("copy", ("memcpy", "memset", "copy")),
+          ("reduction", ("reduce", "reduction")))
+
+
+def kind_of(kernel: str) -> str:
+    """A coarse kind for a kernel name: gemm, attention, copy, reduction or fusion."""
+    lower = kernel.lower()
+    for kind, marks in _KINDS:
+        if any(m in lower for m in marks):
+            return kind
+    return "fusion"
+
+
+def kernel_times(trace_dir: str) -> tuple[dict[str, float], str]:
+    """Seconds per kernel name summed over a trace's device streams, and which
+    events were read ("device streams" on a GPU; the host's XLA threads on a CPU)."""
+    paths = sorted(pathlib.Path(trace_dir).rglob("*.xplane.pb"))
+    if not paths:
+        raise FileNotFoundError(f"no *.xplane.pb under {trace_dir}: did the profiler write a trace?")
+    data = jax.profiler.ProfileData.from_file(str(paths[-1]))
+    device = [line for plane in data.planes if plane.name.startswith("/device:") for line in plane.lines]
+    host = [line for plane in data.planes if plane.name.startswith("/host:CPU") for line in plane.lines]
+    for source, lines in (("device streams", [ln for ln in device if ln.name.startswith("Stream")]),
+                          ("device XLA ops", [ln for ln in device if ln.name == "XLA Ops"]),
+                          ("host XLA threads", [ln for ln in host if ln.name.startswith("tf_XLA")])):
+        totals: dict[str, float] = collections.Counter()
+        for line in lines:
+            for event in line.events:
+                totals[event.name] += event.duration_ns * 1e-9
+        if totals:
+            return dict(totals), source
+    return {}, "no events"
+
+
+def profile(model: str, size: str, policy: str, steps: int) -> dict[str, Any]:
+    """Traces ``steps`` train steps of ``model`` under ``policy``; the kernels' times per step."""
+    w = workload(model, size)
+    prepared = suite.prepare_case(w, policy_case(policy), suite.initial_variables(w))
+    state, batch, step = prepared.state, prepared.batch, prepared.step
+    for _ in range(3):  # warm-up: autotuning and first-call work stay out of the trace
+        state, _ = step(state, batch)
+    jax.block_until_ready(state)
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            start = time.perf_counter()
+            for _ in range(steps):
+                state, _ = step(state, batch)
+            jax.block_until_ready(state)
+            wall = (time.perf_counter() - start) / steps
+        totals, source = kernel_times(trace_dir)
+    per_step = {name: seconds / steps for name, seconds in totals.items()}
+    busy = sum(per_step.values())
+    by_kind: dict[str, float] = collections.Counter()
+    for name, seconds in per_step.items():
+        by_kind[kind_of(name)] += seconds
+    top = sorted(per_step.items(), key=lambda item: -item[1])
+    return {"model": model, "size": size, "policy": policy, "steps": steps, "source": source,
+            "step_seconds_traced": wall, "busy_seconds": busy, "kernels": len(per_step),
+            "by_kind": dict(sorted(by_kind.items(), key=lambda item: -item[1])),
+            "top": [{"kernel": name, "kind": kind_of(name), "seconds": seconds, "share": seconds / busy if busy else 0.0}
+                    for name, seconds in top]}
+
+
+def markdown(result: dict[str, Any], top: int = 15) -> str:
+    """The profile as a Markdown table."""
+    lines = [f"# Profile: {result['model']} ({result['size']}) under {result['policy']}", "",
+             f"device: {result['device']}; {result['steps']} traced steps, {result['source']}; "
+             f"step {1e3 * result['step_seconds_traced']:.2f} ms wall while tracing, device busy "
+             f"{1e3 * result['busy_seconds']:.2f} ms per step in {result['kernels']} distinct kernels", "",
+             "| kind | ms per step | share of busy |", "| --- | ---: | ---: |"]
+    busy = result["busy_seconds"] or 1.0
+    lines += [f"| {kind} | {1e3 * s:.2f} | {100 * s / busy:.1f}% |" for kind, s in result["by_kind"].items()]
+    lines += ["", "| kernel | kind | ms per step | share of busy |", "| --- | --- | ---: | ---: |"]
+    lines += [f"| `{k['kernel'][:90]}` | {k['kind']} | {1e3 * k['seconds']:.3f} | {100 * k['share']:.1f}% |"
+              for k in result["top"][:top]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.profile_step", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=MODELS, default="gpt")
+    p.add_argument("--size", choices=SIZES, default="gpu")
+    p.add_argument("--policy", choices=POLICY_NAMES, default="mixed_bf16")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--out", default=str(RESULTS))
+    args = p.parse_args(argv)
+    compile_cache.enable()
+    env = environment()
+    result = profile(args.model, args.size, args.policy, args.steps) | {
+        "device": jax.devices()[0].device_kind, "environment": env}
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"profile-{args.model}-{args.policy}-{device_slug(env)}"
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(markdown(result))
+    print(markdown(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
