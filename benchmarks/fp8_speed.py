@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
-import pathlib
 from collections import Counter
 from typing import Any
 
@@ -31,7 +29,7 @@ import optax
 
 import precision
 from benchmarks.measure import alternating_ratio
-from benchmarks.report import RESULTS, device_slug, environment
+from benchmarks.report import RESULTS, device_slug, environment, write_tables
 from train import create_train_state, make_train_step
 from train.gpu_kernels import read_kernels
 from train.models import GPT
@@ -118,12 +116,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     env = environment()
     result = {"environment": env, "device": jax.devices()[0].device_kind, "shapes": {name: measure(name, args.steps, args.rounds, args.min_size)
                                              for name in args.shapes.split(",")}}
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"fp8_speed-{device_slug(env)}"
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / f"{stem}.md").write_text(markdown(result))
-    print(markdown(result))
+    write_tables(args.out, f"fp8_speed-{device_slug(env)}", result, markdown(result))
     return result
 
 

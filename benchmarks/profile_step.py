@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import pathlib
 import tempfile
 import time
@@ -26,7 +25,7 @@ from typing import Any
 import jax
 
 from benchmarks import suite
-from benchmarks.report import RESULTS, device_slug, environment
+from benchmarks.report import RESULTS, device_slug, environment, write_tables
 from benchmarks.workloads import MODELS, POLICY_NAMES, SIZES, policy_case, workload
 from train import compile_cache
 
@@ -122,12 +121,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     env = environment()
     result = profile(args.model, args.size, args.policy, args.steps) | {
         "device": jax.devices()[0].device_kind, "environment": env}
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"profile-{args.model}-{args.policy}-{device_slug(env)}"
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / f"{stem}.md").write_text(markdown(result))
-    print(markdown(result))
+    write_tables(args.out, f"profile-{args.model}-{args.policy}-{device_slug(env)}", result, markdown(result))
     return result
 
 

@@ -179,3 +179,15 @@ def save(results: dict[str, Any], directory: pathlib.Path = RESULTS) -> tuple[pa
     json_path.write_text(json.dumps(results, indent=1, default=float) + "\n")
     md_path.write_text(markdown(results))
     return json_path, md_path
+
+
+def write_tables(out: str | pathlib.Path, stem: str, result: dict[str, Any], text: str) -> tuple[pathlib.Path, pathlib.Path]:
+    """Writes ``<out>/<stem>.json`` (``result``) and ``.md`` (``text``), prints ``text``; returns the paths."""
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out / f"{stem}.json", out / f"{stem}.md"
+    json_path.write_text(json.dumps(result, indent=2, default=float) + "\n")
+    md_path.write_text(text)
+    print(text)
+    return json_path, md_path
+

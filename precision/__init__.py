@@ -53,7 +53,7 @@ from precision.optim import (
     needs_master_weights,
 )
 from precision.state_memory import state_bytes
-from precision.stored import stochastic_round, stored_in
+from precision.stored import accumulate, stochastic_round, stored_in
 
 __version__ = "0.1.0"
 
@@ -70,7 +70,7 @@ __all__ = (
     "Diagnosis", "Problem", "Recommendation", "diagnose",
     "MixedPrecisionState", "current_loss_scale", "find_mixed_precision_state",
     "full_precision_params", "mixed_precision", "needs_master_weights",
-    "state_bytes", "stochastic_round", "stored_in",
+    "accumulate", "state_bytes", "stochastic_round", "stored_in",
 )
 
 # Before the autocast package, its modules lived at the top level: their import paths

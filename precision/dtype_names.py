@@ -73,7 +73,7 @@ _FP8_NAMES = ("f8", "fp8", "float8")
 _FP8_FALLBACK = np.dtype(jnp.bfloat16)
 _KEYS = {"p": "param", "params": "param", "c": "compute", "compute": "compute",
          "o": "output", "output": "output", "m": "master", "master": "master",
-         "s": "state", "state": "state", "opt": "state"}
+         "s": "state", "state": "state", "opt": "state", "a": "accum", "accum": "accum", "grad_accum": "accum"}
 #: How bfloat16 masters round a float32 update into them (see precision.stored); ``sr`` is stochastic.
 _ROUNDING_NAMES = {"sr": "stochastic", "stochastic": "stochastic", "kahan": "kahan", "nearest": "nearest",
                    "rn": "nearest"}

@@ -55,7 +55,8 @@ def _canonical(dtype: Any) -> np.dtype:
 
 
 def _stored_dtype(dtype: Any, which: str) -> np.dtype | None:
-    """A master or optimizer-state dtype: None for float32 (the default), bfloat16, else an error."""
+    """A master, optimizer-state or accumulation dtype: None for float32 (the default), bfloat16,
+    else an error."""
     if dtype is None:
         return None
     if which == "state" and _is_int8(dtype):
@@ -64,10 +65,13 @@ def _stored_dtype(dtype: Any, which: str) -> np.dtype | None:
     if dt == np.dtype(jnp.float32):
         return None
     if dt != np.dtype(jnp.bfloat16):
-        why = ("float16 masters lose small updates to a 10-bit mantissa and a 5-bit exponent" if which == "master"
-               else "float16 loses a second moment's squares of small gradients to its range")
+        why = {"master": "float16 masters lose small updates to a 10-bit mantissa and a 5-bit exponent",
+               "state": "float16 loses a second moment's squares of small gradients to its range",
+               "accum": "a float16 sum of loss-scaled gradients overflows its range"}[which]
+        example = ("params=f32,compute=bf16,output=f32,accum=bf16" if which == "accum"
+                   else "params=bf16,compute=bf16,output=f32,master=bf16,opt=bf16")
         raise PolicyError(f"{which}={dtype_to_names[dt][0]}: {which} dtypes are f32 or bf16 ({why}); "
-                          f"e.g. 'params=bf16,compute=bf16,output=f32,master=bf16,opt=bf16'")
+                          f"e.g. '{example}'")
     return dt
 
 
@@ -99,9 +103,11 @@ class Policy:
     master_dtype: np.dtype | None = None  # bfloat16: bf16 params are their own masters; None: float32 masters
     master_rounding: str | None = None  # of bfloat16 masters: stochastic, kahan or nearest
     state_dtype: np.dtype | None = None  # the optimizer state's floating arrays; None: float32
+    accum_dtype: np.dtype | None = None  # gradients summed over micro-batches; None: float32
 
     def __init__(self, param_dtype: Any, compute_dtype: Any, output_dtype: Any, fp8: bool = False,
-                 master_dtype: Any = None, master_rounding: str | None = None, state_dtype: Any = None):
+                 master_dtype: Any = None, master_rounding: str | None = None, state_dtype: Any = None,
+                 accum_dtype: Any = None):
         for name, value in (("params", param_dtype), ("output", output_dtype)):
             if isinstance(value, str) and _is_fp8_name(value):
                 raise PolicyError(f"{name}={value.strip()}: FP8 is a compute dtype for matmuls only; params and "
@@ -128,11 +134,12 @@ class Policy:
         object.__setattr__(self, "master_dtype", master)
         object.__setattr__(self, "master_rounding", rounding if master is not None else None)
         object.__setattr__(self, "state_dtype", state)
+        object.__setattr__(self, "accum_dtype", _stored_dtype(accum_dtype, "accum"))
 
     @property
     def _stored(self) -> dict:
         return {"master_dtype": self.master_dtype, "master_rounding": self.master_rounding,
-                "state_dtype": self.state_dtype}
+                "state_dtype": self.state_dtype, "accum_dtype": self.accum_dtype}
 
     def cast_to_param(self, tree: T) -> T:
         """Casts floating leaves to the param dtype; integer and bool leaves are untouched."""
@@ -174,6 +181,8 @@ class Policy:
             text += f",m={n(self.master_dtype)}/{_ROUNDING_SHORT[self.master_rounding]}"
         if self.state_dtype is not None:
             text += f",s={'int8' if self.state_dtype == np.dtype(np.int8) else n(self.state_dtype)}"
+        if self.accum_dtype is not None:
+            text += f",a={n(self.accum_dtype)}"
         return text
 
     def __repr__(self) -> str:
@@ -331,7 +340,8 @@ def _parse_assignments(spec: str) -> Policy:
     compute = found.get("compute", param)
     output = found.get("output", compute)
     return Policy(param, compute, output, fp8=bool(found.get("fp8")), master_dtype=found.get("master"),
-                  master_rounding=found.get("master_rounding"), state_dtype=found.get("state"))
+                  master_rounding=found.get("master_rounding"), state_dtype=found.get("state"),
+                  accum_dtype=found.get("accum"))
 
 
 def _is_fp8_name(token: str) -> bool:

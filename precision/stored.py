@@ -32,7 +32,7 @@ import optax
 from precision.quantized import MIN_SIZE, Blockwise, dequantize, quantize
 
 __all__ = ["ROUNDINGS", "StoredState", "StoredMasters", "stochastic_round", "kahan_add", "step_key", "stored_in", "round_to",
-           "init_masters", "master_updates"]
+           "init_masters", "master_updates", "accumulate"]
 
 F32, BF16, INT8 = np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.int8)
 #: How a value computed in float32 is stored in bfloat16: ``stochastic`` (unbiased, default),
@@ -41,8 +41,9 @@ ROUNDINGS = ("stochastic", "kahan", "nearest")
 _SEED = 0x5EED  # the stochastic rounding's stream: this seed, folded with the step count and the leaf
 
 
-#: The streams of random bits: the optimizer state's stores and the masters' (never the same bits).
-STATE_STREAM, MASTER_STREAM = 0, 1
+#: The streams of random bits: the optimizer state's stores, the masters' and the gradient
+#: accumulation's (never the same bits).
+STATE_STREAM, MASTER_STREAM, ACCUM_STREAM = 0, 1, 2
 
 
 def step_key(count: jax.Array, leaf: int = 0, stream: int = STATE_STREAM) -> jax.Array:
@@ -64,6 +65,20 @@ def stochastic_round(x: jax.Array, key: jax.Array, dtype: Any = BF16) -> jax.Arr
     noise = jax.random.bits(key, x.shape, jnp.uint32) >> 16
     rounded = jax.lax.bitcast_convert_type((bits + noise) & jnp.uint32(0xFFFF0000), jnp.float32)
     return jnp.where(jnp.isfinite(x), rounded, x).astype(BF16)
+
+
+def accumulate(total: Any, grads: Any, key: jax.Array) -> Any:
+    """``total + grads`` leaf by leaf, added in float32 and stored in ``total``'s dtype:
+    float32 as it is, bfloat16 with stochastic rounding from ``key`` (folded with the
+    leaf's index). Gradient accumulation over micro-batches in a bfloat16 buffer
+    (``accum=bf16``) halves its bytes; rounding each partial sum to nearest would drop
+    every micro-batch's bits below the running total's ulp, always the same way."""
+    leaves, treedef = jax.tree_util.tree_flatten(total)
+    added = []
+    for i, (t, g) in enumerate(zip(leaves, treedef.flatten_up_to(grads), strict=True)):
+        s = t.astype(jnp.float32) + g.astype(jnp.float32)
+        added.append(s if t.dtype == F32 else stochastic_round(s, jax.random.fold_in(key, i), t.dtype))
+    return treedef.unflatten(added)
 
 
 def kahan_add(value: jax.Array, update: jax.Array, compensation: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -337,6 +337,13 @@ def test_cli_explain_prints_the_experiment_and_trains_nothing(tmp_path, capsys):
     assert "MLP under p=f32,c=bf16,o=f32 (autocast)" in table and "Dense_0" in table
     assert "forward 100.0%" in table and "backward 100.0%" in table
     assert not workdir.exists()
+    # The train state's bytes by part and under the stored-state presets (issue 41, 7a).
+    assert main(args + ["accum_steps=2", "--explain"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    state = lines[lines.index(next(line for line in lines if line.startswith("train state:"))):]
+    assert state[0].startswith("train state: 16.0 bytes/param (params 4.0, masters 0.0, optimizer 8.0, gradient "
+                               "accumulation 4.0 during a step; accum=bf16 would take 2.0)"), state[0]
+    assert state[1:3] == ["  under lean_bf16: 10.0 bytes/param", "  under lean_int8: 8.1 bytes/param"], state[1:3]
     assert main(args + ["precision.autocast=false", "precision.strict=true", "steps=1"]) == 2
     assert "precision.strict" in capsys.readouterr().err and not (workdir / "checkpoints").exists()
     assert main(args + ["precision.deny=[dot_genral]", "--explain"]) == 2

@@ -14,7 +14,7 @@ import pytest
 import precision
 import train
 from helpers import saved_state
-from precision.stored import kahan_add, stochastic_round, step_key, stored_in
+from precision.stored import ACCUM_STREAM, accumulate, kahan_add, stochastic_round, step_key, stored_in
 from train.config import from_dict
 from train.data import load_synthetic
 from train.models import MLP
@@ -114,6 +114,10 @@ def test_the_policy_names_master_and_state_dtypes_and_parses_back():
     assert precision.get_policy("p=f32,c=f16,m=f32,s=f32") == precision.get_policy("p=f32,c=f16")  # the defaults
     assert precision.get_policy("mixed_bf16").master_dtype is None
     assert str(precision.get_policy("lean_int8")) == "p=bf16,c=bf16,o=f32,m=bf16/sr,s=int8"
+    accum = precision.get_policy("params=f32,compute=bf16,output=f32,grad_accum=bf16")
+    assert accum.accum_dtype == np.dtype(BF16) and str(accum) == "p=f32,c=bf16,o=f32,a=bf16"
+    assert precision.get_policy(str(accum)) == accum and precision.get_policy("mixed_bf16").accum_dtype is None
+    assert precision.get_policy("p=f32,c=bf16,a=f32") == precision.get_policy("p=f32,c=bf16")
 
 
 @pytest.mark.parametrize("spec,message", [
@@ -121,6 +125,7 @@ def test_the_policy_names_master_and_state_dtypes_and_parses_back():
     ("p=bf16,opt=f16", "state=f16: state dtypes are f32 or bf16"),
     ("p=f32,m=bf16", "master=bf16 makes bf16 params their own masters, but params are f32"),
     ("p=bf16,m=bf16/round", "unknown master rounding (valid: sr, kahan, nearest) 'round'"),
+    ("p=f32,c=f16,accum=f16", "accum=f16: accum dtypes are f32 or bf16"),
 ])
 def test_a_stored_dtype_that_cannot_work_gets_one_clear_line(spec, message):
     with pytest.raises(precision.PolicyError, match=None) as e:
@@ -153,13 +158,18 @@ def test_lean_policies_take_half_and_a_third_of_mixed_bf16s_bytes_and_train_like
         mixed, lean, int8, nearest)
 
 
-@pytest.mark.parametrize("policy,header", [
-    ("params=bf16,compute=bf16,output=f32,master=bf16/kahan,opt=bf16",
+@pytest.mark.parametrize("policy,accum_steps,header", [
+    ("params=bf16,compute=bf16,output=f32,master=bf16/kahan,opt=bf16", 1,
      "train state: 8.0 bytes/param (params 2.1, masters 1.9, optimizer 4.0)"),  # float32 norm params: no buffer
-    ("lean_int8", "train state: 4.4 bytes/param (params 2.1, masters 0.0, optimizer 2.4)"),  # small arrays: bf16
+    ("lean_int8", 1, "train state: 4.4 bytes/param (params 2.1, masters 0.0, optimizer 2.4)"),  # small arrays: bf16
+    ("params=bf16,compute=bf16,output=f32,master=bf16,opt=bf16,accum=bf16", 2,
+     "train state: 8.1 bytes/param (params 2.1, masters 0.0, optimizer 4.0, gradient accumulation 2.0 during a "
+     "step; accum=f32 would take 4.0)"),
 ])
-def test_a_lean_run_from_a_config_says_its_bytes_and_resumes_bit_for_bit(tmp_path, capsys, policy, header):
+def test_a_lean_run_from_a_config_says_its_bytes_and_resumes_bit_for_bit(tmp_path, capsys, policy, accum_steps,
+                                                                         header):
     spec = {"steps": 6, "log_every": 2, "eval_every": 6, "checkpoint_every": 3, "progress": False,
+            "accum_steps": accum_steps,
             "inference_dtypes": [], "model": {"name": "mlp", "hidden": [64]},
             "data": {"name": "digits", "batch_size": 16, "eval_batch_size": 100, "eval_batches": 1},
             "optimizer": {"name": "adamw", "lr": 3e-3}, "precision": {"policy": policy}}
@@ -205,3 +215,39 @@ def test_a_pinned_float32_nnx_model_gets_bfloat16_params_and_state_under_lean_bf
     moments = jax.tree_util.tree_leaves(precision.find_mixed_precision_state(lean.opt_state).inner_state)
     assert any(x.dtype == BF16 and x.ndim == 2 for x in moments)
     assert abs(lean_loss - mixed_loss) <= 0.02 * mixed_loss, (lean_loss, mixed_loss)
+
+
+def test_accumulate_adds_in_float32_and_rounds_a_bfloat16_buffer_stochastically():
+    """1000 micro-batch gradients of 1e-3 onto 1.0: a bfloat16 sum rounded to nearest never
+    moves (the bfloat16 ulp at 1 is 2**-7); stochastic rounding lands near 2.0, as float32."""
+    grads = {"w": jnp.full((256,), 1e-3, jnp.float32)}
+    totals = {"f32": {"w": jnp.ones((256,), jnp.float32)}, "bf16": {"w": jnp.ones((256,), BF16)}}
+    nearest = jnp.ones((256,), BF16)
+    for i in range(1000):
+        totals = {k: accumulate(t, grads, step_key(jnp.uint32(7), i, ACCUM_STREAM)) for k, t in totals.items()}
+        nearest = (nearest.astype(jnp.float32) + grads["w"]).astype(BF16)
+    assert totals["f32"]["w"].dtype == jnp.float32 and totals["bf16"]["w"].dtype == BF16
+    np.testing.assert_allclose(np.asarray(totals["f32"]["w"]), 2.0, rtol=1e-4)  # 1000 float32 additions
+    assert float(jnp.max(nearest)) == 1.0
+    assert abs(float(jnp.mean(totals["bf16"]["w"].astype(jnp.float32))) - 2.0) < 0.01
+
+
+def _accumulated(policy, steps):
+    state = train.create_train_state(MLP(hidden=(64, 64), num_classes=4), policy, optax.adam(3e-3),
+                                     jax.random.PRNGKey(0), DATA.sample_input(1))
+    step = train.make_train_step(accum_steps=4)
+    carried = [line for line in step.lower(state, DATA.train_batch(0, 64, seed=0)).as_text().splitlines()
+               if "stablehlo.while" in line]  # the scan over micro-batches: its carry holds the sums
+    for i in range(steps):
+        state, metrics = step(state, DATA.train_batch(i, 64, seed=0))
+    return state, float(metrics["loss"]), carried[0]
+
+
+def test_gradients_accumulated_in_bfloat16_take_half_the_buffer_and_train_like_float32():
+    # (Bit-exact resume with a bfloat16 sum: test_a_lean_run_from_a_config_says_its_bytes_and_resumes_bit_for_bit.)
+    _, f32_loss, f32_carry = _accumulated("mixed_bf16", 50)
+    _, bf16_loss, bf16_carry = _accumulated("p=f32,c=bf16,o=f32,accum=bf16", 50)
+    assert abs(bf16_loss - f32_loss) <= 0.05 * f32_loss, (f32_loss, bf16_loss)
+    # The hidden kernel in the carry: the float32 param the micro-batches read, and the sum.
+    assert (f32_carry.count("tensor<64x64xf32>"), f32_carry.count("tensor<64x64xbf16>")) == (2, 0), f32_carry
+    assert (bf16_carry.count("tensor<64x64xf32>"), bf16_carry.count("tensor<64x64xbf16>")) == (1, 1), bf16_carry

@@ -197,12 +197,13 @@ def _compile_for(path: str, config, target: str, devices: int | None) -> int:
 
 
 def _explain(path: str, config) -> int:
-    from train.explain import explain_experiment, explain_experiment_communication
+    from train.explain import explain_experiment, explain_experiment_communication, explain_experiment_state
     from train.loop import build_experiment
 
     try:
         experiment = build_experiment(config)  # once: data, task and model serve both reports
         print(explain_experiment(config, experiment))
+        print(f"\n{explain_experiment_state(config, experiment)}")
         communication = explain_experiment_communication(config, experiment)
     except (ConfigError, DataError) as e:
         return _fail(f"{path}: {e}", 2)

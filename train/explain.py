@@ -10,17 +10,22 @@ devices (:func:`train.explain_communication`).
 
 from __future__ import annotations
 
+import jax
+
 import precision
 from train import config as config_lib
 from train.config import ExperimentConfig
 from train.binding import bind
 from train.builders import build_train_state
 from train.communication import CommunicationReport, explain_communication
-from train.loop import build_experiment, layout_of
+from train.loop import build_experiment, layout_of, state_note
 from train.state import explain_model
 from train.step import make_train_step
 
-__all__ = ["explain_experiment", "explain_experiment_communication"]
+__all__ = ["explain_experiment", "explain_experiment_communication", "explain_experiment_state"]
+
+#: The stored-state presets ``--explain`` prices against the experiment's own policy.
+STATE_ALTERNATIVES = ("mixed_bf16", "lean_bf16", "lean_int8")
 
 
 def explain_experiment(config: ExperimentConfig, experiment: tuple | None = None) -> precision.Explanation:
@@ -46,3 +51,24 @@ def explain_experiment_communication(config: ExperimentConfig, experiment: tuple
     size = config.data.batch_size * config.accum_steps
     batch = layout.global_batch(data.train_batch(0, size, config.seed), size)
     return explain_communication(step, state, batch)
+
+
+def explain_experiment_state(config: ExperimentConfig, experiment: tuple | None = None) -> str:
+    """What the train state of ``config`` stores per parameter, by part (the run's header
+    line), and the total under each of :data:`STATE_ALTERNATIVES` with the same model,
+    optimizer and accumulation. Abstract: shapes and dtypes only, nothing allocated."""
+    data, _, model = experiment or build_experiment(config)
+
+    def abstract_state(policy: str):
+        cfg = config.model_copy(update={"precision": config.precision.model_copy(update={"policy": policy})})
+        return jax.eval_shape(lambda: build_train_state(cfg, model, data)[0])
+
+    state = abstract_state(config.precision.policy)
+    lines = [state_note(state, config.accum_steps)]
+    for name in STATE_ALTERNATIVES:
+        if precision.get_policy(name) != state.policy:
+            other = abstract_state(name)
+            accum = (other.policy.accum_dtype or jax.numpy.float32) if config.accum_steps > 1 else None
+            total = precision.state_bytes(other.params, other.opt_state, accum)["total"]
+            lines.append(f"  under {name}: {total:.1f} bytes/param")
+    return "\n".join(lines)

@@ -20,6 +20,7 @@ import sys
 from typing import Any, Callable, Iterator, TextIO
 
 import jax
+import numpy as np
 
 import precision
 from train import compile_cache, library_log
@@ -184,16 +185,23 @@ def _start_tracking(config: ExperimentConfig, state: TrainState, start: int, dat
     print(f"{model_label(config.model.name)} on {data.describe()}; policy {state.policy} ({config.precision.policy}), "
           f"loss scale {type(state.loss_scale).__name__}; steps {start} -> {config.steps}; "
           f"{_describe_layout(layout)}; workdir {outputs.workdir}", file=outputs.out)
-    for note in [*_data_notes(data), *notes, _state_note(state)]:
+    for note in [*_data_notes(data), *notes, state_note(state, config.accum_steps)]:
         print(note, file=outputs.out)
     return tracker
 
 
-def _state_note(state: TrainState) -> str:
-    """What the train state stores per parameter, by part (docs/stored-state.md)."""
-    b = precision.state_bytes(state.params, state.opt_state)
-    return (f"train state: {b['total']:.1f} bytes/param (params {b['params']:.1f}, masters {b['masters']:.1f}, "
-            f"optimizer {b['optimizer']:.1f}); policy {state.policy}")
+def state_note(state: TrainState, accum_steps: int = 1) -> str:
+    """What the train state stores per parameter, by part, and the gradient accumulation
+    buffer a step holds when it accumulates (docs/stored-state.md)."""
+    accum = (state.policy.accum_dtype or np.dtype(np.float32)) if accum_steps > 1 else None
+    b = precision.state_bytes(state.params, state.opt_state, accum)
+    note = (f"train state: {b['total']:.1f} bytes/param (params {b['params']:.1f}, masters {b['masters']:.1f}, "
+            f"optimizer {b['optimizer']:.1f}")
+    if accum is not None:
+        other = "bf16" if accum == np.dtype(np.float32) else "f32"
+        note += (f", gradient accumulation {b['accumulation']:.1f} during a step; accum={other} would take "
+                 f"{4.0 if other == 'f32' else 2.0:.1f}")
+    return note + f"); policy {state.policy}"
 
 
 def _data_notes(data: Any) -> list[str]:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 
 import precision
+from precision.stored import ACCUM_STREAM, step_key
 from train.distributed import Layout, to_host
 from train.binding import TRAIN_KEYWORDS, NNXModel, mode_kwargs
 from train.state import TrainState
@@ -191,8 +192,9 @@ def _with_fp8_state(model_state: Any, fp8_state: Any, state: TrainState, opt_sta
 
 def _gradients(loss_fn: Callable, state: TrainState, batch: dict, rng: jax.Array, loss_scale: Any,
                accum_steps: int, layout: Layout | None) -> tuple[Any, Any, jax.Array, Metrics, Any]:
-    """Gradients of the scaled loss over ``batch`` (summed in float32 over
-    ``accum_steps`` micro-batches in one ``lax.scan``, then averaged), the new
+    """Gradients of the scaled loss over ``batch`` (summed over ``accum_steps``
+    micro-batches in one ``lax.scan``, in float32 or the policy's ``accum`` dtype,
+    bfloat16 with stochastic rounding; then averaged in float32), the new
     FP8 amax histories (the max over micro-batches; None without them), the
     mean loss and task metrics, and the new model state."""
     fp8_state, model_state = _split_fp8(state.model_state)
@@ -217,11 +219,12 @@ def _gradients(loss_fn: Callable, state: TrainState, batch: dict, rng: jax.Array
         mb, i = xs
         (grads, new_fp8), (loss, metrics, model_state) = grad_fn(state.params, fp8_state, model_state, mb,
                                                                  jax.random.fold_in(rng, i), state, loss_scale)
-        grads_sum = jax.tree_util.tree_map(lambda s, g: s + g.astype(jnp.float32), grads_sum, grads)
+        grads_sum = precision.accumulate(grads_sum, grads, step_key(state.step, i, ACCUM_STREAM))
         fp8_max = None if fp8_max is None else precision.combine_fp8_states(fp8_max, new_fp8)
         return (grads_sum, fp8_max, model_state, jax.tree_util.tree_map(jnp.add, sums, (loss, metrics))), None
 
-    zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+    accum_dtype = state.policy.accum_dtype or jnp.float32
+    zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, accum_dtype), state.params)
     first = jax.tree_util.tree_map(lambda x: x[0], micro)
     # The forward pass alone gives the shapes of the loss and metrics to sum (no backward trace).
     shapes = jax.eval_shape(lambda: loss_fn(state.params, fp8_state, model_state, first, rng, state, loss_scale))
@@ -229,7 +232,7 @@ def _gradients(loss_fn: Callable, state: TrainState, batch: dict, rng: jax.Array
     fp8_zeros = None if fp8_state is None else jax.tree_util.tree_map(jnp.zeros_like, fp8_state)
     (grads, new_fp8, model_state, (loss, metrics)), _ = jax.lax.scan(
         body, (zeros, fp8_zeros, model_state, sums), (micro, jnp.arange(accum_steps)))
-    mean = lambda tree: jax.tree_util.tree_map(lambda x: x / accum_steps, tree)  # noqa: E731
+    mean = lambda tree: jax.tree_util.tree_map(lambda x: x.astype(jnp.float32) / accum_steps, tree)  # noqa: E731
     return mean(grads), new_fp8, mean(loss), mean(metrics), model_state
 
 

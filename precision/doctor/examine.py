@@ -53,6 +53,7 @@ class _Setting:
     ops: OpLists
     loss_scale: float
     masters: bool  # updates applied to float32 masters (not to the stored params)
+    rounding: str = "nearest"  # how updates are stored into half params: nearest, stochastic or kahan
 
 
 def _reference_grads(subject: Subject, s: _Setting, loss_fn: Callable, cache: dict) -> Any:
@@ -92,8 +93,9 @@ def _examine(subject: Subject, s: _Setting, loss_fn: Callable | None, optimizer:
         unscaled = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32) / s.loss_scale, grads)
         updates, _ = optimizer.update(unscaled, optimizer.init(full), full)
         stored = full if s.masters else params
-        rounding = rounding_shares(stored, updates)
-        storage = {jax.tree_util.keystr(path, simple=True, separator="/"): str(x.dtype)
+        rounding = rounding_shares(stored, updates, s.rounding)
+        how = "" if s.masters else f" (rounded {'to nearest' if s.rounding == 'nearest' else s.rounding})"
+        storage = {jax.tree_util.keystr(path, simple=True, separator="/"): f"{x.dtype}{how}"
                    for path, x in jax.tree_util.tree_leaves_with_path(stored)}
     gradients = None
     if s.policy.compute_dtype != F32 and reference is not None:
@@ -167,7 +169,8 @@ def _bf16_change(problem: Problem, s: _Setting) -> _Change | None:
         return None
     half = {F16: BF16}
     policy = Policy(half.get(s.policy.param_dtype, s.policy.param_dtype), BF16,
-                    half.get(s.policy.output_dtype, s.policy.output_dtype))
+                    half.get(s.policy.output_dtype, s.policy.output_dtype), state_dtype=s.policy.state_dtype,
+                    accum_dtype=s.policy.accum_dtype)
     return _Change("bfloat16 instead of float16 (float32's range)", *_with_python(
         config_text(policy=str(policy)), f"precision.with_policy(model, {str(policy)!r})",
         dataclasses.replace(s, policy=policy)))
@@ -191,10 +194,36 @@ def _scale_change(problem: Problem, s: _Setting, findings: Findings, step: int =
 def _masters_change(problem: Problem, s: _Setting) -> _Change | None:
     if problem.kind != "rounding" or s.masters:
         return None
+    if s.policy.master_dtype is not None:  # bfloat16 masters chosen: the policy without them
+        policy = _stored_policy(s.policy, master_dtype=None, master_rounding=None)
+        return _Change("float32 master weights (updates applied to them, not to the half params)", *_with_python(
+            config_text(policy=str(policy)), f"precision.with_policy(model, {str(policy)!r})",
+            dataclasses.replace(s, policy=policy, masters=True)))
     return _Change("float32 master weights (updates applied to them, not to the half params)",
                    "# nothing to set: the framework's optimizer (precision.mixed_precision) keeps them",
                    "tx = precision.mixed_precision(optimizer)  # keeps float32 masters of half params",
                    dataclasses.replace(s, masters=True))
+
+
+def _rounding_change(problem: Problem, s: _Setting, rounding: str) -> _Change | None:
+    """bfloat16 params as their own masters, updated with stochastic rounding or Kahan
+    compensation (precision.stored): no copy, the movement kept."""
+    if problem.kind != "rounding" or s.masters or s.rounding == rounding or s.policy.param_dtype != BF16:
+        return None
+    policy = _stored_policy(s.policy, master_dtype=BF16, master_rounding=rounding)
+    what = {"stochastic": "stochastic rounding (right on average)",
+            "kahan": "Kahan compensation (a bfloat16 buffer carries what rounding lost)"}[rounding]
+    return _Change(f"bfloat16 masters with {what}", *_with_python(
+        config_text(policy=str(policy)), f"precision.with_policy(model, {str(policy)!r})",
+        dataclasses.replace(s, policy=policy, rounding=rounding)))
+
+
+def _stored_policy(policy: Policy, **stored: Any) -> Policy:
+    """``policy`` with other master settings (its dtypes and other stored dtypes kept)."""
+    fields = {"master_dtype": policy.master_dtype, "master_rounding": policy.master_rounding,
+              "state_dtype": policy.state_dtype, "accum_dtype": policy.accum_dtype, **stored}
+    return Policy(policy.param_dtype, policy.compute_name if policy.fp8 else policy.compute_dtype,
+                  policy.output_dtype, **fields)
 
 
 def _with_python(config: tuple[str, tuple[str, ...]], python: str, setting: _Setting) -> tuple:
@@ -205,7 +234,8 @@ def _with_python(config: tuple[str, tuple[str, ...]], python: str, setting: _Set
 
 def _changes(problem: Problem, s: _Setting, findings: Findings) -> list[_Change]:
     if problem.kind == "rounding":
-        tries = [_masters_change(problem, s)]
+        tries = [_rounding_change(problem, s, "stochastic"), _rounding_change(problem, s, "kahan"),
+                 _masters_change(problem, s)]
     elif problem.kind == "underflow":
         tries = [*(_scale_change(problem, s, findings, step) for step in range(3)), _bf16_change(problem, s),
                  _rule_change(problem, s)]
@@ -257,7 +287,9 @@ def diagnose(target: Any, *args: Any, policy: Any = None, variables: Any = None,
     scale = float(np.asarray(getattr(loss_scale, "loss_scale", 1.0 if loss_scale is None else loss_scale)))
     if optimizer is None and learning_rate is not None:
         optimizer = optax.sgd(learning_rate)
-    setting = _Setting(subject.policy, subject.rules, subject.ops, scale, False)
+    policy = subject.policy
+    setting = _Setting(policy, subject.rules, subject.ops, scale, False,
+                       policy.master_rounding if policy.master_dtype is not None else "nearest")
     reference: dict = {}
     findings = _examine(subject, setting, loss_fn, optimizer, reference)
     notes, recommendations, masked = [], [], set()
