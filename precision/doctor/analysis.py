@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from precision.doctor.probe import SCALES, Probe
-from precision.stored import MASTER_STREAM, kahan_add, round_to, step_key
 
 __all__ = ["THRESHOLDS", "Findings", "ModuleStats", "Problem", "analyze", "rounding_shares", "without_sites"]
 
@@ -229,55 +228,67 @@ def rounding_shares(params: Any, updates: Any, rounding: str = "nearest", steps:
     ``rounding``: how each sum is stored: ``nearest`` (a half param updated in place: an
     update below half an ulp vanishes every time), ``stochastic`` or ``kahan`` (bfloat16
     masters, :mod:`precision.stored`: right on average, or carried to the next step).
-    float32 storage loses nothing at this scale. Measured, not assumed: the updates are
-    applied ``steps`` times and the movement made is compared with the movement meant; for
-    stochastic rounding, less three standard errors of its random movement (a leaf of ten
-    values moves by whole ulps a few times in ``steps``: noise, not loss)."""
-    leaves = [(jax.tree_util.keystr(path, simple=True, separator="/"), p, u) for (path, p), u in
-              zip(jax.tree_util.tree_leaves_with_path(params), jax.tree_util.tree_leaves(updates))
-              if jnp.issubdtype(p.dtype, jnp.floating)]
-    moved = _moved([p for _, p, _ in leaves], [u for _, _, u in leaves], rounding, steps)
+    Measured, not assumed: the updates are applied ``steps`` times (on the host, to at most
+    :data:`_SAMPLE` values of each leaf: no compilation, bounded time on any model) and the
+    movement made is compared with the movement meant; for stochastic rounding, less three
+    standard errors of its random movement (a leaf of ten values moves by whole ulps a few
+    times in ``steps``: noise, not loss)."""
     shares = {}
-    for (name, p, u), made in zip(leaves, moved):
-        meant = np.asarray(u, np.float64) * steps
-        total = float(np.sum(np.abs(meant)))
+    for (path, p), u in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree_util.tree_leaves(updates)):
+        if not jnp.issubdtype(p.dtype, jnp.floating):
+            continue
+        name = jax.tree_util.keystr(path, simple=True, separator="/")
+        dtype = np.dtype(p.dtype)
+        w0, u = _sample(np.asarray(p, np.float32)), _sample(np.asarray(u, np.float32))
+        total = float(np.sum(np.abs(u.astype(np.float64)))) * steps
         if total == 0:
             shares[name] = 0.0
             continue
-        lost = 1.0 - float(np.sum(np.asarray(made, np.float64) * np.sign(meant))) / total
-        if rounding == "stochastic" and p.dtype != jnp.float32:
-            ulp = _ulp(p)
-            q = np.abs(np.asarray(u, np.float64)) / ulp % 1.0  # each step rounds up with probability q
+        moved = _moved(w0, u, dtype, rounding, steps)
+        lost = 1.0 - float(np.sum(moved.astype(np.float64) * np.sign(u))) / total
+        if rounding == "stochastic" and dtype != np.float32:
+            ulp = _ulp(w0, dtype)
+            q = np.abs(u.astype(np.float64)) / ulp % 1.0  # each step rounds up with probability q
             lost -= 3 * float(np.sqrt(steps * np.sum(ulp ** 2 * q * (1 - q)))) / total
         shares[name] = min(max(lost, 0.0), 1.0)
     return shares
 
 
-def _ulp(p: Any) -> np.ndarray:
-    """The unit in the last place of each value of ``p`` in its dtype."""
-    info = jnp.finfo(p.dtype)
-    value = np.abs(np.asarray(p, np.float64))
-    return np.exp2(np.floor(np.log2(np.maximum(value, float(info.tiny)))) - info.nmant)
+#: Values of a leaf the update pass applies updates to (a strided sample beyond).
+_SAMPLE = 1 << 16
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3))
-def _moved(params: list, updates: list, rounding: str, steps: int) -> list:
-    """Per leaf, the stored param after ``steps`` updates (with Kahan, plus the compensation
-    it carries) minus before, in float32."""
-    out = []
-    for i, (p, u) in enumerate(zip(params, updates)):
-        u = jnp.asarray(u, jnp.float32)
+def _sample(x: np.ndarray) -> np.ndarray:
+    flat = x.reshape(-1)
+    return flat if flat.size <= _SAMPLE else flat[::-(-flat.size // _SAMPLE)]
 
-        def step(k, carry, i=i, p=p, u=u):
-            w, compensation = carry
-            if rounding == "kahan" and p.dtype != jnp.float32:
-                return kahan_add(w, u, compensation)
-            return round_to(w.astype(jnp.float32) + u, p.dtype, rounding, step_key(k, i, MASTER_STREAM)), compensation
 
-        w, compensation = jax.lax.fori_loop(0, steps, step, (p, jnp.zeros_like(p)))
-        # Kahan's compensation holds what is not stored yet: kept, added to the next update.
-        out.append(w.astype(jnp.float32) + compensation.astype(jnp.float32) - p.astype(jnp.float32))
-    return out
+def _ulp(w: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """The unit in the last place of each value of ``w`` in ``dtype``."""
+    info = jnp.finfo(dtype)
+    return np.exp2(np.floor(np.log2(np.maximum(np.abs(w.astype(np.float64)), float(info.tiny)))) - info.nmant)
+
+
+def _moved(w0: np.ndarray, u: np.ndarray, dtype: np.dtype, rounding: str, steps: int) -> np.ndarray:
+    """The stored values after ``steps`` updates ``u`` (with Kahan, plus the compensation it
+    carries for the next one) minus before, in float32, emulated exactly on the host."""
+    def nearest(x):
+        return x.astype(dtype).astype(np.float32)
+
+    rng = np.random.default_rng(0)
+    w, carry = w0.copy(), np.zeros_like(w0)
+    for _ in range(steps):
+        if rounding == "kahan" and dtype != np.float32:
+            total = w + (u + carry)
+            w = nearest(total)
+            carry = nearest(total - w)
+        elif rounding == "stochastic" and dtype == np.dtype(jnp.bfloat16):
+            bits = (w + u).view(np.uint32)  # bfloat16 is float32's upper half: add 16 random bits, truncate
+            noise = rng.integers(0, 1 << 16, size=w.shape, dtype=np.uint32)
+            w = ((bits + noise) & np.uint32(0xFFFF0000)).view(np.float32)
+        else:
+            w = nearest(w + u)
+    return w + carry - w0
 
 
 def analyze(probes: list[Probe], loss: float, loss_scale: float, rounding: dict[str, float] | None,
