@@ -141,6 +141,12 @@ class Policy:
         return {"master_dtype": self.master_dtype, "master_rounding": self.master_rounding,
                 "state_dtype": self.state_dtype, "accum_dtype": self.accum_dtype}
 
+    def with_stored(self, **fields: Any) -> "Policy":
+        """The same dtypes with other stored-state fields (``master_dtype``, ``master_rounding``,
+        ``state_dtype``, ``accum_dtype``); the rest kept."""
+        return Policy(self.param_dtype, self.compute_name if self.fp8 else self.compute_dtype, self.output_dtype,
+                      **{**self._stored, **fields})
+
     def cast_to_param(self, tree: T) -> T:
         """Casts floating leaves to the param dtype; integer and bool leaves are untouched."""
         return _cast_floating(tree, self.param_dtype)

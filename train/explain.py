@@ -18,7 +18,7 @@ from train.config import ExperimentConfig
 from train.binding import bind
 from train.builders import build_train_state
 from train.communication import CommunicationReport, explain_communication
-from train.loop import build_experiment, layout_of, state_note
+from train.loop import accumulation_dtype, build_experiment, layout_of, state_note
 from train.state import explain_model
 from train.step import make_train_step
 
@@ -68,7 +68,7 @@ def explain_experiment_state(config: ExperimentConfig, experiment: tuple | None 
     for name in STATE_ALTERNATIVES:
         if precision.get_policy(name) != state.policy:
             other = abstract_state(name)
-            accum = (other.policy.accum_dtype or jax.numpy.float32) if config.accum_steps > 1 else None
+            accum = accumulation_dtype(other.policy, config.accum_steps)
             total = precision.state_bytes(other.params, other.opt_state, accum)["total"]
             lines.append(f"  under {name}: {total:.1f} bytes/param")
     return "\n".join(lines)

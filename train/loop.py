@@ -20,9 +20,11 @@ import sys
 from typing import Any, Callable, Iterator, TextIO
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import precision
+from precision.policy import dtype_to_names
 from train import compile_cache, library_log
 from train.builders import (build_data, build_model, build_optimizer, build_task, build_train_state,  # noqa: F401
                             check_model_fits_data)
@@ -193,15 +195,20 @@ def _start_tracking(config: ExperimentConfig, state: TrainState, start: int, dat
 def state_note(state: TrainState, accum_steps: int = 1) -> str:
     """What the train state stores per parameter, by part, and the gradient accumulation
     buffer a step holds when it accumulates (docs/stored-state.md)."""
-    accum = (state.policy.accum_dtype or np.dtype(np.float32)) if accum_steps > 1 else None
+    accum = accumulation_dtype(state.policy, accum_steps)
     b = precision.state_bytes(state.params, state.opt_state, accum)
     note = (f"train state: {b['total']:.1f} bytes/param (params {b['params']:.1f}, masters {b['masters']:.1f}, "
             f"optimizer {b['optimizer']:.1f}")
     if accum is not None:
-        other = "bf16" if accum == np.dtype(np.float32) else "f32"
-        note += (f", gradient accumulation {b['accumulation']:.1f} during a step; accum={other} would take "
-                 f"{4.0 if other == 'f32' else 2.0:.1f}")
+        other = np.dtype(jnp.bfloat16) if accum == np.dtype(np.float32) else np.dtype(np.float32)
+        note += (f", gradient accumulation {b['accumulation']:.1f} during a step; "
+                 f"accum={dtype_to_names[other][0]} would take {float(other.itemsize):.1f}")
     return note + f"); policy {state.policy}"
+
+
+def accumulation_dtype(policy: precision.Policy, accum_steps: int) -> np.dtype | None:
+    """The dtype a step sums micro-batch gradients in (None: it does not accumulate)."""
+    return np.dtype(policy.accum_dtype or np.float32) if accum_steps > 1 else None
 
 
 def _data_notes(data: Any) -> list[str]:

@@ -195,7 +195,7 @@ def _masters_change(problem: Problem, s: _Setting) -> _Change | None:
     if problem.kind != "rounding" or s.masters:
         return None
     if s.policy.master_dtype is not None:  # bfloat16 masters chosen: the policy without them
-        policy = _stored_policy(s.policy, master_dtype=None, master_rounding=None)
+        policy = s.policy.with_stored(master_dtype=None, master_rounding=None)
         return _Change("float32 master weights (updates applied to them, not to the half params)", *_with_python(
             config_text(policy=str(policy)), f"precision.with_policy(model, {str(policy)!r})",
             dataclasses.replace(s, policy=policy, masters=True)))
@@ -210,20 +210,12 @@ def _rounding_change(problem: Problem, s: _Setting, rounding: str) -> _Change | 
     compensation (precision.stored): no copy, the movement kept."""
     if problem.kind != "rounding" or s.masters or s.rounding == rounding or s.policy.param_dtype != BF16:
         return None
-    policy = _stored_policy(s.policy, master_dtype=BF16, master_rounding=rounding)
+    policy = s.policy.with_stored(master_dtype=BF16, master_rounding=rounding)
     what = {"stochastic": "stochastic rounding (right on average)",
             "kahan": "Kahan compensation (a bfloat16 buffer carries what rounding lost)"}[rounding]
     return _Change(f"bfloat16 masters with {what}", *_with_python(
         config_text(policy=str(policy)), f"precision.with_policy(model, {str(policy)!r})",
         dataclasses.replace(s, policy=policy, rounding=rounding)))
-
-
-def _stored_policy(policy: Policy, **stored: Any) -> Policy:
-    """``policy`` with other master settings (its dtypes and other stored dtypes kept)."""
-    fields = {"master_dtype": policy.master_dtype, "master_rounding": policy.master_rounding,
-              "state_dtype": policy.state_dtype, "accum_dtype": policy.accum_dtype, **stored}
-    return Policy(policy.param_dtype, policy.compute_name if policy.fp8 else policy.compute_dtype,
-                  policy.output_dtype, **fields)
 
 
 def _with_python(config: tuple[str, tuple[str, ...]], python: str, setting: _Setting) -> tuple:
