@@ -3,12 +3,13 @@
 Two shapes (issue 26): GPT-2-small (12 layers, d_model 768, sequence 1024) and a
 ~1B Llama-shaped decoder (16 layers, d_model 2048, sequence 2048; the project's
 GPT at that shape). For each: the compiled step's FP8 GEMMs (cuBLASLt FP8 calls
-or Triton GEMM fusions whose operands are f8 in the optimized HLO, and which of
-the two ran them), the median step time of both
+or Triton GEMM fusions whose operands are f8 in the optimized HLO, which of the
+two ran them, and how they accumulate), the median step time of both
 policies timed in turn (ABBA rounds), and the loss after the same steps from
 the same init (goal: within 1% of bf16; speed goal on the 1B shape: >= 1.3x).
 
-    python -m benchmarks.fp8_speed [--shapes gpt2_small,llama_1b] [--steps 30] [--min-size 1024] [--out DIR]
+    python -m benchmarks.fp8_speed [--shapes gpt2_small,llama_1b] [--steps 30] [--min-size 1024]
+        [--scaling current|delayed|rowwise] [--attention] [--out DIR]
 
 On a CPU it runs (``--shapes tiny`` for a check) but its times mean nothing:
 XLA's CPU backend widens FP8 and bf16 dots to float32. Writes
@@ -44,34 +45,37 @@ SHAPES = {
 
 def fp8_gemms(compiled_text: str) -> dict[str, Any]:
     """GEMMs of an optimized GPU HLO module (cuBLAS/cuBLASLt calls and Triton GEMM fusions),
-    how many take FP8 operands, and which libraries ran them (:mod:`train.gpu_kernels`)."""
+    how many take FP8 operands, which kind ran them (cuBLASLt FP8 or Triton FP8 GEMMs) and
+    how they accumulate (fast or float32: :func:`train.gpu_kernels.fp8_accumulation`)."""
     gemms = [k for k in read_kernels(compiled_text) if k.gemm]
     return {"gemms": len(gemms), "fp8_gemms": sum(k.fp8 for k in gemms),
-            "fp8_by": dict(Counter(k.kind for k in gemms if k.fp8))}
+            "fp8_by": dict(Counter(k.kind for k in gemms if k.fp8)),
+            "fp8_accumulation": dict(Counter(k.accumulation for k in gemms if k.fp8))}
 
 
-def _state_and_step(shape: tuple[int, ...], policy: str, min_size: int):
+def _state_and_step(shape: tuple[int, ...], policy: str, fp8: dict[str, Any]):
     layers, heads, d_model, seq, batch, vocab = shape
     model = GPT(vocab_size=vocab, block_size=seq, num_layers=layers, num_heads=heads, d_model=d_model)
     tokens = np.random.default_rng(0).integers(0, vocab, size=(batch, seq + 1))
     data = {"inputs": jnp.asarray(tokens[:, :-1]), "labels": jnp.asarray(tokens[:, 1:])}
     state = create_train_state(model, policy, optax.adamw(3e-4), jax.random.PRNGKey(0), data["inputs"][:1],
-                               fp8=precision.fp8_options(min_size=min_size))
+                               fp8=fp8)
     step = make_train_step(task="language_model", donate=True)
     return state, step, data
 
 
-def measure(name: str, steps: int, rounds: int, min_size: int) -> dict[str, Any]:
-    """Both policies on one shape: FP8 GEMMs in the compiled step, step-time ratio, losses."""
+def measure(name: str, steps: int, rounds: int, fp8: dict[str, Any]) -> dict[str, Any]:
+    """Both policies on one shape: FP8 GEMMs in the compiled step, step-time ratio, losses
+    (``fp8``: the options of :func:`precision.fp8_options`)."""
     shape = SHAPES[name]
-    runs = {p: _state_and_step(shape, p, min_size) for p in ("mixed_bf16", "mixed_fp8")}
+    runs = {p: _state_and_step(shape, p, fp8) for p in ("mixed_bf16", "mixed_fp8")}
     # One compilation per policy, both at once (XLA compiles outside the GIL): the
     # compiled step is the one timed and trained with.
     with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
         futures = {p: pool.submit(lambda r: r[1].lower(r[0], r[2]).compile(), r) for p, r in runs.items()}
         compiled = {p: f.result() for p, f in futures.items()}
     explanation = precision.explain(runs["mixed_fp8"][0].model.module, runs["mixed_fp8"][2]["inputs"][:1],
-                                    policy="mixed_fp8", backward=True, fp8={"min_size": min_size})
+                                    policy="mixed_fp8", backward=True, fp8=fp8)
 
     def stepper(policy):
         return lambda carry: compiled[policy](carry[0], runs[policy][2])
@@ -84,7 +88,7 @@ def measure(name: str, steps: int, rounds: int, min_size: int) -> dict[str, Any]
         losses[policy] = float(metrics["loss"])
     timing = alternating_ratio(stepper("mixed_bf16"), (runs["mixed_bf16"][0], None), stepper("mixed_fp8"),
                                (runs["mixed_fp8"][0], None), rounds=rounds, steps_per_round=steps)
-    return {"shape": dict(zip(("layers", "heads", "d_model", "seq", "batch", "vocab"), shape)), "min_size": min_size,
+    return {"shape": dict(zip(("layers", "heads", "d_model", "seq", "batch", "vocab"), shape)), "fp8": fp8,
             "fp8_share": explanation.fp8_share, "gemms": {p: fp8_gemms(c.as_text()) for p, c in compiled.items()},
             "bf16_seconds": timing["a_seconds"], "fp8_seconds": timing["b_seconds"],
             "speedup": 1.0 / timing["ratio"], "loss": losses,
@@ -97,7 +101,8 @@ def markdown(result: dict[str, Any]) -> str:
              "loss vs bf16 |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, r in result["shapes"].items():
         g = r["gemms"]["mixed_fp8"]
-        by = ", ".join(f"{n} {kind}" for kind, n in sorted(g.get("fp8_by", {}).items()))
+        by = ", ".join([f"{n} {kind}" for kind, n in sorted(g.get("fp8_by", {}).items())]
+                       + [f"{n} accumulating {how}" for how, n in sorted(g.get("fp8_accumulation", {}).items())])
         lines.append(f"| {name} | {100 * r['fp8_share']:.0f}% | {g['fp8_gemms']} of {g['gemms']}"
                      f"{f' ({by})' if by else ''} | "
                      f"{1e3 * r['bf16_seconds']:.1f} ms | {1e3 * r['fp8_seconds']:.1f} ms | {r['speedup']:.2f}x | "
@@ -111,11 +116,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--min-size", type=int, default=precision.fp8.DEFAULT_MIN_SIZE)
+    p.add_argument("--scaling", default="current", choices=precision.fp8.SCALINGS)
+    p.add_argument("--attention", action="store_true", help="attention's batched products in FP8 too")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
     env = environment()
-    result = {"environment": env, "device": jax.devices()[0].device_kind, "shapes": {name: measure(name, args.steps, args.rounds, args.min_size)
-                                             for name in args.shapes.split(",")}}
+    fp8 = {"min_size": args.min_size, "scaling": args.scaling, "attention": args.attention}
+    result = {"environment": env, "device": jax.devices()[0].device_kind,
+              "shapes": {name: measure(name, args.steps, args.rounds, fp8) for name in args.shapes.split(",")}}
     write_tables(args.out, f"fp8_speed-{device_slug(env)}", result, markdown(result))
     return result
 

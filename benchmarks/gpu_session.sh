@@ -5,7 +5,8 @@
 #   2. the GPT-2-small benchmark rows (fp32, mixed_bf16; the pinned twin; the
 #      hand-written step; loss-scale overhead): python -m benchmarks --size gpu;
 #   3. the top kernels of the mixed_bf16 step (benchmarks.profile_step);
-#   4. FP8 against bf16 on the ~1B Llama shape (benchmarks.fp8_speed);
+#   4. FP8 against bf16 on the ~1B Llama shape (benchmarks.fp8_speed; FP8_ARGS="--scaling rowwise"
+#      and the like pass options to it);
 #   5. with the time left, the whole suite on the GPU, one line per test as it ends
 #      (-v under xdist), so a run cut at its limit still names its failures;
 # and, meanwhile on the CPU cores at low priority, the whole suite on this
@@ -19,7 +20,7 @@
 # Missing packages travel as wheels in .whl/ (docs/results.md, "On a GPU").
 set -u
 SECONDS_TOTAL=${1:-580}
-SIZE=${SIZE:-gpu} FP8_SHAPES=${FP8_SHAPES:-llama_1b} CPU_SUITE=${CPU_SUITE:-1}
+SIZE=${SIZE:-gpu} FP8_SHAPES=${FP8_SHAPES:-llama_1b} CPU_SUITE=${CPU_SUITE:-1} FP8_ARGS=${FP8_ARGS:-}
 OUT=${OUT:-runs/gpu_session}
 mkdir -p "$OUT"
 LOG="$OUT/session.log"
@@ -54,7 +55,7 @@ cpu_suite=$!
 phase "tests marked gpu" 90 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
 phase "benchmarks" 300 python3 -m benchmarks --size "$SIZE" --models gpt gpt_pinned --policies fp32 mixed_bf16 --rounds 12 --out "$OUT/bench"
 phase "profile" 60 python3 -m benchmarks.profile_step --size "$SIZE" --out "$OUT/profile"
-phase "fp8" 200 python3 -m benchmarks.fp8_speed --shapes "$FP8_SHAPES" --steps 20 --rounds 2 --out "$OUT/fp8"
+phase "fp8" 200 python3 -m benchmarks.fp8_speed --shapes "$FP8_SHAPES" --steps 20 --rounds 2 --out "$OUT/fp8" $FP8_ARGS
 phase "suite on the GPU" 600 env JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -v -n 6 \
     -p no:cacheprovider -m "not gpu_compile" --tb=line -o console_output_style=classic > "$OUT/pytest_cuda.log"
 grep -E "(FAILED|ERROR) " "$OUT/pytest_cuda.log" | sed -E 's/^.*(FAILED|ERROR) /\1 /' | sort | head -60

@@ -66,6 +66,7 @@ class ModuleReport(NamedTuple):
     f32_reason: str  # why its float32 matmul FLOPs are float32 ("" if none)
     fp8_flops: float = 0.0  # forward and backward, fp8 operands
     not_fp8_reason: str = ""  # under an FP8 policy: why some of its matmuls are not fp8
+    fp8_recipe: str = ""  # how its fp8 matmuls are scaled ("current scaling", "rowwise scaling"...)
 
     @property
     def half_share(self) -> float:
@@ -335,9 +336,11 @@ def _summarize(traced: _Traced, policy: Policy, autocast: bool) -> Explanation:
     reasons = {(_path(r.path, traced.root), r.primitive): r.reason for r in traced.log
                if r.primitive in MATMUL_PRIMITIVES and r.dtype == np.dtype(np.float32)}
     not_fp8: dict[str, str] = {}
+    recipes: dict[str, str] = {}
     for r in traced.log:
-        if r.primitive in MATMUL_PRIMITIVES and r.dtype.itemsize > 1:
-            not_fp8.setdefault(_path(r.path, traced.root), r.reason)
+        if r.primitive in MATMUL_PRIMITIVES:  # an fp8 matmul logs "fp8 matmul (<its recipe>)"
+            target = not_fp8 if r.dtype.itemsize > 1 else recipes
+            target.setdefault(_path(r.path, traced.root), r.reason if r.dtype.itemsize > 1 else r.reason[12:-1])
     by_path: dict[str, list[MatmulOp]] = collections.defaultdict(list)
     for m in forward + (backward or []):
         by_path[_path(m.path, traced.root)].append(m)
@@ -356,7 +359,7 @@ def _summarize(traced: _Traced, policy: Policy, autocast: bool) -> Explanation:
         dtypes = tuple(dict.fromkeys(_short(m.dtype.name) for m in ops if not m.backward))
         fp8 = sum(m.flops for m in ops if m.fp8)
         modules.append(ModuleReport(path, traced.params.get(path, ()), dtypes, half, total, reason, fp8,
-                                    not_fp8.get(path, "") if total > fp8 else ""))
+                                    not_fp8.get(path, "") if total > fp8 else "", recipes.get(path, "") if fp8 else ""))
     fp8_flops = (sum(m.flops for m in forward if m.fp8), sum(m.flops for m in backward or [] if m.fp8))
     return Explanation(traced.name, policy, autocast, tuple(modules), islands(traced.log, lambda p: _path(p, traced.root)),
                        _flops(forward), _flops(backward) if backward is not None else None, fp8_flops,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import re
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
@@ -41,12 +42,12 @@ def columns(rows: list[tuple[str, ...]]) -> list[str]:
 
 def fp8_rows(modules: Any) -> list[tuple[str, ...]]:
     """The FP8 table's rows: per module its fp8, 16-bit and float32 shares and why a matmul is not fp8."""
-    rows = [("module", "params", "matmul/conv", "fp8", "16-bit", "f32", "not fp8 because")]
+    rows = [("module", "params", "matmul/conv", "fp8", "16-bit", "f32", "fp8 recipe", "not fp8 because")]
     pct = lambda part, m: "" if not m.total_flops else f"{100 * part / m.total_flops:.0f}%"  # noqa: E731
     for m in modules:
         why = m.not_fp8_reason or m.f32_reason
         rows.append((m.path or "(top)", ",".join(m.param_dtypes), ",".join(m.matmul_dtypes), pct(m.fp8_flops, m),
-                     pct(m.half_flops - m.fp8_flops, m), pct(m.total_flops - m.half_flops, m),
+                     pct(m.half_flops - m.fp8_flops, m), pct(m.total_flops - m.half_flops, m), m.fp8_recipe,
                      why if m.total_flops > m.fp8_flops else ""))
     return rows
 
@@ -61,8 +62,19 @@ def coverage_text(share: float, reasons: list[str]) -> str:
     if share >= 1.0 or not why:
         return text
     if share == 0:
-        return f"{text} (all {why[0]})" if len(why) == 1 else f"{text} ({'; '.join(why)})"
+        text = f"{text} (all {why[0]})" if len(why) == 1 else f"{text} ({'; '.join(why)})"
+        return text + _min_size_hint(reasons)
     return f"{text} (the rest: {'; '.join(why)})"
+
+
+def _min_size_hint(reasons: list[str]) -> str:
+    """For a run with no FP8 matmul: the ``min_size`` that would take the largest matmuls
+    (the largest of their smallest sizes, read from the reasons' ``M x K x N``)."""
+    sizes = [min(int(n) for n in m.groups()) for r in reasons
+             if (m := re.search(r"M x K x N = (\d+)x(\d+)x(\d+)", r))]
+    if not sizes:
+        return ""
+    return f"; min_size={max(sizes)} would take the largest matmuls"
 
 
 def attention_reports(log: Any, path_of: Callable) -> tuple[tuple[str, str], ...]:

@@ -13,6 +13,12 @@ sub-programs (jit, scan, remat, cond, custom_jvp/vjp, shard_map), ends in a
 cast to ``h``. Any other use (arithmetic, a float32 read, an output of the
 program, a ``while`` loop) reads it in its own dtype. Casting such an
 argument to ``h`` early changes nothing the program computes.
+
+An argument whose every path ends in an FP8 matmul's per-tensor, currently
+scaled quantization (:data:`~precision.autocast.fp8_quantize.FP8_READ`) is
+read in E4M3: quantized early with the same scale (from the whole array's
+amax) and handed over as its dequantized values, the matmul quantizes it to
+the same FP8 values (at most doubled, exactly: the products do not change).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from precision.autocast.fp8_quantize import E4M3, FP8_READ
 from precision.autocast.program import HALF_DTYPES, MOVES
 
 __all__ = ["read_dtypes"]
@@ -29,11 +36,14 @@ __all__ = ["read_dtypes"]
 #: ...and a lookup (gather) selects an operand's values: casting before or after it is the same.
 _MOVES_DATA = MOVES | {"optimization_barrier", "gather"}
 _OWN = "own"  # read in its own dtype
+#: Moves that keep a part of their operand.
+_PARTS = frozenset({"slice", "dynamic_slice", "gather"})
 
 
 def read_dtypes(fn: Callable[[Any], Any], tree: Any) -> Any:
     """For each array of ``tree``, the dtype ``fn(tree)`` reads it in: a half
-    dtype where the program only ever uses it cast to that dtype, else the
+    dtype where the program only ever uses it cast to that dtype, E4M3 where
+    only an FP8 matmul quantizes it (per tensor, current scaling), else the
     array's own dtype. Traces ``fn`` abstractly (nothing is computed)."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     avals = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves]
@@ -47,9 +57,11 @@ def read_dtypes(fn: Callable[[Any], Any], tree: Any) -> Any:
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _reads(jaxpr: Any, var: Any) -> set:
+def _reads(jaxpr: Any, var: Any, whole: bool = True) -> set:
     """The dtypes ``var`` is read in within ``jaxpr`` (``_OWN`` for any use that is not a half
-    cast), and ``("out", k)`` where it leaves ``jaxpr`` as output ``k``, moved only."""
+    cast), and ``("out", k)`` where it leaves ``jaxpr`` as output ``k``, moved only.
+    ``whole``: ``var`` holds every element of the argument (an FP8 read of a part, a
+    scanned layer's slice, has a scale of its own: read in the argument's own dtype)."""
     found: set = {("out", k) for k, v in enumerate(jaxpr.outvars) if v is var}
     for eqn in jaxpr.eqns:
         positions = [i for i, v in enumerate(eqn.invars) if v is var]
@@ -59,14 +71,17 @@ def _reads(jaxpr: Any, var: Any) -> set:
         if name == "convert_element_type":
             dtype = np.dtype(eqn.params["new_dtype"])
             if dtype == np.dtype(var.aval.dtype):
-                found |= _reads(jaxpr, eqn.outvars[0])
+                found |= _reads(jaxpr, eqn.outvars[0], whole)
             else:
                 found.add(dtype if dtype in HALF_DTYPES else _OWN)
+        elif name in ("pjit", "jit") and eqn.params.get("name") == FP8_READ:
+            found.add(E4M3 if whole else _OWN)
         elif name in _MOVES_DATA and positions == [0]:
-            found |= set().union(*(_reads(jaxpr, out) for out in eqn.outvars[:1]))
+            found |= set().union(*(_reads(jaxpr, out, whole and name not in _PARTS) for out in eqn.outvars[:1]))
         else:
             inner = _inner_binders(eqn, positions)
-            found |= set().union(*(_leaving(jaxpr, eqn, sub, _reads(sub, v)) for sub, v in inner)) if inner else {_OWN}
+            found |= set().union(*(_leaving(jaxpr, eqn, sub, _reads(sub, v, whole and not part))
+                                   for sub, v, part in inner)) if inner else {_OWN}
         if _OWN in found:
             return found
     return found
@@ -81,14 +96,15 @@ def _leaving(jaxpr: Any, eqn: Any, sub: Any, reads: set) -> set:
     if exits and (eqn.primitive.name in ("scan", "while") or len(sub.outvars) != len(eqn.outvars)):
         return found | {_OWN}
     for k in exits:
-        found |= _reads(jaxpr, eqn.outvars[k])
+        found |= _reads(jaxpr, eqn.outvars[k], whole=False)
     return found
 
 
-def _inner_binders(eqn: Any, positions: list[int]) -> list[tuple[Any, Any]]:
-    """(sub-program, its binder) for each operand position of ``eqn`` that passes straight into a
-    sub-program (jit, scan, remat, custom_jvp/vjp, shard_map: one to one; cond: after the index);
-    empty when ``eqn`` has none or maps them otherwise (``while``)."""
+def _inner_binders(eqn: Any, positions: list[int]) -> list[tuple[Any, Any, bool]]:
+    """(sub-program, its binder, whether the binder holds a part of the operand) for each
+    operand position of ``eqn`` that passes straight into a sub-program (jit, scan, remat,
+    custom_jvp/vjp, shard_map: one to one; cond: after the index; a scan's scanned operands
+    are sliced); empty when ``eqn`` has none or maps them otherwise (``while``)."""
     name = eqn.primitive.name
     if name == "while":
         return []
@@ -106,7 +122,8 @@ def _inner_binders(eqn: Any, positions: list[int]) -> list[tuple[Any, Any]]:
     for sub in subs:
         if len(sub.invars) != len(eqn.invars) - offset:
             return []
-        pairs += [(sub, sub.invars[i - offset]) for i in positions if i >= offset]
+        scanned = eqn.params["num_consts"] + eqn.params["num_carry"] if name == "scan" else len(eqn.invars)
+        pairs += [(sub, sub.invars[i - offset], i >= scanned) for i in positions if i >= offset]
     if not subs or (offset and 0 in positions):
         return []
     return pairs

@@ -14,7 +14,9 @@ import precision
 from train import create_train_state, explain_communication, make_train_step
 from train.communication import Collective, hlo_collectives
 from train.data import load_synthetic
-from train.distributed import Layout, make_mesh
+from precision.autocast.fp8_matmul import rowwise_dot, scaled_dot
+from train.distributed import Layout, make_mesh, to_host
+from helpers import assert_bitwise_equal
 from train.models import MLP
 
 needs8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices: runs in the 8-device subprocess")
@@ -53,6 +55,23 @@ def test_read_dtypes_follow_scanned_layers_and_leave_while_loops_alone():
 
     assert precision.read_dtypes(scanned, stacked) == BF16
     assert precision.read_dtypes(looped, stacked) == F32  # not followed: read as stored (safe)
+
+
+def test_read_dtypes_e4m3_only_where_an_fp8_matmul_quantizes_the_whole_param():
+    """Issue 42 (6): what FSDP may gather in FP8 (a part, a scanned layer's slice, has a scale of its own)."""
+    dims = (((1,), (0,)), ((), ()))
+    x, stacked = jnp.ones((2, 4), jnp.bfloat16), jnp.ones((3, 4, 4))
+
+    def fn(t):
+        whole = scaled_dot(x, t["w"].T.reshape(4, 4), dims, jnp.bfloat16)  # moved whole, then quantized
+        part = scaled_dot(x, t["sliced"][:4], dims, jnp.bfloat16)
+        scanned = jax.lax.scan(lambda h, wi: (scaled_dot(h, wi, dims, jnp.bfloat16), None), x, t["stacked"])[0]
+        rowwise = rowwise_dot(x, t["rowwise"], dims, jnp.bfloat16)  # scaled along each product's axes
+        return whole.sum() + part.sum() + scanned.sum() + rowwise.sum()
+
+    got = precision.read_dtypes(fn, {"w": jnp.ones((4, 4)), "sliced": jnp.ones((8, 4)), "stacked": stacked,
+                                     "rowwise": jnp.ones((4, 4))})
+    assert got == {"w": np.dtype(jnp.float8_e4m3fn), "sliced": F32, "stacked": F32, "rowwise": F32}
 
 
 def test_read_dtypes_of_a_model_under_a_policy_and_a_rule():
@@ -130,10 +149,10 @@ def test_a_step_on_one_device_sends_nothing():
 DATA = load_synthetic(num_train=256, num_test=32, input_shape=(16,), num_classes=4, seed=0)
 
 
-def _report(model, policy, data=2, fsdp=4, rules=None, stage="partitioned", reduce_dtype="auto"):
+def _report(model, policy, data=2, fsdp=4, rules=None, stage="partitioned", reduce_dtype="auto", fp8=None):
     layout = Layout(make_mesh(data, fsdp, jax.devices()[:data * fsdp]), fsdp_min_size=256)
     state = create_train_state(model, policy, optax.adam(1e-2), jax.random.PRNGKey(0), DATA.sample_input(1),
-                               layout=layout, rules=rules, reduce_dtype=reduce_dtype)
+                               layout=layout, rules=rules, reduce_dtype=reduce_dtype, fp8=fp8)
     batch = layout.global_batch(DATA.train_batch(0, 32, seed=0), 32)
     return explain_communication(make_train_step(layout=layout, donate=False), state, batch, stage=stage)
 
@@ -153,6 +172,31 @@ def test_multidevice_fsdp_gathers_params_in_the_compute_dtype(policy="mixed_bf16
     sliced = [c for c in mixed.select("gradients") if c.parts > 1]
     assert len(sliced) == 3 and {c.parts for c in sliced} == {4} and "as reduce-scatters" in str(mixed)
     assert mixed.scattered_sent_bytes("gradients") < mixed.sent_bytes("gradients")
+
+
+@needs8
+def test_multidevice_fsdp_gathers_fp8_read_params_in_one_byte_and_computes_the_same(monkeypatch):
+    """Issue 42 (6): a param only an FP8 matmul reads (per tensor, current scaling) is quantized
+    on its shard with the whole array's scale and gathered in E4M3: a quarter of fp32's
+    bytes, and the step computes bit for bit what it computes gathering float32."""
+    import train.step
+
+    mlp = MLP(hidden=(64, 64), num_classes=4)
+    full = _report(mlp, "fp32")
+    fp8 = _report(mlp, "mixed_fp8", fp8={"min_size": 0})
+    assert {c.dtype for c in fp8.select("params", "all-gather")} == {"f8e4m3fn"}
+    assert fp8.bytes("params") <= 0.3 * full.bytes("params")
+
+    def step_once():
+        layout = Layout(make_mesh(2, 4, jax.devices()[:8]), fsdp_min_size=256)
+        state = create_train_state(mlp, "mixed_fp8", optax.adam(1e-2), jax.random.PRNGKey(0), DATA.sample_input(1),
+                                   layout=layout, fp8={"min_size": 0})
+        batch = layout.global_batch(DATA.train_batch(0, 32, seed=0), 32)
+        return to_host(make_train_step(layout=layout, donate=False)(state, batch))
+
+    gathered_fp8 = step_once()
+    monkeypatch.setattr(train.step, "_gather_dtypes", lambda forward, params, layout: None)  # as stored
+    assert_bitwise_equal(jax.tree_util.tree_leaves(gathered_fp8), jax.tree_util.tree_leaves(step_once()))
 
 
 @needs8

@@ -121,6 +121,12 @@ def test_mixed_fp8_with_min_size_0_gives_an_fp8_gemm_for_every_fp8_matmul():
     assert len(fp8) == report.count() == 2 * 12 + 3  # every GEMM: the matmuls attention leaves to cuDNN aside
     assert all(k.operands in (("f8e4m3fn", "f8e4m3fn"), ("f8e5m2", "f8e4m3fn"), ("f8e4m3fn", "f8e5m2")) for k in fp8)
     assert report.count("cudnn_attention") == 2 and report.f32_gemms() == {}
+    # issue 42: every one a cuBLASLt FP8 GEMM (a named dot algorithm: no Triton f8 GEMM, which accumulates
+    # imprecisely), the forward ones in cuBLASLt's fast accumulation, the backward ones in float32
+    assert {k.kind for k in fp8} == {"cublaslt_fp8"}
+    backward = [k for k in fp8 if "transpose(" in k.op_name]
+    assert len(backward) == 2 * len(fp8) // 3 and {k.accumulation for k in backward} == {"float32"}
+    assert {k.accumulation for k in fp8 if k not in backward} == {"fast"}
 
 
 def _explained(path, *overrides):

@@ -32,6 +32,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from precision.autocast.fp8_quantize import E4M3, dequantized, e4m3_read
+
 __all__ = ["DATA_AXES", "GATHER_SCOPE", "Layout", "MeshError", "host_rows", "initialize_distributed", "make_mesh", "to_host"]
 
 #: The mesh axes a batch is split over.
@@ -315,11 +317,32 @@ def _gather(x: Any, dtype: np.dtype, replicated: NamedSharding) -> Any:
     followed by nothing but the slice of each device's part."""
     if x.dtype == dtype:
         return jax.lax.with_sharding_constraint(x, replicated)
+    if dtype == E4M3:
+        return _gather_fp8(x, replicated)
 
     @jax.custom_vjp
     def gather(x):
         narrow = jax.lax.optimization_barrier(x.astype(dtype))  # the barrier keeps the cast before the gather
         return jax.lax.optimization_barrier(jax.lax.with_sharding_constraint(narrow, replicated)).astype(x.dtype)
+
+    gather.defvjp(lambda x: (gather(x), None), lambda _, g: (jax.lax.with_sharding_constraint(g, replicated),))
+    return gather(x)
+
+
+def _gather_fp8(x: Any, replicated: NamedSharding) -> Any:
+    """``x`` whole on every device, gathered in FP8: each shard quantized to E4M3 with
+    the scale of the whole array (its amax reduced across devices: every device
+    makes the same bits), one byte per element on the wire, then handed to the
+    model as its dequantized values (exact in ``x``'s dtype). The model's FP8
+    matmul quantizes them to the same FP8 values (:mod:`precision.reads`); the
+    cotangent passes through, as :func:`_gather`'s does."""
+
+    @jax.custom_vjp
+    def gather(x):
+        q, scale, _ = e4m3_read(x)
+        q = jax.lax.optimization_barrier(q)  # quantized on each shard, before the gather
+        q = jax.lax.optimization_barrier(jax.lax.with_sharding_constraint(q, replicated))
+        return dequantized(q, jax.lax.with_sharding_constraint(scale, replicated), x.dtype)
 
     gather.defvjp(lambda x: (gather(x), None), lambda _, g: (jax.lax.with_sharding_constraint(g, replicated),))
     return gather(x)

@@ -22,7 +22,7 @@ from urllib.parse import unquote
 
 from precision.autocast.regions import MODULE_PREFIX, TAG_PREFIX
 
-__all__ = ["Kernel", "read_kernels", "GEMM_KINDS", "module_of", "region_of"]
+__all__ = ["Kernel", "read_kernels", "GEMM_KINDS", "module_of", "region_of", "fp8_accumulation"]
 
 #: Kernel kinds that are matrix multiplications.
 GEMM_KINDS = ("cublas", "cublaslt", "cublaslt_fp8", "triton_gemm", "xla_dot")
@@ -50,6 +50,7 @@ class Kernel(NamedTuple):
     result: str  # HLO element type of its (first) result
     module: str  # module path of the op it came from ("" if unknown)
     op_name: str  # JAX's name for that op
+    accumulation: str = ""  # an FP8 GEMM: "fast" (reduced precision) or "float32" (see fp8_accumulation)
 
     @property
     def region(self) -> str:
@@ -175,7 +176,9 @@ def _kernels_of(instr: _Instr, comp: dict, comps: dict) -> list[Kernel]:
         target = _attr(instr.rest, "custom_call_target")
         operands = tuple(types.get(o, "") for o in instr.operands)
         if target in _LIBRARY:
-            return [Kernel(_LIBRARY[target], operands[:2], instr.dtype, module_of(op_name), op_name)]
+            kind = _LIBRARY[target]
+            return [Kernel(kind, operands[:2], instr.dtype, module_of(op_name), op_name,
+                           fp8_accumulation(kind, operands[:2], instr.rest))]
         if target.startswith("__cudnn$fmha"):
             kind = "cudnn_attention_backward" if "Backward" in target else "cudnn_attention"
             return [Kernel(kind, operands[:3], instr.dtype, module_of(op_name), op_name)]
@@ -189,12 +192,35 @@ def _kernels_of(instr: _Instr, comp: dict, comps: dict) -> list[Kernel]:
             operands = tuple(inner["types"].get(o, "") for o in dot.operands[:2])
             gemm = "triton_gemm" if kind in _TRITON_GEMM else "xla_dot"
             found.append(Kernel(gemm, operands, dot.dtype, module_of(_attr(dot.rest, "op_name") or op_name),
-                                _attr(dot.rest, "op_name") or op_name))
+                                _attr(dot.rest, "op_name") or op_name, fp8_accumulation(gemm, operands, dot.rest)))
         return found
     if instr.op == "dot":
         operands = tuple(types.get(o, "") for o in instr.operands[:2])
         return [Kernel("xla_dot", operands, instr.dtype, module_of(op_name), op_name)]
     return []
+
+
+def fp8_accumulation(kind: str, operands: tuple[str, ...], rest: str) -> str:
+    """How an FP8 GEMM accumulates ("" for any other kernel), as XLA's GPU runtime decides:
+
+    - cuBLASLt's FP8 call runs in cuBLASLt's fast (reduced-precision) mode when its
+      dot algorithm is ``ALG_DOT_ANY_F8_ANY_F8_F32_FAST_ACCUM``, or when it names
+      none and every operand precision is ``DEFAULT``; in float32 otherwise
+      (``ALG_DOT_ANY_F8_ANY_F8_F32``, or ``HIGH``/``HIGHEST``);
+    - a Triton GEMM with an f8 operand never promotes its accumulator: fast, whatever
+      the precision asked.
+    """
+    if not any(t in FP8_TYPES for t in operands):
+        return ""
+    if kind != "cublaslt_fp8":
+        return "fast" if kind == "triton_gemm" else ""
+    config = re.search(r'"precision_config":\{([^}]*)\}', rest)
+    text = config.group(1) if config else ""
+    algorithm = re.search(r'"algorithm":"(\w+)"', text)
+    if algorithm and algorithm.group(1) not in ("ALG_UNSET", ""):
+        return "fast" if algorithm.group(1).endswith("_FAST_ACCUM") else "float32"
+    precisions = re.findall(r'"(DEFAULT|HIGH|HIGHEST)"', text)
+    return "float32" if any(p != "DEFAULT" for p in precisions) else "fast"
 
 
 def _fusion_kind(rest: str) -> str:

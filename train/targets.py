@@ -74,6 +74,7 @@ class _Spec:
             "}",
             'platform_name: "CUDA"',
             f"dnn_version_info {{ major: {self.cudnn[0]} minor: {self.cudnn[1]} patch: {self.cudnn[2]} }}",
+            "runtime_version { major: 12 minor: 8 patch: 0 }",
             f'device_description_str: "{self.device_kind}"',
         ]) + "\n"
 

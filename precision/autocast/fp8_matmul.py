@@ -1,27 +1,40 @@
-"""An FP8 matmul: ``dot_general`` on float8 operands, per-tensor scaled, its
-backward in FP8 too.
+"""An FP8 matmul: ``dot_general`` on float8 operands, scaled, its backward in FP8 too.
 
 The standard hybrid recipe (Micikevicius et al. 2022, "FP8 Formats for Deep
 Learning"; Transformer Engine; torchao): forward operands (activations and
 weights) in E4M3 (more precision), the gradient in E5M2 (more range), products
-accumulated in float32 by the matmul unit. Each tensor gets one scale, a power
-of two chosen from its absolute maximum (*amax*) so the largest value lands
-near the format's largest finite value: current scaling takes the amax of the
-tensor itself, delayed scaling the largest of the amaxes of the last steps
-(an *amax history*) and records this step's.
+accumulated in float32 by the matmul unit (:mod:`.fp8_quantize` for the
+scales). Two recipes:
 
-What the program holds, and what XLA's GPU compiler turns into cuBLASLt FP8
-GEMMs with the scales folded in (as ``flax.linen.fp8_ops`` does with direct
-quantization):
+- **tensorwise** (:func:`scaled_dot`): one scale per tensor, from its own amax
+  (current scaling) or from an amax history (delayed). What the program holds,
+  and what XLA's GPU compiler turns into cuBLASLt FP8 GEMMs with the scales
+  folded in (as ``flax.linen.fp8_ops`` does with direct quantization)::
 
-    q_x = f8(clip(x * s_x)), q_w = f8(clip(w * s_w))
-    y   = dot_general(q_x, q_w) / (s_x * s_w)
+      q_x = f8(clip(x * s_x)), q_w = f8(clip(w * s_w))
+      y   = dot_general(q_x, q_w) / (s_x * s_w)
 
-and, backward, ``dx`` and ``dw`` as the transposed ``dot_general`` of the
-E5M2 gradient with the saved E4M3 operand (saved in one byte per element).
-A power-of-two scale adds no rounding of its own: the only error is FP8's.
+  and, backward, ``dx`` and ``dw`` as the transposed ``dot_general`` of the
+  E5M2 gradient with the saved E4M3 operand (saved in one byte per element).
+- **rowwise** (:func:`rowwise_dot`, torchao's recipe of that name): a scale per
+  slice along the contracted axes (a row of the activation, a column of the
+  weight), so one outlier costs precision only to its own row. The float32
+  product is divided by the outer product of the two operands' scales. Every
+  product contracts other axes, so the backward quantizes again along its own
+  contracted axes, from the operands saved as they came (16 or 32 bits).
 
-A non-finite operand makes the whole product NaN (a saturating cast would
+**Accumulation.** On CUDA each FP8 product names its dot algorithm: the
+forward ``ANY_F8_ANY_F8_F32_FAST_ACCUM`` (cuBLASLt's fast, reduced-precision
+accumulation: safe for the forward pass, XLA says), the backward
+``ANY_F8_ANY_F8_F32`` (full float32 accumulation: gradients add up many small
+contributions). A named algorithm also keeps the product a cuBLASLt FP8 GEMM:
+XLA's Triton GEMMs cannot take one, and accumulate f8 dots imprecisely whatever
+the precision asked. Elsewhere (XLA:CPU refuses these algorithms) the forward
+runs at the default precision and the backward at ``Precision.HIGHEST``; XLA:CPU
+accumulates in float32 either way. (``jax.lax.platform_dependent`` holds both:
+the program lowered for CUDA keeps the first.)
+
+A non-finite operand makes the products it enters NaN (a saturating cast would
 hide an inf), so a non-finite step stays non-finite and the loss-scale
 machinery skips it.
 """
@@ -29,76 +42,25 @@ machinery skips it.
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["E4M3", "E5M2", "Histories", "amax", "scale_for", "quantize", "scaled_dot", "roll_history",
-           "matmul_sizes"]
+from precision.autocast.fp8_quantize import (E4M3, E5M2, F32, Histories, amax, e4m3_read, quantized,
+                                             quantized_along, roll_history, scale_for)
 
-E4M3 = np.dtype(jnp.float8_e4m3fn)
-E5M2 = np.dtype(jnp.float8_e5m2)
-_F32 = np.dtype(np.float32)
-#: Scales stay within 2^±100: far inside float32, and past any amax a float32 tensor can hold usefully.
-_MAX_EXPONENT = 100.0
+__all__ = ["E4M3", "E5M2", "Histories", "amax", "scale_for", "scaled_dot", "rowwise_dot", "roll_history",
+           "matmul_sizes", "transpose_lhs", "transpose_rhs", "f8_dot", "FORWARD_PRECISION",
+           "BACKWARD_PRECISION"]
 
+#: (on CUDA, elsewhere) how a forward product accumulates: fast (reduced precision) on Hopper.
+FORWARD_PRECISION = (lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM, lax.Precision.DEFAULT)
+#: (on CUDA, elsewhere) how a backward product accumulates: in full float32.
+BACKWARD_PRECISION = (lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32, lax.Precision.HIGHEST)
 
-class Histories(NamedTuple):
-    """Amax histories (float32 ``[length]``, newest first) of one matmul's operands and gradient."""
-
-    lhs: jax.Array
-    rhs: jax.Array
-    grad: jax.Array
-
-
-def amax(x: jax.Array) -> jax.Array:
-    """The largest magnitude of ``x``, in float32 (NaN if ``x`` holds a NaN, inf if an inf)."""
-    return jnp.max(jnp.abs(x)).astype(_F32) if x.size else jnp.zeros([], _F32)
-
-
-def scale_for(reference: jax.Array, current: jax.Array, dtype: np.dtype) -> jax.Array:
-    """The power-of-two factor taking amax ``reference`` near ``dtype``'s largest finite value.
-
-    1 when the reference is 0 (an all-zero tensor); NaN when the tensor's own
-    amax ``current`` is not finite, so that every product it enters is NaN.
-    """
-    exponent = jnp.floor(jnp.log2(float(jnp.finfo(dtype).max)) - jnp.log2(reference))
-    scale = jnp.exp2(jnp.clip(exponent, -_MAX_EXPONENT, _MAX_EXPONENT))
-    scale = jnp.where(reference > 0, scale, 1.0)
-    return jnp.where(jnp.isfinite(current), scale, jnp.nan).astype(_F32)
-
-
-def quantize(x: jax.Array, scale: jax.Array, dtype: np.dtype) -> jax.Array:
-    """``x * scale`` in ``dtype``, saturating at its largest finite value."""
-    bound = float(jnp.finfo(dtype).max)
-    return jnp.clip(x.astype(_F32) * scale, -bound, bound).astype(dtype)
-
-
-def _reference(history: jax.Array | None, current: jax.Array) -> jax.Array:
-    """The amax a scale is chosen from: the history's largest, or the tensor's own
-    (current scaling, and delayed scaling's first step, when the history is empty)."""
-    if history is None:
-        return current
-    recorded = jnp.max(history)
-    return jnp.where(recorded > 0, recorded, current)
-
-
-def roll_history(history: jax.Array, current: jax.Array) -> jax.Array:
-    """``history`` with ``current`` recorded as its newest entry (the oldest dropped);
-    a non-finite amax is not recorded: the history is returned unchanged."""
-    rolled = jnp.roll(history, 1).at[0].set(current)
-    return jnp.where(jnp.isfinite(current), rolled, history)
-
-
-def _quantized(x: jax.Array, history: jax.Array | None, dtype: np.dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(``x`` in ``dtype``, the scale it was multiplied by, ``x``'s amax)."""
-    current = amax(x)
-    scale = scale_for(_reference(history, current), current, dtype)
-    return quantize(x, scale, dtype), scale, current
-
+Product = Callable[[jax.Array, jax.Array, Any], jax.Array]  # (a, b, dims) -> dot_general(a, b, dims), however made
 
 # ----------------------------------------------------------------------------- the transposed products
 
@@ -108,27 +70,43 @@ def _remaining(n: int, *used: Sequence[int]) -> list[int]:
     return [d for d in range(n) if d not in taken]
 
 
-def transpose_lhs(g: jax.Array, rhs: jax.Array, dims: Any, lhs_ndim: int, out_dtype: Any) -> jax.Array:
+def f8_dot(a: jax.Array, b: jax.Array, dims: Any, out_dtype: Any, precision: tuple) -> jax.Array:
+    """``dot_general`` of two FP8 operands into ``out_dtype``, at ``precision``
+    (:data:`FORWARD_PRECISION` or :data:`BACKWARD_PRECISION`): its CUDA algorithm
+    where the program is lowered for CUDA, its precision elsewhere."""
+    on_cuda, elsewhere = precision
+    return lax.platform_dependent(
+        a, b, cuda=lambda a, b: lax.dot_general(a, b, dims, precision=on_cuda, preferred_element_type=out_dtype),
+        default=lambda a, b: lax.dot_general(a, b, dims, precision=elsewhere, preferred_element_type=out_dtype))
+
+
+def _plain(out_dtype: Any) -> Product:
+    return lambda a, b, dims: lax.dot_general(a, b, dims, preferred_element_type=out_dtype)
+
+
+def transpose_lhs(g: jax.Array, rhs: jax.Array, dims: Any, lhs_ndim: int, out_dtype: Any = None,
+                  product: Product | None = None) -> jax.Array:
     """The gradient with respect to the lhs of ``dot_general(lhs, rhs, dims)`` for output gradient ``g``.
 
     ``g``'s axes are (batch, lhs free, rhs free); contracting ``g`` with ``rhs``
     over rhs's free axes (and batch with batch) gives (batch, lhs free, lhs
     contracting in rhs's order), which is then permuted into lhs's layout.
+    ``product`` makes that contraction (default: a plain ``dot_general`` into ``out_dtype``).
     """
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dims
     lhs_free = _remaining(lhs_ndim, lhs_contract, lhs_batch)
     rhs_free = _remaining(rhs.ndim, rhs_contract, rhs_batch)
     nb, nl = len(lhs_batch), len(lhs_free)
-    g_rhs_free = list(range(nb + nl, nb + nl + len(rhs_free)))
-    product = lax.dot_general(g, rhs, ((g_rhs_free, rhs_free), (list(range(nb)), list(rhs_batch))),
-                              preferred_element_type=out_dtype)
-    # product axes: batch, lhs free, then rhs's contracting axes in rhs order = lhs's contracting axes, paired
+    g_rhs_free = tuple(range(nb + nl, nb + nl + len(rhs_free)))
+    result = (product or _plain(out_dtype))(g, rhs, ((g_rhs_free, tuple(rhs_free)), (tuple(range(nb)), tuple(rhs_batch))))
+    # result axes: batch, lhs free, then rhs's contracting axes in rhs order = lhs's contracting axes, paired
     contract_in_rhs_order = [c for _, c in sorted(zip(rhs_contract, lhs_contract))]
     source = [*lhs_batch, *lhs_free, *contract_in_rhs_order]
-    return lax.transpose(product, tuple(int(i) for i in np.argsort(source)))
+    return lax.transpose(result, tuple(int(i) for i in np.argsort(source)))
 
 
-def transpose_rhs(g: jax.Array, lhs: jax.Array, dims: Any, rhs_ndim: int, out_dtype: Any) -> jax.Array:
+def transpose_rhs(g: jax.Array, lhs: jax.Array, dims: Any, rhs_ndim: int, out_dtype: Any = None,
+                  product: Product | None = None) -> jax.Array:
     """The gradient with respect to the rhs of ``dot_general(lhs, rhs, dims)``:
     :func:`transpose_lhs` of the swapped product (whose output axes are
     (batch, rhs free, lhs free))."""
@@ -139,7 +117,7 @@ def transpose_rhs(g: jax.Array, lhs: jax.Array, dims: Any, rhs_ndim: int, out_dt
     swapped_g = lax.transpose(g, (*range(nb), *range(nb + n_lhs_free, nb + n_lhs_free + n_rhs_free),
                                   *range(nb, nb + n_lhs_free)))
     swapped = ((rhs_contract, lhs_contract), (rhs_batch, lhs_batch))
-    return transpose_lhs(swapped_g, lhs, swapped, rhs_ndim, out_dtype)
+    return transpose_lhs(swapped_g, lhs, swapped, rhs_ndim, out_dtype, product)
 
 
 def matmul_sizes(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dims: Any) -> tuple[int, int, int]:
@@ -151,7 +129,7 @@ def matmul_sizes(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dims: Any) 
     return m, k, n
 
 
-# ----------------------------------------------------------------------------- the matmul
+# ----------------------------------------------------------------------------- dequantizing
 
 
 def _as_dims(dims: Any) -> tuple:
@@ -162,7 +140,7 @@ def _as_dims(dims: Any) -> tuple:
 def _accumulator(dtype: np.dtype) -> np.dtype:
     """The dtype a product of scaled FP8 values leaves the matmul unit in: ``dtype``,
     except float16, whose range a product of scaled values (448 x 57344 per term) exceeds."""
-    return _F32 if np.dtype(dtype) == np.dtype(np.float16) else np.dtype(dtype)
+    return F32 if np.dtype(dtype) == np.dtype(np.float16) else np.dtype(dtype)
 
 
 def _unscaled(product: jax.Array, scale: jax.Array, dtype: np.dtype) -> jax.Array:
@@ -170,25 +148,71 @@ def _unscaled(product: jax.Array, scale: jax.Array, dtype: np.dtype) -> jax.Arra
     return (product * (1.0 / scale).astype(product.dtype)).astype(dtype)
 
 
+def _in_output_layout(scale: jax.Array, contract: Sequence[int], batch: Sequence[int], leading: int,
+                      trailing: int) -> jax.Array:
+    """An operand's axis-wise scales (its shape, contracted axes of size 1) laid out for a
+    ``dot_general`` output (batch, lhs free, rhs free): batch axes first, its free axes,
+    size-1 axes for the other operand's ``trailing`` free axes (``leading`` of them before
+    its own when it is the rhs)."""
+    free = _remaining(scale.ndim, contract, batch)
+    moved = lax.transpose(scale, (*batch, *free, *contract))
+    kept = moved.reshape(moved.shape[:len(batch) + len(free)])
+    nb = len(batch)
+    return kept.reshape((*kept.shape[:nb], *([1] * leading), *kept.shape[nb:], *([1] * trailing)))
+
+
+def _axiswise_product(formats: tuple[np.dtype, np.dtype], out_dtype: np.dtype, precision: Any) -> Product:
+    """A ``dot_general`` of two operands each quantized along its own contracted axes
+    (``formats``: lhs's and rhs's FP8 format), dequantized on the float32 accumulator."""
+
+    def product(a: jax.Array, b: jax.Array, dims: Any) -> jax.Array:
+        (a_contract, b_contract), (a_batch, b_batch) = dims
+        q_a, s_a = quantized_along(a, a_contract, formats[0])
+        q_b, s_b = quantized_along(b, b_contract, formats[1])
+        acc = f8_dot(q_a, q_b, dims, F32, precision)
+        a_free = a.ndim - len(a_contract) - len(a_batch)
+        b_free = b.ndim - len(b_contract) - len(b_batch)
+        scales = (_in_output_layout(s_a, a_contract, a_batch, 0, b_free)
+                  * _in_output_layout(s_b, b_contract, b_batch, a_free, 0))
+        return (acc * (1.0 / scales)).astype(out_dtype)
+
+    return product
+
+
+# ----------------------------------------------------------------------------- tensorwise
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _scaled_dot(lhs, rhs, histories, dims, out_dtype, in_dtypes):
     return _forward(lhs, rhs, histories, dims, out_dtype, in_dtypes)[0]
 
 
+def _operand(x: jax.Array, history: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """An operand in E4M3 (its scale, its amax); current scaling through :func:`e4m3_read`,
+    the named sub-program where FSDP sees a param it may gather in FP8 (:mod:`precision.reads`)."""
+    return e4m3_read(x) if history is None else quantized(x, history, E4M3)
+
+
 def _forward(lhs, rhs, histories, dims, out_dtype, in_dtypes):
-    q_lhs, s_lhs, a_lhs = _quantized(lhs, histories.lhs if histories else None, E4M3)
-    q_rhs, s_rhs, a_rhs = _quantized(rhs, histories.rhs if histories else None, E4M3)
-    product = lax.dot_general(q_lhs, q_rhs, dims, preferred_element_type=_accumulator(out_dtype))
+    q_lhs, s_lhs, a_lhs = _operand(lhs, histories.lhs if histories else None)
+    q_rhs, s_rhs, a_rhs = _operand(rhs, histories.rhs if histories else None)
+    product = f8_dot(q_lhs, q_rhs, dims, _accumulator(out_dtype), FORWARD_PRECISION)
     out = _unscaled(product, s_lhs * s_rhs, out_dtype)
     return out, (q_lhs, q_rhs, s_lhs, s_rhs, a_lhs, a_rhs, histories)
+
+
+def _backward_product(out_dtype: np.dtype) -> Product:
+    return lambda a, b, dims: f8_dot(a, b, dims, _accumulator(out_dtype), BACKWARD_PRECISION)
 
 
 def _backward(dims, out_dtype, in_dtypes, residuals, g):
     q_lhs, q_rhs, s_lhs, s_rhs, a_lhs, a_rhs, histories = residuals
     lhs_dtype, rhs_dtype = in_dtypes
-    q_g, s_g, a_g = _quantized(g, histories.grad if histories else None, E5M2)
-    d_lhs = _unscaled(transpose_lhs(q_g, q_rhs, dims, q_lhs.ndim, _accumulator(lhs_dtype)), s_g * s_rhs, lhs_dtype)
-    d_rhs = _unscaled(transpose_rhs(q_g, q_lhs, dims, q_rhs.ndim, _accumulator(rhs_dtype)), s_g * s_lhs, rhs_dtype)
+    q_g, s_g, a_g = quantized(g, histories.grad if histories else None, E5M2)
+    d_lhs = _unscaled(transpose_lhs(q_g, q_rhs, dims, q_lhs.ndim, product=_backward_product(lhs_dtype)),
+                      s_g * s_rhs, lhs_dtype)
+    d_rhs = _unscaled(transpose_rhs(q_g, q_lhs, dims, q_rhs.ndim, product=_backward_product(rhs_dtype)),
+                      s_g * s_lhs, rhs_dtype)
     new = ()
     if histories:  # their "gradient" is the new history (see precision.fp8: the state's update)
         new = Histories(roll_history(histories.lhs, a_lhs), roll_history(histories.rhs, a_rhs),
@@ -215,3 +239,36 @@ def scaled_dot(lhs: jax.Array, rhs: jax.Array, dims: Any, out_dtype: Any,
     """
     return _scaled_dot(lhs, rhs, histories if histories is not None else (), _as_dims(dims), np.dtype(out_dtype),
                        (np.dtype(lhs.dtype), np.dtype(rhs.dtype)))
+
+
+# ----------------------------------------------------------------------------- rowwise
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _rowwise(lhs, rhs, dims, out_dtype):
+    return _axiswise_product((E4M3, E4M3), out_dtype, FORWARD_PRECISION)(lhs, rhs, dims)
+
+
+def _rowwise_fwd(lhs, rhs, dims, out_dtype):
+    return _rowwise(lhs, rhs, dims, out_dtype), (lhs, rhs)
+
+
+def _rowwise_bwd(dims, out_dtype, residuals, g):
+    lhs, rhs = residuals
+    d_lhs = transpose_lhs(g, rhs, dims, lhs.ndim, product=_axiswise_product((E5M2, E4M3), lhs.dtype,
+                                                                              BACKWARD_PRECISION))
+    d_rhs = transpose_rhs(g, lhs, dims, rhs.ndim, product=_axiswise_product((E5M2, E4M3), rhs.dtype,
+                                                                             BACKWARD_PRECISION))
+    return d_lhs, d_rhs
+
+
+_rowwise.defvjp(_rowwise_fwd, _rowwise_bwd)
+
+
+def rowwise_dot(lhs: jax.Array, rhs: jax.Array, dims: Any, out_dtype: Any) -> jax.Array:
+    """``dot_general(lhs, rhs, dims)`` in FP8 with a scale per row: each operand scaled
+    along the axes it contracts (a row of the activation, a column of the weight),
+    the float32 product divided by the outer product of the scales. Backward, the
+    E5M2 gradient and the E4M3 operand are quantized again along the axes each
+    transposed product contracts."""
+    return _rowwise(lhs, rhs, _as_dims(dims), np.dtype(out_dtype))

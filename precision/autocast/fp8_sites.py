@@ -3,7 +3,8 @@
 An allow-listed ``dot_general`` in an FP8 region (the policy's compute is
 ``f8``, or a rule or :func:`precision.compute_in` says so) becomes
 :func:`~precision.autocast.fp8_matmul.scaled_dot` when each of its M, K, N is
-at least ``min_size``. Under delayed scaling, each such matmul of the
+at least ``min_size`` (and, unless ``attention`` is asked, it is not a batched
+product of two activations). Under delayed scaling, each such matmul of the
 program's top level is a *site* named ``dot_general_<i>`` (the i-th in its
 module, in program order) whose histories live at ``state[module path][name]``;
 inside a sub-program (loop body, remat, custom derivative rule) the state is
@@ -18,12 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from precision.autocast.fp8_matmul import Histories, matmul_sizes, scaled_dot
+from precision.autocast.fp8_matmul import Histories, matmul_sizes, rowwise_dot, scaled_dot
 from precision.autocast.values import Kind
 from precision.fp8 import Fp8Options
 
-__all__ = ["Fp8Run", "FP8_CURRENT", "FP8_DELAYED", "FP8_NESTED", "FP8_NO_STATE", "BELOW_MIN_SIZE", "NOT_A_DOT",
-           "NOT_FP8_REGION",
+__all__ = ["Fp8Run", "FP8_CURRENT", "FP8_DELAYED", "FP8_NESTED", "FP8_NO_STATE", "FP8_ROWWISE", "BELOW_MIN_SIZE",
+           "ATTENTION", "NOT_A_DOT", "NOT_FP8_REGION",
            "fp8_dot", "skip_reason"]
 
 # Reasons logged (the Record's dtype is E4M3 for an FP8 matmul, the fallback otherwise).
@@ -31,7 +32,9 @@ FP8_CURRENT = "fp8 matmul (current scaling)"
 FP8_DELAYED = "fp8 matmul (delayed scaling)"
 FP8_NESTED = "fp8 matmul (current scaling: in a loop, remat or custom rule)"
 FP8_NO_STATE = "fp8 matmul (current scaling: no history passed)"
+FP8_ROWWISE = "fp8 matmul (rowwise scaling)"
 BELOW_MIN_SIZE = "below fp8 min_size"
+ATTENTION = "attention stays out of fp8"
 NOT_A_DOT = "fp8 takes dot_general only"
 NOT_FP8_REGION = "a rule keeps it out of fp8"
 
@@ -55,7 +58,7 @@ class Fp8Run:
     def histories(self, path: tuple[str, ...]) -> tuple[Histories | None, str]:
         """The histories of the next site in module ``path``, and the reason to log."""
         if not self.options.delayed:
-            return None, FP8_CURRENT
+            return None, FP8_ROWWISE if self.options.rowwise else FP8_CURRENT
         if not self.reachable:
             return None, FP8_NESTED
         index = self.counters.get(path, 0)
@@ -78,6 +81,8 @@ def skip_reason(primitive: str, ins: list, eqn: Any, options: Fp8Options) -> str
     if not all(v.managed for v in ins):
         return "an operand the policy does not manage (already fp8, or integer)"
     dims = eqn.params["dimension_numbers"]
+    if not options.attention and dims[1][0] and not any(v.leaf for v in ins):
+        return f"{ATTENTION} (a batched product of two activations; fp8 attention=true takes it)"
     m, k, n = matmul_sizes(eqn.invars[0].aval.shape, eqn.invars[1].aval.shape, dims)
     if min(m, k, n) < options.min_size:
         return f"{BELOW_MIN_SIZE} {options.min_size} (M x K x N = {m}x{k}x{n})"
@@ -92,4 +97,7 @@ def fp8_dot(site: Any, ins: list, run: Fp8Run, target: np.dtype, out_dtype: np.d
     """
     lhs, rhs = (v.as_dtype(target) if v.kind is Kind.NEUTRAL else v.array for v in ins)
     histories, reason = run.histories(site.path)
-    return scaled_dot(lhs, rhs, site.eqn.params["dimension_numbers"], out_dtype, histories), reason
+    dims = site.eqn.params["dimension_numbers"]
+    if run.options.rowwise:
+        return rowwise_dot(lhs, rhs, dims, out_dtype), reason
+    return scaled_dot(lhs, rhs, dims, out_dtype, histories), reason

@@ -149,14 +149,17 @@ class Fp8Config(_Schema):
 
     scaling: Annotated[Literal[precision.fp8.SCALINGS], BeforeValidator(_lower)] = Field(
         "current", description="current: each tensor scaled from its own amax; delayed: from the amax history "
-                               "(state checkpointed with the model)")
+                               "(state checkpointed with the model); rowwise: a scale per row of the activation "
+                               "and per column of the weight")
     history: int = Field(precision.fp8.DEFAULT_HISTORY, ge=1, description="steps of amax kept (delayed scaling)")
     min_size: int = Field(precision.fp8.DEFAULT_MIN_SIZE, ge=0,
                           description="a matmul is fp8 only when each of M, K, N is at least this (0: every matmul)")
+    attention: bool = Field(False, description="attention's batched products (q.k^T, probabilities.v) in fp8 too; "
+                                               "false keeps them in the fallback dtype")
 
     def options(self) -> precision.Fp8Options:
         """The options as ``precision.fp8_options`` builds them."""
-        return precision.fp8_options(self.scaling, self.history, self.min_size)
+        return precision.fp8_options(self.scaling, self.history, self.min_size, self.attention)
 
 
 class PrecisionConfig(_Schema):
