@@ -2,7 +2,8 @@
 
 The project's GPT (2 layers, d_model 256, 4 heads, vocabulary 128, 16 x 64
 tokens) on 8 forced CPU devices: data parallel (8, 1), FSDP (1, 8) and both
-(2, 4), under fp32, mixed_bf16 and mixed_f16, gradients reduced in float32
+(2, 4), under fp32, mixed_bf16, mixed_f16 and mixed_fp8 (every matmul but
+attention's in FP8: ``min_size`` 0, this GPT being below the default), gradients reduced in float32
 (``precision.reduce_dtype`` auto) or in the half dtype (``POLICY:DTYPE``, e.g.
 ``mixed_bf16:bf16``). Each train step is compiled,
 not run, and its collectives read from the program XLA's SPMD partitioner
@@ -27,7 +28,7 @@ from typing import Any
 DEVICES = 8
 FLAG = f"--xla_force_host_platform_device_count={DEVICES}"
 LAYOUTS = ("8x1", "1x8", "2x4")
-POLICIES = ("fp32", "mixed_bf16", "mixed_bf16:bf16", "mixed_f16", "mixed_f16:f16")
+POLICIES = ("fp32", "mixed_bf16", "mixed_bf16:bf16", "mixed_f16", "mixed_f16:f16", "mixed_fp8", "mixed_fp8:bf16")
 GPT = dict(vocab_size=128, block_size=64, num_layers=2, num_heads=4, d_model=256)
 BATCH, SEQ = 16, 64
 
@@ -47,7 +48,8 @@ def measure(layout_name: str, spec: str) -> dict[str, Any]:
     layout = Layout(make_mesh(data, fsdp, jax.devices()[:data * fsdp]))
     tokens = np.random.default_rng(0).integers(0, GPT["vocab_size"], (BATCH, SEQ), dtype=np.int32)
     state = create_train_state(Model(**GPT), policy, optax.adam(1e-3), jax.random.PRNGKey(0), tokens[:1],
-                               layout=layout, reduce_dtype=reduce_dtype or "auto")
+                               layout=layout, reduce_dtype=reduce_dtype or "auto",
+                               fp8={"min_size": 0} if policy == "mixed_fp8" else None)
     step = make_train_step(layout=layout, donate=False, task="language_model")
     report = explain_communication(step, state, layout.global_batch({"inputs": tokens, "labels": tokens}, BATCH))
 
@@ -69,7 +71,9 @@ def markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
              f"on {DEVICES} devices; MiB each device sends per step (ring collectives), from the program after "
              "XLA's SPMD partitioning. `mesh` is data x fsdp. There a split param's gradient is an all-reduce "
              "followed by a slice of each device's part; `as reduce-scatters`: what the gradients would send "
-             "were those pairs reduce-scatters (XLA's GPU and TPU compilers can rewrite them so).", "",
+             "were those pairs reduce-scatters (XLA's GPU and TPU compilers can rewrite them so). mixed_fp8 runs "
+             "every matmul but attention's in FP8 (min_size 0: this GPT is below the default); the params its FP8 "
+             "matmuls read are gathered in E4M3 (f8e4m3fn).", "",
              "| mesh | policy | reduce_dtype | params gathered (dtype) | params MiB | gradients reduced (dtype) "
              "| gradients MiB | as reduce-scatters | total MiB | vs fp32 |",
              "| --- | --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: |"]

@@ -205,7 +205,8 @@ def test_explain_gives_fp8_shares_and_why_a_matmul_is_not_fp8():
     assert e.fp8_coverage.startswith(f"fp8 covers {100 * e.fp8_share:.0f}% of matmul FLOPs (the rest: ")
     assert "below fp8 min_size 16" in e.fp8_coverage and e.fp8_coverage in e.table()
     none = precision.explain(Net(), x, policy="mixed_fp8", fp8={"min_size": 4096})
-    assert none.fp8_coverage == "fp8 covers 0% of matmul FLOPs (fp8 takes dot_general only; below fp8 min_size 4096)"
+    assert none.fp8_coverage == ("fp8 covers 0% of matmul FLOPs (fp8 takes dot_general only; below fp8 min_size "
+                                 "4096); min_size=64 would take the largest matmuls")
 
 
 def test_a_run_that_computes_nothing_in_fp8_says_so_in_its_header_summary_and_explain(tmp_path):
@@ -218,7 +219,7 @@ def test_a_run_that_computes_nothing_in_fp8_says_so_in_its_header_summary_and_ex
     out = _run_cli(main, [*base, f"workdir={tmp_path / 'a'}"])
     assert out.count("fp8 covers 0% of matmul FLOPs (all below fp8 min_size 1024)") == 2  # header and summary
     assert json.loads((tmp_path / "a" / "summary.json").read_text())["notes"] == [
-        "fp8 covers 0% of matmul FLOPs (all below fp8 min_size 1024)"]
+        "fp8 covers 0% of matmul FLOPs (all below fp8 min_size 1024); min_size=128 would take the largest matmuls"]
     out = _run_cli(main, [*base, f"workdir={tmp_path / 'b'}", "precision.fp8.min_size=0"])
     assert out.count("fp8 covers 100% of matmul FLOPs") == 2
     explained = _run_cli(main, ["configs/default.yaml", "precision.policy=mixed_fp8", "precision.fp8.min_size=0",

@@ -16,6 +16,7 @@ from jax import lax
 
 import precision
 from precision.autocast import fp8_matmul as f8
+from precision.autocast.program import iter_ops
 from train.config import load_config
 from train.gpu_kernels import fp8_accumulation
 
@@ -149,3 +150,21 @@ def test_a_run_with_no_fp8_matmul_names_the_min_size_that_would_take_some():
     assert hint and precision.explain(GPT(vocab_size=65, block_size=32, num_layers=1, num_heads=4, d_model=128),
                                       jnp.zeros((2, 32), jnp.int32), policy="mixed_fp8",
                                       fp8={"min_size": int(hint.group(1))}).fp8_share > 0.5
+
+
+def test_a_params_fp8_gradient_is_made_in_the_reduce_dtype_a_data_parallel_step_sums_it_in():
+    """mixed_fp8 with reduce_dtype bf16: the weight gradient's FP8 product leaves the GEMM in bfloat16
+    (what devices sum: half fp32's bytes, benchmarks/results/communication.md), then reaches the
+    float32 master."""
+    dense = lambda x, w: jnp.tanh(x) @ w  # noqa: E731 - an activation (computed) times a param
+    x, w = jnp.ones((32, 64), jnp.float32), jnp.ones((64, 16), jnp.float32)
+    out_dtypes = {}
+    for reduce in (None, "bf16"):
+        fn = precision.autocast(dense, "mixed_fp8", fp8={"min_size": 0}, reduce_dtype=reduce)
+        jaxpr = jax.make_jaxpr(jax.grad(lambda x, w: fn(x, w).astype(jnp.float32).sum(), (0, 1)))(x, w)
+        backward = [op.eqn for op in iter_ops(jaxpr) if op.primitive == "dot_general"
+                    and jnp.float8_e5m2 in (op.eqn.invars[0].aval.dtype, op.eqn.invars[1].aval.dtype)]
+        out_dtypes[reduce] = sorted(str(e.outvars[0].aval.dtype) for e in backward)
+    assert out_dtypes[None] == ["bfloat16", "float32"]  # the bf16 activation's gradient; the float32 param's
+    assert out_dtypes["bf16"] == ["bfloat16", "bfloat16"]  # the param's gradient made in bf16 too
+

@@ -185,6 +185,7 @@ def _axiswise_product(formats: tuple[np.dtype, np.dtype], out_dtype: np.dtype, p
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _scaled_dot(lhs, rhs, histories, dims, out_dtype, in_dtypes):
     return _forward(lhs, rhs, histories, dims, out_dtype, in_dtypes)[0]
+# in_dtypes: ((lhs dtype, rhs dtype), (the dtypes their gradients are produced in)).
 
 
 def _operand(x: jax.Array, history: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -207,12 +208,12 @@ def _backward_product(out_dtype: np.dtype) -> Product:
 
 def _backward(dims, out_dtype, in_dtypes, residuals, g):
     q_lhs, q_rhs, s_lhs, s_rhs, a_lhs, a_rhs, histories = residuals
-    lhs_dtype, rhs_dtype = in_dtypes
+    (lhs_dtype, rhs_dtype), (lhs_grad, rhs_grad) = in_dtypes
     q_g, s_g, a_g = quantized(g, histories.grad if histories else None, E5M2)
-    d_lhs = _unscaled(transpose_lhs(q_g, q_rhs, dims, q_lhs.ndim, product=_backward_product(lhs_dtype)),
-                      s_g * s_rhs, lhs_dtype)
-    d_rhs = _unscaled(transpose_rhs(q_g, q_lhs, dims, q_rhs.ndim, product=_backward_product(rhs_dtype)),
-                      s_g * s_lhs, rhs_dtype)
+    d_lhs = _unscaled(transpose_lhs(q_g, q_rhs, dims, q_lhs.ndim, product=_backward_product(lhs_grad)),
+                      s_g * s_rhs, lhs_grad).astype(lhs_dtype)
+    d_rhs = _unscaled(transpose_rhs(q_g, q_lhs, dims, q_rhs.ndim, product=_backward_product(rhs_grad)),
+                      s_g * s_lhs, rhs_grad).astype(rhs_dtype)
     new = ()
     if histories:  # their "gradient" is the new history (see precision.fp8: the state's update)
         new = Histories(roll_history(histories.lhs, a_lhs), roll_history(histories.rhs, a_rhs),
@@ -228,7 +229,7 @@ _scaled_dot.defvjp(_scaled_dot_fwd, _backward)
 
 
 def scaled_dot(lhs: jax.Array, rhs: jax.Array, dims: Any, out_dtype: Any,
-               histories: Histories | None = None) -> jax.Array:
+               histories: Histories | None = None, grad_dtypes: tuple[Any, Any] | None = None) -> jax.Array:
     """``dot_general(lhs, rhs, dims)`` in FP8, the result in ``out_dtype``.
 
     Operands are quantized to E4M3 and the output gradient to E5M2, each with
@@ -236,39 +237,49 @@ def scaled_dot(lhs: jax.Array, rhs: jax.Array, dims: Any, out_dtype: Any,
     scaling) or from the largest amax of its history (delayed scaling). Under
     differentiation with respect to ``histories``, their cotangent is the new
     histories (this step's amaxes recorded): the train step stores it.
+    ``grad_dtypes``: the dtypes the two gradients' products are made in (default: the
+    operands'), each then cast to its operand's dtype: a param's gradient made in
+    ``reduce_dtype`` is what a data-parallel step reduces across devices.
     """
     return _scaled_dot(lhs, rhs, histories if histories is not None else (), _as_dims(dims), np.dtype(out_dtype),
-                       (np.dtype(lhs.dtype), np.dtype(rhs.dtype)))
+                       _dtypes(lhs, rhs, grad_dtypes))
+
+
+def _dtypes(lhs: jax.Array, rhs: jax.Array, grad_dtypes: tuple[Any, Any] | None) -> tuple:
+    own = (np.dtype(lhs.dtype), np.dtype(rhs.dtype))
+    return own, own if grad_dtypes is None else tuple(np.dtype(d) for d in grad_dtypes)
 
 
 # ----------------------------------------------------------------------------- rowwise
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _rowwise(lhs, rhs, dims, out_dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _rowwise(lhs, rhs, dims, out_dtype, in_dtypes):
     return _axiswise_product((E4M3, E4M3), out_dtype, FORWARD_PRECISION)(lhs, rhs, dims)
 
 
-def _rowwise_fwd(lhs, rhs, dims, out_dtype):
-    return _rowwise(lhs, rhs, dims, out_dtype), (lhs, rhs)
+def _rowwise_fwd(lhs, rhs, dims, out_dtype, in_dtypes):
+    return _rowwise(lhs, rhs, dims, out_dtype, in_dtypes), (lhs, rhs)
 
 
-def _rowwise_bwd(dims, out_dtype, residuals, g):
+def _rowwise_bwd(dims, out_dtype, in_dtypes, residuals, g):
     lhs, rhs = residuals
-    d_lhs = transpose_lhs(g, rhs, dims, lhs.ndim, product=_axiswise_product((E5M2, E4M3), lhs.dtype,
+    (lhs_dtype, rhs_dtype), (lhs_grad, rhs_grad) = in_dtypes
+    d_lhs = transpose_lhs(g, rhs, dims, lhs.ndim, product=_axiswise_product((E5M2, E4M3), lhs_grad,
                                                                               BACKWARD_PRECISION))
-    d_rhs = transpose_rhs(g, lhs, dims, rhs.ndim, product=_axiswise_product((E5M2, E4M3), rhs.dtype,
+    d_rhs = transpose_rhs(g, lhs, dims, rhs.ndim, product=_axiswise_product((E5M2, E4M3), rhs_grad,
                                                                              BACKWARD_PRECISION))
-    return d_lhs, d_rhs
+    return d_lhs.astype(lhs_dtype), d_rhs.astype(rhs_dtype)
 
 
 _rowwise.defvjp(_rowwise_fwd, _rowwise_bwd)
 
 
-def rowwise_dot(lhs: jax.Array, rhs: jax.Array, dims: Any, out_dtype: Any) -> jax.Array:
+def rowwise_dot(lhs: jax.Array, rhs: jax.Array, dims: Any, out_dtype: Any,
+                grad_dtypes: tuple[Any, Any] | None = None) -> jax.Array:
     """``dot_general(lhs, rhs, dims)`` in FP8 with a scale per row: each operand scaled
     along the axes it contracts (a row of the activation, a column of the weight),
     the float32 product divided by the outer product of the scales. Backward, the
     E5M2 gradient and the E4M3 operand are quantized again along the axes each
-    transposed product contracts."""
-    return _rowwise(lhs, rhs, _as_dims(dims), np.dtype(out_dtype))
+    transposed product contracts. ``grad_dtypes``: as :func:`scaled_dot`'s."""
+    return _rowwise(lhs, rhs, _as_dims(dims), np.dtype(out_dtype), _dtypes(lhs, rhs, grad_dtypes))

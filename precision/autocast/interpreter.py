@@ -311,7 +311,7 @@ def _allowed(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
     kind = Kind.FULL if keep_wide and target != F32 else Kind.HALF
     not_fp8 = skip_reason(site.name, ins, site.eqn, ctx.fp8.options) if site.fp8 else None
     if site.fp8 and not_fp8 is None:
-        result, reason = fp8_dot(site, ins, ctx.fp8, target, F32 if keep_wide else target)
+        result, reason = fp8_dot(site, ins, ctx.fp8, target, F32 if keep_wide else target, ctx.reduce)
         log(ctx, site, E4M3, reason)
         return outputs(site, result, kind)
     if site.region == F32 and (ctx.root != F32 or ctx.root_fp8) and not site.fp8:
