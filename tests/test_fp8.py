@@ -104,7 +104,7 @@ def _dims(draw):
     return tuple(lhs_shape), tuple(rhs_shape), dims
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(st.data())
 def test_the_backward_products_are_the_transposes_of_any_dot_general(data):
     lhs_shape, rhs_shape, dims = _dims(data.draw)

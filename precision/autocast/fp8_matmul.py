@@ -62,13 +62,6 @@ BACKWARD_PRECISION = (lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32, lax.Precision.HI
 
 Product = Callable[[jax.Array, jax.Array, Any], jax.Array]  # (a, b, dims) -> dot_general(a, b, dims), however made
 
-# ----------------------------------------------------------------------------- the transposed products
-
-
-def _remaining(n: int, *used: Sequence[int]) -> list[int]:
-    taken = {d for group in used for d in group}
-    return [d for d in range(n) if d not in taken]
-
 
 def f8_dot(a: jax.Array, b: jax.Array, dims: Any, out_dtype: Any, precision: tuple) -> jax.Array:
     """``dot_general`` of two FP8 operands into ``out_dtype``, at ``precision``
@@ -78,6 +71,14 @@ def f8_dot(a: jax.Array, b: jax.Array, dims: Any, out_dtype: Any, precision: tup
     return lax.platform_dependent(
         a, b, cuda=lambda a, b: lax.dot_general(a, b, dims, precision=on_cuda, preferred_element_type=out_dtype),
         default=lambda a, b: lax.dot_general(a, b, dims, precision=elsewhere, preferred_element_type=out_dtype))
+
+
+# ----------------------------------------------------------------------------- the transposed products
+
+
+def _remaining(n: int, *used: Sequence[int]) -> list[int]:
+    taken = {d for group in used for d in group}
+    return [d for d in range(n) if d not in taken]
 
 
 def _plain(out_dtype: Any) -> Product:
