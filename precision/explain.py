@@ -337,10 +337,11 @@ def _summarize(traced: _Traced, policy: Policy, autocast: bool) -> Explanation:
                if r.primitive in MATMUL_PRIMITIVES and r.dtype == np.dtype(np.float32)}
     not_fp8: dict[str, str] = {}
     recipes: dict[str, str] = {}
-    for r in traced.log:
-        if r.primitive in MATMUL_PRIMITIVES:  # an fp8 matmul logs "fp8 matmul (<its recipe>)"
-            target = not_fp8 if r.dtype.itemsize > 1 else recipes
-            target.setdefault(_path(r.path, traced.root), r.reason if r.dtype.itemsize > 1 else r.reason[12:-1])
+    for r in (r for r in traced.log if r.primitive in MATMUL_PRIMITIVES):
+        if r.dtype.itemsize > 1:
+            not_fp8.setdefault(_path(r.path, traced.root), r.reason)
+        else:  # an fp8 matmul logs "fp8 matmul (<its recipe>)"
+            recipes.setdefault(_path(r.path, traced.root), r.reason.removeprefix("fp8 matmul (").removesuffix(")"))
     by_path: dict[str, list[MatmulOp]] = collections.defaultdict(list)
     for m in forward + (backward or []):
         by_path[_path(m.path, traced.root)].append(m)

@@ -317,32 +317,25 @@ def _gather(x: Any, dtype: np.dtype, replicated: NamedSharding) -> Any:
     followed by nothing but the slice of each device's part."""
     if x.dtype == dtype:
         return jax.lax.with_sharding_constraint(x, replicated)
-    if dtype == E4M3:
-        return _gather_fp8(x, replicated)
+    if dtype == E4M3:  # quantized with the whole array's scale, the model handed its dequantized values
+        return _narrow_gather(x, lambda x: e4m3_read(x)[:2], lambda q: dequantized(*q, x.dtype), replicated)
+    return _narrow_gather(x, lambda x: x.astype(dtype), lambda narrow: narrow.astype(x.dtype), replicated)
+
+
+def _narrow_gather(x: Any, narrow: Any, widen: Any, replicated: NamedSharding) -> Any:
+    """``widen(gathered narrow(x))``: ``narrow`` on each shard, the all-gather of what it
+    returns, ``widen`` after. Optimization barriers keep XLA from moving the narrowing
+    after the gather (jax#23543). The cotangent passes through unrounded.
+
+    FP8 (E4M3, ``e4m3_read``): each shard is quantized with the scale of the whole array
+    (its amax reduced across devices: every device makes the same bits), one byte per
+    element crosses the wire, and the model's FP8 matmul quantizes the dequantized values
+    to the same FP8 values (:mod:`precision.reads`)."""
 
     @jax.custom_vjp
     def gather(x):
-        narrow = jax.lax.optimization_barrier(x.astype(dtype))  # the barrier keeps the cast before the gather
-        return jax.lax.optimization_barrier(jax.lax.with_sharding_constraint(narrow, replicated)).astype(x.dtype)
-
-    gather.defvjp(lambda x: (gather(x), None), lambda _, g: (jax.lax.with_sharding_constraint(g, replicated),))
-    return gather(x)
-
-
-def _gather_fp8(x: Any, replicated: NamedSharding) -> Any:
-    """``x`` whole on every device, gathered in FP8: each shard quantized to E4M3 with
-    the scale of the whole array (its amax reduced across devices: every device
-    makes the same bits), one byte per element on the wire, then handed to the
-    model as its dequantized values (exact in ``x``'s dtype). The model's FP8
-    matmul quantizes them to the same FP8 values (:mod:`precision.reads`); the
-    cotangent passes through, as :func:`_gather`'s does."""
-
-    @jax.custom_vjp
-    def gather(x):
-        q, scale, _ = e4m3_read(x)
-        q = jax.lax.optimization_barrier(q)  # quantized on each shard, before the gather
-        q = jax.lax.optimization_barrier(jax.lax.with_sharding_constraint(q, replicated))
-        return dequantized(q, jax.lax.with_sharding_constraint(scale, replicated), x.dtype)
+        payload = jax.lax.optimization_barrier(narrow(x))
+        return widen(jax.lax.optimization_barrier(jax.lax.with_sharding_constraint(payload, replicated)))
 
     gather.defvjp(lambda x: (gather(x), None), lambda _, g: (jax.lax.with_sharding_constraint(g, replicated),))
     return gather(x)

@@ -175,7 +175,7 @@ def _axiswise_product(formats: tuple[np.dtype, np.dtype], out_dtype: np.dtype, p
         b_free = b.ndim - len(b_contract) - len(b_batch)
         scales = (_in_output_layout(s_a, a_contract, a_batch, 0, b_free)
                   * _in_output_layout(s_b, b_contract, b_batch, a_free, 0))
-        return (acc * (1.0 / scales)).astype(out_dtype)
+        return _unscaled(acc, scales, out_dtype)
 
     return product
 
