@@ -325,15 +325,16 @@ def test_fp8_parity_reports_the_gap_to_bf16(tmp_path):
     assert "| mixed_fp8 |" in fp8_parity.markdown(result)
 
 
-@pytest.mark.parametrize("options", [dict(scan_layers=True), dict(remat="full")])
-def test_fp8_reaches_scanned_and_rematerialized_layers_and_keeps_activations_16_bit(options):
+@pytest.mark.parametrize("options,scaling", [(dict(scan_layers=True), "delayed"), (dict(remat="full"), "delayed"),
+                                             (dict(scan_layers=True), "rowwise")])
+def test_fp8_reaches_scanned_and_rematerialized_layers_and_keeps_activations_16_bit(options, scaling):
     from precision.autocast.program import iter_ops
 
     model = GPT(vocab_size=32, block_size=16, num_layers=2, num_heads=2, d_model=64, **options)
     batch = _lm_batch()
     state = create_train_state(model, "mixed_fp8", optax.adamw(1e-3), jax.random.PRNGKey(0), batch["inputs"][:1],
-                               fp8={"min_size": 0, "scaling": "delayed", "attention": True})  # in a loop body:
-    # scaled currently
+                               fp8={"min_size": 0, "scaling": scaling, "attention": True})  # delayed in a loop
+    # body: scaled currently
     jaxpr = jax.make_jaxpr(make_train_step(donate=False, task="language_model"))(state, batch)
     _check_fp8_at_or_above(matmul_ops(jaxpr), 0, expect_small=False)
     forward = [op for op in iter_ops(jaxpr) if op.primitive == "dot_general" and not op.backward]

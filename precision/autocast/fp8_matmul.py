@@ -164,13 +164,14 @@ def _in_output_layout(scale: jax.Array, contract: Sequence[int], batch: Sequence
 
 def _axiswise_product(formats: tuple[np.dtype, np.dtype], out_dtype: np.dtype, precision: Any) -> Product:
     """A ``dot_general`` of two operands each quantized along its own contracted axes
-    (``formats``: lhs's and rhs's FP8 format), dequantized on the float32 accumulator."""
+    (``formats``: lhs's and rhs's FP8 format), dequantized after the GEMM (its output in
+    ``out_dtype``: dividing by a power of two per row and column adds no rounding)."""
 
     def product(a: jax.Array, b: jax.Array, dims: Any) -> jax.Array:
         (a_contract, b_contract), (a_batch, b_batch) = dims
         q_a, s_a = quantized_along(a, a_contract, formats[0])
         q_b, s_b = quantized_along(b, b_contract, formats[1])
-        acc = f8_dot(q_a, q_b, dims, F32, precision)
+        acc = f8_dot(q_a, q_b, dims, _accumulator(out_dtype), precision)  # 16-bit out: the scales are exact
         a_free = a.ndim - len(a_contract) - len(a_batch)
         b_free = b.ndim - len(b_contract) - len(b_batch)
         scales = (_in_output_layout(s_a, a_contract, a_batch, 0, b_free)
