@@ -265,6 +265,10 @@ CHECKED = [
     (["workdir={d}/afile"], "workdir: {d}/afile is a file, not a directory"),
     (["workdir={d}/afile/run"], "workdir: {d}/afile is a file, not a directory"),
     (["workdir=''"], "workdir must not be empty"),
+    # a bad value given on the command line is credited to it, not to the config file
+    (["tracker.wandb.project=p", "tracker.wandb.mode=sometimes"],
+     "error: the command line (tracker.wandb.mode=sometimes): tracker.wandb.mode: unknown value 'sometimes'"),
+    (["model.init_from={d}/nothing"], "error: the command line (model.init_from={d}/nothing): model.init_from: "),
     (["compile_cache={d}/afile"], "compile_cache: {d}/afile is a file, not a directory"),
     (["data.name=synthetic", "data.input_shape=[-3]"], "data.input_shape[0] must be >= 1, got -3"),
     (["model.hidden=[1000000000000]"], "model 'mlp' has 7.7e+13 parameters: its train state"),
@@ -325,7 +329,8 @@ def test_bad_input_is_one_line_exit_2_before_any_compute(args, message, user_fil
 def test_a_workdir_that_cannot_be_written_is_one_line(workdir, capsys):
     code, err = _check([f"workdir={workdir}"], capsys)
     assert code == 2 and len(err) == 1
-    assert re.fullmatch(rf"error: {ROOT / 'configs' / 'default.yaml'}: workdir: {workdir} is not writable "
+    # the error names where the key was set: here the command line, not the config file
+    assert re.fullmatch(rf"error: the command line \(workdir={workdir}\): workdir: {workdir} is not writable "
                         rf"\((Permission denied|Operation not permitted)\); give a directory you can write to", err[0])
 
 

@@ -90,7 +90,8 @@ def test_sections_are_pydantic_models_with_validated_assignment():
     ({"precision": {"rules": [["LayerNorm", "f33"]]}}, "precision.rules: rules[0] ('LayerNorm')"),
     ({"precision": {"loss_scale": "dynamc"}}, "precision.loss_scale: unknown value 'dynamc'; valid: auto, none"),
     ({"precision": {"loss_scale": "dynamic", "growth_factor": 0.5}}, "growth_factor must be a number > 1"),
-    ({"optimizer": {"name": "adagrad"}}, "optimizer.name: unknown value 'adagrad'; valid: adam, adamw, sgd, lion"),
+    ({"optimizer": {"name": "adagard"}}, "optimizer.name: unknown optimizer 'adagard'. Did you mean 'adagrad'? Valid: "
+                                         "adam, adamw, sgd, lion, an optax optimizer ("),
     ({"inference_dtypes": ["float8"]}, "inference_dtypes[0]: unknown value 'float8'; valid: float16, bfloat16"),
     ({"data": 3}, "data must be a mapping"),
     (3, "the config must be a mapping"),

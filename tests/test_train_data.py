@@ -106,3 +106,19 @@ def test_prefetch_keeps_order_and_items():
     out = list(prefetch_to_device(iter(items), size=2))
     assert [int(o["x"][0]) for o in out] == list(range(5))
     assert list(prefetch_to_device(iter([1, 2]), size=0)) == [1, 2]
+
+
+def test_digits_order_is_deterministic_per_epoch_and_drops_the_remainder():
+    a, b = load_dataset("digits"), load_dataset("digits")
+    per_epoch = len(a.x_train) // 128  # 1797 examples: 14 batches, 5 left over each epoch
+    for index in (0, 5, per_epoch + 3, 40):  # two fresh objects, any order of reads: the same batch
+        np.testing.assert_array_equal(a.train_batch(index, 128, seed=7)["inputs"],
+                                      b.train_batch(index, 128, seed=7)["inputs"])
+    epochs = [np.concatenate([a._order.indices(e * per_epoch + i, 128, seed=7) for i in range(per_epoch)])
+              for e in range(2)]
+    for epoch in epochs:
+        assert len(np.unique(epoch)) == per_epoch * 128  # no example twice; 5 dropped
+    assert not np.array_equal(epochs[0], epochs[1]) and set(epochs[0]) != set(epochs[1])
+    stack = a.train_batch_stack(per_epoch - 1, 3, 128, seed=7)["labels"]  # across the epoch boundary
+    np.testing.assert_array_equal(stack[1], b.train_batch(per_epoch, 128, seed=7)["labels"])
+    assert not np.array_equal(a.train_batch(3, 128, seed=8)["inputs"], a.train_batch(3, 128, seed=7)["inputs"])

@@ -4,8 +4,9 @@ The Python API, for your own loop:
   :mod:`train.binding` (any Flax model, Linen or NNX, under a policy as ``init`` / ``apply``),
   :mod:`train.state` (``TrainState``, ``create_train_state``), :mod:`train.step` (jitted train
   and eval steps, gradient accumulation, several steps per call), :mod:`train.tasks` (losses),
-  :mod:`train.inference` (half-precision serving), :mod:`train.distributed` (meshes, shardings,
-  processes), :mod:`train.checkpoint`, :mod:`train.metrics`; :mod:`train.compile_for` (a train
+  :mod:`train.inference` (half-precision serving), :mod:`train.pretrained` (start from trained weights:
+  another run's or Hugging Face Flax ones, :mod:`train.huggingface`), :mod:`train.distributed` (meshes, shardings,
+  processes), :mod:`train.checkpoint`, :mod:`train.metrics`, :mod:`train.wandb_logger` (Weights & Biases); :mod:`train.compile_for` (a train
   step compiled for a GPU this machine does not have: :mod:`train.targets`, read back by
   :mod:`train.gpu_kernels`).
 
@@ -34,17 +35,19 @@ from train.distributed import Layout, MeshError, initialize_distributed, make_me
 from train.inference import cast_for_inference, full_precision_params, inference_report
 from train.loop import NonFiniteError, build_experiment, run
 from train.metrics import MetricsWriter, read_metrics
+from train.pretrained import PretrainedError, load_pretrained
 from train.references import UserCodeError
-from train.state import TrainState, create_train_state
+from train.state import ScaledGrads, TrainState, create_train_state
 from train.step import evaluate, make_eval_step, make_multi_step, make_train_step, summarize_eval
 from train.targets import GpuTarget, TargetError, get_target
 from train.tasks import Task, cross_entropy, get_task
+from train.wandb_logger import WandbLogger
 
 __all__ = ["CheckpointError", "Checkpointer", "CommunicationReport", "CompiledStep", "ConfigError", "DataError", "ExperimentConfig", "Layout", "MeshError",
-           "MetricsWriter", "NNXModel", "NonFiniteError", "Task", "TrainState", "UserCodeError", "UserData", "bind",
+           "MetricsWriter", "NNXModel", "NonFiniteError", "ScaledGrads", "Task", "TrainState", "UserCodeError", "UserData", "WandbLogger", "bind",
            "build_data", "build_experiment", "build_model", "build_optimizer", "build_task", "cast_for_inference",
            "cast_variables", "check_model_fits_data", "compile_for", "compile_train_step", "create_train_state", "cross_entropy", "diagnose_experiment",
            "diagnose_state", "evaluate", "explain_communication",
            "full_precision_params", "get_target", "get_task", "GpuTarget", "help_text", "inference_report", "initialize_distributed",
            "load_config", "load_dataset", "make_eval_step", "make_mesh", "make_multi_step", "make_train_step",
-           "mode_kwargs", "read_metrics", "rebind", "run", "summarize_eval", "TargetError"]
+           "load_pretrained", "mode_kwargs", "PretrainedError", "read_metrics", "rebind", "run", "summarize_eval", "TargetError"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import os
 import typing
 from typing import Any
 
@@ -27,7 +28,9 @@ from train.data.base import host_memory_bytes
 from train.data.user import from_user_function
 from train.binding import bind, mode_kwargs
 from train.models import MODELS
+from train.optimizers import build_optimizer
 from train.references import UserCodeError, one_line, resolve
+from train.pretrained import PretrainedError, checkpoint_steps
 from train.state import create_train_state
 from train.tasks import Task, describe_outputs, get_task
 
@@ -95,6 +98,8 @@ def build_model(model_config: Any, data: Any, seed: int = 0) -> Any:
     kwargs = _constructor_kwargs(target, options, seed, model_config)
     try:
         model = target(**kwargs)
+    except ConfigError:  # a factory that names the key itself (train.huggingface:model)
+        raise
     except Exception as e:  # noqa: BLE001 - the user's constructor raised
         raise ConfigError(f"model.name: {model_config.name}(**model) raised {one_line(e)}"
                           f"{_with_options(model_config)}") from None
@@ -301,30 +306,6 @@ def _check_user_loss(task: Task, outputs: Any, batch: dict, name: str) -> None:
         raise ConfigError(f"task: {task.name} cannot take the outputs of model '{name}' ({one_line(e)})") from None
 
 
-def build_optimizer(opt: Any, steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """The optax optimizer and learning-rate schedule an optimizer config describes."""
-    warmup = min(opt.warmup_steps, steps)
-    if opt.schedule == "constant":
-        after = optax.constant_schedule(opt.lr)
-    elif opt.schedule == "cosine":
-        after = optax.cosine_decay_schedule(opt.lr, max(steps - warmup, 1), alpha=opt.min_lr / opt.lr)
-    else:
-        after = optax.linear_schedule(opt.lr, opt.min_lr, max(steps - warmup, 1))
-    schedule = (optax.join_schedules([optax.linear_schedule(0.0, opt.lr, warmup), after], [warmup])
-                if warmup else after)
-    if opt.name == "adam":
-        tx = optax.adam(schedule, opt.b1, opt.b2, opt.eps)
-    elif opt.name == "adamw":
-        tx = optax.adamw(schedule, opt.b1, opt.b2, opt.eps, weight_decay=opt.weight_decay)
-    elif opt.name == "lion":
-        tx = optax.lion(schedule, opt.b1, opt.b2, weight_decay=opt.weight_decay)
-    else:
-        tx = optax.sgd(schedule, opt.momentum or None, opt.nesterov)
-        if opt.weight_decay:
-            tx = optax.chain(optax.add_decayed_weights(opt.weight_decay), tx)
-    return tx, schedule
-
-
 def build_train_state(config: Any, model: Any, data: Any, layout: Any = None) -> tuple[Any, optax.Schedule]:
     """The train state ``config`` starts from (policy, rules, op lists, loss scale,
     optimizer, clipping, layout) and its learning-rate schedule.
@@ -341,7 +322,9 @@ def build_train_state(config: Any, model: Any, data: Any, layout: Any = None) ->
             max_grad_norm=config.optimizer.max_grad_norm, skip_with=config.precision.skip_with, layout=layout,
             ops=config_lib.build_op_lists(config.precision), autocast=config.precision.autocast,
             strict=config.precision.strict, fp8=config.precision.fp8.options(),
-            reduce_dtype=config.precision.reduce_dtype)
+            reduce_dtype=config.precision.reduce_dtype, init_from=_init_from(config))
+    except PretrainedError as e:
+        raise ConfigError(f"model.{e}") from None
     except precision.CoverageError as e:
         raise ConfigError(f"precision.strict: {e}") from None
     except precision.PolicyError as e:  # the schema parsed the policy and rules: only reduce_dtype is left
@@ -350,3 +333,9 @@ def build_train_state(config: Any, model: Any, data: Any, layout: Any = None) ->
         raise ConfigError(f"model '{config.model.name}' with {config.model.options or 'its defaults'} "
                           f"cannot be built: {str(e).removeprefix('create_train_state: ')}") from None
     return state, schedule
+
+
+def _init_from(config: Any) -> str | None:
+    """``model.init_from``, unless the run's workdir has checkpoints: it resumes from them instead."""
+    resuming = checkpoint_steps(os.path.join(os.path.abspath(config.workdir), "checkpoints"))
+    return None if resuming else config.model.init_from

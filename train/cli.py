@@ -8,6 +8,7 @@ import sys
 import yaml
 
 from train.config import ConfigError, distributed_settings, help_text, load_config, to_dict
+from train.config.files import with_origin
 from train.data import DataError
 
 USAGE = "python -m train CONFIG [key=value ...]"
@@ -59,6 +60,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Origin(str):
+    """The config file's path; called with an error about the config, the error after where
+    the key it names was set (the file, or the override on the command line)."""
+
+    def __new__(cls, path: str, overrides: list[str]):
+        origin = super().__new__(cls, path)
+        origin.overrides = list(overrides)
+        return origin
+
+    def __call__(self, error: Exception) -> str:
+        return with_origin(str(error), str(self), self.overrides)
+
+
 def _fail(message: str, code: int, prefix: str = "error: ") -> int:
     print(prefix + " ".join(line.strip() for line in message.splitlines()), file=sys.stderr)  # one line
     return code
@@ -105,16 +119,17 @@ def _main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
         return 0
+    path = _Origin(args.config, args.overrides)  # where a key named by an error was set
     if args.compile_for is not None:
-        return _compile_for(args.config, config, args.compile_for, args.devices)
+        return _compile_for(path, config, args.compile_for, args.devices)
     if args.devices is not None:
         return _fail("--devices goes with --compile-for (a run takes the devices it finds)", 2)
     if args.explain:
-        return _explain(args.config, config)
+        return _explain(path, config)
     if args.check:
-        return _check(args.config, config)
+        return _check(path, config)
     if args.diagnose:
-        return _diagnose(args.config, config, args.diagnose_steps)
+        return _diagnose(path, config, args.diagnose_steps)
     from train.checkpoint import CheckpointError
     from train.loop import NonFiniteError, run  # heavy imports (jax, orbax) only when training
     from train.metrics import OutputError
@@ -122,7 +137,7 @@ def _main(argv: list[str] | None = None) -> int:
     try:
         run(config)
     except (ConfigError, DataError) as e:
-        return _fail(f"{args.config}: {e}", 2)
+        return _fail(path(e), 2)
     except NonFiniteError as e:
         return _stopped(config, str(e), 1)
     except (CheckpointError, OutputError) as e:
@@ -140,17 +155,17 @@ def _stopped(config, message: str, code: int, prefix: str = "error: ") -> int:
     return _fail(message, code, prefix)
 
 
-def _check(path: str, config) -> int:
+def _check(path: _Origin, config) -> int:
     from train.loop import check_experiment
 
     try:
         print("ok: " + check_experiment(config))
     except (ConfigError, DataError) as e:
-        return _fail(f"{path}: {e}", 2)
+        return _fail(path(e), 2)
     return 0
 
 
-def _diagnose(path: str, config, steps: int) -> int:
+def _diagnose(path: _Origin, config, steps: int) -> int:
     from train.checkup import diagnose_experiment
 
     if steps < 1:
@@ -160,7 +175,7 @@ def _diagnose(path: str, config, steps: int) -> int:
     try:
         diagnose_experiment(config, steps)
     except (ConfigError, DataError) as e:
-        return _fail(f"{path}: {e}", 2)
+        return _fail(path(e), 2)
     except CheckpointError as e:
         return _fail(str(e), 3)
     except OSError as e:
@@ -179,7 +194,7 @@ def _mesh_overrides(text: str) -> list[str]:
     return overrides
 
 
-def _compile_for(path: str, config, target: str, devices: int | None) -> int:
+def _compile_for(path: _Origin, config, target: str, devices: int | None) -> int:
     from train.compile_for import TargetError, compile_for, write_report
 
     try:
@@ -187,7 +202,7 @@ def _compile_for(path: str, config, target: str, devices: int | None) -> int:
     except TargetError as e:
         return _fail(str(e), 2)
     except (ConfigError, DataError) as e:
-        return _fail(f"{path}: {e}", 2)
+        return _fail(path(e), 2)
     print(report)
     try:
         print(f"\nwrote {write_report(report, config.workdir)}")
@@ -196,7 +211,7 @@ def _compile_for(path: str, config, target: str, devices: int | None) -> int:
     return 0 if report.fits else 1
 
 
-def _explain(path: str, config) -> int:
+def _explain(path: _Origin, config) -> int:
     from train.explain import explain_experiment, explain_experiment_communication, explain_experiment_state
     from train.loop import build_experiment
 
@@ -206,7 +221,7 @@ def _explain(path: str, config) -> int:
         print(f"\n{explain_experiment_state(config, experiment)}")
         communication = explain_experiment_communication(config, experiment)
     except (ConfigError, DataError) as e:
-        return _fail(f"{path}: {e}", 2)
+        return _fail(path(e), 2)
     if communication is not None:
         print(f"\n{communication}")
     return 0

@@ -36,10 +36,12 @@ from train.distributed import Layout, MeshError, host_rows, initialize_distribut
 from train.inference import inference_report
 from train.metrics import OutputError, Progress
 from train.outputs import Outputs, restore, save_last_good, save_on_interrupt
+from train.pretrained import describe_init
 from train.state import TrainState, explain_model
 from train.step import evaluate, make_eval_step, make_multi_step, make_train_step
 from train.interrupts import interrupts_between_calls
 from train.tracker import NonFiniteError, Tracker, format_summary, model_label
+from train.wandb_logger import check_wandb
 from train.workdir import RESUMABLE_CHANGES, check_same_experiment, check_writable, resolved_config  # noqa: F401
 
 __all__ = ["NonFiniteError", "build_experiment", "build_model", "build_optimizer", "check_experiment",
@@ -52,7 +54,8 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
 
     Writes ``WORKDIR/config.yaml``, ``metrics.jsonl``, ``tensorboard/``,
     ``checkpoints/`` and ``summary.json`` (process 0 of a multi-process run
-    writes all but the checkpoints, which every process writes its shards of).
+    writes all but the checkpoints, which every process writes its shards of), and logs
+    to Weights & Biases where ``tracker.wandb`` names a project (``WORKDIR/wandb/``).
     ``on_record`` sees every metrics record.
 
     Raises:
@@ -68,6 +71,7 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
     """
     out = sys.stdout if out is None else out
     check_writable(config.workdir, "workdir", create=False)  # before anything is computed; made by Outputs
+    check_wandb(config)
     layout = _start_devices(config)
     if jax.process_index() != 0:
         out = io.StringIO()  # only process 0 reports
@@ -75,8 +79,9 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
     resolved = resolved_config(config, model, data)
     check_same_experiment(os.path.abspath(config.workdir), resolved)
     state, schedule = build_train_state(config, model, data, layout)
-    outputs = Outputs(config, resolved, out, on_record)
-    with library_log.to_file(outputs.library_log):  # libraries' logs and warnings: not the terminal
+    outputs = Outputs(config, resolved, out, on_record, data)
+    # libraries' logs and warnings: not the terminal; W&B (tracker.wandb) finished with the run's exit status
+    with library_log.to_file(outputs.library_log), outputs.tracking():
         state, start = restore(outputs, state)
         tracker = _start_tracking(config, state, start, data, task, layout, outputs)
         evaluator = _Evaluator(config, data, task, layout, tracker)
@@ -95,6 +100,7 @@ def check_experiment(config: ExperimentConfig) -> str:
       ConfigError, DataError: as :func:`run` would, before any compute.
     """
     workdir = check_writable(config.workdir, "workdir", create=False)
+    check_wandb(config)
     if config.compile_cache not in (None, "auto"):
         check_writable(config.compile_cache, "compile_cache", create=False)
     layout = layout_of(config)
@@ -185,10 +191,13 @@ def _start_tracking(config: ExperimentConfig, state: TrainState, start: int, dat
     notes = _fp8_coverage(config, state, data)
     tracker = Tracker(config, state, data, task, outputs.writer, progress, outputs.on_record, notes)
     print(f"{model_label(config.model.name)} on {data.describe()}; policy {state.policy} ({config.precision.policy}), "
-          f"loss scale {type(state.loss_scale).__name__}; steps {start} -> {config.steps}; "
+          f"loss scale {type(state.loss_scale).__name__}; steps {start} -> {config.steps}"
+          f"{describe_init(config.model.init_from, resuming=start > 0)}; "
           f"{_describe_layout(layout)}; workdir {outputs.workdir}", file=outputs.out)
-    for note in [*_data_notes(data), *notes, state_note(state, config.accum_steps)]:
+    header = [*_data_notes(data), *notes, state_note(state, config.accum_steps)]
+    for note in header:
         print(note, file=outputs.out)
+    outputs.report_precision(state, data.sample_input(config.data.batch_size), header)
     return tracker
 
 
@@ -345,6 +354,7 @@ def _finish(config: ExperimentConfig, state: TrainState, start: int, task: Any, 
         except OSError as e:
             raise OutputError(f"could not write {path}: {e.strerror or e}; the trained state is checkpointed in "
                               f"{outputs.checkpoints.directory}") from None
+    outputs.log_summary(summary)
     print(format_summary(summary), file=outputs.out)
     return summary
 

@@ -1,11 +1,13 @@
-"""What a run keeps in its workdir: ``config.yaml``, metrics records, checkpoints
+"""What a run keeps in its workdir: ``config.yaml``, metrics records (and a Weights & Biases run), checkpoints
 (restored from the newest intact one, saved on a stop), and the libraries' log;
 and what it says on the console."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
-from typing import Callable, TextIO
+from typing import Any, Callable, Iterator, TextIO
 
 import jax
 
@@ -13,8 +15,9 @@ from train.checkpoint import CheckpointError, Checkpointer
 from train.config import ConfigError, ExperimentConfig
 from train.distributed import to_host
 from train.metrics import MetricsWriter, NullWriter
-from train.state import TrainState
+from train.state import TrainState, explain_model
 from train.tracker import Tracker
+from train.wandb_logger import WandbLogger
 from train.workdir import check_writable, write_config
 
 __all__ = ["Outputs", "restore", "save_last_good", "save_on_interrupt"]
@@ -25,13 +28,15 @@ class Outputs:
     checkpoints; process 0 all but its checkpoint shards) and to the console."""
 
     def __init__(self, config: ExperimentConfig, resolved: dict, out: TextIO,
-                 on_record: Callable[[dict], None] | None):
+                 on_record: Callable[[dict], None] | None, data: Any = None):
         self.workdir = check_writable(config.workdir, "workdir")
-        self.resolved, self.out, self.on_record = resolved, out, on_record
+        self.resolved, self.out, self.on_record, self.data = resolved, out, on_record, data
         primary = jax.process_index() == 0
         if primary:
             write_config(self.workdir, resolved)
-        self.writer = MetricsWriter(self.workdir) if primary else NullWriter()
+        self.writer = MetricsWriter(self.workdir, config.tracker.tensorboard) if primary else NullWriter()
+        self.wandb_settings = config.tracker.wandb if primary and config.tracker.wandb.enabled else None
+        self.wandb: WandbLogger | None = None  # while tracking()
         self.library_log = os.path.join(self.workdir, "train.log" if primary else f"train.{jax.process_index()}.log")
         self.checkpoints = Checkpointer(os.path.join(self.workdir, "checkpoints"), config.keep_checkpoints)
 
@@ -41,12 +46,53 @@ class Outputs:
             self.on_record(record)
 
     def checkpoint(self, state: TrainState) -> int:
-        """Saves ``state`` with the data position it resumes from."""
-        return self.checkpoints.save(state, {"data_position": int(to_host(state.step)), "config": self.resolved})
+        """Saves ``state`` with the data position it resumes from (and a stream's, which the data records)."""
+        step = int(to_host(state.step))
+        meta = {"data_position": step, "config": self.resolved}
+        data_state = getattr(self.data, "checkpoint_state", lambda _: None)(step)
+        return self.checkpoints.save(state, meta if data_state is None else dict(meta, data_state=data_state))
 
     def close(self) -> None:
         self.checkpoints.close()
         self.writer.close()
+
+    @contextlib.contextmanager
+    def tracking(self) -> Iterator[None]:
+        """Weights & Biases (``tracker.wandb``, process 0) while inside: the config, every record,
+        finished with the run's exit status (:func:`train.wandb_logger.exit_status`)."""
+        if self.wandb_settings is None:
+            yield
+            return
+        self.wandb = WandbLogger.from_config(self.wandb_settings, self.workdir, self.resolved, self.out)
+        user_hook = self.on_record
+
+        def on_record(record: dict) -> None:
+            self.wandb.log(record)
+            if user_hook is not None:
+                user_hook(record)
+
+        self.on_record = on_record
+        with self.wandb:
+            yield
+
+    def report_precision(self, state: TrainState, sample_input: Any, notes: list[str]) -> None:
+        """The precision report for W&B (when it logs): the policy, the header's notes and
+        :func:`precision.explain` of the model on ``sample_input``, per module."""
+        if self.wandb is None or not self.wandb.active:
+            return
+        try:
+            explanation = explain_model(state.model, sample_input, train=True, backward=True)
+        except Exception:  # the report is for reading; the run does not depend on it
+            logging.getLogger("train").warning("precision.explain failed for the W&B report", exc_info=True)
+            explanation = None
+        self.wandb.log_precision(explanation, policy=str(state.policy),
+                                 policy_spec=self.resolved["precision"]["policy"],
+                                 loss_scale=type(state.loss_scale).__name__, notes="\n".join(notes))
+
+    def log_summary(self, summary: dict) -> None:
+        """The end-of-run summary as the W&B run's summary (when it logs)."""
+        if self.wandb is not None:
+            self.wandb.log_summary(summary)
 
 
 def restore(outputs: Outputs, state: TrainState) -> tuple[TrainState, int]:
@@ -70,6 +116,9 @@ def restore(outputs: Outputs, state: TrainState) -> tuple[TrainState, int]:
         raise ConfigError(f"checkpoint at step {start} in {outputs.checkpoints.directory} records data position "
                           f"{meta.get('data_position')}, expected {start}: it was not written by this run")
     print(f"resuming from the checkpoint at step {start} in {outputs.checkpoints.directory}", file=outputs.out)
+    note = getattr(outputs.data, "resume", lambda *_: None)(start, meta.get("data_state"))
+    if note:
+        print(note, file=outputs.out)
     return state, start
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ import precision
 from precision.loss_scale import LossScale
 from train.distributed import Layout
 from train.binding import NNXModel, bind, call_mode_kwargs, cast_variables, mode_kwargs
+from train.pretrained import pretrained_variables
 from train.tree_paths import leaf_shapes
 
 
@@ -46,13 +48,108 @@ class TrainState(struct.PyTreeNode):
         """The loss scale the next step multiplies the loss by."""
         return precision.current_loss_scale(self.opt_state)
 
+    # Flax's ``flax.training.train_state.TrainState`` habits (docs/flax-habits.md).
+
+    @property
+    def apply_fn(self) -> Callable[..., Any]:
+        """The model's ``apply`` under its policy, as Flax's ``state.apply_fn``:
+        ``state.apply_fn({"params": state.params, **state.model_state}, x, train=True)``."""
+        return self.model.apply
+
+    @classmethod
+    def create(cls, **kwargs: Any) -> "TrainState":
+        """Not Flax's constructor: a mixed-precision state needs the module, not only its ``apply``."""
+        raise TypeError("TrainState.create: a mixed-precision state needs the module (to run it under its "
+                        "policy), not only its apply_fn: use train.create_train_state(module, policy, tx, rng, "
+                        "sample_input, variables={'params': params}) (docs/flax-habits.md)")
+
+    def scale_loss(self, loss: jax.Array) -> jax.Array:
+        """``loss`` times this state's loss scale: what to differentiate for :meth:`apply_gradients`."""
+        return self.loss_scale.scale(loss)
+
+    def value_and_grad(self, fn: Callable[..., Any], has_aux: bool = False) -> Callable[..., tuple[Any, "ScaledGrads"]]:
+        """``jax.value_and_grad(fn, has_aux)`` (with respect to the first argument) of the
+        *scaled* loss: returns ``fn``'s own (unscaled) value and :class:`ScaledGrads`,
+        which :meth:`apply_gradients` takes under any loss scale."""
+        def scaled(*args: Any, **kwargs: Any) -> tuple[jax.Array, Any]:
+            out = fn(*args, **kwargs)
+            return self.scale_loss(out[0] if has_aux else out), out
+
+        grad_fn = jax.grad(scaled, has_aux=True)
+
+        def value_and_grads(*args: Any, **kwargs: Any) -> tuple[Any, ScaledGrads]:
+            grads, out = grad_fn(*args, **kwargs)
+            return out, ScaledGrads(grads, out[0] if has_aux else out)
+
+        return value_and_grads
+
+    def grad(self, fn: Callable[..., Any], has_aux: bool = False) -> Callable[..., Any]:
+        """``jax.grad(fn, has_aux)`` of the scaled loss: :class:`ScaledGrads` (and ``fn``'s aux)."""
+        value_and_grads = self.value_and_grad(fn, has_aux)
+
+        def grads(*args: Any, **kwargs: Any) -> Any:
+            out, scaled = value_and_grads(*args, **kwargs)
+            return (scaled, out[1]) if has_aux else scaled
+
+        return grads
+
+    def apply_gradients(self, *, grads: "ScaledGrads | Any", **kwargs: Any) -> "TrainState":
+        """One optimizer step, as Flax's ``apply_gradients``, through the mixed-precision
+        optimizer: unscale, finiteness check (of the loss too, when ``grads`` carry it),
+        skip or update (float32 masters of half params), adjust the loss scale. ``step``
+        counts every call, skipped or not, as :func:`train.make_train_step` does;
+        ``kwargs`` replace fields (``model_state=``). ``grads`` are :class:`ScaledGrads`,
+        or under no loss scale (bfloat16, float32) a plain tree like ``state.params``."""
+        scaled = _scaled_grads(grads, self.loss_scale)
+        _check_grads_match(scaled.grads, self.params)
+        value = {} if scaled.loss is None else {"value": scaled.loss}  # a non-finite loss skips the step too
+        updates, opt_state = self.tx.update(scaled.grads, self.opt_state, self.params, **value)
+        return self.replace(step=self.step + 1, params=optax.apply_updates(self.params, updates),
+                            opt_state=opt_state, **kwargs)
+
+
+class ScaledGrads(struct.PyTreeNode):
+    """Gradients of the scaled loss (``state.scale_loss(loss)``), marked as such, and
+    the unscaled ``loss`` they came from (or None). :meth:`TrainState.apply_gradients`
+    refuses unmarked gradients under a loss scale: gradients of the unscaled loss would
+    silently move params ``loss_scale`` (32768) times too little, after underflowing
+    in float16. :meth:`TrainState.value_and_grad` makes them; wrap your own gradients
+    of ``state.scale_loss(loss)`` in it."""
+
+    grads: Any
+    loss: Any = None
+
+
+def _scaled_grads(grads: Any, loss_scale: LossScale) -> ScaledGrads:
+    """``grads`` as :class:`ScaledGrads`; a plain tree only where the scale is 1 (no loss scale)."""
+    if isinstance(grads, ScaledGrads):
+        return grads
+    if not isinstance(loss_scale, precision.NoOpLossScale):
+        raise ValueError(
+            f"TrainState.apply_gradients: this state scales the loss ({type(loss_scale).__name__}) and `grads` "
+            f"are not marked as gradients of the scaled loss: gradients of the unscaled loss would move params "
+            f"loss_scale (e.g. 32768) times too little; take them with state.value_and_grad(loss_fn) or "
+            f"state.grad(loss_fn), or differentiate state.scale_loss(loss) and pass grads=train.ScaledGrads(grads)")
+    return ScaledGrads(grads)
+
+
+def _check_grads_match(grads: Any, params: Any) -> None:
+    """Gradients must have the params' paths and shapes (checked while tracing: no cost)."""
+    want, got = leaf_shapes(params), leaf_shapes(grads)
+    for path in sorted(set(want) | set(got)):
+        if want.get(path) != got.get(path):
+            raise ValueError(f"TrainState.apply_gradients: `grads` do not match state.params at {path or '<root>'}: "
+                             f"the params have {want.get(path, 'nothing')}, the grads {got.get(path, 'nothing')} "
+                             f"(differentiate with respect to state.params)")
+
 
 def create_train_state(model: Any, policy: "str | precision.Policy | None", optimizer: optax.GradientTransformation,
                        rng: jax.Array, sample_input: Any, *, rules: Any = None,
                        loss_scale: "str | LossScale" = "auto", max_grad_norm: float | None = None,
                        skip_with: str = "auto", layout: Layout | None = None, variables: Any = None,
                        ops: precision.OpLists | None = None, autocast: bool = True, strict: bool = False,
-                       fp8: "precision.Fp8Options | dict | None" = None, reduce_dtype: Any = "auto") -> TrainState:
+                       fp8: "precision.Fp8Options | dict | None" = None, reduce_dtype: Any = "auto",
+                       init_from: str | os.PathLike | None = None) -> TrainState:
     """Initialises a model under ``policy`` and a mixed-precision optimizer around ``optimizer``.
 
     Args:
@@ -94,6 +191,8 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
         scale). ``"auto"``: float32 when ``layout`` splits the batch over more
         than one device, otherwise the compute dtype (one device reduces
         nothing). See :func:`precision.with_policy`.
+      init_from: start from pretrained weights, cast as ``variables`` are: another run's workdir
+        or checkpoint, or a Hugging Face Flax directory (:mod:`train.pretrained`).
     """
     try:
         wrapped = bind(model, policy, rules, ops=ops, autocast=autocast, fp8=fp8,
@@ -106,6 +205,8 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
     rng, params_key, dropout_key = jax.random.split(rng, 3)
     keys = {"params": params_key, "dropout": dropout_key}
     mode = mode_kwargs(wrapped, False)
+    if init_from is not None:
+        variables = _pretrained(wrapped, keys, sample_input, mode, init_from, variables)
     if variables is None:
         variables = _sharded_jit(lambda k, x: wrapped.init(k, x, **mode), layout)(keys, sample_input)
     else:
@@ -122,6 +223,14 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
     state = TrainState(step=jnp.zeros([], jnp.int32), params=params, opt_state=_sharded_jit(tx.init, layout)(params),
                        model_state=model_state, rng=rng, model=wrapped, tx=tx, layout=layout)
     return state if layout is None else layout.put_state(state)
+
+
+def _pretrained(wrapped: Any, keys: dict, sample_input: Any, mode: dict, init_from: Any, variables: Any) -> dict:
+    """The variables ``init_from`` holds for ``wrapped``, with its fresh init where it has none."""
+    if variables is not None:
+        raise ValueError("create_train_state: give `variables` or `init_from`, not both")
+    init = jax.jit(lambda k, x: wrapped.init(k, x, **mode))
+    return pretrained_variables(init_from, jax.eval_shape(init, keys, sample_input), lambda: init(keys, sample_input))
 
 
 def _reduce_dtype(reduce_dtype: Any, layout: Layout | None, model: Any, autocast: bool) -> Any:

@@ -15,13 +15,12 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import optax
 
 import precision
 from precision.stored import ACCUM_STREAM, step_key
 from train.distributed import Layout, to_host
 from train.binding import TRAIN_KEYWORDS, NNXModel, mode_kwargs
-from train.state import TrainState
+from train.state import ScaledGrads, TrainState
 from train.tasks import Task, cross_entropy, get_task  # noqa: F401 - cross_entropy re-exported
 
 Metrics = dict[str, jax.Array]
@@ -86,15 +85,14 @@ def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], A
             _loss_fn(lay, task, train_kwarg), state, batch, rng, loss_scale, accum_steps, lay)
         if lay is not None:
             grads = lay.constrain_state(grads)
-        # value: the loss, checked with the gradients (a non-finite loss skips the step too)
-        updates, opt_state = state.tx.update(grads, state.opt_state, state.params, value=loss)
-        model_state = _with_fp8_state(model_state, fp8_state, state, opt_state)
+        # the loss, checked with the gradients (a non-finite loss skips the step too)
+        new_state = state.apply_gradients(grads=ScaledGrads(grads, loss))
+        opt_state = new_state.opt_state
+        new_state = new_state.replace(model_state=_with_fp8_state(model_state, fp8_state, state, opt_state))
         metrics = {**task_metrics, "loss": loss, **_optimizer_metrics(loss_scale, opt_state)}
         if learning_rate_fn is not None:
             applied = state.step - loss_scale.skipped_steps
             metrics["learning_rate"] = jnp.asarray(learning_rate_fn(applied), jnp.float32)
-        new_state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                                  opt_state=opt_state, model_state=model_state)
         if lay is not None:
             new_state = lay.constrain_state(new_state)
             metrics = jax.lax.with_sharding_constraint(metrics, lay.replicated())

@@ -12,6 +12,7 @@ import yaml
 from train import config as config_lib
 from train.builders import model_options
 from train.config import ConfigError, ExperimentConfig
+from train.config.tracker import TRACKER_KEYS
 from train.models import MODELS
 
 __all__ = ["RESUMABLE_CHANGES", "check_writable", "resolved_config", "check_same_experiment", "write_config"]
@@ -20,9 +21,10 @@ __all__ = ["RESUMABLE_CHANGES", "check_writable", "resolved_config", "check_same
 RESUMABLE_CHANGES = ("steps", "steps_per_call", "workdir", "compile_cache", "log_every", "eval_every",
                      "checkpoint_every", "keep_checkpoints",
                      "max_nonfinite_steps", "inference_dtypes", "progress", "precision.strict", "data.eval_batch_size",
-                     "data.eval_batches", "data.prefetch", "data.path", "mesh.data", "mesh.fsdp",
+                     "data.eval_batches", "data.prefetch", "data.path", "mesh.data", "mesh.fsdp", "model.init_from",
                      "mesh.fsdp_min_size", "distributed.coordinator_address", "distributed.num_processes",
-                     "distributed.process_id", "distributed.cluster_detect", "distributed.timeout_seconds")
+                     "distributed.process_id", "distributed.cluster_detect", "distributed.timeout_seconds",
+                     *TRACKER_KEYS)
 
 
 def check_writable(directory: str, key: str, create: bool = True) -> str:

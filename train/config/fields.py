@@ -5,10 +5,13 @@ built-in model (checked as a schema of their own)."""
 import dataclasses
 import difflib
 import functools
+import inspect
 import typing
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, Literal
 
 import jax.numpy as jnp
+import optax
+import optax.contrib
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, create_model
 
 from train.config.errors import invalid
@@ -17,17 +20,20 @@ from train.models import MODELS
 from train.references import is_reference
 
 __all__ = ["Optimizer", "Schedule", "InferenceDtype", "OPTIMIZERS", "SCHEDULES", "INFERENCE_DTYPES", "TASKS",
-           "CLASS_REFERENCE", "FUNCTION_REFERENCE", "Number", "Fraction", "Count", "NonNegative", "ModelName",
-           "DataName", "Task", "model_fields", "options_schema"]
+           "CLASS_REFERENCE", "FUNCTION_REFERENCE", "FACTORY_REFERENCE", "Number", "Fraction", "Count", "NonNegative",
+           "ModelName", "DataName", "Task", "model_fields", "options_schema", "optax_optimizers", "optax_schedules"]
 
-Optimizer = Literal["adam", "adamw", "sgd", "lion"]
-Schedule = Literal["constant", "cosine", "linear"]
 InferenceDtype = Literal["float16", "bfloat16"]
-OPTIMIZERS, SCHEDULES, INFERENCE_DTYPES = (typing.get_args(t) for t in (Optimizer, Schedule, InferenceDtype))
+#: The built-in optimizers and schedules (the config's b1, b2, eps, ... fields apply as they always have);
+#: optimizer.name and optimizer.schedule also take any optax one by name, or a factory reference.
+OPTIMIZERS = ("adam", "adamw", "sgd", "lion")
+SCHEDULES = ("constant", "cosine", "linear")
+INFERENCE_DTYPES = typing.get_args(InferenceDtype)
 TASKS = ("auto", "classification", "lm", "language_model")  # language_model: an alias of lm
 
 CLASS_REFERENCE = ("class", "package.module:Name / path/to/file.py:Name")
 FUNCTION_REFERENCE = ("function", "module:function / path/to/file.py:function")
+FACTORY_REFERENCE = ("factory", "path/to/file.py:make / package.module:make")
 
 
 def _yaml_number(value: Any) -> Any:
@@ -59,6 +65,65 @@ def _named(key: str, kind: str, builtins: Any, reference: tuple[str, str]) -> Af
     return AfterValidator(check)
 
 
+def _returns(fn: Callable, kind: type) -> bool:
+    """Whether ``fn``'s return annotation is ``kind`` (or a subclass), or absent."""
+    annotation = inspect.signature(fn).return_annotation
+    if annotation is inspect.Signature.empty:
+        return True
+    if isinstance(annotation, str):
+        return kind.__name__ in annotation
+    return isinstance(annotation, type) and issubclass(annotation, kind)
+
+
+def _first_parameter(fn: Callable) -> str | None:
+    try:
+        return next(iter(inspect.signature(fn).parameters), None)
+    except (TypeError, ValueError):
+        return None
+
+
+@functools.cache
+def optax_optimizers() -> dict[str, Callable]:
+    """The optimizers of optax and optax.contrib, by name: the public functions whose first
+    parameter is ``learning_rate`` and that return a GradientTransformation (the ``scale_by_*``
+    building blocks left out; a name in both: optax's)."""
+    found: dict[str, Callable] = {}
+    for module in (optax.contrib, optax):
+        for name in dir(module):
+            fn = getattr(module, name)
+            if (not name.startswith(("_", "scale_by_")) and callable(fn) and not isinstance(fn, type)
+                    and _first_parameter(fn) == "learning_rate" and _returns(fn, optax.GradientTransformation)):
+                found[name] = fn
+    return dict(sorted(found.items()))
+
+
+@functools.cache
+def optax_schedules() -> dict[str, Callable]:
+    """The schedules of ``optax.schedules``, by name: its public functions whose name ends in
+    ``_schedule`` or ``_decay`` (``join_schedules`` and ``inject_hyperparams`` are no schedules)."""
+    return {name: getattr(optax.schedules, name) for name in sorted(dir(optax.schedules))
+            if name.endswith(("_schedule", "_decay")) and callable(getattr(optax.schedules, name))}
+
+
+def _named_or_optax(key: str, kind: str, builtins: tuple[str, ...], catalog: Callable[[], dict]) -> AfterValidator:
+    """Accepts a built-in name, an optax one (from ``catalog``) or a factory reference;
+    else one line naming the nearest of them."""
+    noun, form = FACTORY_REFERENCE
+
+    def check(value: str) -> str:
+        if value in builtins or value in catalog() or is_reference(value):
+            return value
+        if ":" in value:
+            raise invalid(f"{key}: {value!r} is not a {noun} reference of the form {form}")
+        close = difflib.get_close_matches(value, [*builtins, *catalog()], n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise invalid(f"{key}: unknown {kind} {value!r}.{hint} Valid: {', '.join(builtins)}, an optax {kind} "
+                      f"({', '.join(n for n in catalog() if n not in builtins)}), or a {noun} {form}")
+    return AfterValidator(check)
+
+
+Optimizer = Annotated[str, _named_or_optax("optimizer.name", "optimizer", OPTIMIZERS, optax_optimizers)]
+Schedule = Annotated[str, _named_or_optax("optimizer.schedule", "schedule", SCHEDULES, optax_schedules)]
 ModelName = Annotated[str, _named("model.name", "model", MODELS, CLASS_REFERENCE)]
 DataName = Annotated[str, _named("data.name", "dataset", DATASETS, FUNCTION_REFERENCE)]
 Task = Annotated[str, _named("task", "task", TASKS, ("loss function", FUNCTION_REFERENCE[1])),

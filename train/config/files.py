@@ -14,7 +14,7 @@ from train.config.overrides import apply_overrides
 from train.config.schema import DistributedConfig, ExperimentConfig
 from train.references import is_reference
 
-__all__ = ["distributed_settings", "from_dict", "load_config", "to_dict"]
+__all__ = ["distributed_settings", "from_dict", "load_config", "to_dict", "with_origin"]
 
 _REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # where configs/ is
 
@@ -31,7 +31,9 @@ def to_dict(config: ExperimentConfig) -> dict:
     """The config as plain data (model options flattened into ``model``)."""
     out = config.model_dump()
     out["model"] = {"name": config.model.name, **({"output": config.model.output} if config.model.output is not None
-                                                  else {}), **out["model"]["options"]}
+                                                  else {}),
+                    **({"init_from": config.model.init_from} if config.model.init_from is not None else {}),
+                    **out["model"]["options"]}
     return out
 
 
@@ -63,15 +65,15 @@ def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> Experimen
     try:
         config = from_dict(_beside(path, apply_overrides(raw, list(overrides))))
     except ConfigError as e:
-        raise ConfigError(_with_origin(str(e), path, overrides)) from None
+        raise ConfigError(with_origin(str(e), path, overrides)) from None
     given = {item.partition("=")[0].strip() for item in overrides}
     config.model._origins = {key: "the command line" if {f"model.{key}", f"model.options.{key}"} & given else path
                              for key in config.model.options}
     return config
 
 
-def _with_origin(message: str, path: str, overrides: list[str] | tuple[str, ...]) -> str:
-    """``message`` after where the key it is about was set: ``the command line
+def with_origin(message: str, path: str, overrides: list[str] | tuple[str, ...]) -> str:
+    """``message`` (about a config, from loading it or building what it names) after where the key it is about was set: ``the command line
     (key=value)`` for an override, else the config file. The key is the message's
     subject: the override it names, the quoted key of "unknown key '...'", else its
     first word."""
@@ -79,7 +81,7 @@ def _with_origin(message: str, path: str, overrides: list[str] | tuple[str, ...]
     if named:
         return f"the command line ({named.group(1)}): {named.group(2)}"
     quoted = re.match(r"unknown key '([^']+)'", message)
-    subject = quoted.group(1) if quoted else message.split(" ", 1)[0]
+    subject = quoted.group(1) if quoted else message.split(" ", 1)[0].rstrip(":")
     for item in overrides:
         key = item.partition("=")[0].strip()
         if key and (key == subject or key.startswith(subject + ".") or subject.startswith(key + ".")):
@@ -100,9 +102,9 @@ def _beside(config_path: str, raw: dict) -> dict:
         return value
 
     out = dict(raw)
-    for section in ("model", "data"):
-        if isinstance(out.get(section), dict) and "name" in out[section]:
-            out[section] = {**out[section], "name": rebase(out[section]["name"])}
+    for section, key in (("model", "name"), ("data", "name"), ("optimizer", "name"), ("optimizer", "schedule")):
+        if isinstance(out.get(section), dict) and key in out[section]:
+            out[section] = {**out[section], key: rebase(out[section][key])}
     if "task" in out:
         out["task"] = rebase(out["task"])
     return out

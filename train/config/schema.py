@@ -2,7 +2,7 @@
 compute with one line naming the key.
 
 A config file is YAML with the sections ``model``, ``data``, ``optimizer``,
-``precision``, ``mesh`` and ``distributed`` plus top-level run settings; every
+``precision``, ``mesh``, ``distributed`` and ``tracker`` (:mod:`.tracker`) plus top-level run settings; every
 field has a default, so a file only says what differs. ``python -m train --help``
 lists every field.
 
@@ -21,14 +21,15 @@ except that numbers accept YAML 1.1's ``1e-3`` strings.
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, field_validator,
-                      model_validator)
+from pydantic import BaseModel, BeforeValidator, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 import precision
 from train.config.errors import ConfigError, error_message, invalid
-from train.config.fields import (CLASS_REFERENCE, FUNCTION_REFERENCE, INFERENCE_DTYPES, OPTIMIZERS, SCHEDULES, Count,
-                                 DataName, Fraction, InferenceDtype, ModelName, NonNegative, Number, Optimizer,
-                                 Schedule, Task, options_schema)
+from train.config.section import Section
+from train.config.optimizer import OptimizerConfig
+from train.config.fields import (CLASS_REFERENCE, FUNCTION_REFERENCE, INFERENCE_DTYPES, Count, DataName,
+                                 InferenceDtype, ModelName, NonNegative, Number, Task, options_schema)
+from train.config.tracker import TrackerConfig
 from train.data import DATASETS
 from train.models import MODELS
 from train.references import is_reference
@@ -37,20 +38,7 @@ __all__ = ["ExperimentConfig", "ModelConfig", "DataConfig", "OptimizerConfig", "
            "DistributedConfig", "SECTIONS", "build_loss_scale", "build_op_lists"]
 
 
-class _Schema(BaseModel):
-    """Strict sections; an assignment is validated too and fails with a :class:`ConfigError`."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        before = self.__dict__.get(name)
-        try:
-            super().__setattr__(name, value)
-        except ValidationError as e:
-            if name in self.__dict__:  # pydantic has set the value when a model validator fails: undo
-                self.__dict__[name] = before
-            prefix = next((k for k, cls in SECTIONS.items() if cls is type(self)), None)
-            raise ConfigError(error_message(e.errors()[0], type(self), (prefix,) if prefix else ())) from None
+_Schema = Section
 
 
 class ModelConfig(_Schema):
@@ -64,6 +52,9 @@ class ModelConfig(_Schema):
     output: str | int | None = Field(None, description="for a model whose output is not one array (a dict, a "
                                                        "ModelOutput, a dataclass, a tuple): the key, attribute or "
                                                        "index the loss reads, e.g. logits (null: the whole output)")
+    init_from: str | None = Field(None, min_length=1, description="start from pretrained weights: another run's "
+                                  "workdir (or its checkpoints/ or one step's directory) or a Hugging Face Flax "
+                                  "save_pretrained directory (docs/fine-tuning.md); ignored when resuming")
     _origins: dict[str, str] = PrivateAttr(default_factory=dict)  # option -> where it was set: a file, the command line
 
     def origin(self, key: str) -> str:
@@ -74,8 +65,8 @@ class ModelConfig(_Schema):
     @classmethod
     def _gather_options(cls, raw: Any) -> Any:
         if isinstance(raw, dict) and isinstance(raw.get("options", {}), dict):
-            rest = {k: v for k, v in raw.items() if k not in ("name", "options", "output")}
-            raw = {**{k: raw[k] for k in ("name", "output") if k in raw},
+            rest = {k: v for k, v in raw.items() if k not in ("name", "options", "output", "init_from")}
+            raw = {**{k: raw[k] for k in ("name", "output", "init_from") if k in raw},
                    "options": {**raw.get("options", {}), **rest}}
         return raw
 
@@ -114,29 +105,6 @@ class DataConfig(_Schema):
         if self.options and not is_reference(self.name):
             raise invalid(f"data.options: only a user data function (data.name: module:function) takes options; "
                            f"the built-in dataset {self.name!r} reads the data.* keys")
-        return self
-
-
-class OptimizerConfig(_Schema):
-    name: Optimizer = Field("adamw", description=f"optimizer: {', '.join(OPTIMIZERS)}")
-    lr: Number = Field(1e-3, gt=0, description="peak learning rate")
-    schedule: Schedule = Field("constant", description=f"learning-rate schedule after warmup: {', '.join(SCHEDULES)}")
-    warmup_steps: NonNegative = Field(0, description="linear warmup from 0 over this many steps")
-    min_lr: Number = Field(0.0, ge=0, description="final learning rate of the cosine and linear schedules")
-    weight_decay: Number = Field(0.0, ge=0, description="decoupled weight decay (adamw, lion, sgd)")
-    b1: Fraction = Field(0.9, description="first-moment decay, in [0, 1) (adam, adamw, lion)")
-    b2: Fraction = Field(0.999, description="second-moment decay, in [0, 1) (adam, adamw, lion)")
-    eps: Number = Field(1e-8, gt=0, description="denominator epsilon (adam, adamw)")
-    momentum: Fraction = Field(0.9, description="momentum, in [0, 1) (sgd; 0 for none)")
-    nesterov: bool = Field(False, description="Nesterov momentum (sgd)")
-    max_grad_norm: Number | None = Field(None, gt=0, description="clip unscaled gradients to this global norm "
-                                                                 "(null: off)")
-
-    @model_validator(mode="after")
-    def _min_lr_at_most_lr(self) -> "OptimizerConfig":
-        if self.min_lr > self.lr:
-            raise invalid(f"optimizer.min_lr ({self.min_lr:g}) must not exceed optimizer.lr ({self.lr:g}): the "
-                          f"schedules decay from lr to min_lr")
         return self
 
 
@@ -305,8 +273,9 @@ class ExperimentConfig(_Schema):
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     mesh: MeshConfig = Field(default_factory=MeshConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    tracker: TrackerConfig = Field(default_factory=TrackerConfig)
 
-    @field_validator("model", "data", "optimizer", "precision", "mesh", "distributed", mode="before")
+    @field_validator("model", "data", "optimizer", "precision", "mesh", "distributed", "tracker", mode="before")
     @classmethod
     def _empty_section(cls, section: Any) -> Any:
         return {} if section is None else section  # a section header with nothing under it
@@ -315,6 +284,9 @@ class ExperimentConfig(_Schema):
 #: The sections of an experiment config, by key.
 SECTIONS = {name: f.annotation for name, f in ExperimentConfig.model_fields.items()
              if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)}
+for _key, _section in SECTIONS.items():
+    _section.dotted_key = _key
+Fp8Config.dotted_key = "precision.fp8"
 
 
 # ----------------------------------------------------------------------------- the precision section's objects

@@ -7,6 +7,9 @@
 ``synthetic``      Gaussian inputs with a random linear teacher
 ``synthetic_text`` tokens from a random bigram chain
 =================  ==============================================================
+
+A user's data (:mod:`train.data.user`) may also be arrays, a random-access
+source, or a stream of examples (:mod:`train.data.stream`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 from train.data.base import (Batch, ClassificationData, DataError, TextData, prefetch_to_device,
                              train_batch_stack, train_batches)
 from train.data.digits import load_digits_data
+from train.data.stream import EvalStream, TrainStream
 from train.data.fashion_mnist import load_fashion_mnist, read_idx
 from train.data.synthetic import load_synthetic, load_synthetic_text
 from train.data.text import encode, load_text, shakespeare_files
@@ -41,6 +45,6 @@ def load_dataset(name: str, **options: Any) -> ClassificationData | TextData:
     return loader(**kwargs)
 
 
-__all__ = ["DATASETS", "Batch", "ClassificationData", "DataError", "TextData", "encode", "load_dataset",
-           "load_digits_data", "load_fashion_mnist", "load_synthetic", "load_synthetic_text", "load_text",
-           "prefetch_to_device", "read_idx", "shakespeare_files", "train_batch_stack", "train_batches"]
+__all__ = ["DATASETS", "Batch", "ClassificationData", "DataError", "EvalStream", "TextData", "TrainStream", "encode",
+           "load_dataset", "load_digits_data", "load_fashion_mnist", "load_synthetic", "load_synthetic_text",
+           "load_text", "prefetch_to_device", "read_idx", "shakespeare_files", "train_batch_stack", "train_batches"]

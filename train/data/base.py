@@ -2,7 +2,13 @@
 
 A train batch is a pure function of ``(seed, index)``: batch ``index`` of the
 run is the same whether the run was interrupted and resumed or not, so the data
-position saved in a checkpoint is just the step.
+position saved in a checkpoint is just the step. Epochs of examples are ordered
+by numpy's permutations (:class:`EpochOrder` says why not grain's shuffle); text
+windows are drawn by numpy, seeded by ``(seed, index)``: windows are sampled with replacement from the whole corpus,
+not epochs of a fixed set of examples, so there is no order to hand to grain.
+Device prefetch stays here: grain's ``experimental.device_put`` takes an
+``IterDataset`` and a device, where the loop feeds any iterator and builds
+arrays sharded over the mesh (:func:`prefetch_to_device` takes that ``put``).
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ def host_memory_bytes() -> int | None:
 
 @dataclasses.dataclass
 class ClassificationData:
-    """Examples and integer labels held in memory; reshuffled every epoch."""
+    """Examples and integer labels held in memory; reshuffled every epoch
+    (:class:`EpochOrder`)."""
 
     name: str
     x_train: np.ndarray
@@ -140,7 +147,14 @@ class TextData:
 class EpochOrder:
     """Which examples batch ``index`` holds: epochs of fresh permutations seeded by
     ``(seed, epoch)``, the remainder of each epoch dropped, so a batch is a pure
-    function of ``(seed, index)`` and a resumed run sees the same data."""
+    function of ``(seed, index)`` and a resumed run sees the same data.
+
+    Why numpy's permutation and not grain's shuffle: grain shuffles an index at a time
+    (``grain.experimental.index_shuffle``, what ``MapDataset.shuffle`` runs per element),
+    measured at 3.6 us per example on 60k examples and 17.6 us on digits' 1,797, against
+    one ``permutation`` call per epoch: 2.3 ms of host time per step of the default
+    experiment. Streams use grain where it adds what we lack (:mod:`train.data.stream`).
+    """
 
     def __init__(self, size: int, name: str):
         self.size, self.name = size, name

@@ -3,30 +3,47 @@
 The function (called with ``data.options`` as keyword arguments) returns one of:
 
 * ``{"train": split, "eval": split}`` (``"test"`` / ``"validation"`` also name
-  the eval split), each split either a dict of arrays with one row per example
-  (``inputs`` required, ``labels`` for the built-in tasks, any other keys
-  passed to a user's loss) or a random-access source (``len(source)`` and
-  ``source[i]`` giving one example as a dict of arrays, as grain's
-  ``MapDataSource`` or a Hugging Face dataset does). Optional keys:
-  ``num_classes``, ``task`` (``classification`` / ``language_model``), ``name``.
+  the eval split), each split one of
+
+  - a dict of arrays with one row per example (``inputs`` required,
+    ``labels`` for the built-in tasks, any other keys passed to a user's loss);
+  - a random-access source (``len(source)`` and ``source[i]`` giving one
+    example as a dict of arrays, as grain's ``MapDataSource`` / ``MapDataset``
+    or a Hugging Face dataset does);
+  - an iterable of examples (a generator, an iterator, a ``grain.IterDataset``,
+    any object with ``__iter__``): a stream, see :mod:`train.data.stream`. For
+    eval it must be finite; a one-shot iterator is read once, at the first
+    evaluation (up to ``data.eval_batches`` batches), and kept.
+
+  Optional keys: ``num_classes`` (required with a source or a stream for the
+  built-in tasks), ``task`` (``classification`` / ``language_model``), ``name``.
 * an object with the dataset protocol of :mod:`train.data.base` (``name``,
   ``task``, ``num_classes``, ``input_shape``, ``describe()``,
   ``sample_input(n)``, ``train_batch(index, batch_size, seed, rows)``,
   ``eval_batches(batch_size, max_batches)``).
 
-Splits get the shuffling, batching, per-process rows and exact resume of the
-shipped datasets: batch ``i`` is a pure function of ``(seed, i)``, so a resumed
-run continues the data order where the checkpoint left it. (Random access is
-what makes that exact; a plain iterator could only be replayed.)
+Arrays and sources get the shipped datasets' shuffling (grain's, per epoch),
+batching, per-process rows and exact resume: batch ``i`` is a pure function of
+``(seed, i)``. A stream is read in its own order, batch ``i`` the next examples;
+a resumed run continues it at the same example (grain's iterator state, or a
+replay). In a multi-process run every process reads the global batch and keeps
+its rows; a function that takes ``process_index`` and ``process_count`` keyword
+arguments gets them, and its train split is then that process's own share (each
+batch takes this process's rows' worth from it); the eval split stays the whole
+eval set on every process.
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterator
 
+import inspect
+
+import jax
 import numpy as np
 
 from train.data.base import Batch, DataError, EpochOrder, padded_batches
+from train.data.stream import EvalStream, TrainStream, is_stream, stack_examples
 from train.references import one_line
 
 __all__ = ["UserData", "from_user_function"]
@@ -49,8 +66,8 @@ class _Split:
         elif hasattr(split, "__len__") and hasattr(split, "__getitem__"):
             self.arrays, self.source, self.size = None, split, len(split)
         else:
-            raise DataError(f"{where}: expected a dict of arrays or a source with len() and [i], got "
-                            f"{type(split).__name__}")
+            raise DataError(f"{where}: expected a dict of arrays, a source with len() and [i], or an iterable of "
+                            f"examples, got {type(split).__name__}")
         if self.size == 0:
             raise DataError(f"{where}: no examples")
         first = self.take(np.arange(1))
@@ -62,15 +79,10 @@ class _Split:
     def take(self, indices: np.ndarray) -> Batch:
         if self.arrays is not None:
             return {k: v[indices] for k, v in self.arrays.items()}
-        examples = [self.source[int(i)] for i in indices]
-        if not all(isinstance(e, dict) for e in examples):
-            raise DataError(f"{self.where}: source[i] must be a dict of arrays, got {type(examples[0]).__name__}")
-        try:
-            return {k: np.stack([np.asarray(e[k]) for e in examples]) for k in examples[0]}
-        except (ValueError, KeyError) as e:
-            shapes = sorted({str({k: np.shape(v) for k, v in x.items()}) for x in examples})[:3]
-            raise DataError(f"{self.where}: examples differ in keys or shapes ({one_line(e)}); every example "
-                            f"needs the same keys and shapes, e.g. {'; '.join(shapes)}") from None
+        return stack_examples([self.source[int(i)] for i in indices], self.where)
+
+    def describe(self) -> str:
+        return str(self.size)
 
 
 def _rows(values: Any, where: str) -> np.ndarray:
@@ -137,22 +149,26 @@ def _check_inputs(split: "_Split") -> None:
 
 
 class UserData:
-    """Train and eval splits of a user's data with the shipped datasets' batching."""
+    """Train and eval splits of a user's data: arrays and random-access sources with the
+    shipped datasets' batching, streams read in order (:mod:`train.data.stream`).
+    ``sharded``: the train split is this process's own share of the data."""
 
     def __init__(self, name: str, train: Any, evaluation: Any, num_classes: int | None = None,
-                 task: str | None = None):
-        self.name = name
-        self.train = _Split(train, f"{name}: train split")
-        self.eval = _Split(evaluation, f"{name}: eval split")
-        self._order = EpochOrder(self.train.size, name)
+                 task: str | None = None, sharded: bool = False):
+        self.name, self.sharded = name, sharded
+        self.train = TrainStream(train, f"{name}: train split", sharded) if is_stream(train) else \
+            _Split(train, f"{name}: train split")
+        self.eval = EvalStream(evaluation, f"{name}: eval split") if is_stream(evaluation) else \
+            _Split(evaluation, f"{name}: eval split")
+        self._order = None if isinstance(self.train, TrainStream) else EpochOrder(self.train.size, name)
         _check_splits_agree(self.train, self.eval, name)
         _check_inputs(self.train)
         self.task = task or _infer_task(self.train.example)
         if num_classes is None and self.task is not None:
             splits = (self.train.arrays, self.eval.arrays)
             if any(arrays is None or "labels" not in arrays for arrays in splits):
-                raise DataError(f"{name}: give num_classes with a {self.task} source (sources are not scanned "
-                                f"for their largest label)")
+                raise DataError(f"{name}: give num_classes with a {self.task} source or stream (sources and "
+                                f"streams are not scanned for their largest label)")
             num_classes = int(max(np.max(arrays["labels"]) for arrays in splits)) + 1
         if num_classes is not None:
             num_classes = _whole_number_of_classes(num_classes, name)
@@ -167,7 +183,7 @@ class UserData:
 
     def describe(self) -> str:
         classes = f", {self.num_classes} classes" if self.num_classes else ""
-        return (f"{self.name}: {self.train.size} train / {self.eval.size} eval examples of shape "
+        return (f"{self.name}: {self.train.describe()} train / {self.eval.describe()} eval examples of shape "
                 f"{self.input_shape}{classes}")
 
     def sample_input(self, batch_size: int = 1) -> np.ndarray:
@@ -175,21 +191,46 @@ class UserData:
 
     def sample_batch(self, batch_size: int = 1) -> Batch:
         """The first ``batch_size`` training examples (repeated if there are fewer)."""
+        if isinstance(self.train, TrainStream):
+            return self.train.head(batch_size)
         return self.train.take(np.arange(batch_size) % self.train.size)
 
     def train_batch(self, index: int, batch_size: int, seed: int, rows: slice = slice(None)) -> Batch:
-        """Batch ``index`` of endless epochs of fresh permutations (``rows`` of it)."""
-        return self.train.take(self._order.indices(index, batch_size, seed, rows))
+        """Batch ``index`` (``rows`` of it): of endless epochs of fresh permutations, or
+        the next examples of a stream."""
+        if isinstance(self.train, TrainStream):
+            return self.train.batch(index, batch_size, rows)
+        return self.train.take(self._indices(index, 1, batch_size, seed, rows)[0])
 
     def train_batch_stack(self, first: int, count: int, batch_size: int, seed: int,
                           rows: slice = slice(None)) -> Batch:
         """Batches ``first .. first + count - 1`` stacked (leading axis ``count``), in one read."""
-        idx = self._order.stacked_indices(first, count, batch_size, seed, rows)
+        if isinstance(self.train, TrainStream):
+            return self.train.batch_stack(first, count, batch_size, rows)
+        idx = self._indices(first, count, batch_size, seed, rows)
         return {k: v.reshape(idx.shape + v.shape[1:]) for k, v in self.train.take(idx.ravel()).items()}
+
+    def _indices(self, first: int, count: int, batch_size: int, seed: int, rows: slice) -> np.ndarray:
+        """Example indices of ``count`` batches; of a process's own share, its rows' worth each."""
+        if self.sharded:
+            batch_size, rows = len(range(*rows.indices(batch_size))), slice(None)
+        return self._order.stacked_indices(first, count, batch_size, seed, rows)
 
     def eval_batches(self, batch_size: int, max_batches: int | None = None) -> Iterator[Batch]:
         """The eval split in order, the last batch padded (``mask`` marks real examples)."""
-        yield from padded_batches(self.eval.size, self.eval.take, batch_size, max_batches)
+        if isinstance(self.eval, EvalStream):
+            yield from self.eval.batches(batch_size, max_batches)
+        else:
+            yield from padded_batches(self.eval.size, self.eval.take, batch_size, max_batches)
+
+    def checkpoint_state(self, step: int) -> dict | None:
+        """What a checkpoint at ``step`` records of the data position beyond the step: a
+        stream's examples read and iterator state (None for arrays and sources)."""
+        return self.train.checkpoint_state(step) if isinstance(self.train, TrainStream) else None
+
+    def resume(self, step: int, saved: dict | None) -> str | None:
+        """Continues a stream where the checkpoint at ``step`` left it; a line saying how."""
+        return self.train.resume(step, saved) if isinstance(self.train, TrainStream) else None
 
 
 def _infer_task(example: dict) -> str | None:
@@ -207,6 +248,13 @@ def _infer_task(example: dict) -> str | None:
 def from_user_function(fn: Any, options: dict, key: str = "data.name") -> Any:
     """Calls a user's data function with ``options`` and wraps what it returns."""
     name = getattr(fn, "__name__", "user data")
+    sharded = _takes_process_arguments(fn)
+    if sharded:
+        given = sorted(set(options) & {"process_index", "process_count"})
+        if given:
+            raise DataError(f"data.options.{given[0]}: set by the run (this process's index and the process count) "
+                            f"for a function that takes it; remove it from data.options")
+        options = dict(options, process_index=jax.process_index(), process_count=jax.process_count())
     try:
         result = fn(**options)
     except Exception as e:  # noqa: BLE001 - the user's function raised
@@ -215,8 +263,9 @@ def from_user_function(fn: Any, options: dict, key: str = "data.name") -> Any:
         return result
     if not isinstance(result, dict) or "train" not in result:
         missing = [a for a in _PROTOCOL if not hasattr(result, a)]
-        raise DataError(f"{key}: {name} must return {{'train': ..., 'eval': ...}} (dicts of arrays or random-access "
-                        f"sources) or a dataset object; got {type(result).__name__} (missing {', '.join(missing)})")
+        raise DataError(f"{key}: {name} must return {{'train': ..., 'eval': ...}} (dicts of arrays, random-access "
+                        f"sources or iterables of examples) or a dataset object; got {type(result).__name__} "
+                        f"(missing {', '.join(missing)})")
     eval_key = next((k for k in _EVAL_KEYS if k in result), None)
     if eval_key is None:
         raise DataError(f"{key}: {name} returned no eval split; add one of {', '.join(_EVAL_KEYS)}")
@@ -225,4 +274,14 @@ def from_user_function(fn: Any, options: dict, key: str = "data.name") -> Any:
         raise DataError(f"{key}: {name} returned unknown keys {sorted(unknown)}; valid: train, "
                         f"{', '.join(_EVAL_KEYS)}, num_classes, task, name")
     return UserData(result.get("name", name), result["train"], result[eval_key], result.get("num_classes"),
-                    result.get("task"))
+                    result.get("task"), sharded)
+
+
+def _takes_process_arguments(fn: Any) -> bool:
+    """Whether ``fn`` names ``process_index`` and ``process_count`` parameters (then it
+    returns this process's share of the training data)."""
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return {"process_index", "process_count"} <= set(parameters)
