@@ -34,7 +34,13 @@ settings.register_profile("ci", max_examples=200, deadline=None, derandomize=Tru
 settings.load_profile("ci")
 
 
+#: Tests that take minutes: started first, so that they run beside the rest, not after it.
+LONGEST_FIRST = ("test_the_8_device_tests_pass_on_forced_host_devices",
+                 "test_a_float16_overflow_planted_in_a_t5_feed_forward")
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: not item.name.startswith(LONGEST_FIRST))  # stable: the rest keep their order
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:
         return

@@ -268,7 +268,8 @@ CHECKED = [
     # a bad value given on the command line is credited to it, not to the config file
     (["tracker.wandb.project=p", "tracker.wandb.mode=sometimes"],
      "error: the command line (tracker.wandb.mode=sometimes): tracker.wandb.mode: unknown value 'sometimes'"),
-    (["model.init_from={d}/nothing"], "error: the command line (model.init_from={d}/nothing): model.init_from: "),
+    (["workdir={d}/fresh", "model.init_from={d}/nothing"],  # a fresh workdir: one with checkpoints would resume
+     "error: the command line (model.init_from={d}/nothing): model.init_from: "),
     (["compile_cache={d}/afile"], "compile_cache: {d}/afile is a file, not a directory"),
     (["data.name=synthetic", "data.input_shape=[-3]"], "data.input_shape[0] must be >= 1, got -3"),
     (["model.hidden=[1000000000000]"], "model 'mlp' has 7.7e+13 parameters: its train state"),
