@@ -53,6 +53,7 @@ from precision.optim import (
     needs_master_weights,
 )
 from precision.state_memory import state_bytes
+from precision.pick import Candidate, Measurement, PolicyPick, pick_policy
 from precision.stored import accumulate, stochastic_round, stored_in
 
 __version__ = "0.1.0"
@@ -71,6 +72,7 @@ __all__ = (
     "MixedPrecisionState", "current_loss_scale", "find_mixed_precision_state",
     "full_precision_params", "mixed_precision", "needs_master_weights",
     "accumulate", "state_bytes", "stochastic_round", "stored_in",
+    "Candidate", "Measurement", "PolicyPick", "pick_policy",
 )
 
 # Before the autocast package, its modules lived at the top level: their import paths

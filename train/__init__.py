@@ -8,7 +8,8 @@ The Python API, for your own loop:
   another run's or Hugging Face Flax ones, :mod:`train.huggingface`), :mod:`train.distributed` (meshes, shardings,
   processes), :mod:`train.checkpoint`, :mod:`train.metrics`, :mod:`train.wandb_logger` (Weights & Biases); :mod:`train.compile_for` (a train
   step compiled for a GPU this machine does not have: :mod:`train.targets`, read back by
-  :mod:`train.gpu_kernels`).
+  :mod:`train.gpu_kernels`); :mod:`train.policy_pick` (``pick_policy``: the precision policy for an
+  experiment, by measurement, :mod:`train.policy_measure`).
 
 Experiments from YAML, ``python -m train CONFIG key=value ...``:
   :mod:`train.cli` → :mod:`train.config` (schema, files, overrides, errors, help) →
@@ -35,6 +36,7 @@ from train.distributed import Layout, MeshError, initialize_distributed, make_me
 from train.inference import cast_for_inference, full_precision_params, inference_report
 from train.loop import NonFiniteError, build_experiment, run
 from train.metrics import MetricsWriter, read_metrics
+from train.policy_pick import pick_policy
 from train.pretrained import PretrainedError, load_pretrained
 from train.references import UserCodeError
 from train.state import ScaledGrads, TrainState, create_train_state
@@ -49,5 +51,5 @@ __all__ = ["CheckpointError", "Checkpointer", "CommunicationReport", "CompiledSt
            "cast_variables", "check_model_fits_data", "compile_for", "compile_train_step", "create_train_state", "cross_entropy", "diagnose_experiment",
            "diagnose_state", "evaluate", "explain_communication",
            "full_precision_params", "get_target", "get_task", "GpuTarget", "help_text", "inference_report", "initialize_distributed",
-           "load_config", "load_dataset", "make_eval_step", "make_mesh", "make_multi_step", "make_train_step",
+           "load_config", "load_dataset", "make_eval_step", "make_mesh", "make_multi_step", "make_train_step", "pick_policy",
            "load_pretrained", "mode_kwargs", "PretrainedError", "read_metrics", "rebind", "run", "summarize_eval", "TargetError"]

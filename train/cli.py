@@ -55,6 +55,22 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--devices", type=int, metavar="N",
                         help="with --compile-for: how many devices of the target (default: mesh.data * mesh.fsdp, "
                              "else 1)")
+    parser.add_argument("--pick-policy", action="store_true",
+                        help="measure candidate precision policies on this experiment and this machine (the "
+                             "doctor's numerics, the loss after N steps against float32, step time, memory) and pick "
+                             "the fastest within tolerance that fits; writes WORKDIR/policy_pick.json and .yaml and "
+                             "exits without training (docs/policy-pick.md)")
+    parser.add_argument("--candidates", action="append", metavar="'POLICY[ key=value...];...'",
+                        help="with --pick-policy: the candidates, ';' between them, each a policy or preset "
+                             "optionally followed by precision settings, e.g. 'fp32;mixed_bf16;mixed_f16 "
+                             "rules=[[LayerNorm, f32]]' (default: fp32, mixed_bf16, mixed_f16, mixed_fp8, lean_bf16, "
+                             "lean_int8)")
+    parser.add_argument("--steps", type=int, metavar="N",
+                        help="with --pick-policy: train steps per candidate (default 30, at most the config's steps)")
+    parser.add_argument("--tolerance", type=float, metavar="X",
+                        help="with --pick-policy: the loss change allowed against float32, relative (default 0.01)")
+    parser.add_argument("--prefer", choices=("speed", "memory"),
+                        help="with --pick-policy: the fastest eligible policy (default) or the leanest")
     parser.add_argument("--mesh", metavar="data=D,fsdp=F",
                         help="the device mesh, as the overrides mesh.data=D mesh.fsdp=F")
     return parser
@@ -124,6 +140,12 @@ def _main(argv: list[str] | None = None) -> int:
         return _compile_for(path, config, args.compile_for, args.devices)
     if args.devices is not None:
         return _fail("--devices goes with --compile-for (a run takes the devices it finds)", 2)
+    picking = [f"--{k.replace('_', '-')}" for k in ("candidates", "steps", "tolerance", "prefer")
+               if getattr(args, k) is not None]
+    if args.pick_policy:
+        return _pick_policy(path, config, args)
+    if picking:
+        return _fail(f"{picking[0]} goes with --pick-policy", 2)
     if args.explain:
         return _explain(path, config)
     if args.check:
@@ -180,6 +202,25 @@ def _diagnose(path: _Origin, config, steps: int) -> int:
         return _fail(str(e), 3)
     except OSError as e:
         return _fail(f"could not write the diagnosis to {config.workdir}: {e.strerror or e}", 3)
+    return 0
+
+
+def _pick_policy(path: _Origin, config, args: argparse.Namespace) -> int:
+    import precision
+    from train.policy_pick import pick_policy
+
+    tolerance = 0.01 if args.tolerance is None else args.tolerance
+    try:
+        pick_policy(config, args.candidates, args.steps, tolerance, args.prefer or "speed")
+    except (ConfigError, DataError) as e:
+        return _fail(path(e), 2)
+    except precision.PolicyError as e:  # an unknown candidate (bad input), or none passed (measured)
+        measured = str(e).startswith("no candidate is eligible")
+        return _fail(str(e) if measured else f"--candidates: {e}", 1 if measured else 2)
+    except ValueError as e:  # steps, tolerance or prefer out of range: the message starts with its name
+        return _fail(f"--{e}", 2)
+    except OSError as e:
+        return _fail(f"could not write the pick to {config.workdir}: {e.strerror or e}", 3)
     return 0
 
 
