@@ -39,6 +39,9 @@ RUN_BY_TESTS = {
         "tests/test_compile_for.py::test_an_fsdp_step_on_8_h100s_gathers_params_in_bf16_and_its_gemms_stay_half",
     "python -m train configs/gpu/gpt2_small_mixed_bf16.yaml --compile-for h100 precision.policy=mixed_fp8":
         "tests/test_compile_for.py::test_mixed_fp8_with_min_size_0_gives_an_fp8_gemm_for_every_fp8_matmul",
+    # the same pick path, on the default experiment with its candidates (the docs command's run took 13 s more)
+    "python -m train configs/default.yaml --pick-policy":
+        "tests/test_policy_pick.py::test_the_default_experiment_is_picked_by_measurement_and_the_fragment_loads",
     "python -m train configs/gpu/gpt2_small_mixed_bf16.yaml --compile-for h100":
         "tests/test_compile_for.py::test_gpt2_small_half_steps_fuse_attention_in_every_layer_with_half_gemms_and_a_third_of_the_memory",
 }
