@@ -196,7 +196,7 @@ def test_multidevice_data_parallel_and_fsdp_match_one_device(policy, optimizer, 
     one_step_less, _ = _train(None, policy, steps=4, optimizer=optimizer, reduce_dtype=reference_reduce)
     with pytest.raises(AssertionError):  # the tolerance tells one step apart
         _assert_close(one_step_less.params, reference.params, 10 * atol, 10 * rtol)
-    for data, fsdp in [(4, 1), (8, 1), (1, 8), (2, 4), (2, 2)]:
+    for data, fsdp in [(8, 1), (1, 8), (2, 4)]:  # data parallel, FSDP, both at once
         state, metrics = _train(_layout(data, fsdp), policy, optimizer=optimizer, reduce_dtype=reduce_dtype)
         _assert_close(state.params, reference.params, atol, rtol)
         _assert_close(state.opt_state, reference.opt_state, atol, rtol)

@@ -42,6 +42,9 @@ RUN_BY_TESTS = {
     # the same pick path, on the default experiment with its candidates (the docs command's run took 13 s more)
     "python -m train configs/default.yaml --pick-policy":
         "tests/test_policy_pick.py::test_the_default_experiment_is_picked_by_measurement_and_the_fragment_loads",
+    # the CLI's --diagnose on a checkpointed run, and diagnose_experiment on configs/default.yaml itself
+    "python -m train configs/default.yaml --diagnose":
+        "tests/test_diagnose_training.py::test_diagnose_flag_reads_the_newest_checkpoint_and_leaves_checkpoints_untouched",
     "python -m train configs/gpu/gpt2_small_mixed_bf16.yaml --compile-for h100":
         "tests/test_compile_for.py::test_gpt2_small_half_steps_fuse_attention_in_every_layer_with_half_gemms_and_a_third_of_the_memory",
 }

@@ -68,11 +68,12 @@ def _reference_grads(subject: Subject, s: _Setting, loss_fn: Callable, cache: di
 
 
 def _examine(subject: Subject, s: _Setting, loss_fn: Callable | None, optimizer: Any,
-             reference: dict | None = None) -> Findings:
-    """One probed run under setting ``s`` (``reference``: a cache of float32 runs' gradients)."""
+             reference: dict | None = None, segments: dict | None = None) -> Findings:
+    """One probed run under setting ``s`` (``reference``: a cache of float32 runs' gradients;
+    ``segments``: of compiled probe segments, shared by a diagnosis's runs)."""
     forward, params = subject.program(s.policy, s.rules, s.ops)
     if loss_fn is None:
-        outputs, probes, seconds = probe.run(forward, (params,))
+        outputs, probes, seconds = probe.run(forward, (params,), compiled=segments)
         return analyze(probes, math.nan, 1.0, None, {}, seconds, _all_finite(outputs))
 
     def scaled(p):
@@ -80,7 +81,7 @@ def _examine(subject: Subject, s: _Setting, loss_fn: Callable | None, optimizer:
 
     try:
         (value, grads), probes, seconds = probe.run(jax.value_and_grad(scaled), (params,), s.loss_scale,
-                                                    n_primal=1)
+                                                    n_primal=1, compiled=segments)
     except TypeError as e:
         if "scalar" not in str(e):
             raise
@@ -283,13 +284,14 @@ def diagnose(target: Any, *args: Any, policy: Any = None, variables: Any = None,
     setting = _Setting(policy, subject.rules, subject.ops, scale, False,
                        policy.master_rounding if policy.master_dtype is not None else "nearest")
     reference: dict = {}
-    findings = _examine(subject, setting, loss_fn, optimizer, reference)
+    segments: dict = {}  # the verification runs recompile only the segments a change touched
+    findings = _examine(subject, setting, loss_fn, optimizer, reference, segments)
     notes, recommendations, masked = [], [], set()
     if findings.nonfinite_sites and findings.outputs_finite:  # made, then discarded: never reaches the loss
         masked = set(findings.nonfinite_sites)
     elif findings.first_nonfinite and subject.policy != Policy(F32, F32, F32):
         full = _examine(subject, dataclasses.replace(setting, policy=Policy(F32, F32, F32), loss_scale=1.0), loss_fn,
-                        None)
+                        None, segments=segments)
         if not full.outputs_finite:
             first = full.first_nonfinite or findings.first_nonfinite
             notes.append(f"{first['op']} in {first['path']} ({first['pass']}) is non-finite in float32 too: the "
@@ -300,7 +302,8 @@ def diagnose(target: Any, *args: Any, policy: Any = None, variables: Any = None,
         findings = without_sites(findings, masked)
         notes.append(_masked_note(masked))
     if verify and not any("float32 too" in n for n in notes):
-        recommendations = _verified(subject, setting, findings, loss_fn, optimizer, most, masked, reference)
+        recommendations = _verified(subject, setting, findings, loss_fn, optimizer, most, masked, reference,
+                                     segments)
     return Diagnosis(subject.name, subject.policy, scale, findings, tuple(recommendations), tuple(notes))
 
 
@@ -312,7 +315,8 @@ def _masked_note(masked: set) -> str:
 
 
 def _verified(subject: Subject, setting: _Setting, findings: Findings, loss_fn: Callable | None, optimizer: Any,
-              most: int, masked: set = frozenset(), reference: dict | None = None) -> list[Recommendation]:
+              most: int, masked: set = frozenset(), reference: dict | None = None,
+              segments: dict | None = None) -> list[Recommendation]:
     """For each of the ``most`` worst problems, the first change that fixes it when applied."""
     found: list[Recommendation] = []
     tried: dict[_Setting, Findings] = {}
@@ -322,7 +326,7 @@ def _verified(subject: Subject, setting: _Setting, findings: Findings, loss_fn: 
         for change in _changes(problem, setting, findings):
             if change.setting not in tried:
                 tried[change.setting] = without_sites(
-                    _examine(subject, change.setting, loss_fn, optimizer, reference), masked)
+                    _examine(subject, change.setting, loss_fn, optimizer, reference, segments), masked)
             after = tried[change.setting]
             if _fixed(problem, after, every_layer=change.setting.loss_scale != setting.loss_scale):
                 if any(r.change == change.change for r in found):

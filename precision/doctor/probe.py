@@ -257,15 +257,17 @@ def _compile(part: Segment, values: list, flags: list, loss_scale: float, second
     return _Segment(compiled, tuple(traced[-1].templates), stats, temp)
 
 
-def run(fn: Any, args: Sequence[Any], loss_scale: float = 1.0, n_primal: int | None = None
-        ) -> tuple[Any, list[Probe], dict[str, float]]:
+def run(fn: Any, args: Sequence[Any], loss_scale: float = 1.0, n_primal: int | None = None,
+        compiled: dict | None = None) -> tuple[Any, list[Probe], dict[str, float]]:
     """Runs ``fn(*args)`` (any function of arrays, traced) with every op probed;
     returns its outputs, the probes in evaluation order, and the cost: the seconds
     spent tracing, compiling and running the probed program, how many segments it
     ran and compiled, and the peak bytes it held (live values plus a segment's
     temporaries). ``loss_scale``: the scale the program's loss was multiplied by
     (for the scale grid); ``n_primal``: for a differentiated ``fn``, how many of its
-    leading outputs are primal (the ops only the others need count as backward)."""
+    leading outputs are primal (the ops only the others need count as backward);
+    ``compiled``: the segments earlier runs compiled, keyed by structure, to reuse and
+    add to (a diagnosis's verification runs change one module: the rest is compiled once)."""
     start = time.perf_counter()
     flat_args, in_tree = jax.tree_util.tree_flatten(args)
     closed, out_shape = jax.make_jaxpr(lambda *a: fn(*jax.tree_util.tree_unflatten(in_tree, a)),
@@ -277,10 +279,12 @@ def run(fn: Any, args: Sequence[Any], loss_scale: float = 1.0, n_primal: int | N
     flags = dict(zip(env, finite_flags(list(env.values()))))
     parts = plan(program, (loss_scale, host_platform()))
     seconds = {"trace": time.perf_counter() - start, "compile": 0.0}
-    cache: dict[tuple, _Segment] = {}
+    cache: dict[tuple, _Segment] = {} if compiled is None else compiled
+    compiled_here = 0
     ran, live, peak = [], sum(_bytes(v) for v in env.values()), 0
     for part in parts:
         if part.key not in cache:
+            compiled_here += 1
             cache[part.key] = _compile(part, [env[x] for x in part.inputs], [flags[x] for x in part.inputs],
                                        loss_scale, seconds)
         segment = cache[part.key]
@@ -299,7 +303,7 @@ def run(fn: Any, args: Sequence[Any], loss_scale: float = 1.0, n_primal: int | N
     for part, segment, arrays in ran:
         found += _expand(segment.templates, unpack(jax.device_get(arrays), segment.stats), part)
     seconds["run"] = time.perf_counter() - start - seconds["trace"] - seconds["compile"]
-    seconds.update(segments=len(parts), compiled=len(cache), peak_bytes=peak)
+    seconds.update(segments=len(parts), compiled=compiled_here, peak_bytes=peak)
     probes = [Probe(i, path, shown, backward, dtype, size, stats, narrowed)
               for i, (path, shown, backward, dtype, size, narrowed, stats) in enumerate(found)]
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs), probes, seconds

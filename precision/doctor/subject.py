@@ -11,6 +11,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from precision.autocast import OpLists, autocast
@@ -37,11 +38,28 @@ class Subject:
         return self.build(policy or self.policy, self.rules if rules is None else rules, ops or self.ops)
 
 
+def _init(wrapped: Any, args: tuple, kwargs: dict) -> Any:
+    """The module's variables from key 0, initialised in one compiled program (eagerly, op by op,
+    each op would compile a program of its own); arguments that are not arrays (a ``train`` flag
+    the call branches on) stay Python values."""
+    leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+    traced = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
+
+    def init(arrays):
+        given = list(leaves)
+        for i, x in zip(traced, arrays, strict=True):
+            given[i] = x
+        a, kw = jax.tree_util.tree_unflatten(tree, given)
+        return wrapped.init(jax.random.key(0), *a, **kw)
+
+    return jax.jit(init)([leaves[i] for i in traced])
+
+
 def _linen(module: nn.Module, variables: Any, args: tuple, kwargs: dict, use_autocast: bool) -> Callable:
     kwargs = dict(kwargs)
     rngs = kwargs.pop("rngs", None) or {"dropout": jax.random.key(0)}
     if variables is None:
-        variables = with_policy(module, "fp32", []).init(jax.random.key(0), *args, **kwargs)
+        variables = _init(with_policy(module, "fp32", []), args, kwargs)
     variables = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating)
                                        else x, dict(variables))
 
