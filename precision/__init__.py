@@ -52,6 +52,7 @@ from precision.optim import (
     mixed_precision,
     needs_master_weights,
 )
+from precision.evaluation import evaluation_params, keeps_evaluation_point
 from precision.state_memory import state_bytes
 from precision.pick import Candidate, Measurement, PolicyPick, pick_policy
 from precision.stored import accumulate, stochastic_round, stored_in
@@ -70,7 +71,8 @@ __all__ = (
     "CoverageError", "Explanation", "PrecisionWarning", "check_coverage", "explain", "read_dtypes",
     "Diagnosis", "Problem", "Recommendation", "diagnose",
     "MixedPrecisionState", "current_loss_scale", "find_mixed_precision_state",
-    "full_precision_params", "mixed_precision", "needs_master_weights",
+    "full_precision_params", "mixed_precision", "needs_master_weights", "evaluation_params",
+    "keeps_evaluation_point",
     "accumulate", "state_bytes", "stochastic_round", "stored_in",
     "Candidate", "Measurement", "PolicyPick", "pick_policy",
 )

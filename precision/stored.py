@@ -31,7 +31,7 @@ import optax
 
 from precision.quantized import MIN_SIZE, Blockwise, dequantize, quantize
 
-__all__ = ["ROUNDINGS", "StoredState", "StoredMasters", "stochastic_round", "kahan_add", "step_key", "stored_in", "round_to",
+__all__ = ["ROUNDINGS", "StoredState", "StoredMasters", "stochastic_round", "kahan_add", "step_key", "stored_in", "loaded", "round_to",
            "init_masters", "master_updates", "accumulate"]
 
 F32, BF16, INT8 = np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.int8)
@@ -128,6 +128,11 @@ def _load(x: Any) -> Any:
     return x.astype(jnp.float32) if _stored(x) else x
 
 
+def loaded(state: Any) -> Any:
+    """A state (or part of one) that :func:`stored_in` stored, read back in float32: what ``inner`` sees."""
+    return jax.tree_util.tree_map(_load, state, is_leaf=_is_blockwise)
+
+
 def stored_in(inner: optax.GradientTransformation, dtype: Any = BF16) -> optax.GradientTransformationExtraArgs:
     """``inner`` with its floating state arrays stored in ``dtype``: bfloat16, float32, or
     ``int8`` (8-bit blocks, :mod:`precision.quantized`; arrays under its ``MIN_SIZE`` in
@@ -150,7 +155,7 @@ def stored_in(inner: optax.GradientTransformation, dtype: Any = BF16) -> optax.G
         return StoredState(store_all(inner.init(params), zero), zero)
 
     def update(updates, state, params=None, **extra_args):
-        wide = jax.tree_util.tree_map(_load, state.inner_state, is_leaf=_is_blockwise)
+        wide = loaded(state.inner_state)
         updates, new = inner.update(updates, wide, params, **extra_args)
         return updates, StoredState(store_all(new, state.count), state.count + 1)
 

@@ -12,7 +12,8 @@ import yaml
 
 from docs_pages import ROOT, blocks
 from helpers import assert_bitwise_equal, saved_leaves
-from precision.quantized import Blockwise
+import precision
+from precision.quantized import Blockwise, dequantize
 from train import ConfigError, build_optimizer, create_train_state, load_config, make_train_step, read_metrics, run
 from train.config import from_dict, to_dict
 from train.data import load_dataset
@@ -256,3 +257,43 @@ def test_an_optax_optimizer_and_schedule_from_yaml_train_and_resume_bit_for_bit(
         run(load("resumed"), out=open("/dev/null", "w"), on_record=interrupt)
     run(load("resumed"), out=open("/dev/null", "w"))
     assert_bitwise_equal(saved_leaves(tmp_path / "straight")[1], saved_leaves(tmp_path / "resumed")[1])
+
+
+def _schedule_free(opt_state):
+    return [s for s in jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.contrib.ScheduleFreeState))
+            if isinstance(s, optax.contrib.ScheduleFreeState)][0]
+
+
+@pytest.mark.parametrize("policy", ["fp32", "mixed_f16", "pure_bf16", "lean_bf16", "lean_int8"])
+def test_a_schedule_free_optimizer_is_evaluated_at_its_average_not_where_it_takes_gradients(policy):
+    """schedule_free_adamw takes gradients at y; its model is x (optax.contrib.schedule_free_eval_params).
+    The eval step computes at x: from the float32 masters where kept, with the state read as stored."""
+    from train import make_eval_step
+
+    model = MLP(hidden=(64,), num_classes=10)
+    state = create_train_state(model, policy, optax.contrib.schedule_free_adamw(3e-2, warmup_steps=2),
+                               jax.random.PRNGKey(0), DIGITS.sample_input(1))
+    step = make_train_step(donate=False)
+    for i in range(8):
+        state, metrics = step(state, DIGITS.train_batch(i, 64, 0))
+    assert bool(metrics["grads_finite"])
+    free = _schedule_free(state.opt_state)
+    masters = state.opt_state.master_params
+    y = jax.tree_util.tree_map(lambda p: p.astype(jnp.float32), state.params if masters is None else masters)
+    z = jax.tree_util.tree_map(lambda a: dequantize(a) if isinstance(a, Blockwise) else a.astype(jnp.float32),
+                               free.z, is_leaf=lambda a: isinstance(a, Blockwise))
+    evaluated = precision.evaluation_params(state.params, state.opt_state)
+    expected = optax.contrib.schedule_free_eval_params(free._replace(z=z), y)  # optax's formula, float32 state
+    chex.assert_trees_all_close(evaluated, expected, rtol=1e-6, atol=1e-7)
+    moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree_util.tree_leaves(evaluated),
+                                                             jax.tree_util.tree_leaves(y)))
+    assert moved > 1e-3  # x is not y: evaluating y would be another model
+
+    batch = {**DIGITS.train_batch(100, 64, 0), "mask": np.ones(64, bool)}
+    sums = make_eval_step()(state, batch)
+    at_x = make_eval_step()(state.replace(params=jax.tree_util.tree_map(
+        lambda e, p: e.astype(p.dtype), evaluated, state.params), opt_state=optax.adam(1.0).init(state.params)), batch)
+    at_y = make_eval_step()(state.replace(opt_state=optax.adam(1.0).init(state.params)), batch)
+    # the same params, though computed in the eval step (XLA fuses the average into its first matmul)
+    np.testing.assert_allclose(float(sums["loss_sum"]), float(at_x["loss_sum"]), rtol=2e-5)
+    assert abs(float(at_y["loss_sum"]) - float(at_x["loss_sum"])) > 1e-3 * abs(float(at_x["loss_sum"]))

@@ -251,3 +251,29 @@ def test_gradients_accumulated_in_bfloat16_take_half_the_buffer_and_train_like_f
     # The hidden kernel in the carry: the float32 param the micro-batches read, and the sum.
     assert (f32_carry.count("tensor<64x64xf32>"), f32_carry.count("tensor<64x64xbf16>")) == (2, 0), f32_carry
     assert (bf16_carry.count("tensor<64x64xf32>"), bf16_carry.count("tensor<64x64xbf16>")) == (1, 1), bf16_carry
+
+
+def test_the_memory_check_counts_the_states_own_bytes_so_lean_policies_and_adafactor_fit_where_adam_does_not():
+    """Before its optimizer state is allocated, a train state is checked against the memory from its own
+    shapes and dtypes (params, masters, optimizer state, one step's gradients), not a float32 Adam guess."""
+    from train.builders import build_train_state
+    from train.config import ConfigError, load_config
+    from train.loop import build_experiment
+
+    from helpers import ROOT
+
+    config = load_config(ROOT / "configs" / "default.yaml", ["progress=false"])
+    data, _, model = build_experiment(config)
+    count = sum(x.size for x in jax.tree_util.tree_leaves(jax.eval_shape(
+        lambda: build_train_state(config, model, data, memory=(0, ""))[0].params)))
+    memory = (count * 10, "in this test")
+    expected = (r"model 'mlp': its train state under mixed_f16 with adamw needs 1.38 MB \(16 bytes/param: params 4, "
+                r"optimizer 8, gradients 4\), more than the 860 kB of memory in this test; its options: "
+                r"hidden=\[256, 256\]")
+    with pytest.raises(ConfigError, match=expected):
+        build_train_state(config, model, data, memory=memory)
+    for overrides in (["precision.policy=lean_int8"], ["precision.policy=lean_bf16"], ["optimizer.name=adafactor"]):
+        state, _ = build_train_state(load_config(ROOT / "configs" / "default.yaml", overrides), model, data,
+                                     memory=memory)
+        total = precision.state_bytes(state.params, state.opt_state)["total"]
+        assert total < 8, (overrides, total)

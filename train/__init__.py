@@ -39,14 +39,14 @@ from train.metrics import MetricsWriter, read_metrics
 from train.policy_pick import pick_policy
 from train.pretrained import PretrainedError, load_pretrained
 from train.references import UserCodeError
-from train.state import ScaledGrads, TrainState, create_train_state
+from train.state import ScaledGrads, StateTooLarge, TrainState, create_train_state
 from train.step import evaluate, make_eval_step, make_multi_step, make_train_step, summarize_eval
 from train.targets import GpuTarget, TargetError, get_target
 from train.tasks import Task, cross_entropy, get_task
 from train.wandb_logger import WandbLogger
 
 __all__ = ["CheckpointError", "Checkpointer", "CommunicationReport", "CompiledStep", "ConfigError", "DataError", "ExperimentConfig", "Layout", "MeshError",
-           "MetricsWriter", "NNXModel", "NonFiniteError", "ScaledGrads", "Task", "TrainState", "UserCodeError", "UserData", "WandbLogger", "bind",
+           "MetricsWriter", "NNXModel", "NonFiniteError", "ScaledGrads", "StateTooLarge", "Task", "TrainState", "UserCodeError", "UserData", "WandbLogger", "bind",
            "build_data", "build_experiment", "build_model", "build_optimizer", "build_task", "cast_for_inference",
            "cast_variables", "check_model_fits_data", "compile_for", "compile_train_step", "create_train_state", "cross_entropy", "diagnose_experiment",
            "diagnose_state", "evaluate", "explain_communication",

@@ -31,7 +31,7 @@ from train.models import MODELS
 from train.optimizers import build_optimizer
 from train.references import UserCodeError, one_line, resolve
 from train.pretrained import PretrainedError, checkpoint_steps
-from train.state import create_train_state
+from train.state import StateTooLarge, create_train_state
 from train.tasks import Task, describe_outputs, get_task
 
 __all__ = ["build_data", "build_model", "build_optimizer", "build_task", "build_train_state",
@@ -221,9 +221,10 @@ def check_model_fits_data(model: Any, data: Any, name: str = "model", task: Task
                           f"model's num_classes / vocab_size / block_size to the data's or leave them unset")
 
 
-#: Bytes of train state per float32 param, at least: the param (or its float32 master), its
-#: gradient and an optimizer's two moments.
-TRAIN_STATE_BYTES_PER_PARAM = 16
+#: Bytes of train state per param that any policy and optimizer need, at least: a bfloat16 param
+#: (its own master) and its bfloat16 gradient. The exact figure, for the policy and optimizer, is
+#: checked when the train state is built (:func:`build_train_state`).
+TRAIN_STATE_MIN_BYTES_PER_PARAM = 4
 
 
 #: Param arrays from which a model's program is large enough to take minutes to trace and compile.
@@ -248,11 +249,11 @@ def _check_params(variables: Any, name: str, model_config: Any, memory: tuple[in
         print(f"model '{name}': {len(leaves):,} param arrays in {modules:,} modules ({count:.3g} parameters); "
               f"tracing and compiling a program this large takes minutes (Ctrl-C stops it)", flush=True)
     have, where = memory or (_memory_bytes(), "here")
-    need = count * TRAIN_STATE_BYTES_PER_PARAM
+    need = count * TRAIN_STATE_MIN_BYTES_PER_PARAM
     if have and need > have:
-        raise ConfigError(f"model '{name}' has {count:.3g} parameters: its train state (params or float32 masters, "
-                          f"gradients, optimizer moments) needs about {_bytes(need)}, more than the {_bytes(have)} of "
-                          f"memory {where}{_with_options(model_config)}")
+        raise ConfigError(f"model '{name}' has {count:.3g} parameters: its train state needs at least {_bytes(need)} "
+                          f"(bfloat16 params and gradients, under any policy and optimizer), more than the "
+                          f"{_bytes(have)} of memory {where}{_with_options(model_config)}")
 
 
 def _memory_bytes() -> int | None:
@@ -265,7 +266,7 @@ def _memory_bytes() -> int | None:
 
 
 def _bytes(n: float) -> str:
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= size:
             return f"{n / size:.3g} {unit}"
     return f"{n:.0f} bytes"
@@ -306,15 +307,18 @@ def _check_user_loss(task: Task, outputs: Any, batch: dict, name: str) -> None:
         raise ConfigError(f"task: {task.name} cannot take the outputs of model '{name}' ({one_line(e)})") from None
 
 
-def build_train_state(config: Any, model: Any, data: Any, layout: Any = None) -> tuple[Any, optax.Schedule]:
+def build_train_state(config: Any, model: Any, data: Any, layout: Any = None,
+                      memory: tuple[int, str] | None = None) -> tuple[Any, optax.Schedule]:
     """The train state ``config`` starts from (policy, rules, op lists, loss scale,
-    optimizer, clipping, layout) and its learning-rate schedule.
+    optimizer, clipping, layout) and its learning-rate schedule. ``memory``: (bytes,
+    where) the state must fit in (0: unchecked); default: this machine's.
 
     Raises:
       ConfigError: the model cannot be built from the data's inputs, or
         ``precision.strict`` and the policy leaves its matmuls in float32.
     """
     tx, schedule = build_optimizer(config.optimizer, config.steps)
+    have, where = memory or (_memory_bytes(), "here")
     try:
         state = create_train_state(
             model, config.precision.policy, tx, jax.random.PRNGKey(config.seed), data.sample_input(1),
@@ -322,7 +326,11 @@ def build_train_state(config: Any, model: Any, data: Any, layout: Any = None) ->
             max_grad_norm=config.optimizer.max_grad_norm, skip_with=config.precision.skip_with, layout=layout,
             ops=config_lib.build_op_lists(config.precision), autocast=config.precision.autocast,
             strict=config.precision.strict, fp8=config.precision.fp8.options(),
-            reduce_dtype=config.precision.reduce_dtype, init_from=_init_from(config))
+            reduce_dtype=config.precision.reduce_dtype, init_from=_init_from(config), memory=have)
+    except StateTooLarge as e:
+        raise ConfigError(f"model '{config.model.name}': its train state under {config.precision.policy} with "
+                          f"{config.optimizer.name} needs {_bytes(e.need)} ({e.parts()}), more than the "
+                          f"{_bytes(have)} of memory {where}{_with_options(config.model)}") from None
     except PretrainedError as e:
         raise ConfigError(f"model.{e}") from None
     except precision.CoverageError as e:

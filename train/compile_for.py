@@ -151,7 +151,8 @@ def compile_for(config: ExperimentConfig, target: str | GpuTarget = "h100", devi
     layout = _layout(config, target_devices(gpu, devices or _mesh_devices(config)))
     data, task, model = build_experiment(config, memory=(0, ""))  # XLA's plan says what fits, below
     start = time.perf_counter()
-    state = jax.eval_shape(lambda: build_train_state(config, model, data, layout)[0])  # nothing allocated
+    # nothing allocated; XLA's plan says what fits, below
+    state = jax.eval_shape(lambda: build_train_state(config, model, data, layout, memory=(0, ""))[0])
     size = config.data.batch_size * config.accum_steps
     batch = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
                                    data.train_batch(0, size, config.seed))

@@ -16,8 +16,9 @@ from train.tasks import Task, get_task
 
 
 def full_precision_params(state: TrainState) -> Any:
-    """The float32 params of a state: the master copy when params are stored in half."""
-    return precision.full_precision_params(state.params, state.opt_state)
+    """The float32 params to serve from a state: the master copy when params are stored in
+    half, at a schedule-free optimizer's average (:func:`precision.evaluation_params`)."""
+    return precision.evaluation_params(state.params, state.opt_state)
 
 
 def cast_for_inference(state: TrainState, dtype: Any, rules: Any = None) -> TrainState:

@@ -149,7 +149,7 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
                        skip_with: str = "auto", layout: Layout | None = None, variables: Any = None,
                        ops: precision.OpLists | None = None, autocast: bool = True, strict: bool = False,
                        fp8: "precision.Fp8Options | dict | None" = None, reduce_dtype: Any = "auto",
-                       init_from: str | os.PathLike | None = None) -> TrainState:
+                       init_from: str | os.PathLike | None = None, memory: int | None = None) -> TrainState:
     """Initialises a model under ``policy`` and a mixed-precision optimizer around ``optimizer``.
 
     Args:
@@ -193,6 +193,8 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
         nothing). See :func:`precision.with_policy`.
       init_from: start from pretrained weights, cast as ``variables`` are: another run's workdir
         or checkpoint, or a Hugging Face Flax directory (:mod:`train.pretrained`).
+      memory: bytes the state and one step's gradients must fit in, checked from their shapes
+        and dtypes before the optimizer state is allocated (:class:`StateTooLarge`).
     """
     try:
         wrapped = bind(model, policy, rules, ops=ops, autocast=autocast, fp8=fp8,
@@ -210,19 +212,24 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
     if variables is None:
         variables = _sharded_jit(lambda k, x: wrapped.init(k, x, **mode), layout)(keys, sample_input)
     else:
-        expected = jax.eval_shape(lambda k, x: wrapped.init(k, x, **mode), keys, sample_input)
-        if precision.FP8_COLLECTION in expected and precision.FP8_COLLECTION not in variables:  # start them empty
-            zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), expected[precision.FP8_COLLECTION])
-            variables = {**variables, precision.FP8_COLLECTION: zeros}
-        _check_variables(variables, expected)
-        variables = cast_variables(wrapped, dict(variables), sample_input, **mode)
+        variables = _given_variables(wrapped, keys, sample_input, mode, variables)
     params = variables["params"]
     model_state = {k: v for k, v in variables.items() if k != "params"}
     tx = _mixed_precision_optimizer(optimizer, params, wrapped.policy, loss_scale, max_grad_norm, skip_with)
-    _check_reduce_dtype(wrapped, precision.current_loss_scale(jax.eval_shape(tx.init, params)))
+    _check_state(wrapped, params, jax.eval_shape(tx.init, params), memory)
     state = TrainState(step=jnp.zeros([], jnp.int32), params=params, opt_state=_sharded_jit(tx.init, layout)(params),
                        model_state=model_state, rng=rng, model=wrapped, tx=tx, layout=layout)
     return state if layout is None else layout.put_state(state)
+
+
+def _given_variables(wrapped: Any, keys: dict, sample_input: Any, mode: dict, variables: Any) -> dict:
+    """``variables`` checked against the model's and cast to its policy (fp8 histories started empty)."""
+    expected = jax.eval_shape(lambda k, x: wrapped.init(k, x, **mode), keys, sample_input)
+    if precision.FP8_COLLECTION in expected and precision.FP8_COLLECTION not in variables:  # start them empty
+        zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), expected[precision.FP8_COLLECTION])
+        variables = {**variables, precision.FP8_COLLECTION: zeros}
+    _check_variables(variables, expected)
+    return cast_variables(wrapped, dict(variables), sample_input, **mode)
 
 
 def _pretrained(wrapped: Any, keys: dict, sample_input: Any, mode: dict, init_from: Any, variables: Any) -> dict:
@@ -271,6 +278,36 @@ def _check_variables(given: Any, expected: Any) -> None:
         if want.get(path) != got.get(path):
             raise ValueError(f"create_train_state: `variables` do not match the model at {path}: the model has "
                              f"{want.get(path, 'nothing')}, the variables have {got.get(path, 'nothing')}")
+
+
+class StateTooLarge(ValueError):
+    """The train state would not fit in the memory :func:`create_train_state` was given."""
+
+    def __init__(self, need: int, memory: int, per_param: dict[str, float]):
+        self.need, self.memory, self.per_param = need, memory, per_param
+        super().__init__(f"create_train_state: the train state needs {need:,} bytes ({self.parts()}), more than "
+                         f"the {memory:,} bytes of memory given")
+
+    def parts(self) -> str:
+        """``16 bytes/param: params 4, optimizer 8, gradients 4``."""
+        parts = ", ".join(f"{k} {v:.2g}" for k, v in self.per_param.items() if k != "total" and v >= 0.01)
+        return f"{self.per_param['total']:.3g} bytes/param: {parts}"
+
+
+def _check_state(wrapped: Any, params: Any, opt_state: Any, memory: int | None) -> None:
+    """The reduce dtype fits the loss scale; the state and one step's gradients fit in ``memory``
+    (else :class:`StateTooLarge`)."""
+    _check_reduce_dtype(wrapped, precision.current_loss_scale(opt_state))
+    if not memory:
+        return
+    per_param = precision.state_bytes(params, opt_state)
+    count = sum(x.size for x in jax.tree_util.tree_leaves(params)) or 1
+    gradients = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params)) / count  # params' dtypes
+    per_param = {**{k: v for k, v in per_param.items() if k != "total"}, "gradients": gradients,
+                 "total": per_param["total"] + gradients}
+    need = int(per_param["total"] * count)
+    if need > memory:
+        raise StateTooLarge(need, memory, per_param)
 
 
 def _sharded_jit(fn, layout: Layout | None):

@@ -322,7 +322,7 @@ def make_eval_step(*, train_kwarg: str | None = "auto", layout: Layout | None = 
         def forward(params):
             return state.model.apply({"params": params, **state.model_state}, batch["inputs"], **mode)
 
-        params = state.params
+        params = _evaluated(state)
         if lay is not None:
             batch = lay.constrain_batch(batch)
             params = lay.gather(params, _gather_dtypes(forward, params, lay))
@@ -331,6 +331,15 @@ def make_eval_step(*, train_kwarg: str | None = "auto", layout: Layout | None = 
         return sums if lay is None else jax.lax.with_sharding_constraint(sums, lay.replicated())
 
     return _LaidOutStep(jax.jit(eval_step), layout, "make_eval_step")
+
+
+def _evaluated(state: TrainState) -> Any:
+    """The params an eval step computes with: ``state.params``, or a schedule-free optimizer's
+    average in their dtypes (its gradients are taken elsewhere, :mod:`precision.evaluation`)."""
+    if not precision.keeps_evaluation_point(state.opt_state):
+        return state.params
+    return jax.tree_util.tree_map(lambda x, p: x.astype(p.dtype),
+                                  precision.evaluation_params(state.params, state.opt_state), state.params)
 
 
 def summarize_eval(sums: dict[str, Any], task: str = "classification") -> dict[str, float]:
