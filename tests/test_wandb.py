@@ -75,10 +75,11 @@ def _finished_records(path, timeout=20.0):
 
 
 def _read_run(workdir):
-    """The W&B runs under ``WORKDIR/wandb`` by start time: id, config, history {key: {step: value}},
-    summary and exit code of each."""
+    """The W&B runs under ``WORKDIR/wandb`` in the order they ran: id, config, history {key: {step: value}},
+    summary and exit code of each. (By when each file was last written: one run ends before the next starts,
+    and two runs started within one second share a directory name, so names do not order them.)"""
     runs = []
-    for path in sorted(glob.glob(os.path.join(workdir, "wandb", "offline-run-*", "run-*.wandb"))):
+    for path in sorted(glob.glob(os.path.join(workdir, "wandb", "offline-run-*", "run-*.wandb")), key=os.path.getmtime):
         out = {"config": {}, "history": {}, "summary": {}, "exit_code": None}
         for r in _finished_records(path):
             kind = r.WhichOneof("record_type")
