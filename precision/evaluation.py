@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax.contrib
 
-from precision.optim import find_mixed_precision_state, full_precision_params
+from precision.optim import find_mixed_precision_state
 from precision.stored import loaded
 
 __all__ = ["evaluation_params", "keeps_evaluation_point"]
@@ -67,9 +67,12 @@ def evaluation_params(params: Any, opt_state: Any) -> Any:
 def _full(params: Any, opt_state: Any) -> Any:
     """``full_precision_params``, in float32 also for bfloat16 params that are their own masters."""
     try:
-        full = full_precision_params(params, opt_state)
+        state = find_mixed_precision_state(opt_state)
     except ValueError:  # a plain optax state, without mixed_precision
         return params
-    lean = find_mixed_precision_state(opt_state).stored_masters is not None
-    return jax.tree_util.tree_map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating)
-                                  else x, full) if lean else full
+    if state.master_params is not None:
+        return state.master_params
+    if state.stored_masters is None:
+        return params
+    return jax.tree_util.tree_map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                                  params)

@@ -248,7 +248,7 @@ def _check_params(variables: Any, name: str, model_config: Any, memory: tuple[in
         modules = len({"/".join(str(getattr(k, "key", k)) for k in path[:-1]) for path, _ in leaves})
         print(f"model '{name}': {len(leaves):,} param arrays in {modules:,} modules ({count:.3g} parameters); "
               f"tracing and compiling a program this large takes minutes (Ctrl-C stops it)", flush=True)
-    have, where = memory or (_memory_bytes(), "here")
+    have, where = memory or (device_memory_bytes(), "here")
     need = count * TRAIN_STATE_MIN_BYTES_PER_PARAM
     if have and need > have:
         raise ConfigError(f"model '{name}' has {count:.3g} parameters: its train state needs at least {_bytes(need)} "
@@ -256,9 +256,10 @@ def _check_params(variables: Any, name: str, model_config: Any, memory: tuple[in
                           f"{_bytes(have)} of memory {where}{_with_options(model_config)}")
 
 
-def _memory_bytes() -> int | None:
-    """The memory the train state can use: the local accelerators' (as they report it), else the host's RAM."""
-    devices = jax.local_devices()
+def device_memory_bytes(devices: list | None = None) -> int | None:
+    """The memory a train state can use on ``devices`` (default: all local ones): the accelerators'
+    as they report it, else the host's RAM."""
+    devices = jax.local_devices() if devices is None else devices
     limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices if d.platform != "cpu"]
     if limits and all(limits):
         return int(sum(limits))
@@ -318,7 +319,7 @@ def build_train_state(config: Any, model: Any, data: Any, layout: Any = None,
         ``precision.strict`` and the policy leaves its matmuls in float32.
     """
     tx, schedule = build_optimizer(config.optimizer, config.steps)
-    have, where = memory or (_memory_bytes(), "here")
+    have, where = memory or (device_memory_bytes(), "here")
     try:
         state = create_train_state(
             model, config.precision.policy, tx, jax.random.PRNGKey(config.seed), data.sample_input(1),

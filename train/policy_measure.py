@@ -33,10 +33,9 @@ import numpy as np
 import yaml
 
 import precision
-from train.builders import build_train_state
+from train.builders import build_train_state, device_memory_bytes
 from train.config import ConfigError, ExperimentConfig, from_dict, to_dict
 from train.data import DataError
-from train.data.base import host_memory_bytes
 from train.diagnose import diagnose_state, summary_line
 from train.references import one_line
 from train.state import TrainState, explain_model
@@ -72,12 +71,7 @@ def with_precision(config: ExperimentConfig, settings: dict[str, Any]) -> Experi
 
 def memory_limit() -> int | None:
     """One device's memory: an accelerator's as it reports it, else this machine's RAM."""
-    device = jax.local_devices()[0]
-    if device.platform != "cpu":
-        limit = (device.memory_stats() or {}).get("bytes_limit")
-        if limit:
-            return int(limit)
-    return host_memory_bytes()
+    return device_memory_bytes(jax.local_devices()[:1])
 
 
 def measure_candidate(experiment: Experiment, candidate: precision.Candidate, reference_loss: float | None = None,
