@@ -33,12 +33,12 @@ import jax.numpy as jnp
 import optax
 
 import precision
+from benchmarks.compile_only import chosen, target_device
 from benchmarks.report import RESULTS, environment
 from benchmarks.workloads import POLICIES, policy_case, workload
 from train import create_train_state
 from train.compile_for import compile_train_step
 from train.distributed import Layout, make_mesh
-from train.targets import TargetError, get_target, target_devices
 
 MODELS = ("gpt", "gpt_pinned", "resnet", "mlp")
 #: name -> (policy preset, loss scale, fp8 min_size or None)
@@ -112,16 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policies", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     p.add_argument("--out", default=str(RESULTS), help="directory for <target>-compiled.{json,md}")
     args = p.parse_args(argv)
-    models, cases = args.models.split(","), args.policies.split(",")
-    unknown = [m for m in models if m not in MODELS] + [c for c in cases if c not in CASES]
-    if unknown:
-        p.error(f"unknown {', '.join(unknown)}; models: {', '.join(MODELS)}; policies: {', '.join(CASES)}")
-    try:
-        target = get_target(args.target)
-        device = target_devices(target)[0]
-    except TargetError as e:
-        print(f"error: {e}", file=sys.stderr)
+    models, cases = chosen(p, models=(args.models, MODELS), policies=(args.policies, CASES))
+    found = target_device(args.target)
+    if found is None:
         return 2
+    target, device = found
     rows = []
     for model_name in models:
         for case in (["fp32"] if "fp32" not in cases else []) + cases:

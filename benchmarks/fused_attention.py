@@ -24,10 +24,10 @@ import pathlib
 import sys
 from typing import Any
 
+from benchmarks.compile_only import chosen, target_device
 from benchmarks.report import RESULTS, environment
 from train.compile_for import compile_for
 from train.config import load_config
-from train.targets import TargetError, get_target, target_devices
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 _USER = ("model.width=768", "model.heads=12", "model.max_len=1024")
@@ -93,16 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
-    models, cases = args.models.split(","), args.cases.split(",")
-    unknown = [m for m in models if m not in MODELS] + [c for c in cases if c not in CASES]
-    if unknown:
-        p.error(f"unknown {', '.join(unknown)}; models: {', '.join(MODELS)}; cases: {', '.join(CASES)}")
-    try:
-        target = get_target(args.target)
-        target_devices(target)
-    except TargetError as e:
-        print(f"error: {e}", file=sys.stderr)
+    models, cases = chosen(p, models=(args.models, MODELS), cases=(args.cases, CASES))
+    found = target_device(args.target)
+    if found is None:
         return 2
+    target = found[0]
     rows = []
     for model in models:
         for case in cases:

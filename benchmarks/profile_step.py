@@ -44,6 +44,29 @@ def kind_of(kernel: str) -> str:
     return "fusion"
 
 
+def profile_kind(kernel: Any) -> str:
+    """The kind this profile gives a :class:`train.hlo_kernels.HloKernel` (by its HLO name, as
+    :func:`kind_of` does a kernel's name; GEMMs, attention and copies by what they are)."""
+    return kernel.kind if kernel.kind in ("gemm", "attention", "copy") else kind_of(kernel.name)
+
+
+def modeled(hlo_text: str, device_kind: str) -> dict[str, Any] | None:
+    """``train.gpu_time``'s modeled time of the compiled step, by this profile's kinds, for an
+    H100 or H200 (None elsewhere): beside a measured profile, the model's calibration data."""
+    from train.gpu_time import model_step
+    from train.targets import get_target
+
+    name = next((n for n in ("h100", "h200") if n in device_kind.lower()), None)
+    if name is None:
+        return None
+    step = model_step(hlo_text, get_target(name))
+    by_kind: dict[str, float] = collections.Counter()
+    for m in step.kernels:
+        by_kind[profile_kind(m.kernel)] += m.seconds - step.calibration.gap_seconds * m.kernel.launches
+    return {"what": "a model of the compiled program, not a measurement", "seconds": step.seconds,
+            "launches": step.launches, "busy_by_kind": dict(by_kind)}
+
+
 def kernel_times(trace_dir: str) -> tuple[dict[str, float], str]:
     """Seconds per kernel name summed over a trace's device streams, and which
     events were read ("device streams" on a GPU; the host's XLA threads on a CPU)."""
@@ -89,6 +112,7 @@ def profile(model: str, size: str, policy: str, steps: int) -> dict[str, Any]:
     top = sorted(per_step.items(), key=lambda item: -item[1])
     return {"model": model, "size": size, "policy": policy, "steps": steps, "source": source,
             "step_seconds_traced": wall, "busy_seconds": busy, "kernels": len(per_step),
+            "modeled": modeled(step.as_text(), jax.devices()[0].device_kind),
             "by_kind": dict(sorted(by_kind.items(), key=lambda item: -item[1])),
             "top": [{"kernel": name, "kind": kind_of(name), "seconds": seconds, "share": seconds / busy if busy else 0.0}
                     for name, seconds in top]}
@@ -100,9 +124,11 @@ def markdown(result: dict[str, Any], top: int = 15) -> str:
              f"device: {result['device']}; {result['steps']} traced steps, {result['source']}; "
              f"step {1e3 * result['step_seconds_traced']:.2f} ms wall while tracing, device busy "
              f"{1e3 * result['busy_seconds']:.2f} ms per step in {result['kernels']} distinct kernels", "",
-             "| kind | ms per step | share of busy |", "| --- | ---: | ---: |"]
+             "| kind | ms per step | share of busy | modeled ms (not measured) |", "| --- | ---: | ---: | ---: |"]
     busy = result["busy_seconds"] or 1.0
-    lines += [f"| {kind} | {1e3 * s:.2f} | {100 * s / busy:.1f}% |" for kind, s in result["by_kind"].items()]
+    model = (result.get("modeled") or {}).get("busy_by_kind", {})
+    lines += [f"| {kind} | {1e3 * s:.2f} | {100 * s / busy:.1f}% | "
+              f"{f'{1e3 * model[kind]:.2f}' if kind in model else '-'} |" for kind, s in result["by_kind"].items()]
     lines += ["", "| kernel | kind | ms per step | share of busy |", "| --- | --- | ---: | ---: |"]
     lines += [f"| `{k['kernel'][:90]}` | {k['kind']} | {1e3 * k['seconds']:.3f} | {100 * k['share']:.1f}% |"
               for k in result["top"][:top]]

@@ -40,7 +40,7 @@ import optax
 from jax.extend import source_info_util
 from jax.extend.core import Literal
 
-from precision.grad_norms import first_nonfinite, leaf_squared_norms
+from precision.grad_norms import check_gradients, checked_nonfinite_leaf, leaf_check
 from precision.loss_scale import DynamicLossScale, LossScale, select_tree
 from precision.policy import cast_to_full
 from precision.stored import ROUNDINGS, init_masters, master_updates, stored_in
@@ -57,9 +57,11 @@ class MixedPrecisionState(NamedTuple):
     master_params: Any  # float32 copy of half params, or None
     grads_finite: jax.Array  # whether the last step's gradients were finite
     grad_norm: jax.Array  # global norm of the last step's unscaled gradients
-    # Where a skipped step went wrong (tree_leaves order): i >= 0, leaf i's gradient is not finite; -2 - i,
-    # every leaf is finite but the global norm overflowed float32, leaf i contributing most; -1, no leaf
-    # (nothing went wrong, or only the loss given as ``value`` was not finite).
+    # Where a skipped step went wrong (tree_leaves order): i >= 0, leaf i's gradient is not finite (on a
+    # CPU, under skip_with="cond" or with sharded gradients, also a leaf whose own squares overflow); -2 - i,
+    # every element is finite but the global norm overflowed float32, leaf i the largest (by its norm; on an
+    # accelerator under "select", by its largest element); -1, no leaf (nothing went wrong, or only the loss
+    # given as ``value`` was not finite).
     nonfinite_leaf: jax.Array
     stored_masters: Any = None  # bfloat16 params as their own masters (precision.stored), or None
 
@@ -117,7 +119,8 @@ def mixed_precision(inner: optax.GradientTransformation,
 
     Returns:
       A transformation whose ``update(scaled_grads, state, params)`` returns
-      updates for ``optax.apply_updates(params, updates)``.
+      updates for ``optax.apply_updates(params, updates)``; ``update(...,
+      grads_sharded=True)`` for gradients split over devices (FSDP; see ``_gradient_check``).
     """
     loss_scale, inner, lean = _checked(inner, loss_scale, max_grad_norm, skip_with, master_dtype, master_rounding,
                                        state_dtype)
@@ -133,19 +136,20 @@ def mixed_precision(inner: optax.GradientTransformation,
             nonfinite_leaf=jnp.array(-1, jnp.int32),
             stored_masters=init_masters(params, master_rounding) if lean else None)
 
-    def update_fn(scaled_grads, state, params=None, **extra_args):
+    def update_fn(scaled_grads, state, params=None, *, grads_sharded=False, **extra_args):
         """``extra_args`` go to ``inner``; a ``value`` among them (the loss, optax's name for it) is checked
         for finiteness too: a non-finite loss skips the step even when its gradients are finite."""
         if (state.master_params is not None or state.stored_masters is not None) and params is None:
             raise ValueError("mixed_precision with half-precision params needs `params` in update()")
         grads = cast_to_full(scaled_grads)
         if skip_with != "auto":
-            return _update(inner, skip_with, grads, state, params, extra_args, master_rounding, max_grad_norm)
+            return _update(inner, skip_with, grads, state, params, extra_args, master_rounding, max_grad_norm,
+                           grads_sharded)
         # auto: chosen for the platform the step is lowered for, not the host it is traced on
         return jax.lax.platform_dependent(
             grads, state, params, extra_args,
-            cpu=lambda *a: _update(inner, "cond", *a, master_rounding, max_grad_norm),
-            default=lambda *a: _update(inner, "select", *a, master_rounding, max_grad_norm))
+            cpu=lambda *a: _update(inner, "cond", *a, master_rounding, max_grad_norm, grads_sharded),
+            default=lambda *a: _update(inner, "select", *a, master_rounding, max_grad_norm, grads_sharded))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -181,20 +185,11 @@ def _checked(inner: optax.GradientTransformation, loss_scale: Any, max_grad_norm
 
 def _update(inner: optax.GradientTransformationExtraArgs, strategy: str, scaled: Any, state: MixedPrecisionState,
             params: Any, extra_args: dict, master_rounding: str = "stochastic",
-            max_grad_norm: float | None = None) -> tuple[Any, MixedPrecisionState]:
+            max_grad_norm: float | None = None, grads_sharded: bool = False) -> tuple[Any, MixedPrecisionState]:
     """The wrapper's update from float32 gradients of the scaled loss: check, unscale,
     clip, update (or skip, by ``strategy``: ``"cond"`` or ``"select"``), adjust the scale."""
-    # One reduction per leaf gives the metric, the check and the culprit: the norm is finite
-    # iff every element is, except for finite gradients whose squares overflow float32 (norm >
-    # 1.8e19 before unscaling), which count as an overflow too. The norm is taken of the scaled
-    # gradients and unscaled as a scalar; the gradients themselves are unscaled inside the
-    # update, where the multiply fuses into the optimizer's own elementwise pass.
-    squares = leaf_squared_norms(scaled, one_loop=strategy == "select")
-    grad_norm = state.loss_scale.unscale(jnp.sqrt(jnp.sum(squares)))
-    grads_ok = jnp.isfinite(grad_norm)
-    finite = grads_ok
-    if extra_args.get("value") is not None:
-        finite = jnp.logical_and(finite, jnp.all(jnp.isfinite(jnp.asarray(extra_args["value"]))))
+    check, grad_norm, grads_ok, finite = _gradient_check(scaled, state.loss_scale, extra_args.get("value"),
+                                                         strategy, grads_sharded)
     ref = params if params is not None else scaled
 
     def step(inner_state, master, stored, selected):
@@ -239,8 +234,31 @@ def _update(inner: optax.GradientTransformationExtraArgs, strategy: str, scaled:
         master_params=master,
         grads_finite=finite,
         grad_norm=grad_norm,
-        nonfinite_leaf=first_nonfinite(squares, finite),
+        nonfinite_leaf=checked_nonfinite_leaf(check, finite, len(jax.tree_util.tree_leaves(scaled))),
         stored_masters=stored)
+
+
+def _gradient_check(scaled: Any, loss_scale: Any, value: Any, strategy: str, grads_sharded: bool) -> tuple:
+    """(the gradient check, the unscaled global norm, whether the gradients are finite,
+    whether the step is applied: gradients and ``value``, the loss, finite)."""
+    # One pass over the gradients gives the metric, the check and the culprit: the norm is
+    # finite iff every element is, except for finite gradients whose squares overflow float32
+    # (norm > 1.8e19 before unscaling), which count as an overflow too. The norm is taken of the
+    # scaled gradients and unscaled as a scalar; the gradients themselves are unscaled inside
+    # the update, where the multiply fuses into the optimizer's own elementwise pass. Select
+    # lowered for an accelerator: a few reductions over concatenated leaves
+    # (precision.grad_norms.check_gradients); for XLA:CPU (whose library sums are faster than
+    # one loop), under cond, or with gradients split over devices (FSDP: a concatenation would
+    # gather them; train.make_train_step says so with grads_sharded=True): a sum of squares per leaf.
+    if strategy == "select" and not grads_sharded:
+        check = jax.lax.platform_dependent(scaled, cpu=lambda g: leaf_check(g, one_loop=True),
+                                           default=check_gradients)
+    else:
+        check = leaf_check(scaled, one_loop=strategy == "select")
+    grad_norm = loss_scale.unscale(jnp.sqrt(check.squares))
+    grads_ok = jnp.isfinite(grad_norm)
+    finite = grads_ok if value is None else jnp.logical_and(grads_ok, jnp.all(jnp.isfinite(jnp.asarray(value))))
+    return check, grad_norm, grads_ok, finite
 
 
 def _adjusted(scale: Any, grads_finite: jax.Array, applied: jax.Array) -> Any:
@@ -317,7 +335,8 @@ def _first_nonfinite_leaf(grads: Any, finite: jax.Array) -> jax.Array:
     """Index of the first leaf of ``grads`` that is not finite (or whose squared norm
     overflows), ``-2 - i`` when only their global norm overflows (leaf ``i`` the largest),
     -1 when ``finite``; the wrapper reports it as ``nonfinite_leaf``."""
-    return first_nonfinite(leaf_squared_norms(cast_to_full(grads)), finite)
+    leaves = cast_to_full(grads)
+    return checked_nonfinite_leaf(leaf_check(leaves), finite, len(jax.tree_util.tree_leaves(leaves)))
 
 
 def _is_half(x: Any) -> bool:

@@ -184,10 +184,13 @@ def test_train_step_reads_and_writes_no_more_than_a_hand_written_step():
     """XLA's bytes accessed of our train step (mixed_bf16, AdamW, select skip) against the
     hand-written JAX + optax step of the same dtypes, on the suite's quick models. The one
     pass the wrapper adds is its finiteness check, reading each gradient once (bf16): 2.5%
-    of the MLP's step, whose bytes are mostly the optimizer's (3M params, batch 128)."""
+    of the MLP's step, whose bytes are mostly the optimizer's (3M params, batch 128). The
+    loss's correctness (accuracy), read in the log-sum-exp's own pass over the logits, adds
+    0.6% on XLA:CPU, which does not fuse it there; on a GPU it saves a pass (the H100
+    programs, tests/test_step_cost.py)."""
     from benchmarks.wrapper_overhead import bytes_accessed
 
-    limits = {"mlp": 1.03, "resnet": 1.02, "gpt": 1.02}
+    limits = {"mlp": 1.035, "resnet": 1.02, "gpt": 1.02}
     ratios = {name: bytes_accessed(name, "quick", ("select",))["select_ratio"] for name in limits}
     assert all(ratios[name] <= limit for name, limit in limits.items()), ratios
 

@@ -294,7 +294,7 @@ def test_grad_norm_reports_nan_and_inf_as_they_are():
 def test_the_select_strategy_reduces_small_leaves_together_and_keeps_each_leafs_norm():
     """Small leaves of one size share a reduction (one kernel, not one per leaf); each leaf's
     sum of squares, the global norm and the first non-finite leaf are what per-leaf sums give."""
-    from precision.grad_norms import SMALL_LEAF, first_nonfinite, leaf_squared_norms
+    from precision.grad_norms import SMALL_LEAF, checked_nonfinite_leaf, leaf_check, leaf_squared_norms
 
     rng = np.random.default_rng(0)
     shapes = [(SMALL_LEAF + 8,), (8,), (3, 4), (12,), (), (0,), (8,), (2, SMALL_LEAF), (12,)]
@@ -309,4 +309,55 @@ def test_the_select_strategy_reduces_small_leaves_together_and_keeps_each_leafs_
             poisoned[bad] = poisoned[bad].at[(0,) * poisoned[bad].ndim].set(poison)
             squares = together(poisoned)
             assert [i for i, s in enumerate(np.asarray(squares)) if not np.isfinite(s)] == [bad]
-            assert int(first_nonfinite(squares, jnp.array(False))) == bad
+            check = leaf_check(poisoned, one_loop=True)
+            assert int(checked_nonfinite_leaf(check, jnp.array(False), len(grads))) == bad
+
+
+def _leaves_for_the_one_pass_check(seed: int) -> list:
+    """Leaves as a model's gradients come: matrices of a few widths (one a transpose), convolution kernels,
+    vectors, a scalar, an empty leaf, bfloat16 and float32, more of them than one reduction reads."""
+    from precision.grad_norms import LEAVES_PER_REDUCTION
+
+    rng = np.random.default_rng(seed)
+    shapes = [(40, 24), (24,), (), (0, 3), (24, 40), (7, 24), (3, 5, 24), (1000,), (3, 3, 2, 4)] * 6
+    assert len(shapes) > LEAVES_PER_REDUCTION
+    leaves = [jnp.asarray(rng.standard_normal(s), jnp.bfloat16 if i % 5 == 0 else jnp.float32)
+              for i, s in enumerate(shapes)]
+    leaves[4] = jnp.asarray(rng.standard_normal((40, 24)), jnp.float32).T  # a transposed matrix
+    return leaves
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_one_pass_check_gives_the_global_norm_first_nonfinite_leaf_and_largest_leaf(seed):
+    """check_gradients (select on an accelerator) against a sum of squares per leaf: the same
+    norm, the first leaf holding a nan or inf wherever it sits, -1 when finite, and -2 - i when
+    only the sum of squares overflows (leaf i holding the largest element)."""
+    from precision.grad_norms import check_gradients, checked_nonfinite_leaf
+
+    leaves = _leaves_for_the_one_pass_check(seed)
+    check = jax.jit(check_gradients)
+    expected = sum(float(np.sum(np.square(np.asarray(g, np.float64)))) for g in leaves)
+    found = check(leaves)
+    np.testing.assert_allclose(float(found.squares), expected, rtol=1e-5)
+    assert int(checked_nonfinite_leaf(found, jnp.array(True), len(leaves))) == -1
+    assert int(found.first_nonfinite) == len(leaves)
+    for bad in (0, 4, 6, len(leaves) - 1, 33):
+        if leaves[bad].size == 0:
+            continue
+        for poison in (jnp.nan, jnp.inf, -jnp.inf):
+            poisoned = list(leaves)
+            poisoned[bad] = poisoned[bad].at[(-1,) * poisoned[bad].ndim].set(poison)
+            result = check(poisoned)
+            assert not np.isfinite(float(result.squares))
+            assert int(checked_nonfinite_leaf(result, jnp.array(False), len(leaves))) == bad, (bad, poison)
+    overflow = list(leaves)
+    overflow[6] = overflow[6].at[0, 1, 2].set(3e19)  # finite, but its square is not
+    result = check(overflow)
+    assert int(checked_nonfinite_leaf(result, jnp.array(False), len(leaves))) == -2 - 6
+
+
+def test_the_one_pass_check_of_nothing_is_finite():
+    from precision.grad_norms import check_gradients
+
+    result = check_gradients({"a": jnp.zeros((0, 4))})
+    assert float(result.squares) == 0.0 and int(result.first_nonfinite) == 1

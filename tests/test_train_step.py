@@ -5,6 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import precision
 from train import (create_train_state, cross_entropy, evaluate, make_eval_step, make_train_step,
@@ -159,3 +161,26 @@ def test_learning_rate_is_a_metric_only_with_a_learning_rate_fn():
     assert "learning_rate" not in make_train_step(donate=False)(state, batch)[1]
     _, metrics = make_train_step(donate=False, learning_rate_fn=lambda step: 0.1)(state, batch)
     assert float(metrics["learning_rate"]) == pytest.approx(0.1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 5), st.integers(2, 40), st.integers(0, 2 ** 31 - 1), st.sampled_from(["normal", "ties", "bf16"]))
+def test_cross_entropy_is_optaxs_loss_and_argmaxs_correctness_in_one_pass(rows, vocab, seed, kind):
+    """The built-in loss reads the maximum its log-sum-exp takes for correctness (no pass of
+    its own over the logits): the same loss and gradient as optax's, and ``argmax == label``
+    exactly, ties included (the first largest logit is the prediction)."""
+    rng = np.random.default_rng(seed)
+    logits = rng.standard_normal((rows, vocab)).astype(np.float32)
+    if kind == "ties":  # few distinct values: the largest is often shared
+        logits = np.round(logits).astype(np.float32)
+    elif kind == "bf16":
+        logits = np.asarray(jnp.asarray(logits, jnp.bfloat16).astype(jnp.float32))
+    labels = rng.integers(0, vocab, rows)
+    loss, correct = jax.jit(cross_entropy)(jnp.asarray(logits), jnp.asarray(labels))
+    expected = optax.softmax_cross_entropy_with_integer_labels(jnp.asarray(logits), jnp.asarray(labels))
+    np.testing.assert_allclose(np.asarray(loss), np.asarray(expected), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(correct), np.argmax(logits, -1) == labels)
+    grad = jax.grad(lambda x: cross_entropy(x, jnp.asarray(labels))[0].sum())(jnp.asarray(logits))
+    reference = jax.grad(lambda x: optax.softmax_cross_entropy_with_integer_labels(x, jnp.asarray(labels)).sum())(
+        jnp.asarray(logits))
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(reference), rtol=1e-5, atol=1e-7)

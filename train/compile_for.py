@@ -15,7 +15,10 @@ compiled program (:mod:`train.gpu_kernels`, :mod:`train.communication`):
 - under a half policy, every GEMM with a float32 operand, by module path, and
   which of them a rule asked for;
 - the collectives a step sends on N devices, with dtypes and bytes;
-- the time to trace and lower, and to compile.
+- the time to trace and lower, and to compile;
+- a *modeled* step time (:mod:`train.gpu_time`: every kernel's bytes and FLOPs
+  against the device's datasheet, calibrated on a profile measured on a GPU),
+  with the kernels that take most of it: a model, never a measurement.
 
 No autotuning runs without a GPU (XLA's default GEMM configurations), so it
 proves structure, dtypes and memory, not speed.
@@ -37,6 +40,7 @@ from train.communication import CommunicationReport, compile_partitioned, hlo_co
 from train.config import ConfigError, ExperimentConfig
 from train.distributed import Layout, MeshError, make_mesh
 from train.gpu_kernels import Kernel, read_kernels
+from train.gpu_time import ModeledStep, model_step
 from train.targets import GpuTarget, TargetError, get_target, target_devices
 
 __all__ = ["CompiledStep", "compile_for", "compile_train_step", "write_report", "TargetError"]
@@ -61,6 +65,8 @@ class CompiledStep:
     communication: CommunicationReport
     seconds: dict[str, float]  # lower, compile
     hlo_text: str = dataclasses.field(default="", repr=False)  # the optimized program (compiled.as_text())
+    modeled: ModeledStep | None = dataclasses.field(default=None, repr=False)  # None: no datasheet for the target
+    modeled_error: str = ""  # why there is no model
 
     @property
     def fits(self) -> bool:
@@ -93,6 +99,7 @@ class CompiledStep:
                 "f32_gemms": self.f32_gemms() if self.policy_half else {},
                 "f32_gemms_in_float32_regions": self.f32_gemms(declared=True) if self.policy_half else {},
                 "collectives": self.communication.rows(), "seconds": self.seconds,
+                "modeled": self.modeled.to_json() if self.modeled is not None else {"error": self.modeled_error},
                 "jax": jax.__version__}
 
     def __str__(self) -> str:
@@ -118,6 +125,7 @@ class CompiledStep:
             lines += self._f32_lines()
         if self.devices > 1:
             lines.append(str(self.communication))
+        lines += self.modeled.lines() if self.modeled is not None else [f"Modeled step time: none ({self.modeled_error})"]
         return "\n".join(lines)
 
     def _f32_lines(self) -> list[str]:
@@ -176,12 +184,23 @@ def compile_train_step(state: Any, batch: Any, layout: Layout, target: GpuTarget
     done = time.perf_counter()
     text, count = compiled.as_text(), layout.mesh.devices.size
     stage = "partitioned" if partitioned is not None else "compiled"
+    modeled, why = _modeled(text, target)
     return CompiledStep(
         target=target, devices=count, mesh=dict(layout.mesh.shape), experiment=experiment,
         policy_half=np.dtype(state.model.policy.compute_dtype).itemsize < 4, memory=_memory(compiled),
         kernels=tuple(read_kernels(text)),
         communication=CommunicationReport(tuple(hlo_collectives(partitioned or text, count)), stage, target.name),
-        seconds={"lower": round(lowered_at - start, 2), "compile": round(done - lowered_at, 2)}, hlo_text=text)
+        seconds={"lower": round(lowered_at - start, 2), "compile": round(done - lowered_at, 2)}, hlo_text=text,
+        modeled=modeled, modeled_error=why)
+
+
+def _modeled(text: str, target: GpuTarget) -> tuple[ModeledStep | None, str]:
+    """The modeled step time of ``text`` on ``target``, or None and why (a target whose
+    compute capability has no datasheet peaks here)."""
+    try:
+        return model_step(text, target), ""
+    except ValueError as e:
+        return None, str(e)
 
 
 def _size(n: float) -> str:

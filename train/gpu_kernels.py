@@ -22,7 +22,7 @@ from urllib.parse import unquote
 
 from precision.autocast.regions import MODULE_PREFIX, TAG_PREFIX
 
-__all__ = ["Kernel", "read_kernels", "GEMM_KINDS", "module_of", "region_of", "fp8_accumulation"]
+__all__ = ["Kernel", "read_kernels", "GEMM_KINDS", "module_of", "region_of", "fp8_accumulation", "operand_names"]
 
 #: Kernel kinds that are matrix multiplications.
 GEMM_KINDS = ("cublas", "cublaslt", "cublaslt_fp8", "triton_gemm", "xla_dot")
@@ -96,13 +96,13 @@ def _computations(text: str) -> dict[str, dict]:
             continue
         dtype = _DTYPE.search(m.group("type"))
         instr = _Instr(m.group("name"), dtype.group(1) if dtype else "", m.group("op"),
-                       tuple(_operand_names(m.group("rest"))), m.group("rest"))
+                       tuple(operand_names(m.group("rest"))), m.group("rest"))
         current["types"][instr.name] = instr.dtype
         current["instrs"].append(instr)
     return comps
 
 
-def _operand_names(rest: str) -> list[str]:
+def operand_names(rest: str) -> list[str]:
     """The operand names of an instruction (its text up to the closing paren of its operand list)."""
     depth, end = 0, len(rest)
     for i, ch in enumerate(rest):

@@ -102,8 +102,10 @@ class TrainState(struct.PyTreeNode):
         or under no loss scale (bfloat16, float32) a plain tree like ``state.params``."""
         scaled = _scaled_grads(grads, self.loss_scale)
         _check_grads_match(scaled.grads, self.params)
-        value = {} if scaled.loss is None else {"value": scaled.loss}  # a non-finite loss skips the step too
-        updates, opt_state = self.tx.update(scaled.grads, self.opt_state, self.params, **value)
+        extra = {} if scaled.loss is None else {"value": scaled.loss}  # a non-finite loss skips the step too
+        if scaled.sharded:
+            extra["grads_sharded"] = True
+        updates, opt_state = self.tx.update(scaled.grads, self.opt_state, self.params, **extra)
         return self.replace(step=self.step + 1, params=optax.apply_updates(self.params, updates),
                             opt_state=opt_state, **kwargs)
 
@@ -118,6 +120,8 @@ class ScaledGrads(struct.PyTreeNode):
 
     grads: Any
     loss: Any = None
+    #: The gradients are split over devices (FSDP): the optimizer checks them leaf by leaf.
+    sharded: bool = struct.field(pytree_node=False, default=False)
 
 
 def _scaled_grads(grads: Any, loss_scale: LossScale) -> ScaledGrads:

@@ -69,7 +69,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: s
 
     # A new function each call: JAX caches the trace of a function it checkpoints, and a trace made
     # outside autocast (by init) would hide the attention call autocast recognises.
-    xla = jax.checkpoint(lambda q, k, v: _xla_causal_attention(q, k, v), policy=_saves_no_masks)
+    xla = jax.checkpoint(lambda q, k, v: _xla_causal_attention(q, k, v), policy=_saves_no_masks, prevent_cse=False)
     if implementation == "cudnn":
         return cudnn(q, k, v)
     if implementation is None and np.dtype(q.dtype) in _HALF:

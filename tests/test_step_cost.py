@@ -1,0 +1,54 @@
+"""Our train step against a hand-written one, compiled for an H100 without one (issue: the
+framework's own cost to zero): kernel launches and bytes of the optimized programs, so a
+change that adds kernels to our step fails here. Needs JAX's CUDA plugin (``gpu_compile``).
+
+The hand-written steps are :mod:`benchmarks.step_cost`'s: the same model written in the half
+dtype with cuDNN attention, float32 loss, ``jax.grad``, AdamW, and jmp's dynamic loss scale
+under float16. The limits are today's figures with a little room (``python -m
+benchmarks.step_cost`` prints them): bfloat16 adds the one-pass finiteness check the
+hand-written step does not make, and XLA's split-K GEMM reductions it then keeps apart; under
+float16 the hand-written step's per-leaf ``jmp.all_finite`` costs more than our check.
+"""
+
+import functools
+
+import pytest
+
+from train.targets import TargetError, get_target, target_devices
+
+gpu_compile = pytest.mark.gpu_compile
+
+
+@functools.lru_cache(maxsize=None)
+def _device():
+    try:
+        return target_devices(get_target("h100"))[0]
+    except TargetError:
+        return None
+
+
+@pytest.fixture(autouse=True)
+def _needs_plugin():
+    if _device() is None:
+        pytest.skip("needs JAX's CUDA plugin (no GPU): pip install '.[gpu-compile]'")
+
+
+@gpu_compile
+@pytest.mark.parametrize("policy,kernels,bytes_moved", [("mixed_bf16", 1.065, 1.012), ("mixed_f16", 0.85, 1.005)])
+def test_our_gpt2_small_step_launches_and_moves_no_more_than_the_hand_written_one(policy, kernels, bytes_moved):
+    from benchmarks.step_cost import compare, models
+
+    row = compare(models()["gpt"], policy, get_target("h100"), _device())
+    assert row["kernels_ratio"] <= kernels, (row["ours"]["kernels"], row["hand_written"]["kernels"])
+    assert row["bytes_ratio"] <= bytes_moved, row["bytes_ratio"]
+    assert row["ours"]["modeled_seconds"] <= 1.015 * row["hand_written"]["modeled_seconds"]
+
+
+@gpu_compile
+def test_the_step_cost_benchmark_writes_its_table(tmp_path):
+    from benchmarks import step_cost
+
+    argv = ["--layers", "1", "--models", "llama,resnet", "--policies", "O2", "--out", str(tmp_path)]
+    assert step_cost.main(argv) == 0
+    text = (tmp_path / "step-cost-h100.md").read_text()
+    assert "| llama | O2 |" in text and "| resnet | O2 |" in text and "not a measurement" in text

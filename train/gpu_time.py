@@ -1,0 +1,211 @@
+"""A modeled GPU step time, from the program compiled for the GPU: a model, never a measurement.
+
+GPUs are lent to this project rarely; what XLA's GPU compiler makes of a step
+is known without one (:mod:`train.targets`). This module turns that program
+into a time: each kernel it launches (:mod:`train.hlo_kernels`) takes
+
+    launches x (max(bytes / (HBM bandwidth x e_bw), FLOPs / (peak x e_kind), t_min) + t_gap)
+
+with the bandwidth and dense peaks from the device's datasheet (the peak for
+the operands' dtype: bf16/f16, FP8, TF32 for a float32 GEMM at default
+precision, plain float32 at ``highest``), and four numbers calibrated on a
+profile measured on a GPU (:data:`CALIBRATION`): the share of peak a GEMM and
+cuDNN's attention reach, the share of bandwidth a memory-bound kernel reaches,
+and the shortest kernel. ``t_gap``, the idle time between two kernels, is the
+measured step's wall time less its busy time, per launch. Collectives take
+their bytes over NVLink at the same bandwidth share.
+
+What it is for: comparing two programs for the same GPU (ours against a
+hand-written step, a rewrite against the plain program), and knowing where a
+step's time goes before renting the GPU. What it is not: a measurement. It
+knows no cache, no overlap of kernels, no autotuned GEMM configuration (a
+compile-only program has XLA's default Triton GEMMs where a tuned run may pick
+cuBLAS); ``benchmarks/results/model-calibration.md`` says how far it is from
+each measured kernel kind and step.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from typing import Any, NamedTuple
+
+from train.hlo_kernels import KINDS, HloKernel, read_hlo_kernels
+
+__all__ = ["Datasheet", "Calibration", "CALIBRATION", "ModeledKernel", "ModeledStep", "datasheet", "model_step",
+           "model_kernels"]
+
+_FP8 = ("f8e4m3fn", "f8e5m2", "f8e4m3", "f8e4m3fnuz", "f8e5m2fnuz", "f8e3m4")
+
+
+class Datasheet(NamedTuple):
+    """What a GPU's datasheet says: HBM bandwidth, dense matrix peaks by math, NVLink."""
+
+    name: str
+    bandwidth: float  # bytes/s
+    half: float  # dense bf16/f16 tensor-core FLOP/s
+    fp8: float  # dense FP8 FLOP/s (0: none)
+    tf32: float  # dense TF32 FLOP/s (a float32 GEMM at default precision)
+    f32: float  # float32 without tensor cores (precision highest)
+    link_bandwidth: float  # NVLink bytes/s per direction
+
+    def peak(self, dtype: str, precision: str = "") -> float:
+        """The dense peak a GEMM with ``dtype`` operands runs at."""
+        if dtype in ("bf16", "f16"):
+            return self.half
+        if dtype in _FP8:
+            return self.fp8 or self.half
+        if dtype == "f32":
+            return self.f32 if precision == "highest" else self.tf32
+        return self.f32
+
+
+#: Per SM and clock, by compute capability: (half, fp8, tf32, f32) FLOPs. Hopper's datasheet:
+#: H100 SXM 989.4 / 1978.9 / 494.7 TFLOP/s dense at 132 SMs, 1.83 GHz (tensor), 66.9 at 1.98 GHz.
+_PER_SM_CLOCK = {(9, 0): (4096.0, 8192.0, 2048.0, 256.0), (8, 0): (2048.0, 0.0, 1024.0, 128.0),
+                 (8, 9): (1024.0, 2048.0, 512.0, 256.0), (10, 0): (8192.0, 16384.0, 4096.0, 256.0)}
+_TENSOR_CLOCK_RATIO = 1.83 / 1.98  # the tensor-core datasheet peaks are at the lower sustained clock
+
+
+class Calibration(NamedTuple):
+    """The model's four fitted numbers, and where they came from."""
+
+    gemm_efficiency: float  # share of the dense peak a GEMM reaches
+    attention_efficiency: float  # share of the dense peak cuDNN's fused attention reaches (causal: half the FLOPs)
+    bandwidth_efficiency: float  # share of HBM bandwidth a memory-bound kernel reaches
+    min_kernel_seconds: float  # the shortest kernel
+    gap_seconds: float  # idle time between two kernels (launch, dependencies)
+    source: str
+
+
+#: Fitted by ``python -m benchmarks.model_calibration`` on the H200 profile of 2026-11-25
+#: (``benchmarks/results/profile-gpt-mixed_bf16-nvidia-h200.json``: the suite's GPT at the GPT-2-small
+#: shape, vocabulary 65, mixed_bf16; device busy 25.41 ms, wall 26.60 ms per step) against the
+#: program of the commit measured (c7177cb: 1,085 launches) compiled for an H200 here; checked
+#: against the other steps measured on that H200 (``benchmarks/results/model-calibration.md``).
+CALIBRATION = Calibration(gemm_efficiency=0.741, attention_efficiency=0.277, bandwidth_efficiency=0.589,
+                          min_kernel_seconds=2.0e-6, gap_seconds=1.10e-6,
+                          source="profile-gpt-mixed_bf16-nvidia-h200 (2026-11-25)")
+
+
+class ModeledKernel(NamedTuple):
+    """A kernel and its modeled time in one step (all its launches)."""
+
+    kernel: HloKernel
+    seconds: float
+    bound: str  # "memory", "compute" or "launch" (the shortest kernel)
+
+
+class ModeledStep(NamedTuple):
+    """The modeled time of one step of a compiled program."""
+
+    device: str
+    seconds: float
+    kernels: tuple[ModeledKernel, ...]
+    calibration: Calibration
+
+    @property
+    def launches(self) -> int:
+        return sum(m.kernel.launches for m in self.kernels)
+
+    @property
+    def bytes(self) -> float:
+        return sum(m.kernel.bytes * m.kernel.launches for m in self.kernels)
+
+    @property
+    def flops(self) -> float:
+        return sum(m.kernel.flops * m.kernel.launches for m in self.kernels)
+
+    def by_kind(self) -> dict[str, dict[str, float]]:
+        """Per kernel kind: launches, bytes, FLOPs and modeled seconds."""
+        out: dict[str, dict[str, float]] = defaultdict(lambda: {"launches": 0, "bytes": 0.0, "flops": 0.0,
+                                                                "seconds": 0.0})
+        for m in self.kernels:
+            row = out[m.kernel.kind]
+            row["launches"] += m.kernel.launches
+            row["bytes"] += m.kernel.bytes * m.kernel.launches
+            row["flops"] += m.kernel.flops * m.kernel.launches
+            row["seconds"] += m.seconds
+        return {k: dict(out[k]) for k in KINDS if k in out}
+
+    def top(self, n: int = 10) -> list[ModeledKernel]:
+        """The ``n`` kernels with the most modeled time."""
+        return sorted(self.kernels, key=lambda m: -m.seconds)[:n]
+
+    def to_json(self, top: int = 10) -> dict[str, Any]:
+        return {"what": "a model of the step time from the compiled program (datasheet roofline per kernel, "
+                        "calibrated on a measured profile), not a measurement",
+                "device": self.device, "seconds": self.seconds, "launches": self.launches, "bytes": self.bytes,
+                "flops": self.flops, "by_kind": self.by_kind(), "calibration": self.calibration._asdict(),
+                "top": [{"kernel": m.kernel.name, "kind": m.kernel.kind, "module": m.kernel.module,
+                         "launches": m.kernel.launches, "bytes": m.kernel.bytes, "flops": m.kernel.flops,
+                         "dtype": m.kernel.dtype, "bound": m.bound, "seconds": m.seconds} for m in self.top(top)]}
+
+    def lines(self, top: int = 5) -> list[str]:
+        """The report's lines (``--compile-for``'s output)."""
+        out = [f"Modeled step time on {self.device} (a model from the compiled program, not a measurement): "
+               f"{self.seconds * 1e3:.2f} ms; {self.launches} kernel launches, {self.bytes / 1e9:.2f} GB moved, "
+               f"{self.flops / 1e12:.2f} TFLOP of matrix math"]
+        kinds = self.by_kind()
+        out.append("  by kind: " + ", ".join(f"{k} {v['seconds'] * 1e3:.2f} ms ({int(v['launches'])})"
+                                             for k, v in kinds.items()))
+        for m in self.top(top):
+            where = f" in {m.kernel.module}" if m.kernel.module else ""
+            out.append(f"  {m.seconds * 1e3:7.3f} ms  {m.kernel.kind:<10}{m.kernel.name}{where} ({m.bound})")
+        return out
+
+
+def datasheet(target: Any) -> Datasheet:
+    """The datasheet of a :class:`train.targets.GpuTarget`, from its target description
+    (SM count, clock, bandwidth, compute capability).
+
+    Raises:
+      ValueError: a compute capability this model has no peaks for.
+    """
+    text = target.config_text
+
+    def number(key: str) -> float:
+        m = re.search(key + r":\s*([0-9.e+]+)", text)
+        if m is None:
+            raise ValueError(f"the target {target.name} has no {key}: cannot model its step time")
+        return float(m.group(1))
+
+    capability = re.search(r"cuda_compute_capability\s*\{\s*major:\s*(\d+)\s*minor:\s*(\d+)", text)
+    key = (int(capability.group(1)), int(capability.group(2))) if capability else None
+    if key not in _PER_SM_CLOCK:
+        known = ", ".join(f"{a}.{b}" for a, b in _PER_SM_CLOCK)
+        raise ValueError(f"no datasheet peaks for compute capability {key} of {target.name} (known: {known})")
+    sms, clock = number("core_count"), number("clock_rate_ghz") * 1e9
+    half, fp8, tf32, f32 = _PER_SM_CLOCK[key]
+    tensor = sms * clock * _TENSOR_CLOCK_RATIO
+    return Datasheet(target.device_kind, number("memory_bandwidth"), half * tensor, fp8 * tensor, tf32 * tensor,
+                     f32 * sms * clock, 450e9)
+
+
+def model_kernels(kernels: list[HloKernel], sheet: Datasheet, calibration: Calibration = CALIBRATION
+                  ) -> list[ModeledKernel]:
+    """Each kernel's modeled time in one step."""
+    c = calibration
+    out = []
+    for k in kernels:
+        if k.kind == "collective":
+            memory = k.bytes / (sheet.link_bandwidth * c.bandwidth_efficiency)
+        else:
+            memory = k.bytes / (sheet.bandwidth * c.bandwidth_efficiency)
+        compute = 0.0
+        if k.flops:
+            efficiency = c.attention_efficiency if k.kind == "attention" else c.gemm_efficiency
+            flops = k.flops / 2 if k.causal else k.flops
+            compute = flops / (sheet.peak(k.dtype, k.precision) * efficiency)
+        seconds = max(memory, compute, c.min_kernel_seconds)
+        bound = "launch" if seconds == c.min_kernel_seconds else ("compute" if compute >= memory else "memory")
+        out.append(ModeledKernel(k, k.launches * (seconds + c.gap_seconds), bound))
+    return out
+
+
+def model_step(hlo_text: str, target: Any, calibration: Calibration = CALIBRATION) -> ModeledStep:
+    """The modeled time of one step of the optimized program ``hlo_text`` on ``target``
+    (a :class:`train.targets.GpuTarget`)."""
+    sheet = datasheet(target)
+    kernels = model_kernels(read_hlo_kernels(hlo_text), sheet, calibration)
+    return ModeledStep(sheet.name, sum(m.seconds for m in kernels), tuple(kernels), calibration)

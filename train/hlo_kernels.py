@@ -1,0 +1,319 @@
+"""Every kernel an optimized GPU program launches, with its bytes and FLOPs, read from its HLO text.
+
+:mod:`train.gpu_kernels` names the GEMM, attention and convolution kernels of a
+compiled program; this module lists *all* of them, as XLA's GPU runtime would
+launch them for one step: each fusion (an elementwise loop, a reduction, a
+Triton GEMM...), each library call (cuBLAS, cuBLASLt, cuDNN attention and
+convolution), each copy and collective, and the kernels of a loop's body once
+per iteration (its known trip count). For each: the bytes it reads and writes
+in device memory and its matrix FLOPs, from the shapes in the text.
+
+Bytes are what the kernel must move at least: its operands and results, but a
+fusion that only slices an operand (``dynamic-slice``, ``slice``, ``gather``)
+reads the slice, and one that updates a buffer in place (``dynamic-update-slice``,
+``scatter``) reads and writes the update, not the buffer. No cache is assumed.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Iterator, NamedTuple
+
+from train.gpu_kernels import module_of, operand_names
+
+__all__ = ["HloKernel", "read_hlo_kernels", "KINDS", "DTYPE_BYTES"]
+
+#: Bytes per element of HLO's element types.
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s4": 0.5, "u4": 0.5, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+               "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+               "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e3m4": 1,
+               "f8e4m3b11fnuz": 1, "f4e2m1fn": 0.5, "f8e8m0fnu": 1, "token": 0}
+#: Kernel kinds, as a profile of the device names them (``benchmarks.profile_step``): matrix
+#: multiplications, cuDNN attention, convolutions, reductions, other fusions, copies, collectives.
+KINDS = ("gemm", "attention", "conv", "reduction", "fusion", "copy", "collective")
+
+#: Instructions that launch nothing: views, tuples, constants, control flow (their bodies do).
+_NO_KERNEL = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
+                        "partition-id", "replica-id", "opt-barrier", "add-dependency", "while", "conditional",
+                        "call", "all-reduce-done", "all-gather-done", "collective-permute-done", "async-done",
+                        "copy-done", "send-done", "recv-done", "domain", "iota"})
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+                "ragged-all-to-all", "collective-broadcast")
+_GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
+_SLICING = frozenset({"dynamic-slice", "slice", "gather"})
+
+_HEADER = re.compile(r"^(ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\((?P<params>.*)\)\s*->\s*.*\{\s*$")
+_PARAM = re.compile(r"%?([\w.\-]+):\s*(\([^()]*\)|[a-z][a-z0-9]*\[[0-9,]*\](?:\{[^}]*\})?)")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>\([^=]*?\)|[a-z][a-z0-9]*\[[^\]]*\]\S*)\s+"
+                    r"(?P<op>[\w\-]+)\((?P<rest>.*)$")
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
+
+
+class HloKernel(NamedTuple):
+    """One kernel of a compiled GPU program, as launched in one step."""
+
+    name: str  # the HLO instruction ("loop_add_fusion.3", "custom-call.12")
+    kind: str  # one of KINDS
+    launches: int  # per step: a loop body's kernels run once per iteration
+    bytes: float  # read + written in device memory, per launch
+    flops: float  # matrix FLOPs per launch (GEMMs, attention, convolutions); 0 for the rest
+    dtype: str  # a GEMM's / attention's operand type ("bf16", "f32", "f8e4m3fn"); the result's otherwise
+    module: str  # module path of the op it came from ("" if unknown)
+    precision: str = ""  # a float32 GEMM: "highest" where it asked for full float32, else "" (TF32)
+    causal: bool = False  # attention with a causal mask
+
+
+class _Instr(NamedTuple):
+    name: str
+    type: str
+    op: str
+    operands: tuple[str, ...]
+    rest: str
+
+
+class _Comp(NamedTuple):
+    types: dict[str, str]
+    instrs: list[_Instr]
+    root: list[str]  # the ROOT instruction's name (a list, filled while parsing)
+
+
+def _bytes(type_text: str, drop_workspace: bool = False) -> float:
+    """Bytes of an HLO type (an array or a tuple of them); ``drop_workspace``: a library
+    call's trailing ``u8``/``s8`` scratch buffer is not traffic."""
+    arrays = _ARRAY.findall(type_text)
+    if drop_workspace and len(arrays) > 1 and arrays[-1][0] in ("u8", "s8"):
+        arrays = arrays[:-1]
+    return sum(DTYPE_BYTES.get(t, 4) * math.prod(int(d) for d in dims.split(",") if d) for t, dims in arrays)
+
+
+def _dims(type_text: str) -> tuple[int, ...]:
+    m = _ARRAY.search(type_text)
+    return tuple(int(d) for d in m.group(2).split(",") if d) if m else ()
+
+
+def _dtype(type_text: str) -> str:
+    m = _ARRAY.search(type_text)
+    return m.group(1) if m else ""
+
+
+def _parse(text: str) -> tuple[dict[str, _Comp], str]:
+    comps: dict[str, _Comp] = {}
+    entry, current = "", None
+    for line in text.splitlines():
+        header = _HEADER.match(line)
+        if header and not line.startswith(" "):
+            current = _Comp(dict(_PARAM.findall(header.group("params"))), [], [])
+            comps[header.group("name")] = current
+            entry = header.group("name") if header.group(1) else entry
+            continue
+        m = _INSTR.match(line) if current is not None else None
+        if m is None:
+            continue
+        instr = _Instr(m.group("name"), m.group("type"), m.group("op"), tuple(operand_names(m.group("rest"))),
+                       m.group("rest"))
+        current.types[instr.name] = instr.type
+        current.instrs.append(instr)
+        if line.lstrip().startswith("ROOT"):
+            current.root.append(instr.name)
+    return comps, entry
+
+
+def _attr(rest: str, key: str) -> str:
+    m = re.search(key + r'="([^"]*)"', rest)
+    return m.group(1) if m else ""
+
+
+def _called(rest: str, key: str) -> list[str]:
+    """The computations an instruction names under ``key`` (``calls=%f``, ``branch_computations={%a, %b}``)."""
+    m = re.search(r"\b" + key + r"=(?:\{([^}]*)\}|%?([\w.\-]+))", rest)
+    if not m:
+        return []
+    return re.findall(r"%?([\w.\-]+)", m.group(1)) if m.group(1) is not None else [m.group(2)]
+
+
+def _trip_count(rest: str) -> int:
+    m = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+    return int(m.group(1)) if m else 1
+
+
+def read_hlo_kernels(text: str) -> list[HloKernel]:
+    """The kernels of an optimized GPU HLO module's text (``compiled.as_text()``) in one step."""
+    comps, entry = _parse(text)
+    return list(_walk(comps, entry, 1, set()))
+
+
+def _walk(comps: dict[str, _Comp], name: str, launches: int, stack: set) -> Iterator[HloKernel]:
+    if name not in comps or name in stack:
+        return
+    comp = comps[name]
+    for instr in comp.instrs:
+        if instr.op == "while":
+            trips = launches * _trip_count(instr.rest)
+            for key in ("condition", "body"):
+                for sub in _called(instr.rest, key):
+                    yield from _walk(comps, sub, trips, stack | {name})
+        elif instr.op == "conditional":  # the costliest branch
+            branches = [list(_walk(comps, b, launches, stack | {name}))
+                        for b in _called(instr.rest, "branch_computations") + _called(instr.rest, "true_computation")
+                        + _called(instr.rest, "false_computation")]
+            yield from max(branches, key=lambda ks: sum(k.bytes + k.flops for k in ks), default=[])
+        elif instr.op == "call" or (instr.op == "async-start" and "calls=" in instr.rest):
+            for sub in _called(instr.rest, "to_apply") + _called(instr.rest, "calls"):
+                yield from _walk(comps, sub, launches, stack | {name})
+        elif instr.op not in _NO_KERNEL and not instr.op.endswith("-done"):
+            yield _kernel(instr, comp, comps, launches)
+
+
+def _kernel(instr: _Instr, comp: _Comp, comps: dict[str, _Comp], launches: int) -> HloKernel:
+    op_name = _attr(instr.rest, "op_name")
+    module = module_of(op_name)
+    operand_types = [comp.types.get(o, "") for o in instr.operands]
+    moved = sum(_bytes(t) for t in operand_types) + _bytes(instr.type, drop_workspace=True)
+    base = dict(name=instr.name, launches=launches, module=module)
+    if instr.op == "custom-call":
+        target = _attr(instr.rest, "custom_call_target")
+        if target in _GEMM_TARGETS:
+            operands = [t for t in operand_types[:2]]
+            flops = _gemm_flops(instr.type, operands, instr.rest)
+            highest = '"HIGHEST"' in instr.rest
+            return HloKernel(kind="gemm", bytes=moved, flops=flops, dtype=_dtype(operands[0]),
+                             precision="highest" if highest else "", **base)
+        if target.startswith("__cudnn$fmha"):
+            return HloKernel(kind="attention", bytes=moved, flops=_attention_flops(target, operand_types, instr.rest),
+                             dtype=_dtype(operand_types[0]), causal='"mask_type": "CAUSAL"' in instr.rest, **base)
+        if target.startswith("__cudnn$conv"):
+            return HloKernel(kind="conv", bytes=moved, flops=_conv_flops(instr.type, operand_types, instr.rest),
+                             dtype=_dtype(operand_types[0]), **base)
+        return HloKernel(kind="fusion", bytes=moved, flops=0.0, dtype=_dtype(instr.type), **base)
+    if instr.op == "fusion":
+        return _fusion(instr, operand_types, comps, base)
+    if any(instr.op.startswith(c) for c in _COLLECTIVES):
+        return HloKernel(kind="collective", bytes=_bytes(instr.type), flops=0.0, dtype=_dtype(instr.type), **base)
+    if instr.op in ("dot", "convolution"):  # left unfused: XLA's own emitter
+        flops = _gemm_flops(instr.type, operand_types, instr.rest) if instr.op == "dot" else \
+            _conv_flops(instr.type, operand_types, instr.rest)
+        return HloKernel(kind="gemm" if instr.op == "dot" else "conv", bytes=moved, flops=flops,
+                         dtype=_dtype(operand_types[0]), **base)
+    kind = "copy" if instr.op in ("copy", "copy-start", "transpose") else (
+        "reduction" if instr.op.startswith("reduce") else "fusion")
+    return HloKernel(kind=kind, bytes=moved, flops=0.0, dtype=_dtype(instr.type), **base)
+
+
+def _fusion(instr: _Instr, operand_types: list[str], comps: dict[str, _Comp], base: dict) -> HloKernel:
+    called = _called(instr.rest, "calls")
+    inner = comps.get(called[0]) if called else None
+    config = instr.rest
+    kind_m = re.search(r'"kind":"([^"]+)"', config)
+    fusion_kind = kind_m.group(1) if kind_m else ""
+    if inner is None:
+        return HloKernel(kind="fusion", bytes=sum(_bytes(t) for t in operand_types) + _bytes(instr.type),
+                         flops=0.0, dtype=_dtype(instr.type), **base)
+    read = _fusion_reads(inner, operand_types)
+    written, in_place = _fusion_writes(inner, instr.type)
+    read -= in_place
+    dots = [i for i in _all_instrs(inner, comps) if i[0].op in ("dot", "convolution")]
+    if dots:
+        flops = sum(_gemm_flops(d.type, [c.types.get(o, "") for o in d.operands], d.rest) if d.op == "dot" else
+                    _conv_flops(d.type, [c.types.get(o, "") for o in d.operands], d.rest) for d, c in dots)
+        first, c = dots[0]
+        operand = c.types.get(first.operands[0], "") if first.operands else ""
+        return HloKernel(kind="gemm" if first.op == "dot" else "conv", bytes=read + written, flops=flops,
+                         dtype=_dtype(operand), precision="highest" if "highest" in first.rest else "", **base)
+    ops = {i.op for i, _ in _all_instrs(inner, comps)}
+    kind = "reduction" if (fusion_kind == "kInput" and "reduce" in " ".join(ops)) or "reduce" in instr.name else \
+        "copy" if ops <= {"parameter", "copy", "transpose", "bitcast"} else "fusion"
+    return HloKernel(kind=kind, bytes=read + written, flops=0.0, dtype=_dtype(instr.type), **base)
+
+
+def _all_instrs(comp: _Comp, comps: dict[str, _Comp], seen: set | None = None) -> Iterator[tuple[_Instr, _Comp]]:
+    seen = set() if seen is None else seen
+    for instr in comp.instrs:
+        yield instr, comp
+        for key in ("calls", "to_apply"):
+            for sub in _called(instr.rest, key):
+                if sub in comps and sub not in seen and instr.op in ("fusion", "call"):
+                    seen.add(sub)
+                    yield from _all_instrs(comps[sub], comps, seen)
+
+
+def _fusion_reads(inner: _Comp, operand_types: list[str]) -> float:
+    """Bytes a fusion reads: each parameter whole, or only the slices taken of it."""
+    params = {i.name: int(re.match(r"(\d+)", i.rest).group(1)) for i in inner.instrs if i.op == "parameter"}
+    users: dict[str, list[_Instr]] = {p: [] for p in params}
+    for instr in inner.instrs:
+        for o in instr.operands:
+            if o in users:
+                users[o].append(instr)
+    total = 0.0
+    for name, index in params.items():
+        full = _bytes(operand_types[index]) if index < len(operand_types) else _bytes(inner.types.get(name, ""))
+        uses = users[name]
+        if uses and all(u.op in _SLICING and u.operands[0] == name for u in uses):
+            total += min(full, sum(_bytes(u.type) for u in uses))
+        else:
+            total += full
+    return total
+
+
+def _fusion_writes(inner: _Comp, result_type: str) -> tuple[float, float]:
+    """Bytes a fusion writes, and the bytes of buffers it updates in place (not read either)."""
+    by_name = {i.name: i for i in inner.instrs}
+    root = by_name.get(inner.root[-1]) if inner.root else (inner.instrs[-1] if inner.instrs else None)
+    outputs = [] if root is None else [root]
+    if root is not None and root.op == "tuple":
+        outputs = [by_name[o] for o in root.operands if o in by_name]
+    written, in_place = 0.0, 0.0
+    for out in outputs:
+        if out.op in ("dynamic-update-slice", "scatter") and len(out.operands) >= 2:
+            update = out.operands[1] if out.op == "dynamic-update-slice" else out.operands[-1]
+            update_bytes = _bytes(inner.types.get(update, ""))
+            written += update_bytes
+            buffer = by_name.get(out.operands[0])
+            if buffer is not None and buffer.op == "parameter":
+                in_place += _bytes(buffer.type) - (update_bytes if out.op == "scatter" else 0.0)
+        else:
+            written += _bytes(out.type)
+    if not outputs:
+        written = _bytes(result_type)
+    return written, max(in_place, 0.0)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in re.findall(r"\d+", text)]
+
+
+def _gemm_flops(result: str, operands: list[str], rest: str) -> float:
+    out = _dims(result)
+    lhs = _dims(operands[0]) if operands else ()
+    m = re.search(r"lhs_contracting_dims=\{([^}]*)\}", rest)
+    contracting = _ints(m.group(1)) if m else []
+    if not m:  # a library call: its dot dimensions are in the backend config
+        config = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', rest)
+        contracting = _ints(config.group(1)) if config else []
+    return 2.0 * math.prod(out) * math.prod(lhs[d] for d in contracting if d < len(lhs))
+
+
+def _attention_flops(target: str, operands: list[str], rest: str) -> float:
+    """The two (forward) or five (backward, with the recomputed scores) products of
+    ``softmax(q k^T) v`` over the intermediate ``[batch, heads, q, k]`` scores."""
+    m = re.search(r'"intermediate_tensor_shape":\s*\{[^{}]*?"dimensions":\s*\[([^\]]*)\]', rest)
+    if not m or not operands:
+        return 0.0
+    scores = math.prod(_ints(m.group(1)))
+    head_dim = _dims(operands[0])[-1] if _dims(operands[0]) else 0
+    products = 5 if "Backward" in target else 2
+    return 2.0 * products * scores * head_dim
+
+
+def _conv_flops(result: str, operands: list[str], rest: str) -> float:
+    if len(operands) < 2:
+        return 0.0
+    out, rhs = _dims(result), _dims(operands[1])
+    labels = re.search(r"dim_labels=\w+_(\w+)->", rest)
+    if labels is None or len(labels.group(1)) != len(rhs):
+        return 0.0
+    per_output = math.prod(size for size, label in zip(rhs, labels.group(1)) if label != "o")
+    groups = re.search(r"(?:batch_group_count|feature_group_count)=(\d+)", rest)
+    return 2.0 * math.prod(out) * per_output / (int(groups.group(1)) if groups else 1)
+
