@@ -12,9 +12,10 @@ Each instruction is counted once: a loop body that runs N times counts once.
 
 from __future__ import annotations
 
-import math
 import re
 from typing import NamedTuple
+
+from train.hlo_kernels import conv_flops, dot_flops
 
 HALF_TYPES = ("f16", "bf16", "f8e4m3fn", "f8e5m2", "f8e4m3", "f8e5m2fnuz", "f8e4m3fnuz")
 
@@ -67,25 +68,6 @@ def _operand_names(args: str) -> list[str]:
     return [t.split()[-1].lstrip("%") for t in names if t.strip()]
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in re.findall(r"\d+", text)]
-
-
-def _dot_flops(out: tuple[int, ...], lhs: tuple[int, ...], contracting: list[int]) -> float:
-    return 2.0 * math.prod(out) * math.prod(lhs[d] for d in contracting if d < len(lhs))
-
-
-def _conv_flops(out: tuple[int, ...], rhs: tuple[int, ...], attrs: str) -> float:
-    labels = re.search(r"dim_labels=\w+_(\w+)->", attrs)
-    if labels is None or len(labels.group(1)) != len(rhs):
-        return 0.0
-    kernel = labels.group(1)
-    per_output = math.prod(size for size, label in zip(rhs, kernel) if label != "o")
-    batch_groups = re.search(r"batch_group_count=(\d+)", attrs)
-    groups = int(batch_groups.group(1)) if batch_groups else 1
-    return 2.0 * math.prod(out) * per_output / groups
-
-
 def matmul_flops(hlo_text: str) -> MatmulFlops:
     """Sums the FLOPs of every dot/convolution in ``hlo_text`` by the dtype of its first input."""
     shapes: dict[str, tuple[str, tuple[int, ...]]] = {}
@@ -114,18 +96,16 @@ def matmul_flops(hlo_text: str) -> MatmulFlops:
         if opcode == "dot":
             algorithm = re.search(r"algorithm=dot_(bf16|f16)_\1_(?:f32|\1)\b", rest)
             dtype = algorithm.group(1) if algorithm else dtype  # both operands rounded to half by the algorithm
-            flops = _dot_flops(out, lhs, _ints(re.search(r"lhs_contracting_dims=\{([^}]*)\}", rest).group(1))
-                               if "lhs_contracting_dims" in rest else [])
+            flops = dot_flops(out, lhs, rest)
         elif opcode == "convolution":
-            flops = _conv_flops(out, rhs, rest)
+            flops = conv_flops(out, rhs, rest)
         else:
             target = re.search(r'custom_call_target="([^"]*)"', rest)
             target = target.group(1).lower() if target else ""
             if any(t in target for t in _GEMM_TARGETS):
-                dims = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', rest)
-                flops = _dot_flops(out, lhs, _ints(dims.group(1)) if dims else [])
+                flops = dot_flops(out, lhs, rest)
             elif any(t in target for t in _CONV_TARGETS):
-                flops = _conv_flops(out, rhs, rest)
+                flops = conv_flops(out, rhs, rest)
             else:
                 continue
         by_dtype[dtype] = by_dtype.get(dtype, 0.0) + flops

@@ -80,7 +80,7 @@ class GradientCheck(NamedTuple):
     """What :func:`check_gradients` finds in one pass over the gradients."""
 
     squares: jax.Array  # float32 sum of squares of every element: non-finite iff one is, or it overflows
-    first_nonfinite: jax.Array  # int32 index of the first leaf holding a non-finite element; leaves if none
+    first_nonfinite: jax.Array  # int32 index of the first leaf holding a non-finite element; -1 if none
     largest: jax.Array  # int32 index of the leaf holding the largest magnitude (or the largest norm)
 
 
@@ -89,7 +89,7 @@ def leaf_check(grads: Any, one_loop: bool = False) -> GradientCheck:
     leaf whose own squares overflow counts as non-finite; ``largest``: the largest norm."""
     squares = leaf_squared_norms(grads, one_loop)
     finite = jnp.isfinite(squares)
-    first = jnp.where(jnp.all(finite), squares.size, jnp.argmin(finite)).astype(jnp.int32)
+    first = jnp.where(jnp.all(finite), -1, jnp.argmin(finite)).astype(jnp.int32)
     return GradientCheck(jnp.sum(squares), first, jnp.argmax(squares).astype(jnp.int32))
 
 
@@ -127,10 +127,10 @@ def check_gradients(grads: Any) -> GradientCheck:
             part = members[start:start + LEAVES_PER_REDUCTION]
             groups.append(_reduce_rows(part, flat=width == 0, init=init))
     if not groups:
-        return GradientCheck(zero, jnp.asarray(len(leaves), jnp.int32), jnp.zeros([], jnp.int32))
+        return GradientCheck(zero, jnp.asarray(-1, jnp.int32), jnp.zeros([], jnp.int32))
     rows = tuple(jnp.concatenate(parts) for parts in zip(*groups))
     squares, _, largest, first = jax.lax.reduce(rows, init, _combine, (0,))
-    return GradientCheck(squares, jnp.minimum(first, len(leaves)), jnp.minimum(largest, max(len(leaves) - 1, 0)))
+    return GradientCheck(squares, jnp.where(first == _NONE, -1, first), jnp.where(largest == _NONE, 0, largest))
 
 
 def _reduce_rows(part: list[tuple[int, jax.Array]], flat: bool, init: tuple) -> tuple:
@@ -160,11 +160,11 @@ def _combine(a: tuple, b: tuple) -> tuple:
     return (a[0] + b[0], jnp.where(b_larger, b[1], a[1]), jnp.where(b_larger, b[2], a[2]), jnp.minimum(a[3], b[3]))
 
 
-def checked_nonfinite_leaf(check: GradientCheck, finite: jax.Array, leaves: int) -> jax.Array:
-    """``nonfinite_leaf`` (see :class:`MixedPrecisionState`) from a check of ``leaves``
-    leaves: the first non-finite leaf; ``-2 - i`` when every element is finite but the sum
-    of squares overflowed, leaf ``i`` the largest; -1 when ``finite``."""
-    culprit = jnp.where(check.first_nonfinite < leaves, check.first_nonfinite,
+def checked_nonfinite_leaf(check: GradientCheck, finite: jax.Array) -> jax.Array:
+    """``nonfinite_leaf`` (see :class:`MixedPrecisionState`) from a check: the first
+    non-finite leaf; ``-2 - i`` when every element is finite but the sum of squares
+    overflowed, leaf ``i`` the largest; -1 when ``finite``."""
+    culprit = jnp.where(check.first_nonfinite >= 0, check.first_nonfinite,
                         jnp.where(jnp.isfinite(check.squares), -1, -2 - check.largest))
     return jnp.where(finite, -1, culprit).astype(jnp.int32)
 

@@ -234,7 +234,7 @@ def _update(inner: optax.GradientTransformationExtraArgs, strategy: str, scaled:
         master_params=master,
         grads_finite=finite,
         grad_norm=grad_norm,
-        nonfinite_leaf=checked_nonfinite_leaf(check, finite, len(jax.tree_util.tree_leaves(scaled))),
+        nonfinite_leaf=checked_nonfinite_leaf(check, finite),
         stored_masters=stored)
 
 
@@ -335,8 +335,7 @@ def _first_nonfinite_leaf(grads: Any, finite: jax.Array) -> jax.Array:
     """Index of the first leaf of ``grads`` that is not finite (or whose squared norm
     overflows), ``-2 - i`` when only their global norm overflows (leaf ``i`` the largest),
     -1 when ``finite``; the wrapper reports it as ``nonfinite_leaf``."""
-    leaves = cast_to_full(grads)
-    return checked_nonfinite_leaf(leaf_check(leaves), finite, len(jax.tree_util.tree_leaves(leaves)))
+    return checked_nonfinite_leaf(leaf_check(cast_to_full(grads)), finite)
 
 
 def _is_half(x: Any) -> bool:

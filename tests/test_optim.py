@@ -310,7 +310,7 @@ def test_the_select_strategy_reduces_small_leaves_together_and_keeps_each_leafs_
             squares = together(poisoned)
             assert [i for i, s in enumerate(np.asarray(squares)) if not np.isfinite(s)] == [bad]
             check = leaf_check(poisoned, one_loop=True)
-            assert int(checked_nonfinite_leaf(check, jnp.array(False), len(grads))) == bad
+            assert int(checked_nonfinite_leaf(check, jnp.array(False))) == bad
 
 
 def _leaves_for_the_one_pass_check(seed: int) -> list:
@@ -339,8 +339,8 @@ def test_the_one_pass_check_gives_the_global_norm_first_nonfinite_leaf_and_large
     expected = sum(float(np.sum(np.square(np.asarray(g, np.float64)))) for g in leaves)
     found = check(leaves)
     np.testing.assert_allclose(float(found.squares), expected, rtol=1e-5)
-    assert int(checked_nonfinite_leaf(found, jnp.array(True), len(leaves))) == -1
-    assert int(found.first_nonfinite) == len(leaves)
+    assert int(checked_nonfinite_leaf(found, jnp.array(True))) == -1
+    assert int(found.first_nonfinite) == -1
     for bad in (0, 4, 6, len(leaves) - 1, 33):
         if leaves[bad].size == 0:
             continue
@@ -349,15 +349,15 @@ def test_the_one_pass_check_gives_the_global_norm_first_nonfinite_leaf_and_large
             poisoned[bad] = poisoned[bad].at[(-1,) * poisoned[bad].ndim].set(poison)
             result = check(poisoned)
             assert not np.isfinite(float(result.squares))
-            assert int(checked_nonfinite_leaf(result, jnp.array(False), len(leaves))) == bad, (bad, poison)
+            assert int(checked_nonfinite_leaf(result, jnp.array(False))) == bad, (bad, poison)
     overflow = list(leaves)
     overflow[6] = overflow[6].at[0, 1, 2].set(3e19)  # finite, but its square is not
     result = check(overflow)
-    assert int(checked_nonfinite_leaf(result, jnp.array(False), len(leaves))) == -2 - 6
+    assert int(checked_nonfinite_leaf(result, jnp.array(False))) == -2 - 6
 
 
 def test_the_one_pass_check_of_nothing_is_finite():
     from precision.grad_norms import check_gradients
 
     result = check_gradients({"a": jnp.zeros((0, 4))})
-    assert float(result.squares) == 0.0 and int(result.first_nonfinite) == 1
+    assert float(result.squares) == 0.0 and int(result.first_nonfinite) == -1

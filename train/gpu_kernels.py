@@ -22,7 +22,8 @@ from urllib.parse import unquote
 
 from precision.autocast.regions import MODULE_PREFIX, TAG_PREFIX
 
-__all__ = ["Kernel", "read_kernels", "GEMM_KINDS", "module_of", "region_of", "fp8_accumulation", "operand_names"]
+__all__ = ["Kernel", "read_kernels", "GEMM_KINDS", "module_of", "region_of", "fp8_accumulation", "operand_names",
+           "attribute"]
 
 #: Kernel kinds that are matrix multiplications.
 GEMM_KINDS = ("cublas", "cublaslt", "cublaslt_fp8", "triton_gemm", "xla_dot")
@@ -130,7 +131,8 @@ def region_of(op_name: str) -> str:
     return tags[-1] if tags else ""
 
 
-def _attr(rest: str, key: str) -> str:
+def attribute(rest: str, key: str) -> str:
+    """The value of an instruction's ``key="..."`` attribute (``op_name``, ``custom_call_target``), or ""."""
     m = re.search(key + r'="([^"]*)"', rest)
     return m.group(1) if m else ""
 
@@ -170,10 +172,10 @@ def read_kernels(text: str) -> list[Kernel]:
 
 
 def _kernels_of(instr: _Instr, comp: dict, comps: dict) -> list[Kernel]:
-    op_name = _attr(instr.rest, "op_name")
+    op_name = attribute(instr.rest, "op_name")
     types = comp["types"]
     if instr.op == "custom-call":
-        target = _attr(instr.rest, "custom_call_target")
+        target = attribute(instr.rest, "custom_call_target")
         operands = tuple(types.get(o, "") for o in instr.operands)
         if target in _LIBRARY:
             kind = _LIBRARY[target]
@@ -191,8 +193,8 @@ def _kernels_of(instr: _Instr, comp: dict, comps: dict) -> list[Kernel]:
         for dot, inner in _dots(comps, _called(instr.rest)[0] if _called(instr.rest) else "", set()):
             operands = tuple(inner["types"].get(o, "") for o in dot.operands[:2])
             gemm = "triton_gemm" if kind in _TRITON_GEMM else "xla_dot"
-            found.append(Kernel(gemm, operands, dot.dtype, module_of(_attr(dot.rest, "op_name") or op_name),
-                                _attr(dot.rest, "op_name") or op_name, fp8_accumulation(gemm, operands, dot.rest)))
+            found.append(Kernel(gemm, operands, dot.dtype, module_of(attribute(dot.rest, "op_name") or op_name),
+                                attribute(dot.rest, "op_name") or op_name, fp8_accumulation(gemm, operands, dot.rest)))
         return found
     if instr.op == "dot":
         operands = tuple(types.get(o, "") for o in instr.operands[:2])

@@ -20,9 +20,9 @@ import math
 import re
 from typing import Iterator, NamedTuple
 
-from train.gpu_kernels import module_of, operand_names
+from train.gpu_kernels import attribute, module_of, operand_names
 
-__all__ = ["HloKernel", "read_hlo_kernels", "KINDS", "DTYPE_BYTES"]
+__all__ = ["HloKernel", "read_hlo_kernels", "KINDS", "DTYPE_BYTES", "dot_flops", "conv_flops"]
 
 #: Bytes per element of HLO's element types.
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s4": 0.5, "u4": 0.5, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
@@ -119,11 +119,6 @@ def _parse(text: str) -> tuple[dict[str, _Comp], str]:
     return comps, entry
 
 
-def _attr(rest: str, key: str) -> str:
-    m = re.search(key + r'="([^"]*)"', rest)
-    return m.group(1) if m else ""
-
-
 def _called(rest: str, key: str) -> list[str]:
     """The computations an instruction names under ``key`` (``calls=%f``, ``branch_computations={%a, %b}``)."""
     m = re.search(r"\b" + key + r"=(?:\{([^}]*)\}|%?([\w.\-]+))", rest)
@@ -166,19 +161,17 @@ def _walk(comps: dict[str, _Comp], name: str, launches: int, stack: set) -> Iter
 
 
 def _kernel(instr: _Instr, comp: _Comp, comps: dict[str, _Comp], launches: int) -> HloKernel:
-    op_name = _attr(instr.rest, "op_name")
+    op_name = attribute(instr.rest, "op_name")
     module = module_of(op_name)
     operand_types = [comp.types.get(o, "") for o in instr.operands]
     moved = sum(_bytes(t) for t in operand_types) + _bytes(instr.type, drop_workspace=True)
     base = dict(name=instr.name, launches=launches, module=module)
     if instr.op == "custom-call":
-        target = _attr(instr.rest, "custom_call_target")
+        target = attribute(instr.rest, "custom_call_target")
         if target in _GEMM_TARGETS:
-            operands = [t for t in operand_types[:2]]
-            flops = _gemm_flops(instr.type, operands, instr.rest)
-            highest = '"HIGHEST"' in instr.rest
-            return HloKernel(kind="gemm", bytes=moved, flops=flops, dtype=_dtype(operands[0]),
-                             precision="highest" if highest else "", **base)
+            return HloKernel(kind="gemm", bytes=moved, flops=_gemm_flops(instr.type, operand_types, instr.rest),
+                             dtype=_dtype(operand_types[0]), precision="highest" if '"HIGHEST"' in instr.rest else "",
+                             **base)
         if target.startswith("__cudnn$fmha"):
             return HloKernel(kind="attention", bytes=moved, flops=_attention_flops(target, operand_types, instr.rest),
                              dtype=_dtype(operand_types[0]), causal='"mask_type": "CAUSAL"' in instr.rest, **base)
@@ -203,8 +196,7 @@ def _kernel(instr: _Instr, comp: _Comp, comps: dict[str, _Comp], launches: int) 
 def _fusion(instr: _Instr, operand_types: list[str], comps: dict[str, _Comp], base: dict) -> HloKernel:
     called = _called(instr.rest, "calls")
     inner = comps.get(called[0]) if called else None
-    config = instr.rest
-    kind_m = re.search(r'"kind":"([^"]+)"', config)
+    kind_m = re.search(r'"kind":"([^"]+)"', instr.rest)
     fusion_kind = kind_m.group(1) if kind_m else ""
     if inner is None:
         return HloKernel(kind="fusion", bytes=sum(_bytes(t) for t in operand_types) + _bytes(instr.type),
@@ -283,15 +275,31 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in re.findall(r"\d+", text)]
 
 
-def _gemm_flops(result: str, operands: list[str], rest: str) -> float:
-    out = _dims(result)
-    lhs = _dims(operands[0]) if operands else ()
-    m = re.search(r"lhs_contracting_dims=\{([^}]*)\}", rest)
+def dot_flops(out: tuple[int, ...], lhs: tuple[int, ...], rest: str) -> float:
+    """2 x output elements x contracted size of a dot (its ``lhs_contracting_dims``) or of a
+    GEMM library call (the ``lhs_contracting_dimensions`` of its backend config)."""
+    m = re.search(r"lhs_contracting_dims=\{([^}]*)\}", rest) or \
+        re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', rest)
     contracting = _ints(m.group(1)) if m else []
-    if not m:  # a library call: its dot dimensions are in the backend config
-        config = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', rest)
-        contracting = _ints(config.group(1)) if config else []
     return 2.0 * math.prod(out) * math.prod(lhs[d] for d in contracting if d < len(lhs))
+
+
+def conv_flops(out: tuple[int, ...], rhs: tuple[int, ...], rest: str) -> float:
+    """2 x output elements x the kernel's size per output of a convolution (its ``dim_labels``)."""
+    labels = re.search(r"dim_labels=\w+_(\w+)->", rest)
+    if labels is None or len(labels.group(1)) != len(rhs):
+        return 0.0
+    per_output = math.prod(size for size, label in zip(rhs, labels.group(1)) if label != "o")
+    groups = re.search(r"batch_group_count=(\d+)", rest)
+    return 2.0 * math.prod(out) * per_output / (int(groups.group(1)) if groups else 1)
+
+
+def _gemm_flops(result: str, operands: list[str], rest: str) -> float:
+    return dot_flops(_dims(result), _dims(operands[0]) if operands else (), rest)
+
+
+def _conv_flops(result: str, operands: list[str], rest: str) -> float:
+    return conv_flops(_dims(result), _dims(operands[1]), rest) if len(operands) >= 2 else 0.0
 
 
 def _attention_flops(target: str, operands: list[str], rest: str) -> float:
@@ -304,16 +312,3 @@ def _attention_flops(target: str, operands: list[str], rest: str) -> float:
     head_dim = _dims(operands[0])[-1] if _dims(operands[0]) else 0
     products = 5 if "Backward" in target else 2
     return 2.0 * products * scores * head_dim
-
-
-def _conv_flops(result: str, operands: list[str], rest: str) -> float:
-    if len(operands) < 2:
-        return 0.0
-    out, rhs = _dims(result), _dims(operands[1])
-    labels = re.search(r"dim_labels=\w+_(\w+)->", rest)
-    if labels is None or len(labels.group(1)) != len(rhs):
-        return 0.0
-    per_output = math.prod(size for size, label in zip(rhs, labels.group(1)) if label != "o")
-    groups = re.search(r"(?:batch_group_count|feature_group_count)=(\d+)", rest)
-    return 2.0 * math.prod(out) * per_output / (int(groups.group(1)) if groups else 1)
-

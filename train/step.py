@@ -86,7 +86,7 @@ def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], A
         if lay is not None:
             grads = lay.constrain_state(grads)
         # the loss, checked with the gradients (a non-finite loss skips the step too)
-        new_state = state.apply_gradients(grads=ScaledGrads(grads, loss, lay is not None and lay.fsdp > 1))
+        new_state = state.apply_gradients(grads=ScaledGrads(grads, loss, sharded=lay is not None and lay.fsdp > 1))
         opt_state = new_state.opt_state
         new_state = new_state.replace(model_state=_with_fp8_state(model_state, fp8_state, state, opt_state))
         metrics = {**task_metrics, "loss": loss, **_optimizer_metrics(loss_scale, opt_state)}

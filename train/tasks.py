@@ -48,7 +48,7 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.
     peak = jax.lax.stop_gradient(jnp.max(logits, -1, keepdims=True))
     shift = jnp.where(jnp.isfinite(peak), peak, 0.0)
     positions = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    peaks = jax.lax.stop_gradient(jnp.where(logits == peak, positions, logits.shape[-1]))
+    peaks = jnp.where(logits == peak, positions, logits.shape[-1])  # integers: no gradient
     total, first_peak = _sum_exp_and_first(logits - shift, peaks)
     label_logit = jnp.take_along_axis(logits, labels[..., None].astype(jnp.int32), -1)[..., 0]
     return jnp.log(total) + shift[..., 0] - label_logit, first_peak == labels
