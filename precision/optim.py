@@ -73,6 +73,9 @@ def needs_master_weights(params: Any) -> bool:
 
 SKIP_STRATEGIES = ("auto", "select", "cond")
 
+#: How the gradient check is chosen by platform (a name tests replace to run an accelerator's check on a CPU).
+platform_dependent = jax.lax.platform_dependent
+
 
 def mixed_precision(inner: optax.GradientTransformation,
                     loss_scale: LossScale | None = None,
@@ -251,8 +254,7 @@ def _gradient_check(scaled: Any, loss_scale: Any, value: Any, strategy: str, gra
     # one loop), under cond, or with gradients split over devices (FSDP: a concatenation would
     # gather them; train.make_train_step says so with grads_sharded=True): a sum of squares per leaf.
     if strategy == "select" and not grads_sharded:
-        check = jax.lax.platform_dependent(scaled, cpu=lambda g: leaf_check(g, one_loop=True),
-                                           default=check_gradients)
+        check = platform_dependent(scaled, cpu=lambda g: leaf_check(g, one_loop=True), default=check_gradients)
     else:
         check = leaf_check(scaled, one_loop=strategy == "select")
     grad_norm = loss_scale.unscale(jnp.sqrt(check.squares))

@@ -1,5 +1,7 @@
 """The jitted train and eval steps: accumulation, donation, f32 loss, skipping, eval sums."""
 
+import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -184,3 +186,49 @@ def test_cross_entropy_is_optaxs_loss_and_argmaxs_correctness_in_one_pass(rows, 
     reference = jax.grad(lambda x: optax.softmax_cross_entropy_with_integer_labels(x, jnp.asarray(labels)).sum())(
         jnp.asarray(logits))
     np.testing.assert_allclose(np.asarray(grad), np.asarray(reference), rtol=1e-5, atol=1e-7)
+
+
+class _PinnedConvNet(nn.Module):
+    """Written as people write them: every layer pinned to float32, BatchNorm, no train keyword
+    (``use_running_average`` fixed), a convolution kernel (4-D: its own reduction in the check)."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Conv(8, (3, 3), dtype=jnp.float32, name="conv")(x.reshape(x.shape[0], 8, 8, 1))
+        x = nn.relu(nn.BatchNorm(use_running_average=False, dtype=jnp.float32, name="norm")(x))
+        x = nn.Dense(32, dtype=jnp.float32, name="hidden")(x.reshape(x.shape[0], -1))
+        return nn.Dense(10, dtype=jnp.float32, name="out")(nn.relu(x))
+
+
+def test_the_accelerators_one_pass_check_trains_as_the_per_leaf_check_and_skips_what_it_finds(monkeypatch):
+    """``skip_with="select"`` lowered for an accelerator checks gradients with
+    precision.grad_norms.check_gradients; run here on a CPU (the platform choice replaced), a
+    pinned-dtype conv net with BatchNorm under mixed_bf16 trains step for step as the per-leaf
+    check does (same norm, same params), and a non-finite batch is skipped bit for bit with
+    the culprit named."""
+    import precision.optim
+
+    def run(accelerator_check):
+        with monkeypatch.context() as patch:
+            if accelerator_check:
+                patch.setattr(precision.optim, "platform_dependent", lambda *a, cpu, default: default(*a))
+            state = create_train_state(_PinnedConvNet(), "mixed_bf16", optax.adam(1e-2), jax.random.key(0),
+                                       _batch(2)["inputs"], skip_with="select")
+            step = make_train_step(donate=False)
+            norms = []
+            for i in range(5):
+                state, metrics = step(state, _batch(32, i))
+                norms.append(float(metrics["grad_norm"]))
+            bad = _batch(32, 5)
+            bad["inputs"] = np.array(bad["inputs"])
+            bad["inputs"][0, 0] = np.inf
+            skipped, metrics = step(state, bad)
+            return state, skipped, norms, metrics
+
+    ours, ours_skipped, ours_norms, ours_bad = run(True)
+    plain, _, plain_norms, _ = run(False)
+    np.testing.assert_allclose(ours_norms, plain_norms, rtol=1e-5)
+    for a, b in zip(_leaves(ours), _leaves(plain)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert not bool(ours_bad["grads_finite"]) and int(ours_bad["nonfinite_leaf"]) >= 0
+    chex.assert_trees_all_equal(ours_skipped.params, ours.params)
