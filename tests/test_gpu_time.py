@@ -14,8 +14,9 @@ from train.hlo_kernels import HloKernel, read_hlo_kernels
 from train.targets import get_target
 
 # A GPU-style optimized module: a Triton GEMM fusion, a cuBLAS call, cuDNN attention forward, an
-# elementwise fusion that slices its operand, one that updates a buffer in place, a reduction, and
-# a loop of 3 iterations around an elementwise fusion; views and tuples launch nothing.
+# elementwise fusion that slices its operand, one that gathers rows of an elementwise result, one that
+# updates a buffer in place, a reduction, and a loop of 3 iterations around an elementwise fusion;
+# views and tuples launch nothing.
 HLO = """HloModule jit_step, is_scheduled=true
 
 %gemm_comp (p0: bf16[64,128], p1: bf16[128,256]) -> bf16[64,256] {
@@ -28,6 +29,16 @@ HLO = """HloModule jit_step, is_scheduled=true
   %q0 = f32[1000,16]{1,0} parameter(0)
   %slice.1 = f32[10,16]{1,0} slice(%q0), slice={[0:10], [0:16]}
   ROOT %negate.1 = f32[10,16]{1,0} negate(%slice.1)
+}
+
+%gather_comp (g0: bf16[1000,16], g1: bf16[16], g2: s32[10,1]) -> f32[10,16] {
+  %g0 = bf16[1000,16]{1,0} parameter(0)
+  %g1 = bf16[16]{0} parameter(1)
+  %g2 = s32[10,1]{1,0} parameter(2)
+  %bias = bf16[1000,16]{1,0} broadcast(%g1), dimensions={1}
+  %sum = bf16[1000,16]{1,0} add(%g0, %bias)
+  %rows = bf16[10,16]{1,0} gather(%sum, %g2), offset_dims={1}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,16}
+  ROOT %wide = f32[10,16]{1,0} convert(%rows)
 }
 
 %dus_comp (r0: f32[1000,16], r1: f32[10,16], r2: s32[]) -> f32[1000,16] {
@@ -68,13 +79,17 @@ HLO = """HloModule jit_step, is_scheduled=true
   ROOT %lt = pred[] constant(true)
 }
 
-ENTRY %main (x: bf16[64,128], w: bf16[128,256], big: f32[1000,16], q: bf16[2,8,128,64], i: s32[], f: f32[64,256]) -> f32[64] {
+ENTRY %main (x: bf16[64,128], w: bf16[128,256], big: f32[1000,16], q: bf16[2,8,128,64], i: s32[], f: f32[64,256], h: bf16[1000,16], hb: bf16[16], ix: s32[10,1]) -> f32[64] {
   %x = bf16[64,128]{1,0} parameter(0)
   %w = bf16[128,256]{1,0} parameter(1)
   %big = f32[1000,16]{1,0} parameter(2)
   %q = bf16[2,8,128,64]{3,2,1,0} parameter(3)
   %i = s32[] parameter(4)
   %f = f32[64,256]{1,0} parameter(5)
+  %h = bf16[1000,16]{1,0} parameter(6)
+  %hb = bf16[16]{0} parameter(7)
+  %ix = s32[10,1]{1,0} parameter(8)
+  %loop_gather_fusion = f32[10,16]{1,0} fusion(%h, %hb, %ix), kind=kLoop, calls=%gather_comp
   %gemm_fusion_dot.7 = bf16[64,256]{1,0} fusion(%x, %w), kind=kCustom, calls=%gemm_comp, metadata={op_name="jit(step)/jvp(Model)/dense/dot_general"}, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
   %custom-call.3 = (bf16[64,256]{1,0}, s8[4194304]{0}) custom-call(%x, %w), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
   %fmha.1 = (bf16[2,8,128,64]{3,2,1,0}, f32[2,8,128]{2,1,0}, u8[0]{0}) custom-call(%q, %q, %q), custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config": {"intermediate_tensor_shape": {"element_type": "BF16", "dimensions": ["2", "8", "128", "128"]}, "mask_type": "CAUSAL"}}
@@ -97,11 +112,12 @@ def _by_name():
 def test_the_reader_lists_every_kernel_once_per_launch_and_nothing_for_views_tuples_and_loops():
     kernels = _by_name()
     assert set(kernels) == {"gemm_fusion_dot.7", "custom-call.3", "fmha.1", "loop_negate_fusion", "dus_fusion",
-                            "input_reduce_fusion", "loop_tanh_fusion", "copy.1"}
+                            "input_reduce_fusion", "loop_tanh_fusion", "copy.1", "loop_gather_fusion"}
     assert kernels["loop_tanh_fusion"].launches == 3  # the loop body, once per iteration
     assert {k: v.kind for k, v in kernels.items()} == {
         "gemm_fusion_dot.7": "gemm", "custom-call.3": "gemm", "fmha.1": "attention", "loop_negate_fusion": "fusion",
-        "dus_fusion": "fusion", "input_reduce_fusion": "reduction", "loop_tanh_fusion": "fusion", "copy.1": "copy"}
+        "dus_fusion": "fusion", "input_reduce_fusion": "reduction", "loop_tanh_fusion": "fusion", "copy.1": "copy",
+        "loop_gather_fusion": "fusion"}
     assert kernels["gemm_fusion_dot.7"].module == "dense"
 
 
@@ -113,6 +129,8 @@ def test_the_reader_counts_gemm_and_attention_flops_and_the_bytes_a_kernel_must_
     attention = k["fmha.1"]
     assert attention.flops == 2 * 2 * (2 * 8 * 128 * 128) * 64 and attention.causal  # two products
     assert k["loop_negate_fusion"].bytes == 2 * 10 * 16 * 4  # reads only the slice it takes
+    # a gather after elementwise ops (a label's logit of logits + bias) computes only the rows it takes
+    assert k["loop_gather_fusion"].bytes == 10 * 16 * 2 + 16 * 2 + 10 * 4 + 10 * 16 * 4
     assert k["dus_fusion"].bytes == 10 * 16 * 4 + 4 + 10 * 16 * 4  # in place: the update read and written
     assert k["input_reduce_fusion"].bytes == 4 * (64 * 256 + 64)
 
@@ -161,9 +179,9 @@ def test_each_kernel_takes_its_roofline_time_plus_the_gap_and_at_least_the_short
 
 def test_the_modeled_step_reports_its_kinds_and_top_kernels_and_says_it_is_a_model():
     step = model_step(HLO, get_target("h100"))
-    assert step.launches == 10 and step.seconds == pytest.approx(sum(m.seconds for m in step.kernels))
+    assert step.launches == 11 and step.seconds == pytest.approx(sum(m.seconds for m in step.kernels))
     kinds = step.by_kind()
-    assert kinds["fusion"]["launches"] == 5 and kinds["gemm"]["flops"] == 2 * 2 * 64 * 128 * 256
+    assert kinds["fusion"]["launches"] == 6 and kinds["gemm"]["flops"] == 2 * 2 * 64 * 128 * 256
     report = step.to_json(top=3)
     assert "not a measurement" in report["what"] and len(report["top"]) == 3
     assert report["calibration"] == CALIBRATION._asdict()
@@ -178,7 +196,7 @@ def test_a_gpu_profile_carries_the_modeled_time_of_its_program_by_the_profiles_k
 
     assert modeled(HLO, "cpu") is None and modeled(HLO, "NVIDIA A100-SXM4-80GB") is None
     found = modeled(HLO, "NVIDIA H200")
-    assert "not a measurement" in found["what"] and found["launches"] == 10
+    assert "not a measurement" in found["what"] and found["launches"] == 11
     assert set(found["busy_by_kind"]) == {"gemm", "attention", "fusion", "reduction", "copy"}
     gap = CALIBRATION.gap_seconds * found["launches"]
     assert found["seconds"] == pytest.approx(sum(found["busy_by_kind"].values()) + gap)

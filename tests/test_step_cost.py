@@ -34,14 +34,15 @@ def _needs_plugin():
 
 
 @gpu_compile
-@pytest.mark.parametrize("policy,kernels,bytes_moved", [("mixed_bf16", 1.065, 1.012), ("mixed_f16", 0.85, 1.005)])
+@pytest.mark.parametrize("policy,kernels,bytes_moved", [("mixed_bf16", 1.06, 0.9), ("mixed_f16", 0.85, 0.9)])
 def test_our_gpt2_small_step_launches_and_moves_no_more_than_the_hand_written_one(policy, kernels, bytes_moved):
     from benchmarks.step_cost import compare, models
 
     row = compare(models()["gpt"], policy, get_target("h100"), _device())
     assert row["kernels_ratio"] <= kernels, (row["ours"]["kernels"], row["hand_written"]["kernels"])
     assert row["bytes_ratio"] <= bytes_moved, row["bytes_ratio"]
-    assert row["ours"]["modeled_seconds"] <= 1.015 * row["hand_written"]["modeled_seconds"]
+    # below the hand-written step: the loss reads its logits once and fuses its gradient
+    assert row["ours"]["modeled_seconds"] <= 0.93 * row["hand_written"]["modeled_seconds"]
 
 
 @gpu_compile

@@ -166,7 +166,8 @@ def test_learning_rate_is_a_metric_only_with_a_learning_rate_fn():
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 5), st.integers(2, 40), st.integers(0, 2 ** 31 - 1), st.sampled_from(["normal", "ties", "bf16"]))
+@given(st.integers(1, 5), st.integers(2, 40), st.integers(0, 2 ** 31 - 1),
+       st.sampled_from(["normal", "ties", "bf16", "masked"]))
 def test_cross_entropy_is_optaxs_loss_and_argmaxs_correctness_in_one_pass(rows, vocab, seed, kind):
     """The built-in loss reads the maximum its log-sum-exp takes for correctness (no pass of
     its own over the logits): the same loss and gradient as optax's, and ``argmax == label``
@@ -178,6 +179,10 @@ def test_cross_entropy_is_optaxs_loss_and_argmaxs_correctness_in_one_pass(rows, 
     elif kind == "bf16":
         logits = np.asarray(jnp.asarray(logits, jnp.bfloat16).astype(jnp.float32))
     labels = rng.integers(0, vocab, rows)
+    if kind == "masked":  # a vocabulary masked with -inf, the label's logit kept
+        keep = rng.random((rows, vocab)) < 0.5
+        keep[np.arange(rows), labels] = True
+        logits = np.where(keep, logits, -np.inf).astype(np.float32)
     loss, correct = jax.jit(cross_entropy)(jnp.asarray(logits), jnp.asarray(labels))
     expected = optax.softmax_cross_entropy_with_integer_labels(jnp.asarray(logits), jnp.asarray(labels))
     np.testing.assert_allclose(np.asarray(loss), np.asarray(expected), rtol=1e-6, atol=1e-6)
@@ -186,6 +191,25 @@ def test_cross_entropy_is_optaxs_loss_and_argmaxs_correctness_in_one_pass(rows, 
     reference = jax.grad(lambda x: optax.softmax_cross_entropy_with_integer_labels(x, jnp.asarray(labels)).sum())(
         jnp.asarray(logits))
     np.testing.assert_allclose(np.asarray(grad), np.asarray(reference), rtol=1e-5, atol=1e-7)
+
+
+def test_cross_entropy_reads_the_logits_once_and_its_gradient_is_one_expression():
+    """The forward reduces the logits in one pass (not max, then log-sum-exp, then argmax), and
+    the gradient is ``softmax - one_hot``: no scatter (the label's gather transposed), which XLA
+    cannot fuse with the reductions that read the gradient, so it would write the float32
+    gradient out and read it back (3.3 GB each way at GPT-2-small's vocabulary)."""
+    logits, labels = jnp.zeros((4, 16, 128), jnp.bfloat16), jnp.zeros((4, 16), jnp.int32)
+
+    def loss(x):
+        per_token, correct = cross_entropy(x, labels)
+        return per_token.mean(), correct.mean()
+
+    forward = jax.jit(loss).lower(logits).as_text()
+    over_logits = [line for line in forward.splitlines() if "stablehlo.reduce" in line and "4x16x128" in line]
+    assert len(over_logits) == 1, over_logits
+    backward = jax.jit(jax.grad(lambda x: loss(x)[0])).lower(logits).as_text()
+    assert "scatter" not in backward and "gather" not in backward
+    assert jax.grad(lambda x: loss(x)[0])(logits).dtype == jnp.bfloat16
 
 
 class _PinnedConvNet(nn.Module):

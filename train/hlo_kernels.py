@@ -9,8 +9,8 @@ per iteration (its known trip count). For each: the bytes it reads and writes
 in device memory and its matrix FLOPs, from the shapes in the text.
 
 Bytes are what the kernel must move at least: its operands and results, but a
-fusion that only slices an operand (``dynamic-slice``, ``slice``, ``gather``)
-reads the slice, and one that updates a buffer in place (``dynamic-update-slice``,
+fusion that only slices an operand (``dynamic-slice``, ``slice``, ``gather``, also
+after elementwise ops) reads the slice, and one that updates a buffer in place (``dynamic-update-slice``,
 ``scatter``) reads and writes the update, not the buffer. No cache is assumed.
 """
 
@@ -42,6 +42,10 @@ _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "col
                 "ragged-all-to-all", "collective-broadcast")
 _GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
 _SLICING = frozenset({"dynamic-slice", "slice", "gather"})
+#: Ops XLA computes per output element, so a slice after them computes (and reads) only the slice.
+_ELEMENTWISE = frozenset({"add", "subtract", "multiply", "divide", "maximum", "minimum", "negate", "abs",
+                          "convert", "bitcast", "broadcast", "reshape", "select", "compare", "exponential",
+                          "log", "tanh", "logistic", "sqrt", "rsqrt", "power", "and", "or", "not", "clamp"})
 
 _HEADER = re.compile(r"^(ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\((?P<params>.*)\)\s*->\s*.*\{\s*$")
 _PARAM = re.compile(r"%?([\w.\-]+):\s*(\([^()]*\)|[a-z][a-z0-9]*\[[0-9,]*\](?:\{[^}]*\})?)")
@@ -230,22 +234,42 @@ def _all_instrs(comp: _Comp, comps: dict[str, _Comp], seen: set | None = None) -
 
 
 def _fusion_reads(inner: _Comp, operand_types: list[str]) -> float:
-    """Bytes a fusion reads: each parameter whole, or only the slices taken of it."""
+    """Bytes a fusion reads: each parameter whole, or only the elements its slices take
+    (also through elementwise ops in between: XLA computes ``gather(logits + bias)`` for the
+    gathered elements only)."""
     params = {i.name: int(re.match(r"(\d+)", i.rest).group(1)) for i in inner.instrs if i.op == "parameter"}
-    users: dict[str, list[_Instr]] = {p: [] for p in params}
+    users: dict[str, list[_Instr]] = {}
     for instr in inner.instrs:
         for o in instr.operands:
-            if o in users:
-                users[o].append(instr)
+            users.setdefault(o, []).append(instr)
     total = 0.0
     for name, index in params.items():
         full = _bytes(operand_types[index]) if index < len(operand_types) else _bytes(inner.types.get(name, ""))
-        uses = users[name]
-        if uses and all(u.op in _SLICING and u.operands[0] == name for u in uses):
-            total += min(full, sum(_bytes(u.type) for u in uses))
-        else:
-            total += full
+        taken = _elements_taken(name, users, set())
+        size = _bytes(inner.types.get(name, "")) / max(math.prod(_dims(inner.types.get(name, ""))), 1)
+        total += full if taken is None else min(full, taken * size)
     return total
+
+
+def _elements_taken(name: str, users: dict[str, list[_Instr]], seen: set) -> float | None:
+    """Elements of ``name`` that reach memory reads: the sum of the slices every use ends in
+    (through elementwise ops), or None where some use reads it whole."""
+    uses = users.get(name, [])
+    if not uses:
+        return None
+    taken = 0.0
+    for use in uses:
+        if use.op in _SLICING and use.operands[0] == name:
+            taken += math.prod(_dims(use.type))
+        elif use.op in _ELEMENTWISE and use.name not in seen:
+            seen.add(use.name)
+            more = _elements_taken(use.name, users, seen)
+            if more is None:
+                return None
+            taken += more
+        else:
+            return None
+    return taken
 
 
 def _fusion_writes(inner: _Comp, result_type: str) -> tuple[float, float]:
