@@ -312,6 +312,9 @@ def explain(target: Any, *args: Any, policy: "str | Policy | None" = None, rules
     ``half_share``, ``modules``, ``islands`` and ``uncovered``.
     """
     wrapped = _wrap(target, policy, rules, ops, autocast, fp8)
+    # NumPy inputs as JAX arrays, as a jitted step passes them (a model may accept only those)
+    args, kwargs = jax.tree_util.tree_map(lambda x: jnp.asarray(x) if isinstance(x, np.ndarray) else x,
+                                          (args, kwargs))
     if isinstance(wrapped, LinenWithPolicy):
         traced = _trace_linen(wrapped, args, kwargs, backward)
         policy_, on = wrapped.policy, wrapped.autocast

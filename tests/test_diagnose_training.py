@@ -18,15 +18,8 @@ import precision
 import train
 from train.cli import main
 
-HOT_MODEL = '''
-import flax.linen as nn
-
-
-class Block(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        return nn.Dense(32, name="dense")(x) * 60000.0  # past float16's 65504 for inputs above ~1
-
+#: The MLP around a hot block (each model below defines its Block).
+_HOT_MLP = '''
 
 class HotMLP(nn.Module):
     classes: int = 10
@@ -37,6 +30,17 @@ class HotMLP(nn.Module):
         h = nn.LayerNorm(name="norm")(Block(name="block")(h))
         return nn.Dense(self.classes, name="head")(h)
 '''
+
+HOT_MODEL = '''
+import flax.linen as nn
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(32, name="dense")(x) * 60000.0  # past float16's 65504 for inputs above ~1
+
+''' + _HOT_MLP
 
 TINY = {"steps": 40, "log_every": 5, "progress": False, "inference_dtypes": [], "max_nonfinite_steps": 3,
         "data": {"name": "digits", "batch_size": 32, "eval_batch_size": 100, "eval_batches": 1},
@@ -59,7 +63,9 @@ def test_a_run_with_a_planted_overflow_stops_with_one_line_naming_the_op_module_
     assert "mul in block (forward) first went non-finite" in err
     # Diagnosed at the scale the run used before the streak drove it to 1 (at 1, small gradients underflow).
     assert "at loss scale 4 (in use before it fell to 1)" in err
-    assert "verified fix: 'precision.rules=[[block, f32], [BatchNorm, f32]" in err and "-> overflow 0%" in err
+    # The rule it adds, not the default rules it keeps (those are in the override, in diagnosis.json).
+    assert ("verified fix: add the rule [block, f32] to precision.rules; the default rules still apply"
+            in err and "-> overflow 0%" in err and "BatchNorm" not in err)
     saved = json.loads((tmp_path / "run" / "diagnosis.json").read_text())
     assert saved["reason"] == "training stopped on non-finite gradients" and saved["step"] == 3
     assert saved["loss_scale"] == 4
@@ -76,6 +82,33 @@ def test_a_run_with_a_planted_overflow_stops_with_one_line_naming_the_op_module_
     fixed = _config_file(tmp_path, f"{tmp_path}/hot_model.py:HotMLP", workdir=str(tmp_path / "fixed"),
                          precision={**TINY["precision"], "rules": rules})
     assert main([fixed]) == 0
+
+
+HOT_DENSE_MODEL = '''
+import flax.linen as nn
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):  # a kernel past float16's 65504: cast to float16 for its matmul, it overflows
+        return nn.Dense(32, name="boost", kernel_init=nn.initializers.normal(60000.0))(x)
+
+''' + _HOT_MLP
+
+
+def test_a_planted_overflow_in_a_dense_names_the_matmul_not_the_cast_in_the_stop_line(tmp_path, capsys):
+    (tmp_path / "hot_model.py").write_text(HOT_DENSE_MODEL)
+    assert main([_config_file(tmp_path, f"{tmp_path}/hot_model.py:HotMLP")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "dot_general in block/boost (forward) first went non-finite" in err, err
+    assert "convert_element_type" not in err
+    assert "verified fix: add the rule [block/boost, f32] to precision.rules; the default rules still apply" in err
+    saved = json.loads((tmp_path / "run" / "diagnosis.json").read_text())
+    assert saved["first_nonfinite"] == {"op": "dot_general", "path": "block/boost", "pass": "forward"}
+    overflow = saved["problems"][0]
+    assert overflow["op"] == "dot_general" and "dot_general's operand, cast to float16 for it" in overflow["detail"]
+    # What to paste still keeps the default rules (a config's rules replace them).
+    assert saved["recommendations"][0]["overrides"][0].startswith("precision.rules=[[block/boost, f32], [BatchNorm")
 
 
 def test_diagnose_flag_reads_the_newest_checkpoint_and_leaves_checkpoints_untouched(tmp_path, capsys):

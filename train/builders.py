@@ -25,8 +25,10 @@ from train import config as config_lib
 from train.config import ConfigError
 from train.data import DATASETS, DataError, load_dataset
 from train.data.base import host_memory_bytes
+from train.data.checks import check_data
 from train.data.user import from_user_function
 from train.binding import bind, mode_kwargs
+from train.model_inputs import call_with, describe_inputs
 from train.models import MODELS
 from train.optimizers import build_optimizer
 from train.references import UserCodeError, one_line, resolve
@@ -40,17 +42,21 @@ __all__ = ["build_data", "build_model", "build_optimizer", "build_task", "build_
 
 def build_data(data_config: Any, seed: int) -> Any:
     """The dataset ``data.name`` names: a shipped one, or a user's function
-    (``module:function``) called with ``data.options``."""
+    (``module:function``) called with ``data.options``; checked for data no model
+    can learn from (:func:`train.data.checks.check_data`)."""
     if data_config.name in DATASETS:
         options = data_config.model_dump(exclude={"name", "options"})
-        return load_dataset(data_config.name, **options, seed=seed)
-    try:
-        fn = resolve(data_config.name, "data.name")
-    except UserCodeError as e:
-        raise DataError(str(e)) from None
-    if not callable(fn):
-        raise DataError(f"data.name: {data_config.name} is a {type(fn).__name__}, not a function returning data")
-    return from_user_function(fn, dict(getattr(data_config, "options", {}) or {}))
+        data = load_dataset(data_config.name, **options, seed=seed)
+    else:
+        try:
+            fn = resolve(data_config.name, "data.name")
+        except UserCodeError as e:
+            raise DataError(str(e)) from None
+        if not callable(fn):
+            raise DataError(f"data.name: {data_config.name} is a {type(fn).__name__}, not a function returning data")
+        data = from_user_function(fn, dict(getattr(data_config, "options", {}) or {}))
+    check_data(data, data_config)  # data no model learns from, or a data.* key it would ignore: before compute
+    return data
 
 
 def build_task(spec: str, data: Any, output: str | int | None = None) -> Task:
@@ -193,10 +199,10 @@ def check_model_fits_data(model: Any, data: Any, name: str = "model", task: Task
     sample = batch["inputs"]
     try:
         mode = mode_kwargs(bound, False)
-        variables = jax.eval_shape(lambda x: bound.init(jax.random.PRNGKey(0), x, **mode), sample)
-        outputs = jax.eval_shape(lambda v, x: bound.apply(v, x, **mode), variables, sample)
+        variables = jax.eval_shape(lambda x: call_with(bound.init, x, jax.random.PRNGKey(0), **mode), sample)
+        outputs = jax.eval_shape(lambda v, x: call_with(bound.apply, x, v, **mode), variables, sample)
     except Exception as e:  # noqa: BLE001 - any failure here is a model/data mismatch
-        raise ConfigError(f"model '{name}' cannot take {data.name} inputs of shape {tuple(np.shape(sample))[1:]} "
+        raise ConfigError(f"model '{name}' cannot take {data.name} inputs of {describe_inputs(sample)} "
                           f"({one_line(e)}){_with_options(model_config)}") from None
     _check_params(variables, name, model_config, memory)
     try:
@@ -229,6 +235,10 @@ TRAIN_STATE_MIN_BYTES_PER_PARAM = 4
 
 #: Param arrays from which a model's program is large enough to take minutes to trace and compile.
 LARGE_PROGRAM_ARRAYS = 1000
+#: Param arrays past which a model is refused before anything compiles ($MP_MAX_PARAM_ARRAYS raises it): XLA
+#: compiles an unrolled program in time and memory growing faster than its size (a 2,000-layer MLP, 8,002 arrays:
+#: past 6 GB after 2 minutes of compiling its init alone, until an allocation fails and the process aborts).
+MAX_PROGRAM_ARRAYS = 4096
 
 
 def _check_params(variables: Any, name: str, model_config: Any, memory: tuple[int, str] | None) -> None:
@@ -244,6 +254,17 @@ def _check_params(variables: Any, name: str, model_config: Any, memory: tuple[in
                           f"gradients need floats; keep integer state in another collection "
                           f"(self.variable('constants', ...)) or an nnx.Variable that is not a Param")
     count = sum(int(np.prod(x.shape)) for _, x in leaves)
+    limit = os.environ.get("MP_MAX_PARAM_ARRAYS") or str(MAX_PROGRAM_ARRAYS)
+    if not limit.strip().isdigit():
+        raise ConfigError(f"environment variable MP_MAX_PARAM_ARRAYS must be a number of param arrays, got {limit!r}")
+    if len(leaves) > (limit := int(limit)):
+        modules = len({"/".join(str(getattr(k, "key", k)) for k in path[:-1]) for path, _ in leaves})
+        raise ConfigError(f"model '{name}' has {len(leaves):,} param arrays in {modules:,} modules, more than the "
+                          f"{limit:,} a program is limited to: XLA's compile time and memory grow faster than an "
+                          f"unrolled program (2,000 Dense layers: over 6 GB after minutes, then an abort when memory "
+                          f"runs out); use fewer layers, or scan over identical ones (nn.scan, nnx.scan; gpt: "
+                          f"model.scan_layers=true), or raise the limit with MP_MAX_PARAM_ARRAYS="
+                          f"{len(leaves)}")
     if len(leaves) >= LARGE_PROGRAM_ARRAYS:  # tracing and compiling take a while: say so before the wait
         modules = len({"/".join(str(getattr(k, "key", k)) for k in path[:-1]) for path, _ in leaves})
         print(f"model '{name}': {len(leaves):,} param arrays in {modules:,} modules ({count:.3g} parameters); "

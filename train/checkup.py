@@ -50,14 +50,14 @@ def diagnose_experiment(config: ExperimentConfig, steps: int = 1, out: TextIO | 
     worst, steps_seen = None, []  # worst: (index, state, batch, diagnosis), the only state kept
     for index in range(start, start + steps):
         batch = layout.global_batch(data.train_batch(index, batch_size, config.seed), batch_size)
-        found = diagnose_state(state, batch, task, verify=False)
+        found = diagnose_state(state, batch, task, verify=steps == 1)  # one step: verified in the same pass
         steps_seen.append({"step": index + 1, "healthy": found.healthy, "problems": len(found.problems),
                            "first_nonfinite": found.first_nonfinite})
         if worst is None or _severity(found) > _severity(worst[3]):
             worst = (index, state, batch, found)
         state, _ = step_fn(state, batch)
     index, state, batch, diagnosis = worst
-    if not diagnosis.healthy:  # the worst step again, its fixes verified
+    if not diagnosis.healthy and steps > 1:  # the worst step again, its fixes verified
         diagnosis = diagnose_state(state, batch, task)
     path = write_diagnosis(config.workdir, diagnosis, index + 1, "--diagnose", steps_seen)
     print(diagnosis, file=out)

@@ -21,6 +21,7 @@ import numpy as np
 
 import precision
 from train.binding import NNXModel, call_mode_kwargs, mode_kwargs
+from train.model_inputs import call_arguments
 from train.config import ExperimentConfig
 from train.state import TrainState
 
@@ -39,7 +40,7 @@ def diagnose_state(state: TrainState, batch: dict, task: Any, *, verify: bool = 
     # On the device(s) the state is on: a state on a mesh is diagnosed on that mesh, as it is sharded.
     params = precision.full_precision_params(state.params, state.opt_state)
     model_state = state.model_state
-    batch = {k: v if isinstance(v, jax.Array) else np.asarray(v) for k, v in batch.items()}
+    batch = jax.tree_util.tree_map(lambda v: v if isinstance(v, jax.Array) else np.asarray(v), batch)
 
     def loss_fn(outputs: Any) -> jax.Array:
         return task.loss(outputs, batch)[0]
@@ -51,8 +52,9 @@ def diagnose_state(state: TrainState, batch: dict, task: Any, *, verify: bool = 
         target, variables = state.model, {"params": params, **model_state}
         kwargs = mode_kwargs(state.model, True)
     scale = jax.device_get(state.loss_scale) if loss_scale is None else loss_scale
-    return precision.diagnose(target, batch["inputs"], variables=variables, loss_fn=loss_fn, loss_scale=scale,
-                              verify=verify, **kwargs)
+    args, inputs = call_arguments(batch["inputs"])  # one input, or several (train.model_inputs)
+    return precision.diagnose(target, *args, variables=variables, loss_fn=loss_fn, loss_scale=scale,
+                              verify=verify, **inputs, **kwargs)
 
 
 def write_diagnosis(workdir: str, diagnosis: precision.Diagnosis, step: int, reason: str,
@@ -80,10 +82,12 @@ def summary_line(diagnosis: precision.Diagnosis) -> str:
         return "the doctor found no overflow, non-finite value, underflow or rounding on that batch"
     if diagnosis.recommendations:
         r = diagnosis.recommendations[0]
-        fix = r.command_line or r.change
+        fix = r.summary or r.command_line or r.change  # a rule: the one added, not the defaults it keeps
         return f"{where}; verified fix: {fix} ({r.before} -> {r.after})"
     if diagnosis.notes:
         return f"{where}; {diagnosis.notes[0]}"
+    if not diagnosis.verified:
+        return f"{where}; no change tried (verify=False)"
     return f"{where}; no change the doctor tried fixed it"
 
 

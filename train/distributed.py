@@ -19,20 +19,15 @@ scale.
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import dataclasses
-import os
-import socket
-import sys
-import time
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from precision.autocast.fp8_quantize import E4M3, dequantized, e4m3_read
+from train.processes import MeshError, initialize_distributed  # noqa: F401 - re-exported: the runtime a mesh spans
 
 __all__ = ["DATA_AXES", "GATHER_SCOPE", "Layout", "MeshError", "host_rows", "initialize_distributed", "make_mesh", "to_host"]
 
@@ -40,138 +35,6 @@ __all__ = ["DATA_AXES", "GATHER_SCOPE", "Layout", "MeshError", "host_rows", "ini
 DATA_AXES = ("data", "fsdp")
 #: The named scope of the params' all-gathers (how :func:`train.explain_communication` knows them).
 GATHER_SCOPE = "gather_params"
-
-
-class MeshError(ValueError):
-    """The requested mesh or distributed setup does not fit the devices or processes."""
-
-
-def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
-                           process_id: int | None = None, *, cluster_detect: bool = False,
-                           timeout_seconds: int = 300) -> bool:
-    """Joins JAX's multi-process runtime when asked to; returns whether it did.
-
-    Arguments left ``None`` are read from ``JAX_COORDINATOR_ADDRESS``,
-    ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``. With none of them set and
-    ``cluster_detect`` false this is a single-process run and nothing happens;
-    with ``cluster_detect`` JAX detects the cluster (SLURM, Open MPI,
-    Kubernetes, TPU pods) itself. On CPU, cross-process collectives use gloo.
-    Must run before anything touches a JAX device.
-    """
-    coordinator_address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS") or None
-    num_processes = num_processes if num_processes is not None else _env_int("JAX_NUM_PROCESSES")
-    process_id = process_id if process_id is not None else _env_int("JAX_PROCESS_ID")
-    explicit = coordinator_address is not None or num_processes is not None or process_id is not None
-    if not explicit and not cluster_detect:
-        return False
-    if explicit and (coordinator_address is None or num_processes is None or process_id is None):
-        missing = [name for name, value in (("coordinator_address", coordinator_address),
-                                            ("num_processes", num_processes), ("process_id", process_id))
-                   if value is None]
-        raise MeshError(f"distributed: {', '.join(missing)} missing; a multi-process run needs "
-                        f"coordinator_address, num_processes and process_id (config distributed.* or "
-                        f"JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID), or "
-                        f"distributed.cluster_detect=true on SLURM / Open MPI / Kubernetes")
-    if explicit and not 0 <= process_id < num_processes:
-        raise MeshError(f"distributed.process_id must lie in [0, num_processes={num_processes}), got {process_id}")
-    if jax.distributed.is_initialized():
-        return True
-    from jax._src import xla_bridge
-
-    if xla_bridge.backends_are_initialized():
-        raise MeshError("distributed: JAX's multi-process runtime must start before anything uses a device; "
-                        "call train.initialize_distributed(...) first thing in your program (the CLI does)")
-    if "cpu" in (os.environ.get("JAX_PLATFORMS") or "cpu").split(","):
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if explicit and process_id != 0:
-        _wait_for_coordinator(coordinator_address, timeout_seconds)
-    with _aborts_reported(f"distributed: not all {num_processes} processes connected to the coordinator at "
-                          f"{coordinator_address} within {timeout_seconds} s (distributed.timeout_seconds): start "
-                          f"every process with the same distributed.* settings, or wait longer"):
-        jax.distributed.initialize(coordinator_address, num_processes, process_id,
-                                   initialization_timeout=timeout_seconds)
-    # Leave through the shutdown barrier while everything is still alive: JAX does not shut its
-    # runtime down at exit, and interpreter teardown may destroy process 0's coordination service
-    # while the others are still in their barrier ("Shutdown barrier has failed", seen on jax 0.11).
-    # Registered now, it runs after the exit handlers registered later (orbax's async saves).
-    atexit.register(jax.distributed.shutdown)
-    return True
-
-
-#: What JAX's distributed client writes before it aborts the process (a C++ stack trace follows).
-_FATAL = (b"Terminating process because the JAX distributed service", b"*** Check failure stack trace")
-
-
-@contextlib.contextmanager
-def _aborts_reported(message: str) -> Iterator[None]:
-    """Runs the body with this process's stderr passing through a small watchdog
-    process: JAX's distributed client does not raise when the processes fail to
-    connect, it aborts the process with a C++ stack trace. The watchdog turns that
-    into ``error: <message>`` (one line) and passes anything else through."""
-    read, write = os.pipe()
-    sys.stderr.flush()
-    child = os.fork()
-    if child == 0:  # the watchdog: only os calls, then _exit
-        os.close(write)
-        _relay(read, message)
-    os.close(read)
-    saved = os.dup(2)
-    os.dup2(write, 2)
-    os.close(write)
-    try:
-        yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)  # the pipe's last writer gone: the watchdog reads to the end and leaves
-        os.close(saved)
-        os.waitpid(child, 0)
-
-
-def _relay(fd: int, message: str) -> None:
-    """The watchdog's loop: stderr passed through until a fatal line, then one line of ours."""
-    pending, fatal = b"", False
-    while chunk := os.read(fd, 65536):
-        pending += chunk
-        *lines, pending = pending.split(b"\n")
-        for line in lines:
-            if any(mark in line for mark in _FATAL):
-                if not fatal:
-                    os.write(2, f"error: {message}\n".encode())
-                fatal = True
-            elif not fatal:
-                os.write(2, line + b"\n")
-    if pending and not fatal:
-        os.write(2, pending)
-    os._exit(0)
-
-
-def _wait_for_coordinator(address: str, timeout_seconds: float) -> None:
-    """Waits until process 0's coordinator accepts connections at ``address``; a
-    :class:`MeshError` naming it after ``timeout_seconds`` (where JAX's own client
-    would abort the process with a C++ stack trace)."""
-    host, _, port = address.rpartition(":")
-    deadline = time.monotonic() + timeout_seconds
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=min(2.0, timeout_seconds)):
-                return
-        except (OSError, ValueError) as e:
-            last = e
-            time.sleep(0.25)
-    raise MeshError(f"distributed.coordinator_address {address}: no coordinator answered within {timeout_seconds} s "
-                    f"({getattr(last, 'strerror', None) or last}); process 0 must run at that address and be "
-                    f"reachable from here (distributed.timeout_seconds sets the wait)")
-
-
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    if value in (None, ""):
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise MeshError(f"environment variable {name} must be an integer, got {value!r}") from None
 
 
 def make_mesh(data: int = -1, fsdp: int = 1, devices: Any = None) -> Mesh:

@@ -61,7 +61,8 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
     Raises:
       ConfigError, DataError: before any compute, for a config that cannot run.
       NonFiniteError: gradients non-finite for ``max_nonfinite_steps`` consecutive
-        steps at the minimum loss scale (the last good state is checkpointed, and the
+        steps (or every step of a shorter run) at the minimum loss scale, or the loss
+        itself non-finite as long (the last good state is checkpointed, and the
         streak's first batch diagnosed: ``WORKDIR/diagnosis.json``, named in the message).
       CheckpointError: a checkpoint could not be written (earlier ones are kept)
         or none of the existing ones is intact.
@@ -249,7 +250,7 @@ class _Evaluator:
         size = self.config.data.eval_batch_size
         rows = host_rows(size)
         split = self.data.eval_batches(size, self.config.data.eval_batches)
-        local = ({k: v[rows] for k, v in b.items()} for b in split)
+        local = (jax.tree_util.tree_map(lambda v: v[rows], b) for b in split)
         return prefetch_to_device(local, self.config.data.prefetch, lambda b: self.layout.global_batch(b, size))
 
     def __call__(self, state: TrainState) -> dict:

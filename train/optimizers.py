@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from train.config.errors import ConfigError
@@ -28,6 +29,9 @@ __all__ = ["build_optimizer", "build_schedule"]
 
 #: A small tree of params an optimizer is tried on when built (abstractly: nothing is computed).
 _PROBE_PARAMS = {"w": jax.ShapeDtypeStruct((4, 3), jnp.float32), "b": jax.ShapeDtypeStruct((3,), jnp.float32)}
+#: The largest optimizer.lr accepted: far above any rate that trains (typical: 1e-5 to 1), far below
+#: float32's overflow (3.4e38, where the schedule's rate becomes inf and every step non-finite).
+MAX_LEARNING_RATE = 1e3
 #: YAML 1.1 reads 1e-3 (no dot) as a string: an option's string of this form is a number.
 _EXPONENT_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
 
@@ -53,7 +57,9 @@ def build_optimizer(opt: Any, steps: int) -> tuple[optax.GradientTransformation,
         given = [f"optimizer.{k}" for k in SCHEDULE_FIELDS if k in opt.model_fields_set]
         if given:
             raise ConfigError(f"{given[0]}: {what} takes no learning_rate, so {', '.join(given)} would be unused; "
-                              f"give it a learning_rate argument (it gets the schedule) or leave them unset")
+                              f"give it a learning_rate argument (it gets the schedule) or unset them "
+                              f"({' '.join(k + '=null' for k in given)} on the command line, or remove them from "
+                              f"the file)")
         schedule = None
     tx = _call(fn, kwargs, what, "optimizer.name")
     if not (isinstance(tx, optax.GradientTransformation) or callable(getattr(tx, "init", None))
@@ -81,6 +87,7 @@ def build_schedule(opt: Any, steps: int) -> optax.Schedule:
     """The learning-rate schedule of an optimizer config for a run of ``steps`` steps: the
     config's schedule after a linear warmup from 0 over ``warmup_steps`` (unless the
     schedule takes ``warmup_steps`` itself)."""
+    _check_learning_rate(opt.lr)
     warmup = min(opt.warmup_steps, steps)
     if opt.schedule == "constant":
         after = optax.constant_schedule(opt.lr)
@@ -97,6 +104,16 @@ def build_schedule(opt: Any, steps: int) -> optax.Schedule:
             return after
     return (optax.join_schedules([optax.linear_schedule(0.0, opt.lr, warmup), after], [warmup])
             if warmup else after)
+
+
+def _check_learning_rate(lr: float) -> None:
+    """A learning rate that could train: finite and at most :data:`MAX_LEARNING_RATE`."""
+    if not (np.isfinite(lr) and lr <= MAX_LEARNING_RATE):
+        in_float32 = lr > float(np.finfo(np.float32).max)
+        overflow = " (in float32, where the schedule computes it, it is inf)" if in_float32 else ""
+        raise ConfigError(f"optimizer.lr: {lr:g} is far beyond any learning rate that trains{overflow}: its first "
+                          f"updates would blow up the params; valid: at most {MAX_LEARNING_RATE:g} "
+                          f"(typical: 1e-4 to 1e-1)")
 
 
 def _function(name: str, key: str, catalog: dict[str, Callable], kind: str) -> tuple[Callable, str]:

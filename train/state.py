@@ -14,6 +14,8 @@ import precision
 from precision.loss_scale import LossScale
 from train.distributed import Layout
 from train.binding import NNXModel, bind, call_mode_kwargs, cast_variables, mode_kwargs
+from train.model_inputs import call_arguments, call_with, describe_inputs
+from train.references import one_line
 from train.pretrained import pretrained_variables
 from train.tree_paths import leaf_shapes
 
@@ -214,7 +216,7 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
     if init_from is not None:
         variables = _pretrained(wrapped, keys, sample_input, mode, init_from, variables)
     if variables is None:
-        variables = _sharded_jit(lambda k, x: wrapped.init(k, x, **mode), layout)(keys, sample_input)
+        variables = _sharded_jit(_init(wrapped, mode), layout)(keys, sample_input)
     else:
         variables = _given_variables(wrapped, keys, sample_input, mode, variables)
     params = variables["params"]
@@ -228,19 +230,30 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
 
 def _given_variables(wrapped: Any, keys: dict, sample_input: Any, mode: dict, variables: Any) -> dict:
     """``variables`` checked against the model's and cast to its policy (fp8 histories started empty)."""
-    expected = jax.eval_shape(lambda k, x: wrapped.init(k, x, **mode), keys, sample_input)
+    expected = jax.eval_shape(_init(wrapped, mode), keys, sample_input)
     if precision.FP8_COLLECTION in expected and precision.FP8_COLLECTION not in variables:  # start them empty
         zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), expected[precision.FP8_COLLECTION])
         variables = {**variables, precision.FP8_COLLECTION: zeros}
     _check_variables(variables, expected)
-    return cast_variables(wrapped, dict(variables), sample_input, **mode)
+    given = {id(x) for x in jax.tree_util.tree_leaves(variables)}
+    args, kwargs = call_arguments(sample_input)
+    cast = cast_variables(wrapped, dict(variables), *args, **kwargs, **mode)
+    # the state owns its buffers: the train step donates them, and the caller's (two policies
+    # compared from one init) must outlive it
+    return jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True) if id(x) in given else x, cast)
+
+
+def _init(wrapped: Any, mode: dict) -> Any:
+    """``init(keys, inputs)`` of the bound model, the inputs one array or several
+    (:mod:`train.model_inputs`)."""
+    return lambda keys, inputs: call_with(wrapped.init, inputs, keys, **mode)
 
 
 def _pretrained(wrapped: Any, keys: dict, sample_input: Any, mode: dict, init_from: Any, variables: Any) -> dict:
     """The variables ``init_from`` holds for ``wrapped``, with its fresh init where it has none."""
     if variables is not None:
         raise ValueError("create_train_state: give `variables` or `init_from`, not both")
-    init = jax.jit(lambda k, x: wrapped.init(k, x, **mode))
+    init = jax.jit(_init(wrapped, mode))
     return pretrained_variables(init_from, jax.eval_shape(init, keys, sample_input), lambda: init(keys, sample_input))
 
 
@@ -271,8 +284,20 @@ def _check_coverage(wrapped: Any, sample_input: Any, strict: bool) -> None:
     """Warns (raises if ``strict``) when the policy leaves the model's matmuls in float32."""
     if wrapped.policy.compute_dtype == jnp.float32:
         return
-    explanation = explain_model(wrapped, sample_input, train=False, backward=False)
+    try:
+        explanation = explain_model(wrapped, sample_input, train=False, backward=False)
+    except (precision.PolicyError, MemoryError, KeyboardInterrupt):
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's model raised: say so in one line, not its traceback
+        raise ValueError(f"create_train_state: checking which of {_model_name(wrapped)}'s ops the policy reaches "
+                         f"(the model traced on a sample batch, inputs {describe_inputs(sample_input)}) failed: "
+                         f"{one_line(e)}") from None
     precision.check_coverage(explanation, strict=strict, stacklevel=4)
+
+
+def _model_name(wrapped: Any) -> str:
+    module = wrapped.module_type if isinstance(wrapped, NNXModel) else getattr(wrapped, "module", wrapped)
+    return module.__name__ if isinstance(module, type) else type(module).__name__
 
 
 def _check_variables(given: Any, expected: Any) -> None:
@@ -341,7 +366,8 @@ def _mixed_precision_optimizer(optimizer, params, policy, loss_scale, max_grad_n
 
 def explain_model(wrapped: Any, sample_input: Any, *, train: bool, backward: bool) -> precision.Explanation:
     """:func:`precision.explain` of a bound model (Linen or NNX) in train or eval mode."""
+    args, kwargs = call_arguments(sample_input)
     if isinstance(wrapped, NNXModel):
-        return precision.explain(wrapped.merge(wrapped.init(), train=train), sample_input, backward=backward,
+        return precision.explain(wrapped.merge(wrapped.init(), train=train), *args, backward=backward, **kwargs,
                                  **call_mode_kwargs(wrapped.module_type.__call__, train))
-    return precision.explain(wrapped, sample_input, backward=backward, **mode_kwargs(wrapped, train))
+    return precision.explain(wrapped, *args, backward=backward, **kwargs, **mode_kwargs(wrapped, train))

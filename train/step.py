@@ -21,6 +21,7 @@ from precision.stored import ACCUM_STREAM, step_key
 from train.distributed import Layout, to_host
 from train.binding import TRAIN_KEYWORDS, NNXModel, mode_kwargs
 from train.state import ScaledGrads, TrainState
+from train.model_inputs import call_arguments
 from train.tasks import Task, cross_entropy, get_task  # noqa: F401 - cross_entropy re-exported
 
 Metrics = dict[str, jax.Array]
@@ -110,8 +111,9 @@ def _loss_fn(layout: Layout | None, task: Task, train_kwarg: str | None) -> Call
             params = layout.gather(params, gather_dtypes)
         mutable = list(model_state)
         fp8 = {} if fp8_state is None else {precision.FP8_COLLECTION: fp8_state}
-        out = state.model.apply({"params": params, **model_state, **fp8}, batch["inputs"], rngs={"dropout": rng},
-                                mutable=mutable or False, **_mode(state.model, True, train_kwarg))
+        args, kwargs = call_arguments(batch["inputs"])
+        out = state.model.apply({"params": params, **model_state, **fp8}, *args, rngs={"dropout": rng},
+                                mutable=mutable or False, **kwargs, **_mode(state.model, True, train_kwarg))
         outputs, new_model_state = out if mutable else (out, model_state)
         new_model_state = {k: v for k, v in new_model_state.items() if k != precision.FP8_COLLECTION}
         loss, task_metrics = task.loss(outputs, batch)
@@ -320,7 +322,8 @@ def make_eval_step(*, train_kwarg: str | None = "auto", layout: Layout | None = 
         lay = step_layout(layout, state, "make_eval_step")
 
         def forward(params):
-            return state.model.apply({"params": params, **state.model_state}, batch["inputs"], **mode)
+            args, kwargs = call_arguments(batch["inputs"])
+            return state.model.apply({"params": params, **state.model_state}, *args, **kwargs, **mode)
 
         params = _evaluated(state)
         if lay is not None:

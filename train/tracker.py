@@ -61,6 +61,7 @@ class Tracker:
         self.scale_in_use = self.initial_scale  # the loss scale of the newest step with finite gradients
         self.interval: list[dict] = []
         self.last_step = int(to_host(state.step))
+        self.run_start = self.last_step  # the step this run started from (a resumed run: its checkpoint's)
         self.last_train: dict = {}
         self.examples_per_step = config.data.batch_size * config.accum_steps
         self.tokens_per_example = data.input_shape[0] if self.language_model else 1
@@ -130,9 +131,10 @@ class Tracker:
             self._log(step, m)
 
     def _check_finite(self, step: int, m: dict) -> None:
-        """The stop rule: ``max_nonfinite_steps`` consecutive skipped steps that no lower
-        loss scale could have saved: each used the lowest scale there is, or its loss
-        itself was non-finite while its gradients were finite (a scale cannot fix that)."""
+        """The stop rule: ``max_nonfinite_steps`` consecutive skipped steps (or every step of
+        a shorter run) that no lower loss scale could have saved: each used the lowest scale
+        there is, or its loss itself was non-finite while its gradients were finite (a scale
+        cannot fix that)."""
         skipped = not m["grads_finite"]
         loss_only = skipped and int(m["nonfinite_leaf"]) == -1
         if not skipped or not (m["at_min_scale"] or loss_only):
@@ -145,15 +147,18 @@ class Tracker:
         self.streak += 1
         self.streak_loss_only = self.streak_loss_only and loss_only
         k = self.config.max_nonfinite_steps
-        if self.streak >= k:
+        whole_run = self.streak >= self.config.steps - self.run_start  # a run shorter than k: nothing trained
+        if self.streak >= k or whole_run:
             first_step, leaf = self.streak_start
+            steps = (f"{self.streak} consecutive steps" if self.streak >= k
+                     else f"all {self.streak} steps of this run")
             if self.streak_loss_only:
-                message = (f"the loss itself was non-finite, while its gradients were finite, for {self.streak} "
-                           f"consecutive steps (since step {first_step}; max_nonfinite_steps={k}): no loss scale "
+                message = (f"the loss itself was non-finite, while its gradients were finite, for {steps} "
+                           f"(since step {first_step}; max_nonfinite_steps={k}): no loss scale "
                            f"can fix that. Check the task's loss and the data (a log of 0, a division by zero, NaN "
                            f"or inf in the inputs or labels).")
             else:
-                message = (f"gradients were non-finite for {self.streak} consecutive steps (since step "
+                message = (f"gradients were non-finite for {steps} (since step "
                            f"{first_step}) at the minimum loss scale {m['loss_scale']:g} "
                            f"(max_nonfinite_steps={k}). At step {first_step}, {self._culprit(leaf)}. Try a lower "
                            f"optimizer.lr, optimizer.max_grad_norm, or precision.policy=mixed_bf16.")

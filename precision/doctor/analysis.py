@@ -17,11 +17,13 @@ import numpy as np
 
 from precision.doctor.probe import SCALES, Probe
 
-__all__ = ["THRESHOLDS", "Findings", "ModuleStats", "Problem", "analyze", "rounding_shares", "without_sites"]
+__all__ = ["THRESHOLDS", "Findings", "Flushed", "ModuleStats", "Problem", "analyze", "rounding_shares", "without_sites"]
 
-#: When a share is a problem: underflow of values that are non-zero in float32 (per module and pass),
-#: updates that round away (per param).
-THRESHOLDS = {"underflow_backward": 0.01, "underflow_forward": 0.05, "rounding": 0.05}
+#: When a share is a problem: underflow (backward: the share of a module's float32 parameter-gradient
+#: norm in values that flush; forward: of activation values non-zero in float32), updates that round
+#: away (per param). ``residue``: a module whose float32 gradient's root mean square is below this
+#: share of the model's is rounding residue (zero in exact arithmetic): its flushing is no problem.
+THRESHOLDS = {"underflow_backward": 0.01, "underflow_forward": 0.05, "rounding": 0.05, "residue": 1e-5}
 
 
 class ModuleStats(NamedTuple):
@@ -135,7 +137,10 @@ def _overflow_problems(probes: list[Probe]) -> list[Problem]:
         bad = sum(int(p.stats["overflow"] if kind == "overflow" else p.stats["inf"] + p.stats["nan"]) for p in group)
         dtype = group[0].dtype
         ref = max(float(p.stats.get("ref_amax", 0.0)) for p in group)
-        how = f"{op}'s float32 result, cast to {dtype}," if any(p.narrowed for p in group) else f"{op} in {dtype}"
+        narrowed = {p.narrowed for p in group}
+        how = (f"{op}'s float32 result, cast to {dtype}," if "result" in narrowed else
+               f"{op}'s operand, cast to {dtype} for it," if "operand" in narrowed else
+               f"{op} to {dtype}" if op == "convert_element_type" else f"{op} in {dtype}")
         detail = (f"{how} made {bad} values past {float(jnp.finfo(dtype).max):g} (largest in float32 "
                   f"{ref:.4g})" if kind == "overflow" else f"{op} made inf/NaN from finite inputs")
         problems.append(Problem(kind, "backward" if backward else "forward", path, op, bad / size, detail))
@@ -150,42 +155,66 @@ def _module_of(name: str) -> str:
     return "/".join(parts[:-1]) or "(top)"
 
 
+class Flushed(NamedTuple):
+    """One module's parameter gradients against a float32 run of the same step."""
+
+    nonzero: int  # values non-zero and finite in the float32 run
+    flushed: int  # of those, zero in the policy's run (and below the compute dtype's smallest normal)
+    norm: float  # the float32 run's gradient norm (its finite values)
+    lost: float  # the norm of the flushed values: what underflow took from the update
+    size: int  # values in all
+
+
 @functools.partial(jax.jit, static_argnums=2)
 def _gradient_counts(grads: list, reference: list, tiny: float) -> list:
-    """Per leaf, on the device: (values non-zero and finite in ``reference``, of those zero in ``grads`` and below ``tiny``)."""
+    """Per leaf, on the device: (values non-zero and finite in ``reference``, of those zero in ``grads``
+    and below ``tiny``, the sum of squares of ``reference``'s finite values, of the flushed ones)."""
     found = []
     for g, r in zip(grads, reference):
         r = r.astype(jnp.float32)
         nonzero = (r != 0) & jnp.isfinite(r)
-        found.append((jnp.sum(nonzero), jnp.sum(nonzero & (g == 0) & (jnp.abs(r) < tiny))))
+        flushed = nonzero & (g == 0) & (jnp.abs(r) < tiny)
+        square = jnp.square(jnp.where(nonzero, r, 0.0))
+        found.append((jnp.sum(nonzero), jnp.sum(flushed), jnp.sum(square), jnp.sum(jnp.where(flushed, square, 0.0))))
     return found
 
 
-def gradient_underflow(grads: Any, reference: Any, tiny: float = math.inf) -> dict[str, tuple[int, int]]:
-    """Per module: (parameter-gradient values non-zero and finite in the float32 reference run,
-    of those zero in the policy's run and below ``tiny`` in the reference, the smallest normal of
-    the compute dtype): the gradients the step applies, not the cotangents. A value zero in half
-    but of normal size is a sum that cancelled in rounding, not a value too small for the format."""
+def gradient_underflow(grads: Any, reference: Any, tiny: float = math.inf) -> dict[str, Flushed]:
+    """Per module, its parameter gradients (what the step applies, not the cotangents) against
+    the float32 run's ``reference``: the values zero in the policy's run that are non-zero and
+    below ``tiny`` (the compute dtype's smallest normal) in the reference, counted and by their
+    norm. A value zero in half but of normal size is a sum that cancelled in rounding, not a
+    value too small for the format."""
     leaves = [(path, g, r) for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads),
                                                     jax.tree_util.tree_leaves(reference))
               if jnp.issubdtype(jnp.asarray(g).dtype, jnp.floating)]
     measured = jax.device_get(_gradient_counts([g for _, g, _ in leaves], [r for _, _, r in leaves], tiny))
-    counts: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
-    for (path, _, _), (nonzero, flushed) in zip(leaves, measured):
-        module = _module_of(jax.tree_util.keystr(path, simple=True, separator="/"))
-        counts[module][0] += int(nonzero)
-        counts[module][1] += int(flushed)
-    return {m: (n, f) for m, (n, f) in counts.items()}
+    sums: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0, 0.0, 0.0, 0])
+    for (path, g, _), (nonzero, flushed, square, lost) in zip(leaves, measured):
+        total = sums[_module_of(jax.tree_util.keystr(path, simple=True, separator="/"))]
+        total[0] += int(nonzero)
+        total[1] += int(flushed)
+        total[2] += float(square)
+        total[3] += float(lost)
+        total[4] += int(np.size(g))
+    return {m: Flushed(n, f, math.sqrt(sq), math.sqrt(lost), size) for m, (n, f, sq, lost, size) in sums.items()}
 
 
-def _gradient_problems(underflow: dict[str, tuple[int, int]]) -> list[Problem]:
+def _gradient_problems(underflow: dict[str, Flushed]) -> list[Problem]:
+    """Modules whose flushed gradient values carry more than the threshold of their float32 gradient's
+    norm; not those whose float32 gradient is rounding residue (its root mean square below
+    ``THRESHOLDS["residue"]`` of the model's: a gradient zero in exact arithmetic, such as a projection's
+    that a norm subtracts straight back out), whose values flushing loses nothing."""
+    size = sum(u.size for u in underflow.values())
+    rms = math.sqrt(sum(u.norm ** 2 for u in underflow.values()) / size) if size else 0.0
     problems = []
-    for module, (nonzero, flushed) in sorted(underflow.items()):
-        share = flushed / nonzero if nonzero else 0.0
-        if share > THRESHOLDS["underflow_backward"]:
+    for module, u in sorted(underflow.items()):
+        share = u.lost / u.norm if u.norm > 0 else 0.0
+        residue = u.norm / math.sqrt(u.size) < THRESHOLDS["residue"] * rms
+        if share > THRESHOLDS["underflow_backward"] and not residue:
             problems.append(Problem("underflow", "backward", module, "", share,
-                                    f"{100 * share:.1f}% of its parameter-gradient values non-zero in a float32 run "
-                                    f"are zero in this one"))
+                                    f"the values zero in this run carry {100 * share:.3g}% of its parameter-gradient "
+                                    f"norm in a float32 run ({u.flushed} of {u.nonzero} values non-zero there)"))
     return problems
 
 
@@ -293,7 +322,7 @@ def _moved(w0: np.ndarray, u: np.ndarray, dtype: np.dtype, rounding: str, steps:
 
 def analyze(probes: list[Probe], loss: float, loss_scale: float, rounding: dict[str, float] | None,
             storage: dict[str, str], seconds: dict | None = None, outputs_finite: bool = True,
-            gradients: dict[str, tuple[int, int]] | None = None) -> Findings:
+            gradients: dict[str, Flushed] | None = None) -> Findings:
     """The findings of one probed run (``rounding``: per param share, ``storage``: its dtype;
     ``outputs_finite``: whether the loss and gradients, or the outputs, came out finite;
     ``gradients``: :func:`gradient_underflow` against a float32 run, which then measures the

@@ -122,6 +122,7 @@ class _Change:
     python: str
     setting: _Setting
     overrides: tuple[str, ...] = ()  # the same, as key=value for the command line
+    summary: str = ""  # the change alone, for one line (see Recommendation.summary)
 
 
 def _rule_change(problem: Problem, s: _Setting, path: str | None = None) -> _Change | None:
@@ -135,8 +136,10 @@ def _rule_change(problem: Problem, s: _Setting, path: str | None = None) -> _Cha
             else ", ".join(f"({r.pattern!r}, {_policy_name(r.policy)!r})" for r in s.rules))
     python = f"rules=[({path!r}, 'f32')" + (f", {rest}]" if rest else "]")
     yaml_text, overrides = config_text(rules=shown)
+    kept = "" if not s.rules else (f"; the {'default rules' if s.rules == default_rules() else 'rules in use'} "
+                                   f"still apply (the diagnosis's override keeps them after it)")
     return _Change(f"keep {path} in float32 (a rule)", yaml_text, python, dataclasses.replace(s, rules=rules),
-                   overrides)
+                   overrides, f"add the rule [{path}, f32] to precision.rules{kept}")
 
 
 def _rule_changes(problem: Problem, s: _Setting) -> list[_Change | None]:
@@ -304,7 +307,7 @@ def diagnose(target: Any, *args: Any, policy: Any = None, variables: Any = None,
     if verify and not any("float32 too" in n for n in notes):
         recommendations = _verified(subject, setting, findings, loss_fn, optimizer, most, masked, reference,
                                      segments)
-    return Diagnosis(subject.name, subject.policy, scale, findings, tuple(recommendations), tuple(notes))
+    return Diagnosis(subject.name, subject.policy, scale, findings, tuple(recommendations), tuple(notes), verify)
 
 
 def _masked_note(masked: set) -> str:
@@ -334,6 +337,6 @@ def _verified(subject: Subject, setting: _Setting, findings: Findings, loss_fn: 
                 found.append(Recommendation(change.change, change.yaml, change.python, problem,
                                             f"{_name(problem)} {100 * problem.share:.3g}%",
                                             f"{_name(problem)} {100 * after.metric(problem):.3g}%",
-                                            change.overrides))
+                                            change.overrides, change.summary))
                 break
     return found

@@ -13,11 +13,13 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
+import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import DropVar, Literal
 
 from precision.autocast.program import binders, host_platform, platform_branch
 from precision.autocast.regions import scope_names
-from precision.doctor.measure import MATMULS
+from precision.doctor.measure import HALF, MATMULS
 
 __all__ = ["Step", "Flat", "flatten", "primal_eqns", "reads"]
 
@@ -38,6 +40,7 @@ class Step(NamedTuple):
     narrowed: bool  # a convert_element_type of a matmul's float32 result
     static: bool  # computed from literals only (XLA could fold it)
     body: Flat | None = None  # a scan's body
+    matmul: str = ""  # a cast to half of a matmul's float32 result or of an operand it reads: that matmul's primitive
 
 
 class Flat(NamedTuple):
@@ -52,7 +55,8 @@ class _Flattener:
     def __init__(self):
         self.count = 0
         self.constants: dict[int, Any] = {}  # numbers of sub-programs' constants -> their values
-        self.matmul_made: set[int] = set()
+        self.matmul_made: dict[int, str] = {}  # value number -> the matmul primitive that made it
+        self.half_casts: dict[int, tuple[list, int]] = {}  # value number -> (steps, index) of the cast to half it is
         self.static: set[int] = set()
         self.steps: list[Step] = []
 
@@ -106,10 +110,35 @@ class _Flattener:
         if static:
             self.static.update(o for o in outs if o is not None)
         narrowed = name == "convert_element_type" and bool(numbered) and numbered[0] in self.matmul_made
+        matmul = self.matmul_made[numbered[0]] if narrowed else ""
         if name in MATMULS:
-            self.matmul_made.update(o for o in outs if o is not None)
-        self.steps.append(Step(eqn, tuple(ins), outs, scope, backward, narrowed, static, body))
+            self.matmul_made.update((o, name) for o in outs if o is not None)
+            self._operands_of(name, numbered)
+        if name == "convert_element_type" and not narrowed and _narrows(eqn) and outs[0] is not None:
+            self.half_casts[outs[0]] = (self.steps, len(self.steps))
+        elif name in _SAME_VALUES and numbered and numbered[0] in self.half_casts and outs[0] is not None:
+            self.half_casts[outs[0]] = self.half_casts[numbered[0]]  # the cast, reshaped on its way to a matmul
+        self.steps.append(Step(eqn, tuple(ins), outs, scope, backward, narrowed, static, body, matmul))
         return list(outs)
+
+    def _operands_of(self, matmul: str, numbered: list) -> None:
+        """Marks the casts to half that ``matmul`` reads (a param or activation rounded for it)."""
+        for x in numbered:
+            if x in self.half_casts:
+                steps, index = self.half_casts[x]
+                if not steps[index].matmul:
+                    steps[index] = steps[index]._replace(matmul=matmul)
+
+
+#: Ops that pass a value on unchanged in its values (a cast reshaped on its way to a matmul).
+_SAME_VALUES = frozenset({"reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "copy"})
+
+
+def _narrows(eqn: Any) -> bool:
+    """A cast from a wider float type to float16 or bfloat16."""
+    source, target = eqn.invars[0].aval, eqn.outvars[0].aval
+    return (hasattr(source, "dtype") and jnp.issubdtype(source.dtype, jnp.floating)
+            and np.dtype(target.dtype) in HALF and np.dtype(source.dtype).itemsize > np.dtype(target.dtype).itemsize)
 
 
 def flatten(closed: Any, primal: set[int] | None = None) -> tuple[Flat, dict[int, Any]]:

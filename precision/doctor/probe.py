@@ -56,7 +56,7 @@ class Probe(NamedTuple):
     dtype: np.dtype
     size: int
     stats: dict  # name -> scalar (host values after the run)
-    narrowed: bool = False  # the op's float32 result as cast to half (the cast is what was measured)
+    narrowed: str = ""  # a cast to half shown as the matmul it serves: of its float32 "result" or an "operand"
 
 
 class _Template(NamedTuple):
@@ -67,7 +67,7 @@ class _Template(NamedTuple):
     shown: str
     dtype: np.dtype
     size: int
-    narrowed: bool
+    narrowed: str
     inner: tuple | None = None  # a scan: its body's templates, (length, reverse)
     loop: tuple[int, bool] | None = None
 
@@ -160,8 +160,10 @@ class _Collector:
         if name in _MOVES_VALUES or _widening(eqn):
             return outs
         inputs = [(ref, x) for ref, x, v in zip(step.ins, ins, eqn.invars) if _is_float(v.aval)]
-        # A matmul's float32 result cast to half: the cast overflows, the matmul is what the user wrote.
-        shown = "dot_general" if step.narrowed else name
+        # A matmul's float32 result, or an operand, cast to half for it: the cast overflows, the matmul
+        # is what the user wrote (a Dense, a Conv).
+        shown = step.matmul or name
+        narrowed = "result" if step.narrowed else "operand" if step.matmul else ""
         for i, (out, var) in enumerate(zip(outs, eqn.outvars)):
             dtype = np.dtype(var.aval.dtype) if _is_float(var.aval) else None
             if dtype not in (*HALF, F32) or not math.prod(var.aval.shape):
@@ -170,7 +172,7 @@ class _Collector:
             value = jax.lax.optimization_barrier(out) if step.static else out  # else XLA folds it at compile time
             counts, maxima, sample = terms(value, ref, step.backward, self.loss_scale)
             self.pending.append((len(self.arrays), (counts, maxima), sample, inputs, step.outs[i]))
-            self.templates.append(_Template(locator, shown, dtype, int(math.prod(var.aval.shape)), step.narrowed))
+            self.templates.append(_Template(locator, shown, dtype, int(math.prod(var.aval.shape)), narrowed))
             self.arrays.append(None)
         return outs
 
@@ -196,7 +198,7 @@ class _Collector:
 
         length, reverse = int(params["length"]), bool(params.get("reverse", False))
         carry, (ys, arrays) = jax.lax.scan(iteration, list(carry), list(xs), length=length, reverse=reverse)
-        self.templates.append(_Template(locator, "scan", F32, 0, False, tuple(traced[-1].templates),
+        self.templates.append(_Template(locator, "scan", F32, 0, "", tuple(traced[-1].templates),
                                         (length, reverse)))
         self.arrays.append(arrays)
         return [*carry, *ys]

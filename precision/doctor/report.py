@@ -26,6 +26,7 @@ class Recommendation:
     before: str  # e.g. "overflow 2.1%"
     after: str  # e.g. "overflow 0%"
     overrides: tuple[str, ...] = ()  # the same as ``key=value`` for ``python -m train CONFIG ...``
+    summary: str = ""  # the change alone, for one line (a rule: without the rules it keeps), if not the overrides
 
     @property
     def command_line(self) -> str:
@@ -34,7 +35,7 @@ class Recommendation:
 
     def to_dict(self) -> dict:
         return {"change": self.change, "yaml": self.yaml, "overrides": list(self.overrides), "python": self.python,
-                "problem": self.problem.to_dict(), "before": self.before, "after": self.after}
+                "problem": self.problem.to_dict(), "before": self.before, "after": self.after, "summary": self.summary}
 
 
 def _pct(share: float) -> str:
@@ -51,6 +52,7 @@ class Diagnosis:
     findings: Findings
     recommendations: tuple[Recommendation, ...]
     notes: tuple[str, ...] = ()  # what was checked and found not to be precision's (e.g. also in float32)
+    verified: bool = True  # changes were tried (False: ``verify=False``, only diagnosed)
 
     @property
     def problems(self) -> tuple[Problem, ...]:
@@ -112,12 +114,16 @@ class Diagnosis:
             lines.append("verified changes (applied, diagnosed again):")
             for r in self.recommendations:
                 lines.append(f"  {r.change}: {r.before} -> {r.after}")
+                if r.summary:
+                    lines.append(f"    change: {r.summary}")
                 lines.append("    yaml:   " + r.yaml.replace("\n", "\n            "))
                 if r.overrides:
                     lines.append(f"    command line: {r.command_line}")
                 lines.append(f"    python: {r.python}")
         elif any("float32 too" in n for n in self.notes):
             lines.append("no change recommended: the failure is the same in float32 (see the note)")
+        elif not self.verified:
+            lines.append("no change tried: verification was off (verify=False)")
         else:
             lines.append("no verified change: none of the changes tried fixed these")
         return "\n".join(lines)

@@ -139,8 +139,8 @@ def _steps_key(steps: Sequence[Step], numbers: dict[int, int], outputs: Sequence
             if o is not None:
                 numbers[o] = len(numbers)
         key.append((eqn.primitive.name, _value_key(params), ins, tuple(_aval_key(v.aval) for v in eqn.outvars),
-                    tuple(o is None for o in step.outs), step.backward, step.narrowed, step.static,
-                    _context_key(eqn), body))
+                    tuple(o is None for o in step.outs), step.backward, step.narrowed, step.matmul,
+                    step.static, _context_key(eqn), body))
     return (tuple(key), tuple(ref(x, None) if isinstance(x, Literal) else numbers.get(x, -1) for x in outputs))
 
 

@@ -73,6 +73,9 @@ def error_message(error: dict, root: type[BaseModel], prefix: tuple = ()) -> str
         op, name = _BOUNDS[kind]
         return f"{key} must be {op} {ctx[name]:g}, got {value!r}"
     if kind in _TYPE_NAMES:
+        field = getattr(_level(root, loc[:-1]), "model_fields", {}).get(loc[-1]) if loc else None
+        if value is None and field is not None and field.is_required():  # null unsets a key: this one has no default
+            return f"{key} is required and cannot be null (unset); it must be {_TYPE_NAMES[kind]}"
         nullable = type(None) in typing.get_args(_level(root, loc))
         return f"{key} must be {_TYPE_NAMES[kind]}{' or null' if nullable else ''}, got {value!r}"
     return f"{key}: {error['msg']}"

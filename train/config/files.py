@@ -84,8 +84,9 @@ def with_origin(message: str, path: str, overrides: list[str] | tuple[str, ...])
     subject = quoted.group(1) if quoted else message.split(" ", 1)[0].rstrip(":")
     for item in overrides:
         key = item.partition("=")[0].strip()
-        if key and (key == subject or key.startswith(subject + ".") or subject.startswith(key + ".")):
-            return f"the command line ({item.strip()}): {message}"
+        if key and (key == subject or key.startswith(subject + ".") or subject.startswith((key + ".", key + "["))):
+            shown = item.strip() if len(item.strip()) <= 100 else item.strip()[:96] + " ..."  # a 2,000-item list
+            return f"the command line ({shown}): {message}"
     return f"{path}: {message}"
 
 

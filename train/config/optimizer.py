@@ -9,7 +9,9 @@ What an optimizer function gets:
 - any other: ``options``, plus those of these fields that were set explicitly
   (``weight_decay`` also as adafactor's ``weight_decay_rate``); a field set for a
   function that does not take it is an error (a ``weight_decay`` of 0 excepted:
-  nothing to apply). ``learning_rate``: the schedule, when the function takes it.
+  nothing to apply), and ``optimizer.weight_decay=null`` unsets what a file set (as
+  ``null`` does for every field: see :mod:`train.config.section`). ``learning_rate``:
+  the schedule, when the function takes it.
 
 What a schedule function gets (optax's, or a factory's): ``schedule_options``, plus,
 for each of these arguments it takes and the options do not give:
@@ -187,7 +189,8 @@ def optimizer_arguments(opt: OptimizerConfig, fn: Callable, what: str) -> dict[s
                 argument = field if any(p.kind == p.VAR_KEYWORD for p in params.values()) else None
                 if argument is None:
                     raise ConfigError(f"optimizer.{field}: {what} takes no argument '{field}' (optimizer.{field}="
-                                      f"{value!r} is set); remove it, or pass what {what} takes in optimizer.options."
+                                      f"{value!r} is set); unset it (optimizer.{field}=null on the command line, or "
+                                      f"remove it from the file), or pass what {what} takes in optimizer.options."
                                       f" Its arguments: {', '.join(params)}")
             if argument is None:
                 continue

@@ -25,7 +25,7 @@ from pydantic import BaseModel, BeforeValidator, Field, PrivateAttr, ValidationE
 
 import precision
 from train.config.errors import ConfigError, error_message, invalid
-from train.config.section import Section
+from train.config.section import Section, unset_nulls
 from train.config.optimizer import OptimizerConfig
 from train.config.fields import (CLASS_REFERENCE, FUNCTION_REFERENCE, INFERENCE_DTYPES, Count, DataName,
                                  InferenceDtype, ModelName, NonNegative, Number, Task, options_schema)
@@ -74,6 +74,8 @@ class ModelConfig(_Schema):
     def _model_fields(self) -> "ModelConfig":
         if self.name in MODELS:  # a class reference's signature is checked when the model is built
             schema = options_schema(self.name)
+            for key in set(self.options) - set(unset_nulls(self.options, schema.model_fields)):
+                del self.options[key]  # model.hidden=null: the model's default
             try:
                 checked = schema.model_validate({**self.options, "name": self.name})
             except ValidationError as e:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 import jax
 import numpy as np
 
-Batch = dict[str, np.ndarray]
+Batch = dict[str, Any]  # arrays; ``inputs`` may be several (a dict or tuple of arrays: train.model_inputs)
 
 
 class DataError(ValueError):
@@ -198,8 +198,8 @@ def padded_batches(size: int, take: Callable[[np.ndarray], Batch], batch_size: i
         stop = min(start + batch_size, total)
         pad = batch_size - (stop - start)
         batch = take(np.arange(start, stop))
-        if pad:
-            batch = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)]) for k, v in batch.items()}
+        if pad:  # each array, the inputs' several included
+            batch = jax.tree_util.tree_map(lambda v: zero_padded(v, batch_size), batch)
         yield {**batch, "mask": np.concatenate([np.ones(stop - start, bool), np.zeros(pad, bool)])}
 
 
@@ -225,10 +225,15 @@ def train_batch_stack(data: Any, first: int, count: int, length: int, batch_size
         stack = data.train_batch_stack(first, count, batch_size, seed, rows)
     else:
         batches = [data.train_batch(index, batch_size, seed, rows) for index in range(first, first + count)]
-        stack = {k: np.stack([np.asarray(b[k]) for b in batches]) for k in batches[0]}
+        stack = jax.tree_util.tree_map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *batches)
     if count == length:
         return stack
-    return {k: np.concatenate([v, np.zeros((length - count,) + v.shape[1:], v.dtype)]) for k, v in stack.items()}
+    return jax.tree_util.tree_map(lambda v: zero_padded(v, length), stack)
+
+
+def zero_padded(rows: np.ndarray, length: int) -> np.ndarray:
+    """``rows`` with zero rows appended up to ``length`` (a batch's padding)."""
+    return np.concatenate([rows, np.zeros((length - len(rows),) + rows.shape[1:], rows.dtype)])
 
 
 def prefetch_to_device(iterator: Iterator[Any], size: int = 2,

@@ -26,7 +26,7 @@ from typing import Any, Iterator
 import jax
 import numpy as np
 
-from train.data.base import Batch, DataError
+from train.data.base import Batch, DataError, zero_padded
 from train.references import one_line
 
 __all__ = ["EvalStream", "TrainStream", "is_stream", "stack_examples"]
@@ -46,10 +46,10 @@ def stack_examples(examples: list, where: str) -> Batch:
     if not all(isinstance(e, dict) for e in examples):
         bad = next(e for e in examples if not isinstance(e, dict))
         raise DataError(f"{where}: each example must be a dict of arrays, got {type(bad).__name__}")
-    try:
-        return {k: np.stack([np.asarray(e[k]) for e in examples]) for k in examples[0]}
-    except (ValueError, KeyError) as e:
-        shapes = sorted({str({k: np.shape(v) for k, v in x.items()}) for x in examples})[:3]
+    try:  # each array stacked, the inputs' several included (a dict or tuple of arrays)
+        return jax.tree_util.tree_map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *examples)
+    except (ValueError, KeyError, TypeError) as e:
+        shapes = sorted({str(jax.tree_util.tree_map(np.shape, x)) for x in examples})[:3]
         raise DataError(f"{where}: examples differ in keys or shapes ({one_line(e)}); every example "
                         f"needs the same keys and shapes, e.g. {'; '.join(shapes)}") from None
 
@@ -267,7 +267,7 @@ class EvalStream:
             while chunk := list(itertools.islice(examples, batch_size)):
                 batch, pad = stack_examples(chunk, self.where), batch_size - len(chunk)
                 if pad:
-                    batch = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)]) for k, v in batch.items()}
+                    batch = jax.tree_util.tree_map(lambda v: zero_padded(v, batch_size), batch)
                 yield {**batch, "mask": np.arange(batch_size) < len(chunk)}
         finally:
             if callable(getattr(iterator, "close", None)):

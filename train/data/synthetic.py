@@ -12,8 +12,15 @@ def load_synthetic(num_train: int = 4096, num_test: int = 1024, input_shape=(32,
     """Gaussian inputs labelled by a fixed random linear teacher (so accuracy can rise)."""
     rng = np.random.default_rng(seed)
     shape = tuple(int(d) for d in input_shape)
-    if min(shape, default=1) < 1:
+    if not shape:
+        raise DataError(f"data.input_shape: [] makes each input one number (no feature axis); the synthetic data "
+                        f"needs at least one axis, e.g. data.input_shape=[32] (its linear teacher on one number "
+                        f"gives at most 2 of the {num_classes} classes, by the number's sign)")
+    if min(shape) < 1:
         raise DataError(f"data.input_shape: every size must be >= 1, got {list(shape)}")
+    if num_classes < 2:
+        raise DataError(f"data.num_classes: {num_classes} class: a classifier needs at least 2 (with one, every "
+                        f"label is 0, the loss is 0 whatever the model does, and nothing trains)")
     nbytes = (num_train + num_test) * int(np.prod(shape)) * 4
     memory = host_memory_bytes()
     if memory and nbytes > memory // 2:
@@ -30,6 +37,9 @@ def load_synthetic(num_train: int = 4096, num_test: int = 1024, input_shape=(32,
 def load_synthetic_text(num_train: int = 200_000, num_test: int = 20_000, vocab_size: int = 64,
                         seq_len: int = 128, seed: int = 0) -> TextData:
     """Tokens from a random sparse bigram chain: predictable, unlike uniform noise."""
+    if vocab_size < 2:
+        raise DataError(f"data.num_classes: a vocabulary of {vocab_size} token: a language model needs at least 2 "
+                        f"(with one, every next token is known, the loss is 0 and nothing trains)")
     rng = np.random.default_rng(seed)
     successors = rng.integers(0, vocab_size, (vocab_size, 4))
     choices = rng.integers(0, 4, num_train + num_test)

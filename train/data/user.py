@@ -7,6 +7,9 @@ The function (called with ``data.options`` as keyword arguments) returns one of:
 
   - a dict of arrays with one row per example (``inputs`` required,
     ``labels`` for the built-in tasks, any other keys passed to a user's loss);
+    a model with several inputs takes ``inputs`` as a dict of arrays (keyword
+    arguments: ``{"sample": ..., "timesteps": ...}``) or a tuple (positional),
+    see :mod:`train.model_inputs`;
   - a random-access source (``len(source)`` and ``source[i]`` giving one
     example as a dict of arrays, as grain's ``MapDataSource`` / ``MapDataset``
     or a Hugging Face dataset does);
@@ -44,6 +47,7 @@ import numpy as np
 
 from train.data.base import Batch, DataError, EpochOrder, padded_batches
 from train.data.stream import EvalStream, TrainStream, is_stream, stack_examples
+from train.model_inputs import check_input_names, describe_inputs, first_input
 from train.references import one_line
 
 __all__ = ["UserData", "from_user_function"]
@@ -58,8 +62,9 @@ class _Split:
     def __init__(self, split: Any, where: str):
         self.where = where
         if isinstance(split, dict):
-            arrays = {k: _rows(v, f"{where}: {k!r}") for k, v in split.items()}
-            sizes = {k: (len(v) if v.ndim else None) for k, v in arrays.items()}
+            arrays = {k: _arrays(v, f"{where}: {k!r}") for k, v in split.items()}
+            sizes = {_name(path): (len(v) if v.ndim else None)
+                     for path, v in jax.tree_util.tree_leaves_with_path(arrays)}
             if len(set(sizes.values())) != 1 or None in sizes.values():
                 raise DataError(f"{where}: every array needs one row per example; got rows {sizes}")
             self.arrays, self.source, self.size = arrays, None, next(iter(sizes.values()))
@@ -74,15 +79,30 @@ class _Split:
         if "inputs" not in first:
             raise DataError(f"{where}: examples need an 'inputs' entry (the model's input); got keys "
                             f"{sorted(first)}")
-        self.example = {k: v[0] for k, v in first.items()}
+        self.example = jax.tree_util.tree_map(lambda v: v[0], first)
 
     def take(self, indices: np.ndarray) -> Batch:
         if self.arrays is not None:
-            return {k: v[indices] for k, v in self.arrays.items()}
+            return jax.tree_util.tree_map(lambda v: v[indices], self.arrays)
         return stack_examples([self.source[int(i)] for i in indices], self.where)
 
     def describe(self) -> str:
         return str(self.size)
+
+
+def _arrays(values: Any, where: str) -> Any:
+    """``values`` as arrays with one row per example: one array, or a dict or tuple of them
+    (a model's several inputs, :mod:`train.model_inputs`)."""
+    if isinstance(values, dict):
+        return {k: _arrays(v, f"{where}[{k!r}]") for k, v in values.items()}
+    if isinstance(values, tuple):
+        return tuple(_arrays(v, f"{where}[{i}]") for i, v in enumerate(values))
+    return _rows(values, where)
+
+
+def _name(path: tuple) -> str:
+    """A key path as the user wrote it: ``inputs``, ``inputs.timesteps``, ``inputs[1]``."""
+    return "".join(f".{k.key}" if hasattr(k, "key") else f"[{k.idx}]" for k in path).lstrip(".")
 
 
 def _rows(values: Any, where: str) -> np.ndarray:
@@ -99,10 +119,16 @@ def _check_splits_agree(train: "_Split", evaluation: "_Split", name: str) -> Non
     """The eval examples have the train examples' keys' shapes (the model takes both)."""
     for key in ("inputs", "labels"):
         if key in train.example and key in evaluation.example:
-            a, b = np.shape(train.example[key]), np.shape(evaluation.example[key])
-            if a != b:
-                raise DataError(f"{name}: the eval split's {key} have shape {b}, the train split's {a}; the model "
-                                f"takes both, so they must agree")
+            a = dict(jax.tree_util.tree_leaves_with_path({key: train.example[key]}))
+            b = dict(jax.tree_util.tree_leaves_with_path({key: evaluation.example[key]}))
+            for path in sorted(set(a) | set(b), key=_name):
+                if path not in a or path not in b:
+                    split = "train" if path not in a else "eval"
+                    raise DataError(f"{name}: the {split} split has no {_name(path)}, the other has; the model "
+                                    f"takes both splits, so their inputs must agree")
+                if np.shape(a[path]) != np.shape(b[path]):
+                    raise DataError(f"{name}: the eval split's {_name(path)} have shape {np.shape(b[path])}, the "
+                                    f"train split's {np.shape(a[path])}; the model takes both, so they must agree")
 
 
 def _check_labels(splits: tuple["_Split", ...], num_classes: int, name: str) -> None:
@@ -140,12 +166,18 @@ def _check_one_class(split: "_Split", num_classes: int, task: str, name: str) ->
 
 def _check_inputs(split: "_Split") -> None:
     """Real-valued (or integer) inputs: complex numbers are no model's input here."""
-    dtype = np.asarray(split.example["inputs"]).dtype
-    if np.issubdtype(dtype, np.complexfloating):
-        raise DataError(f"{split.where}: inputs are complex ({dtype}); models train on real numbers: pass the "
-                        f"real and imaginary parts as features (e.g. np.stack([x.real, x.imag], -1))")
-    if not (np.issubdtype(dtype, np.number) or dtype == np.bool_):
-        raise DataError(f"{split.where}: inputs of dtype {dtype} are not numbers; convert them to arrays of numbers")
+    for path, value in jax.tree_util.tree_leaves_with_path({"inputs": split.example["inputs"]}):
+        what, dtype = _name(path), np.asarray(value).dtype
+        if np.issubdtype(dtype, np.complexfloating):
+            raise DataError(f"{split.where}: {what} are complex ({dtype}); models train on real numbers: pass the "
+                            f"real and imaginary parts as features (e.g. np.stack([x.real, x.imag], -1))")
+        if not (np.issubdtype(dtype, np.number) or dtype == np.bool_):
+            raise DataError(f"{split.where}: {what} of dtype {dtype} are not numbers; convert them to arrays of "
+                            f"numbers")
+    try:
+        check_input_names(split.example["inputs"], split.where)
+    except ValueError as e:
+        raise DataError(str(e)) from None
 
 
 class UserData:
@@ -179,12 +211,13 @@ class UserData:
 
     @property
     def input_shape(self) -> tuple[int, ...]:
-        return tuple(np.shape(self.train.example["inputs"]))
+        """The shape of one example's input (of several: the first's)."""
+        return tuple(np.shape(first_input(self.train.example["inputs"])))
 
     def describe(self) -> str:
         classes = f", {self.num_classes} classes" if self.num_classes else ""
-        return (f"{self.name}: {self.train.describe()} train / {self.eval.describe()} eval examples of shape "
-                f"{self.input_shape}{classes}")
+        inputs = describe_inputs(self.train.example["inputs"], per_example=False)
+        return f"{self.name}: {self.train.describe()} train / {self.eval.describe()} eval examples of {inputs}{classes}"
 
     def sample_input(self, batch_size: int = 1) -> np.ndarray:
         return self.sample_batch(batch_size)["inputs"]
@@ -208,7 +241,7 @@ class UserData:
         if isinstance(self.train, TrainStream):
             return self.train.batch_stack(first, count, batch_size, rows)
         idx = self._indices(first, count, batch_size, seed, rows)
-        return {k: v.reshape(idx.shape + v.shape[1:]) for k, v in self.train.take(idx.ravel()).items()}
+        return jax.tree_util.tree_map(lambda v: v.reshape(idx.shape + v.shape[1:]), self.train.take(idx.ravel()))
 
     def _indices(self, first: int, count: int, batch_size: int, seed: int, rows: slice) -> np.ndarray:
         """Example indices of ``count`` batches; of a process's own share, its rows' worth each."""
@@ -234,7 +267,7 @@ class UserData:
 
 
 def _infer_task(example: dict) -> str | None:
-    labels, inputs = example.get("labels"), np.asarray(example["inputs"])
+    labels, inputs = example.get("labels"), np.asarray(first_input(example["inputs"]))
     if labels is None or not np.issubdtype(np.asarray(labels).dtype, np.integer):
         return None
     labels = np.asarray(labels)
