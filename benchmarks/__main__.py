@@ -5,7 +5,7 @@ Prints a table, writes ``benchmarks/results/<device>.{json,md}`` (a quick run:
 ``runs/benchmarks/<device>-quick.{json,md}``, so it never overwrites the
 committed tables; ``--out DIR`` for elsewhere) and prints as its last line one JSON object with ``overhead_ratio``,
 ``loss_scale_overhead_ratio`` and ``memory_ratio``. Compiled programs are kept
-in a persistent cache (:mod:`train.compile_cache`; ``--cache-dir``,
+in a persistent cache (:mod:`train.experiment.compile_cache`; ``--cache-dir``,
 ``--no-cache``), so a second run compiles nothing it compiled before.
 """
 
@@ -20,7 +20,7 @@ import time
 import jax
 
 from benchmarks import report, suite
-from train import compile_cache
+from train.experiment import compile_cache
 from benchmarks.workloads import MODELS, POLICY_NAMES, SIZES, workload
 
 

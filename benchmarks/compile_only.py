@@ -7,7 +7,7 @@ import argparse
 import sys
 from typing import Any, Iterable
 
-from train.targets import TargetError, get_target, target_devices
+from train.inspections.targets import TargetError, get_target, target_devices
 
 __all__ = ["chosen", "target_device"]
 

@@ -37,8 +37,8 @@ from benchmarks.compile_only import chosen, target_device
 from benchmarks.report import RESULTS, environment
 from benchmarks.workloads import POLICIES, policy_case, workload
 from train import create_train_state
-from train.compile_for import compile_train_step
-from train.distributed import Layout, make_mesh
+from train.inspections.compile_for import compile_train_step
+from train.parallel.distributed import Layout, make_mesh
 
 MODELS = ("gpt", "gpt_pinned", "resnet", "mlp")
 #: name -> (policy preset, loss scale, fp8 min_size or None)

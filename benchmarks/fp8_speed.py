@@ -32,7 +32,7 @@ import precision
 from benchmarks.measure import alternating_ratio
 from benchmarks.report import RESULTS, device_slug, environment, write_tables
 from train import create_train_state, make_train_step
-from train.gpu_kernels import read_kernels
+from train.inspections.gpu_kernels import read_kernels
 from train.models import GPT
 
 #: name -> (layers, heads, d_model, sequence, batch, vocabulary)
@@ -46,7 +46,7 @@ SHAPES = {
 def fp8_gemms(compiled_text: str) -> dict[str, Any]:
     """GEMMs of an optimized GPU HLO module (cuBLAS/cuBLASLt calls and Triton GEMM fusions),
     how many take FP8 operands, which kind ran them (cuBLASLt FP8 or Triton FP8 GEMMs) and
-    how they accumulate (fast or float32: :func:`train.gpu_kernels.fp8_accumulation`)."""
+    how they accumulate (fast or float32: :func:`train.inspections.gpu_kernels.fp8_accumulation`)."""
     gemms = [k for k in read_kernels(compiled_text) if k.gemm]
     return {"gemms": len(gemms), "fp8_gemms": sum(k.fp8 for k in gemms),
             "fp8_by": dict(Counter(k.kind for k in gemms if k.fp8)),

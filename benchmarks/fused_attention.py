@@ -26,7 +26,7 @@ from typing import Any
 
 from benchmarks.compile_only import chosen, target_device
 from benchmarks.report import RESULTS, environment
-from train.compile_for import compile_for
+from train.inspections.compile_for import compile_for
 from train.config import load_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

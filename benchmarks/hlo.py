@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-from train.hlo_kernels import conv_flops, dot_flops
+from train.inspections.hlo_kernels import conv_flops, dot_flops
 
 HALF_TYPES = ("f16", "bf16", "f8e4m3fn", "f8e5m2", "f8e4m3", "f8e5m2fnuz", "f8e4m3fnuz")
 

@@ -26,8 +26,8 @@ import jax
 
 import train
 from benchmarks import report
-from train.builders import build_train_state
-from train.loop import build_experiment
+from train.experiment.builders import build_train_state
+from train.experiment.loop import build_experiment
 
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
 QUIET = ["progress=false", "inference_dtypes=[]", "eval_every=0"]

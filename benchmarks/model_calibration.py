@@ -1,4 +1,4 @@
-"""The modeled GPU step time against what a GPU measured: fit and check :mod:`train.gpu_time`.
+"""The modeled GPU step time against what a GPU measured: fit and check :mod:`train.inspections.gpu_time`.
 
 Compiles, for an H200 without one, the programs the H200 lease of 2026-11-25
 ran (``benchmarks/results/nvidia-h200.json``, ``profile-gpt-mixed_bf16-nvidia-h200.json``):
@@ -20,11 +20,11 @@ hand-written JAX + optax step. Then:
 
 The fit is only right on the program that was measured: run it in a checkout of the
 commit the GPU ran (for the H200 run of 2026-11-25, c7177cb, with this file,
-``train/hlo_kernels.py``, ``train/gpu_time.py`` and ``benchmarks/profile_step.py``
+``train/inspections/hlo_kernels.py``, ``train/inspections/gpu_time.py`` and ``benchmarks/profile_step.py``
 copied in); on a later commit it fits a program the GPU never ran. The commit compiled
 is written into the result. Needs JAX's CUDA plugin (``pip install '.[gpu-compile]'``;
 ``JAX_PLATFORMS=cpu``). Writes ``model-calibration.{json,md}``; the fitted numbers belong in
-``train.gpu_time.CALIBRATION`` (rounded).
+``train.inspections.gpu_time.CALIBRATION`` (rounded).
 """
 
 from __future__ import annotations
@@ -45,11 +45,11 @@ from benchmarks.profile_step import profile_kind
 from benchmarks.report import RESULTS, environment, write_tables
 from benchmarks.workloads import workload
 from train import create_train_state
-from train.compile_for import compile_train_step
-from train.distributed import Layout, make_mesh
-from train.gpu_time import CALIBRATION, Calibration, datasheet, model_kernels, model_step
-from train.hlo_kernels import HloKernel, read_hlo_kernels
-from train.targets import get_target, target_devices
+from train.inspections.compile_for import compile_train_step
+from train.parallel.distributed import Layout, make_mesh
+from train.inspections.gpu_time import CALIBRATION, Calibration, datasheet, model_kernels, model_step
+from train.inspections.hlo_kernels import HloKernel, read_hlo_kernels
+from train.inspections.targets import get_target, target_devices
 
 PROFILE = RESULTS / "profile-gpt-mixed_bf16-nvidia-h200.json"
 MEASURED = RESULTS / "nvidia-h200.json"
@@ -158,7 +158,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines = ["# The modeled GPU step time against the H200's measurements", "",
              f"`python -m benchmarks.model_calibration` at commit {result['commit']} (jax "
              f"{result['environment']['jax']} here, compile-only H200; the measurements: that commit, jax 0.11.2 on an "
-             f"H200, 2026-11-25). The model (`train.gpu_time`) gives each kernel "
+             f"H200, 2026-11-25). The model (`train.inspections.gpu_time`) gives each kernel "
              "max(bytes / (bandwidth x e_bw), FLOPs / (peak x e), 2 us) plus the gap between kernels.", "",
              f"Fitted on the profile of the GPT's mixed_bf16 step (busy {prof['busy'] * 1e3:.2f} ms, wall "
              f"{prof['wall'] * 1e3:.2f} ms): GEMMs reach {c['gemm_efficiency']:.3f} of the dense peak, cuDNN attention "

@@ -24,7 +24,7 @@ import sys
 from typing import Any
 
 from benchmarks.report import RESULTS, environment, pyplot
-from train.metrics import read_metrics
+from train.tracking.metrics import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

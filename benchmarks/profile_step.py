@@ -27,7 +27,7 @@ import jax
 from benchmarks import suite
 from benchmarks.report import RESULTS, device_slug, environment, write_tables
 from benchmarks.workloads import MODELS, POLICY_NAMES, SIZES, policy_case, workload
-from train import compile_cache
+from train.experiment import compile_cache
 
 _KINDS = (("attention", ("sdpa", "fmha", "flash", "attention", "cudnn::fusion")),
           ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "matmul", "dot")),
@@ -45,16 +45,16 @@ def kind_of(kernel: str) -> str:
 
 
 def profile_kind(kernel: Any) -> str:
-    """The kind this profile gives a :class:`train.hlo_kernels.HloKernel` (by its HLO name, as
+    """The kind this profile gives a :class:`train.inspections.hlo_kernels.HloKernel` (by its HLO name, as
     :func:`kind_of` does a kernel's name; GEMMs, attention and copies by what they are)."""
     return kernel.kind if kernel.kind in ("gemm", "attention", "copy") else kind_of(kernel.name)
 
 
 def modeled(hlo_text: str, device_kind: str) -> dict[str, Any] | None:
-    """``train.gpu_time``'s modeled time of the compiled step, by this profile's kinds, for an
+    """``train.inspections.gpu_time``'s modeled time of the compiled step, by this profile's kinds, for an
     H100 or H200 (None elsewhere): beside a measured profile, the model's calibration data."""
-    from train.gpu_time import model_step
-    from train.targets import get_target
+    from train.inspections.gpu_time import model_step
+    from train.inspections.targets import get_target
 
     name = next((n for n in ("h100", "h200") if n in device_kind.lower()), None)
     if name is None:

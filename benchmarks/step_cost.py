@@ -12,8 +12,8 @@ CUDA client, as ``--compile-for`` does):
   ``all_finite``, ``select_tree``); under O2, float16 params with float32
   masters the update writes back.
 
-Counted from each optimized program (:mod:`train.hlo_kernels`): kernel launches
-per step, bytes read and written, and the modeled step time (:mod:`train.gpu_time`:
+Counted from each optimized program (:mod:`train.inspections.hlo_kernels`): kernel launches
+per step, bytes read and written, and the modeled step time (:mod:`train.inspections.gpu_time`:
 a model calibrated on a profile, **not a measurement**).
 
     python -m benchmarks.step_cost [--target h100] [--models gpt,gpt_pinned,llama,resnet]
@@ -40,11 +40,11 @@ from benchmarks.report import RESULTS, environment, write_tables
 from benchmarks.step_models import Llama, PinnedGPT, cudnn_attention
 from benchmarks.workloads import workload
 from train import create_train_state
-from train.binding import mode_kwargs
-from train.compile_for import compile_train_step
-from train.distributed import Layout, make_mesh
-from train.gpu_time import model_step
-from train.hlo_kernels import read_hlo_kernels
+from train.training.binding import mode_kwargs
+from train.inspections.compile_for import compile_train_step
+from train.parallel.distributed import Layout, make_mesh
+from train.inspections.gpu_time import model_step
+from train.inspections.hlo_kernels import read_hlo_kernels
 from train.models import GPT
 
 #: policy -> (preset, loss scale, half dtype, O2: half params with float32 masters)
@@ -177,7 +177,7 @@ def markdown(result: dict[str, Any]) -> str:
             f"pinned-dtype GPT on `nn.SelfAttention` and Llama-style decoder at the GPT-2-small shape "
             f"({result['layers']} layers, 768 wide, 12 heads, vocabulary {VOCAB:,}, {BATCH} x {SEQ} tokens); the "
             f"suite's ResNet at its GPU size. AdamW in both steps. *Kernels*: launches per step in the optimized "
-            f"program; *GB moved*: their operands and results; *modeled ms*: `train.gpu_time`'s model of the "
+            f"program; *GB moved*: their operands and results; *modeled ms*: `train.inspections.gpu_time`'s model of the "
             f"step on the target (a datasheet roofline per kernel calibrated on the H200 profile of 2026-11-25), "
             f"**not a measurement**.\n\n{table(result['rows'])}\n\nWhere the time goes, what was removed and what "
             f"remains: [docs/results.md](../../docs/results.md#our-step-against-a-hand-written-one-compiled-for-an-h100)."

@@ -15,7 +15,7 @@ Headline ratios (each the worst over the models measured):
 Programs repeat: a ``_pinned`` twin compiles to its unpinned model's programs
 (autocast traces both in float32; :func:`program_id` tells). With the persistent
 compilation cache that ``python -m benchmarks`` turns on
-(:mod:`train.compile_cache`) they load instead of compiling, and the two
+(:mod:`train.experiment.compile_cache`) they load instead of compiling, and the two
 overhead ratios, which would time the very same programs again, are reused
 (marked ``same_programs_as``).
 """

@@ -36,7 +36,7 @@ import optax
 
 import precision
 import train
-from train import compile_cache
+from train.experiment import compile_cache
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -171,7 +171,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--bytes", action="store_true", help="compare XLA bytes accessed of the suite's models instead")
     parser.add_argument("--size", default="quick", help="with --bytes: the suite's model size")
     parser.add_argument("--models", nargs="+", default=["mlp", "resnet", "gpt"], help="with --bytes: suite models")
-    parser.add_argument("--cache-dir", help="persistent compilation cache (see train.compile_cache)")
+    parser.add_argument("--cache-dir", help="persistent compilation cache (see train.experiment.compile_cache)")
     parser.add_argument("--no-cache", action="store_true")
     args = parser.parse_args(argv)
     if not args.no_cache:

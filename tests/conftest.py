@@ -80,6 +80,6 @@ def doctor_off(monkeypatch):
     """For tests of the loop's stop rule, not of the doctor: the diagnosis a non-finite stop
     (or a loss scale at its minimum) makes, a large probed program, is stood in for by a line
     (tests/test_diagnose_training.py checks the real one)."""
-    from train.diagnose import RunDoctor
+    from train.training.diagnose import RunDoctor
 
     monkeypatch.setattr(RunDoctor, "diagnose", lambda self, state, step, reason: "(doctor off in this test)")

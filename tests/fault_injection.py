@@ -43,11 +43,11 @@ def main() -> int:
     fault, step, sep, *args = sys.argv[1:]
     step = int(step)
     assert sep == "--", __doc__
-    import train.loop
-    from train import checkpoint
+    import train.experiment.loop
+    from train.training import checkpoint
 
     if fault == "kill-in-step":
-        make = train.loop.make_train_step
+        make = train.experiment.loop.make_train_step
 
         def make_killing(**kwargs):
             step_fn = make(**kwargs)
@@ -61,7 +61,7 @@ def main() -> int:
 
             return killing
 
-        train.loop.make_train_step = make_killing
+        train.experiment.loop.make_train_step = make_killing
     elif fault == "kill-in-checkpoint":
         from orbax.checkpoint._src.path import atomicity
 

@@ -12,10 +12,10 @@ from flax import linen as nn, nnx
 
 import precision
 from train import create_train_state, explain_communication, make_train_step
-from train.communication import Collective, hlo_collectives
+from train.parallel.communication import Collective, hlo_collectives
 from train.data import load_synthetic
 from precision.autocast.fp8_matmul import rowwise_dot, scaled_dot
-from train.distributed import Layout, make_mesh, to_host
+from train.parallel.distributed import Layout, make_mesh, to_host
 from helpers import assert_bitwise_equal
 from train.models import MLP
 
@@ -179,7 +179,7 @@ def test_multidevice_fsdp_gathers_fp8_read_params_in_one_byte_and_computes_the_s
     """Issue 42 (6): a param only an FP8 matmul reads (per tensor, current scaling) is quantized
     on its shard with the whole array's scale and gathered in E4M3: a quarter of fp32's
     bytes, and the step computes bit for bit what it computes gathering float32."""
-    import train.step
+    import train.training.step
 
     mlp = MLP(hidden=(64, 64), num_classes=4)
     fp8 = _report(mlp, "mixed_fp8", fp8={"min_size": 0})
@@ -195,7 +195,7 @@ def test_multidevice_fsdp_gathers_fp8_read_params_in_one_byte_and_computes_the_s
         return to_host(make_train_step(layout=layout, donate=False)(state, batch))
 
     gathered_fp8 = step_once()
-    monkeypatch.setattr(train.step, "_gather_dtypes", lambda forward, params, layout: None)  # as stored
+    monkeypatch.setattr(train.training.step, "_gather_dtypes", lambda forward, params, layout: None)  # as stored
     assert_bitwise_equal(jax.tree_util.tree_leaves(gathered_fp8), jax.tree_util.tree_leaves(step_once()))
 
 

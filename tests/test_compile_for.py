@@ -21,10 +21,10 @@ import pytest
 import precision
 from precision.doctor import probe
 from helpers import ROOT, TINY_TEXT, subprocess_env, tiny_fashion_mnist
-from train.compile_for import compile_for
+from train.inspections.compile_for import compile_for
 from train.config import load_config
-from train.gpu_kernels import module_of, read_kernels, region_of
-from train.targets import TargetError, get_target, target_devices
+from train.inspections.gpu_kernels import module_of, read_kernels, region_of
+from train.inspections.targets import TargetError, get_target, target_devices
 
 GPT2_SMALL = ROOT / "configs" / "gpu" / "gpt2_small_mixed_bf16.yaml"
 #: Every shipped config but the GPT-2-small one (its own tests above) and a user's model from YAML.
@@ -135,7 +135,7 @@ def test_mixed_fp8_with_min_size_0_gives_an_fp8_gemm_for_every_fp8_matmul():
 
 
 def _explained(path, *overrides):
-    from train.explain import explain_experiment
+    from train.inspections.explain import explain_experiment
 
     return explain_experiment(load_config(path, ["workdir=/tmp/unused", *overrides]))
 

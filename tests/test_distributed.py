@@ -23,10 +23,10 @@ from flax import nnx
 import precision
 from helpers import saved_state, subprocess_env
 from train import create_train_state, make_eval_step, make_multi_step, make_train_step
-from train.checkpoint import Checkpointer
+from train.training.checkpoint import Checkpointer
 from train.config import ConfigError, from_dict
 from train.data import load_synthetic, train_batch_stack
-from train.distributed import Layout, MeshError, host_rows, initialize_distributed, make_mesh, to_host
+from train.parallel.distributed import Layout, MeshError, host_rows, initialize_distributed, make_mesh, to_host
 from train.models import MLP
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,7 +119,7 @@ def test_a_mesh_that_does_not_fit_fails_before_compute(tmp_path):
 
 
 def test_diagnose_on_several_processes_refuses_with_one_line(monkeypatch, tmp_path):
-    from train.checkup import diagnose_experiment
+    from train.inspections.checkup import diagnose_experiment
     from train.data import DataError
 
     monkeypatch.setattr(jax, "process_count", lambda: 2)
@@ -417,10 +417,10 @@ def test_two_processes_train_checkpoint_resume_and_match_one_process(tmp_path):
 def test_multidevice_diagnose_runs_on_the_configs_mesh_and_finds_what_one_device_finds(tmp_path, monkeypatch):
     """``--diagnose`` on a mesh config: the state sharded (FSDP) and the batch split as a run places
     them, each probed segment partitioned as its arrays are; the diagnosis is one device's."""
-    from train.builders import build_train_state
-    from train.checkup import diagnose_experiment
-    from train.diagnose import diagnose_state
-    from train.loop import build_experiment
+    from train.experiment.builders import build_train_state
+    from train.inspections.checkup import diagnose_experiment
+    from train.training.diagnose import diagnose_state
+    from train.experiment.loop import build_experiment
 
     spec = {"steps": 1, "progress": False, "inference_dtypes": [], "compile_cache": None, "model": {"name": "mlp", "hidden": [64]},
             "data": {"name": "digits", "batch_size": 16, "eval_batch_size": 16, "eval_batches": 1},

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 import precision
 from helpers import saved_state, assert_bitwise_equal, saved_leaves, subprocess_env
 from train import create_train_state, make_train_step, run
-from train.checkpoint import CheckpointError, Checkpointer, fingerprint
+from train.training.checkpoint import CheckpointError, Checkpointer, fingerprint
 from train.config import from_dict
 from train.data import load_digits_data
 
@@ -378,7 +378,7 @@ def test_a_really_full_disk(tmp_path):
 def test_a_write_error_names_the_operating_systems_reason_however_deep_a_library_wrapped_it():
     import errno
 
-    from train.checkpoint import _short
+    from train.training.checkpoint import _short
 
     try:
         try:

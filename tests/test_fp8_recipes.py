@@ -18,7 +18,7 @@ import precision
 from precision.autocast import fp8_matmul as f8
 from precision.autocast.program import iter_ops
 from train.config import load_config
-from train.gpu_kernels import fp8_accumulation
+from train.inspections.gpu_kernels import fp8_accumulation
 
 DOT = (((1,), (0,)), ((), ()))
 

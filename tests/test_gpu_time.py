@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from train.gpu_time import CALIBRATION, Calibration, datasheet, model_kernels, model_step
-from train.hlo_kernels import HloKernel, read_hlo_kernels
-from train.targets import get_target
+from train.inspections.gpu_time import CALIBRATION, Calibration, datasheet, model_kernels, model_step
+from train.inspections.hlo_kernels import HloKernel, read_hlo_kernels
+from train.inspections.targets import get_target
 
 # A GPU-style optimized module: a Triton GEMM fusion, a cuBLAS call, cuDNN attention forward, an
 # elementwise fusion that slices its operand, one that gathers rows of an elementwise result, one that

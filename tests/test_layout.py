@@ -85,6 +85,57 @@ def test_no_import_circles():
     assert _circles(_graph()) == []
 
 
+#: train's packages (and top modules), bottom up: each imports only :mod:`precision` and the ones
+#: before it (docs/design.md). Models know nothing of precision; precision knows nothing of train.
+LAYERS = ("train.models", "train.references", "train.parallel", "train.data", "train.config", "train.weights",
+          "train.training", "train.tracking", "train.experiment", "train.inspections", "train.cli", "train.__main__")
+
+
+def _layer(module: str) -> str:
+    """``train.training.step`` -> ``train.training``; ``precision.autocast.x`` -> ``precision``;
+    ``train`` (its ``__init__``, the public API) -> ``train``."""
+    parts = module.split(".")
+    return parts[0] if parts[0] == "precision" or len(parts) == 1 else ".".join(parts[:2])
+
+
+def test_the_packages_follow_the_layers():
+    assert set(LAYERS) == {_layer(m) for m in _graph() if m.startswith("train.")}, "a package without a layer"
+    wrong = []
+    for module, targets in _graph().items():
+        here = _layer(module)
+        for target in targets:
+            there = _layer(target)
+            if here == "precision":
+                allowed = there == "precision"
+            elif here == "train.models":
+                allowed = there == "train.models"
+            elif here == "train":
+                allowed = True
+            else:
+                allowed = there == "precision" or LAYERS.index(there) <= LAYERS.index(here)
+            if not allowed:
+                wrong.append(f"{module} imports {target}")
+    assert wrong == []
+
+
+def test_train_has_few_modules_at_its_top():
+    top = [p.name for p in (ROOT / "train").iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()]
+    assert len(top) <= 14, sorted(top)
+
+
+def test_old_module_paths_of_train_warn_and_give_the_moved_module():
+    import warnings
+
+    import train
+    from train.training import step
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = importlib.import_module("train.step")
+    assert old is step and any("train.step moved to train.training.step" in str(w.message) for w in caught)
+    assert callable(train.compile_for)  # the function, not the module it moved out of
+
+
 def test_the_circle_check_finds_a_circle():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 

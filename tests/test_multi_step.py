@@ -16,7 +16,7 @@ from helpers import assert_bitwise_equal, saved_leaves
 from train import NonFiniteError, UserData, create_train_state, make_multi_step, make_train_step, read_metrics, run
 from train.config import from_dict
 from train.data import load_dataset, load_synthetic_text, train_batch_stack
-from train.loop import plan_calls
+from train.experiment.loop import plan_calls
 from train.models import MLP
 
 

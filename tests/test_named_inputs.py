@@ -22,7 +22,7 @@ from helpers import subprocess_env
 from train import create_train_state, load_config, make_train_step, run
 from train.data import DataError
 from train.data.user import from_user_function
-from train.model_inputs import call_arguments, describe_inputs
+from train.data.model_inputs import call_arguments, describe_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
 DENOISER = ROOT / "examples" / "user_models" / "denoiser.yaml"

@@ -14,7 +14,7 @@ import precision
 from train import (Checkpointer, bind, cast_for_inference, create_train_state, evaluate, make_eval_step,
                    make_train_step, mode_kwargs)
 from train.data import load_dataset
-from train.state import explain_model
+from train.training.state import explain_model
 
 DIGITS = load_dataset("digits")
 

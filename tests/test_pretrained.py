@@ -19,9 +19,9 @@ from helpers import saved_state
 from safetensors.numpy import save_file
 from train import ConfigError, PretrainedError, create_train_state, load_pretrained, run
 from train.config import from_dict
-from train.huggingface import model as hf_model
+from train.weights.huggingface import model as hf_model
 from train.models import MODELS
-from train.pretrained import pretrained_variables
+from train.weights.pretrained import pretrained_variables
 
 transformers = pytest.importorskip("transformers")
 
@@ -60,7 +60,7 @@ def gpt2(tmp_path_factory):
     cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64,
                                   architectures=["GPT2LMHeadModel"])
     cfg.save_pretrained(root / "random")  # config.json alone: a fresh init
-    model = {"name": "train.huggingface:model", "path": str(root / "random"), "output": "logits"}
+    model = {"name": "train.weights.huggingface:model", "path": str(root / "random"), "output": "logits"}
     run(from_dict({**QUICK, "steps": 60, "workdir": str(root / "run"), "model": model, "data": TEXT,
                    **GPT2_TRAINING}), out=io.StringIO())
     params = saved_state(root / "run")[1]["params"]
@@ -96,7 +96,7 @@ class WithNewHead(nn.Module):
 def test_a_model_wrapping_the_checkpoints_model_loads_it_under_its_scope_and_reports_the_new_head(o2_run, caplog):
     workdir, saved = o2_run
     model, x = WithNewHead(), jnp.zeros((1, 8))
-    with caplog.at_level(logging.WARNING, logger="train.pretrained"):
+    with caplog.at_level(logging.WARNING, logger="train.weights.pretrained"):
         state = create_train_state(model, "mixed_bf16", optax.adam(1e-3), jax.random.PRNGKey(1), x, init_from=workdir)
     assert [r.getMessage() for r in caplog.records] == [  # one line, as Hugging Face's "newly initialized"
         f"init_from: 2 arrays of the model are not in the checkpoint {workdir}/checkpoints/3 and start from their "
@@ -135,14 +135,14 @@ def test_bad_init_from_fails_in_one_line_unless_the_run_resumes(o2_run, tmp_path
 
 def test_a_fine_tuned_hugging_face_gpt2_beats_training_from_scratch(gpt2, tmp_path, caplog):
     root, _ = gpt2
-    model = {"name": "train.huggingface:model", "path": str(root / "hf"), "output": "logits"}
+    model = {"name": "train.weights.huggingface:model", "path": str(root / "hf"), "output": "logits"}
 
     def config(workdir, steps=8, **more):
         return from_dict({**QUICK, "steps": steps, "workdir": str(tmp_path / workdir), "data": TEXT,
                           "model": {**model, **more}, **GPT2_TRAINING})
 
     out = io.StringIO()
-    with caplog.at_level(logging.WARNING, logger="train.pretrained"):
+    with caplog.at_level(logging.WARNING, logger="train.weights.pretrained"):
         tuned = run(config("tuned", init_from=str(root / "hf")), out=out)
     assert not caplog.records  # every param comes from the checkpoint, and every array of it is used
     assert f"steps 0 -> 8; params from the Hugging Face weights in {root / 'hf'};" in out.getvalue()

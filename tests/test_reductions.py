@@ -13,7 +13,7 @@ from flax import linen as nn, nnx
 import precision
 from precision.autocast.program import iter_ops
 from train import create_train_state
-from train.distributed import Layout, make_mesh
+from train.parallel.distributed import Layout, make_mesh
 
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(np.float32)
 

@@ -14,7 +14,7 @@ import functools
 
 import pytest
 
-from train.targets import TargetError, get_target, target_devices
+from train.inspections.targets import TargetError, get_target, target_devices
 
 gpu_compile = pytest.mark.gpu_compile
 

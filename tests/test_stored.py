@@ -256,9 +256,9 @@ def test_gradients_accumulated_in_bfloat16_take_half_the_buffer_and_train_like_f
 def test_the_memory_check_counts_the_states_own_bytes_so_lean_policies_and_adafactor_fit_where_adam_does_not():
     """Before its optimizer state is allocated, a train state is checked against the memory from its own
     shapes and dtypes (params, masters, optimizer state, one step's gradients), not a float32 Adam guess."""
-    from train.builders import build_train_state
+    from train.experiment.builders import build_train_state
     from train.config import ConfigError, load_config
-    from train.loop import build_experiment
+    from train.experiment.loop import build_experiment
 
     from helpers import ROOT
 

@@ -205,7 +205,7 @@ def test_a_norm_that_overflows_while_every_gradient_is_finite_names_the_largest(
 
     import jax.numpy as jnp
     from precision.optim import _first_nonfinite_leaf
-    from train.tracker import Tracker
+    from train.tracking.tracker import Tracker
 
     grads = {"a": jnp.array([1.0]), "b": jnp.array([1.5e19]), "c": jnp.array([1.4e19])}  # squares: 2.25e38 + 1.96e38
     leaf = int(_first_nonfinite_leaf(grads, jnp.array(False)))
@@ -269,7 +269,7 @@ def test_a_ctrl_c_while_training_is_noted_and_raised_between_device_calls():
     import signal
     import time
 
-    from train.interrupts import interrupts_between_calls
+    from train.experiment.interrupts import interrupts_between_calls
 
     with interrupts_between_calls() as interrupted:
         interrupted()  # nothing pressed: nothing raised
@@ -328,7 +328,7 @@ def test_a_ctrl_c_landing_where_python_swallows_exceptions_is_delivered_after_it
     so a Ctrl-C handled there was lost and tracing or training went on. It is raised again."""
     import time
 
-    from train.interrupts import reliable_interrupts
+    from train.experiment.interrupts import reliable_interrupts
 
     with reliable_interrupts(), pytest.raises(KeyboardInterrupt):
         swallowing_place()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from train import ConfigError, DataError, UserCodeError, UserData, get_task
-from train.builders import build_data, build_model, check_model_fits_data
+from train.experiment.builders import build_data, build_model, check_model_fits_data
 from train.data import load_dataset
 from train.data.user import from_user_function
 from train.references import resolve

@@ -14,7 +14,7 @@ import yaml
 
 from helpers import assert_bitwise_equal, saved_leaves, subprocess_env
 from train import ConfigError, load_config, run
-from train.loop import build_experiment
+from train.experiment.loop import build_experiment
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "user_models"

@@ -20,7 +20,7 @@ import pytest
 
 from train import ConfigError, WandbLogger, load_config, read_metrics, run
 from train.config import from_dict
-from train.wandb_logger import INSTALL_HINT
+from train.tracking.wandb_logger import INSTALL_HINT
 
 TINY = {"steps": 6, "log_every": 2, "eval_every": 3, "checkpoint_every": 3, "progress": False,
         "inference_dtypes": [], "model": {"name": "mlp", "hidden": [16]},

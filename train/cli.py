@@ -96,8 +96,8 @@ def _fail(message: str, code: int, prefix: str = "error: ") -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Parses the command line, runs the experiment, returns the exit status (see :func:`_main`).
-    A Ctrl-C is never lost to a garbage-collection callback (:mod:`train.interrupts`)."""
-    from train.interrupts import reliable_interrupts
+    A Ctrl-C is never lost to a garbage-collection callback (:mod:`train.experiment.interrupts`)."""
+    from train.experiment.interrupts import reliable_interrupts
 
     with reliable_interrupts():
         return _main(argv)
@@ -122,7 +122,7 @@ def _main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             return _fail(str(e), 2)
     if not args.print_config:
-        from train.distributed import MeshError, initialize_distributed
+        from train.parallel.distributed import MeshError, initialize_distributed
 
         try:  # before anything touches a device, as JAX's multi-process runtime requires
             initialize_distributed(**distributed_settings(args.config, args.overrides).model_dump())
@@ -152,9 +152,9 @@ def _main(argv: list[str] | None = None) -> int:
         return _check(path, config)
     if args.diagnose:
         return _diagnose(path, config, args.diagnose_steps)
-    from train.checkpoint import CheckpointError
-    from train.loop import NonFiniteError, run  # heavy imports (jax, orbax) only when training
-    from train.metrics import OutputError
+    from train.training.checkpoint import CheckpointError
+    from train.experiment.loop import NonFiniteError, run  # heavy imports (jax, orbax) only when training
+    from train.tracking.metrics import OutputError
 
     try:
         run(config)
@@ -171,14 +171,14 @@ def _main(argv: list[str] | None = None) -> int:
 
 def _stopped(config, message: str, code: int, prefix: str = "error: ") -> int:
     """A run that stopped: its one line; what libraries say while the process ends goes to the workdir's log."""
-    from train.library_log import to_file_until_exit
+    from train.tracking.library_log import to_file_until_exit
 
     to_file_until_exit(config.workdir)
     return _fail(message, code, prefix)
 
 
 def _check(path: _Origin, config) -> int:
-    from train.loop import check_experiment
+    from train.experiment.loop import check_experiment
 
     try:
         print("ok: " + check_experiment(config))
@@ -188,11 +188,11 @@ def _check(path: _Origin, config) -> int:
 
 
 def _diagnose(path: _Origin, config, steps: int) -> int:
-    from train.checkup import diagnose_experiment
+    from train.inspections.checkup import diagnose_experiment
 
     if steps < 1:
         return _fail(f"--diagnose-steps must be at least 1, got {steps}", 2)
-    from train.checkpoint import CheckpointError
+    from train.training.checkpoint import CheckpointError
 
     try:
         diagnose_experiment(config, steps)
@@ -207,7 +207,7 @@ def _diagnose(path: _Origin, config, steps: int) -> int:
 
 def _pick_policy(path: _Origin, config, args: argparse.Namespace) -> int:
     import precision
-    from train.policy_pick import pick_policy
+    from train.inspections.policy_pick import pick_policy
 
     tolerance = 0.01 if args.tolerance is None else args.tolerance
     try:
@@ -236,7 +236,7 @@ def _mesh_overrides(text: str) -> list[str]:
 
 
 def _compile_for(path: _Origin, config, target: str, devices: int | None) -> int:
-    from train.compile_for import TargetError, compile_for, write_report
+    from train.inspections.compile_for import TargetError, compile_for, write_report
 
     try:
         report = compile_for(config, target, devices)
@@ -253,8 +253,8 @@ def _compile_for(path: _Origin, config, target: str, devices: int | None) -> int
 
 
 def _explain(path: _Origin, config) -> int:
-    from train.explain import explain_experiment, explain_experiment_communication, explain_experiment_state
-    from train.loop import build_experiment
+    from train.inspections.explain import explain_experiment, explain_experiment_communication, explain_experiment_state
+    from train.experiment.loop import build_experiment
 
     try:
         experiment = build_experiment(config)  # once: data, task and model serve both reports

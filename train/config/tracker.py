@@ -1,6 +1,6 @@
 """The ``tracker`` section: where a run's metrics go besides ``WORKDIR/metrics.jsonl``:
 TensorBoard (on unless ``tracker.tensorboard: false``) and Weights & Biases (off
-unless ``tracker.wandb.project`` is set; see :mod:`train.wandb_logger`).
+unless ``tracker.wandb.project`` is set; see :mod:`train.tracking.wandb_logger`).
 
 A section of its own module (the schema imports it): its base repeats the
 schema's strictness, with the dotted key of each section in its errors.

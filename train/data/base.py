@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 import jax
 import numpy as np
 
-Batch = dict[str, Any]  # arrays; ``inputs`` may be several (a dict or tuple of arrays: train.model_inputs)
+Batch = dict[str, Any]  # arrays; ``inputs`` may be several (a dict or tuple of arrays: train.data.model_inputs)
 
 
 class DataError(ValueError):

@@ -9,7 +9,7 @@ The function (called with ``data.options`` as keyword arguments) returns one of:
     ``labels`` for the built-in tasks, any other keys passed to a user's loss);
     a model with several inputs takes ``inputs`` as a dict of arrays (keyword
     arguments: ``{"sample": ..., "timesteps": ...}``) or a tuple (positional),
-    see :mod:`train.model_inputs`;
+    see :mod:`train.data.model_inputs`;
   - a random-access source (``len(source)`` and ``source[i]`` giving one
     example as a dict of arrays, as grain's ``MapDataSource`` / ``MapDataset``
     or a Hugging Face dataset does);
@@ -47,7 +47,7 @@ import numpy as np
 
 from train.data.base import Batch, DataError, EpochOrder, padded_batches
 from train.data.stream import EvalStream, TrainStream, is_stream, stack_examples
-from train.model_inputs import check_input_names, describe_inputs, first_input
+from train.data.model_inputs import check_input_names, describe_inputs, first_input
 from train.references import one_line
 
 __all__ = ["UserData", "from_user_function"]
@@ -92,7 +92,7 @@ class _Split:
 
 def _arrays(values: Any, where: str) -> Any:
     """``values`` as arrays with one row per example: one array, or a dict or tuple of them
-    (a model's several inputs, :mod:`train.model_inputs`)."""
+    (a model's several inputs, :mod:`train.data.model_inputs`)."""
     if isinstance(values, dict):
         return {k: _arrays(v, f"{where}[{k!r}]") for k, v in values.items()}
     if isinstance(values, tuple):

@@ -1,6 +1,6 @@
 """Every kernel an optimized GPU program launches, with its bytes and FLOPs, read from its HLO text.
 
-:mod:`train.gpu_kernels` names the GEMM, attention and convolution kernels of a
+:mod:`train.inspections.gpu_kernels` names the GEMM, attention and convolution kernels of a
 compiled program; this module lists *all* of them, as XLA's GPU runtime would
 launch them for one step: each fusion (an elementwise loop, a reduction, a
 Triton GEMM...), each library call (cuBLAS, cuBLASLt, cuDNN attention and
@@ -20,7 +20,7 @@ import math
 import re
 from typing import Iterator, NamedTuple
 
-from train.gpu_kernels import attribute, module_of, operand_names
+from train.inspections.gpu_kernels import attribute, module_of, operand_names
 
 __all__ = ["HloKernel", "read_hlo_kernels", "KINDS", "DTYPE_BYTES", "dot_flops", "conv_flops"]
 

@@ -25,24 +25,25 @@ import numpy as np
 
 import precision
 from precision.policy import dtype_to_names
-from train import compile_cache, library_log
-from train.builders import (build_data, build_model, build_optimizer, build_task, build_train_state,  # noqa: F401
+from train.experiment import compile_cache
+from train.tracking import library_log
+from train.experiment.builders import (build_data, build_model, build_optimizer, build_task, build_train_state,  # noqa: F401
                             check_model_fits_data)
-from train.checkpoint import CheckpointError
+from train.training.checkpoint import CheckpointError
 from train.config import ConfigError, ExperimentConfig
 from train.data import prefetch_to_device, train_batch_stack
-from train.diagnose import RunDoctor
-from train.distributed import Layout, MeshError, host_rows, initialize_distributed, make_mesh, to_host
-from train.inference import inference_report
-from train.metrics import OutputError, Progress
-from train.outputs import Outputs, restore, save_last_good, save_on_interrupt
-from train.pretrained import describe_init
-from train.state import TrainState, explain_model
-from train.step import evaluate, make_eval_step, make_multi_step, make_train_step
-from train.interrupts import interrupts_between_calls
-from train.tracker import NonFiniteError, Tracker, format_summary, model_label
-from train.wandb_logger import check_wandb
-from train.workdir import RESUMABLE_CHANGES, check_same_experiment, check_writable, resolved_config  # noqa: F401
+from train.training.diagnose import RunDoctor
+from train.parallel.distributed import Layout, MeshError, host_rows, initialize_distributed, make_mesh, to_host
+from train.training.inference import inference_report
+from train.tracking.metrics import OutputError, Progress
+from train.experiment.outputs import Outputs, restore, save_last_good, save_on_interrupt
+from train.weights.pretrained import describe_init
+from train.training.state import TrainState, explain_model
+from train.training.step import evaluate, make_eval_step, make_multi_step, make_train_step
+from train.experiment.interrupts import interrupts_between_calls
+from train.tracking.tracker import NonFiniteError, Tracker, format_summary, model_label
+from train.tracking.wandb_logger import check_wandb
+from train.experiment.workdir import RESUMABLE_CHANGES, check_same_experiment, check_writable, resolved_config  # noqa: F401
 
 __all__ = ["NonFiniteError", "build_experiment", "build_model", "build_optimizer", "check_experiment",
            "check_model_fits_data", "plan_calls", "run"]

@@ -27,14 +27,14 @@ from train.data import DATASETS, DataError, load_dataset
 from train.data.base import host_memory_bytes
 from train.data.checks import check_data
 from train.data.user import from_user_function
-from train.binding import bind, mode_kwargs
-from train.model_inputs import call_with, describe_inputs
+from train.training.binding import bind, mode_kwargs
+from train.data.model_inputs import call_with, describe_inputs
 from train.models import MODELS
-from train.optimizers import build_optimizer
+from train.experiment.optimizers import build_optimizer
 from train.references import UserCodeError, one_line, resolve
-from train.pretrained import PretrainedError, checkpoint_steps
-from train.state import StateTooLarge, create_train_state
-from train.tasks import Task, describe_outputs, get_task
+from train.weights.pretrained import PretrainedError, checkpoint_steps
+from train.training.state import StateTooLarge, create_train_state
+from train.training.tasks import Task, describe_outputs, get_task
 
 __all__ = ["build_data", "build_model", "build_optimizer", "build_task", "build_train_state",
            "check_model_fits_data", "model_options"]
@@ -60,7 +60,7 @@ def build_data(data_config: Any, seed: int) -> Any:
 
 
 def build_task(spec: str, data: Any, output: str | int | None = None) -> Task:
-    """The task ``spec`` (``auto``: the data's) as a :class:`train.tasks.Task`, reading
+    """The task ``spec`` (``auto``: the data's) as a :class:`train.training.tasks.Task`, reading
     the ``output`` field of the model's output (``model.output``)."""
     try:
         return get_task(spec, getattr(data, "task", None), output=output)
@@ -104,7 +104,7 @@ def build_model(model_config: Any, data: Any, seed: int = 0) -> Any:
     kwargs = _constructor_kwargs(target, options, seed, model_config)
     try:
         model = target(**kwargs)
-    except ConfigError:  # a factory that names the key itself (train.huggingface:model)
+    except ConfigError:  # a factory that names the key itself (train.weights.huggingface:model)
         raise
     except Exception as e:  # noqa: BLE001 - the user's constructor raised
         raise ConfigError(f"model.name: {model_config.name}(**model) raised {one_line(e)}"

@@ -1,8 +1,8 @@
 """A modeled GPU step time, from the program compiled for the GPU: a model, never a measurement.
 
 GPUs are lent to this project rarely; what XLA's GPU compiler makes of a step
-is known without one (:mod:`train.targets`). This module turns that program
-into a time: each kernel it launches (:mod:`train.hlo_kernels`) takes
+is known without one (:mod:`train.inspections.targets`). This module turns that program
+into a time: each kernel it launches (:mod:`train.inspections.hlo_kernels`) takes
 
     launches x (max(bytes / (HBM bandwidth x e_bw), FLOPs / (peak x e_kind), t_min) + t_gap)
 
@@ -30,7 +30,7 @@ import re
 from collections import defaultdict
 from typing import Any, NamedTuple
 
-from train.hlo_kernels import KINDS, HloKernel, read_hlo_kernels
+from train.inspections.hlo_kernels import KINDS, HloKernel, read_hlo_kernels
 
 __all__ = ["Datasheet", "Calibration", "CALIBRATION", "ModeledKernel", "ModeledStep", "datasheet", "model_step",
            "model_kernels"]
@@ -156,7 +156,7 @@ class ModeledStep(NamedTuple):
 
 
 def datasheet(target: Any) -> Datasheet:
-    """The datasheet of a :class:`train.targets.GpuTarget`, from its target description
+    """The datasheet of a :class:`train.inspections.targets.GpuTarget`, from its target description
     (SM count, clock, bandwidth, compute capability).
 
     Raises:
@@ -205,7 +205,7 @@ def model_kernels(kernels: list[HloKernel], sheet: Datasheet, calibration: Calib
 
 def model_step(hlo_text: str, target: Any, calibration: Calibration = CALIBRATION) -> ModeledStep:
     """The modeled time of one step of the optimized program ``hlo_text`` on ``target``
-    (a :class:`train.targets.GpuTarget`)."""
+    (a :class:`train.inspections.targets.GpuTarget`)."""
     sheet = datasheet(target)
     kernels = model_kernels(read_hlo_kernels(hlo_text), sheet, calibration)
     return ModeledStep(sheet.name, sum(m.seconds for m in kernels), tuple(kernels), calibration)

@@ -3,9 +3,9 @@
 From YAML, a directory written by ``save_pretrained``::
 
     model:
-      name: train.huggingface:model   # the Flax module of the architecture DIR/config.json names
+      name: train.weights.huggingface:model   # the Flax module of the architecture DIR/config.json names
       path: DIR
-      init_from: DIR                  # its weights (train.pretrained)
+      init_from: DIR                  # its weights (train.weights.pretrained)
       output: logits
 
 :func:`model` builds the module (transformers is needed here, only here: the ``hf``
@@ -77,7 +77,7 @@ def model(path: str, architecture: str | None = None) -> TokenIds:
     try:
         import transformers
     except ImportError:
-        raise ConfigError("model.name: train.huggingface:model needs transformers<5 (Flax models): "
+        raise ConfigError("model.name: train.weights.huggingface:model needs transformers<5 (Flax models): "
                           "pip install 'flax-mixed-precision[hf]'") from None
     config = transformers.AutoConfig.from_pretrained(os.path.dirname(config_file))
     name = architecture or (getattr(config, "architectures", None) or [None])[0]

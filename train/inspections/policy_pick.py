@@ -2,7 +2,7 @@
 machine, by measurement.
 
 Builds the experiment once, measures every candidate policy on the same batches
-(:mod:`train.policy_measure`: the doctor's numerics, the loss after N steps, step
+(:mod:`train.inspections.policy_measure`: the doctor's numerics, the loss after N steps, step
 times and memory), lets :func:`precision.pick_policy` decide, prints the table,
 and writes ``WORKDIR/policy_pick.json`` and ``WORKDIR/policy_pick.yaml`` (a
 ``precision:`` fragment for the config; the same as ``key=value`` overrides is
@@ -24,9 +24,9 @@ import precision
 from precision.pick import check_choice, parse_candidates
 from train.config import ConfigError, ExperimentConfig
 from train.data import DataError
-from train.loop import build_experiment, layout_of, start_compile_cache
-from train.policy_measure import Experiment, measure_candidate
-from train.workdir import check_writable
+from train.experiment.loop import build_experiment, layout_of, start_compile_cache
+from train.inspections.policy_measure import Experiment, measure_candidate
+from train.experiment.workdir import check_writable
 
 __all__ = ["DEFAULT_STEPS", "EVAL_BATCHES", "pick_policy", "write_pick"]
 

@@ -12,11 +12,11 @@ from typing import Any, Callable
 import numpy as np
 
 from train.config import ExperimentConfig
-from train.distributed import to_host
-from train.metrics import MetricsWriter, Progress
-from train.state import TrainState
-from train.tasks import RESERVED_METRICS
-from train.tree_paths import leaf_names
+from train.parallel.distributed import to_host
+from train.tracking.metrics import MetricsWriter, Progress
+from train.training.state import TrainState
+from train.training.tasks import RESERVED_METRICS
+from train.training.tree_paths import leaf_names
 
 __all__ = ["NonFiniteError", "Tracker", "format_summary", "model_label"]
 

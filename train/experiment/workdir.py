@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 
 from train import config as config_lib
-from train.builders import model_options
+from train.experiment.builders import model_options
 from train.config import ConfigError, ExperimentConfig
 from train.config.tracker import TRACKER_KEYS
 from train.models import MODELS

@@ -8,7 +8,7 @@ DIR is one of:
   ``O2``), and the model's other collections (``batch_stats``); never its optimizer state,
   step, RNG or FP8 amax histories. Read with orbax from the checkpoint's own metadata, only
   the arrays wanted: no template of the other run is needed;
-* a Hugging Face Flax ``save_pretrained`` directory (:func:`train.huggingface.read_weights`).
+* a Hugging Face Flax ``save_pretrained`` directory (:func:`train.weights.huggingface.read_weights`).
 
 The weights are matched to the model's variables by path and shape. The checkpoint's tree
 may sit under a prefix of the model's (a Hugging Face module wrapped by a module of yours)
@@ -16,7 +16,7 @@ or the model's under a prefix of the checkpoint's (an LM head model's checkpoint
 into its base model), when one alignment matches the most arrays. A shape that differs is
 an error; the model's params the checkpoint lacks (a new classification head) keep their
 fresh init, and they and the checkpoint's unused arrays are each named in one line (a
-warning of the ``train.pretrained`` logger, as Hugging Face's "newly initialized" one). The
+warning of the ``train.weights.pretrained`` logger, as Hugging Face's "newly initialized" one). The
 train state then casts the params to the policy's param dtypes, with float32 masters, as for
 ``create_train_state(variables=...)``.
 """
@@ -33,7 +33,7 @@ import numpy as np
 from flax import traverse_util
 
 import precision
-from train.huggingface import WEIGHT_FILES, read_weights
+from train.weights.huggingface import WEIGHT_FILES, read_weights
 
 __all__ = ["PretrainedError", "checkpoint_steps", "describe_init", "find_pretrained",
            "load_pretrained", "pretrained_variables"]

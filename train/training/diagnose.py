@@ -1,6 +1,6 @@
 """The numerics doctor in training: a train step diagnosed, and the diagnosis a run
 makes by itself when its loss scale gives up (``python -m train CONFIG --diagnose``
-is :mod:`train.checkup`).
+is :mod:`train.inspections.checkup`).
 
 A train step is diagnosed as :func:`precision.diagnose` diagnoses a model: the
 state's model under its policy, rules and op lists, on its float32 (master)
@@ -20,10 +20,10 @@ import jax
 import numpy as np
 
 import precision
-from train.binding import NNXModel, call_mode_kwargs, mode_kwargs
-from train.model_inputs import call_arguments
+from train.training.binding import NNXModel, call_mode_kwargs, mode_kwargs
+from train.data.model_inputs import call_arguments
 from train.config import ExperimentConfig
-from train.state import TrainState
+from train.training.state import TrainState
 
 __all__ = ["DIAGNOSIS_FILE", "RunDoctor", "diagnose_state", "summary_line", "write_diagnosis"]
 
@@ -52,7 +52,7 @@ def diagnose_state(state: TrainState, batch: dict, task: Any, *, verify: bool = 
         target, variables = state.model, {"params": params, **model_state}
         kwargs = mode_kwargs(state.model, True)
     scale = jax.device_get(state.loss_scale) if loss_scale is None else loss_scale
-    args, inputs = call_arguments(batch["inputs"])  # one input, or several (train.model_inputs)
+    args, inputs = call_arguments(batch["inputs"])  # one input, or several (train.data.model_inputs)
     return precision.diagnose(target, *args, variables=variables, loss_fn=loss_fn, loss_scale=scale,
                               verify=verify, **inputs, **kwargs)
 

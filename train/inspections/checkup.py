@@ -17,13 +17,13 @@ from typing import TextIO
 import jax
 
 import precision
-from train.builders import build_train_state
+from train.experiment.builders import build_train_state
 from train.config import ExperimentConfig
 from train.data import DataError
-from train.diagnose import diagnose_state, write_diagnosis
-from train.loop import build_experiment, layout_of, start_compile_cache
-from train.state import TrainState
-from train.step import make_train_step
+from train.training.diagnose import diagnose_state, write_diagnosis
+from train.experiment.loop import build_experiment, layout_of, start_compile_cache
+from train.training.state import TrainState
+from train.training.step import make_train_step
 
 __all__ = ["diagnose_experiment"]
 
@@ -78,7 +78,7 @@ def _latest_checkpoint(config: ExperimentConfig, state: TrainState, out: TextIO)
     directory = os.path.join(config.workdir, "checkpoints")
     if not os.path.isdir(directory):
         return state, 0
-    from train.checkpoint import Checkpointer
+    from train.training.checkpoint import Checkpointer
 
     def corrupt(step: int, reason: str) -> None:
         print(f"warning: {reason}; trying an older one", file=out)

@@ -8,11 +8,11 @@ from typing import Any, Callable, Iterable
 import jax.numpy as jnp
 
 import precision
-from train.binding import cast_variables, rebind
-from train.distributed import Layout
-from train.state import TrainState
-from train.step import evaluate, make_eval_step
-from train.tasks import Task, get_task
+from train.training.binding import cast_variables, rebind
+from train.parallel.distributed import Layout
+from train.training.state import TrainState
+from train.training.step import evaluate, make_eval_step
+from train.training.tasks import Task, get_task
 
 
 def full_precision_params(state: TrainState) -> Any:
@@ -41,7 +41,7 @@ def inference_report(state: TrainState, batches: Callable[[], Iterable[dict]], t
     Returns ``{dtype: {"loss", "accuracy", ["perplexity"], "accuracy_delta"}}``
     where ``accuracy_delta`` is the half-precision accuracy minus float32's
     (a user's task gives its own metrics and no delta).
-    ``layout``: the mesh the state and batches are on (see :mod:`train.distributed`).
+    ``layout``: the mesh the state and batches are on (see :mod:`train.parallel.distributed`).
     """
     task = get_task(task)
     eval_step = make_eval_step(layout=layout, task=task)

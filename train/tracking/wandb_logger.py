@@ -24,11 +24,11 @@ import sys
 from typing import Any, Iterator, Mapping, Sequence, TextIO
 
 import precision
-from train.checkpoint import CheckpointError
+from train.training.checkpoint import CheckpointError
 from train.config import ConfigError, ExperimentConfig
 from train.config.tracker import WandbConfig, missing_project, settings_without_project
 from train.data import DataError
-from train.metrics import OutputError
+from train.tracking.metrics import OutputError
 
 __all__ = ["INSTALL_HINT", "WandbLogger", "check_wandb", "exit_status", "import_wandb"]
 

@@ -1,7 +1,7 @@
 """Checkpoints with orbax: the whole train state, the data position, and a
 fingerprint that proves what comes back is what went in.
 
-A checkpoint holds the arrays of the :class:`~train.state.TrainState` (params,
+A checkpoint holds the arrays of the :class:`~train.training.state.TrainState` (params,
 optimizer and loss-scale state, model state, RNG, step) and a small JSON record
 (the data position, what produced it, and a fingerprint of every array).
 Restoring needs a state of the same structure, which the run builds anyway, so
@@ -38,9 +38,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from train.distributed import to_host
-from train.state import TrainState
-from train.tree_paths import leaf_names, leaf_shapes
+from train.parallel.distributed import to_host
+from train.training.state import TrainState
+from train.training.tree_paths import leaf_names, leaf_shapes
 
 __all__ = ["CheckpointError", "Checkpointer", "fingerprint"]
 

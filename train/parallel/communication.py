@@ -29,7 +29,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 
-from train.distributed import GATHER_SCOPE
+from train.parallel.distributed import GATHER_SCOPE
 
 __all__ = ["Collective", "CommunicationReport", "compile_partitioned", "explain_communication", "hlo_collectives"]
 

@@ -11,14 +11,14 @@ from typing import Any, Callable, Iterator, TextIO
 
 import jax
 
-from train.checkpoint import CheckpointError, Checkpointer
+from train.training.checkpoint import CheckpointError, Checkpointer
 from train.config import ConfigError, ExperimentConfig
-from train.distributed import to_host
-from train.metrics import MetricsWriter, NullWriter
-from train.state import TrainState, explain_model
-from train.tracker import Tracker
-from train.wandb_logger import WandbLogger
-from train.workdir import check_writable, write_config
+from train.parallel.distributed import to_host
+from train.tracking.metrics import MetricsWriter, NullWriter
+from train.training.state import TrainState, explain_model
+from train.tracking.tracker import Tracker
+from train.tracking.wandb_logger import WandbLogger
+from train.experiment.workdir import check_writable, write_config
 
 __all__ = ["Outputs", "restore", "save_last_good", "save_on_interrupt"]
 
@@ -59,7 +59,7 @@ class Outputs:
     @contextlib.contextmanager
     def tracking(self) -> Iterator[None]:
         """Weights & Biases (``tracker.wandb``, process 0) while inside: the config, every record,
-        finished with the run's exit status (:func:`train.wandb_logger.exit_status`)."""
+        finished with the run's exit status (:func:`train.tracking.wandb_logger.exit_status`)."""
         if self.wandb_settings is None:
             yield
             return

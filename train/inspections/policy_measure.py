@@ -33,13 +33,13 @@ import numpy as np
 import yaml
 
 import precision
-from train.builders import build_train_state, device_memory_bytes
+from train.experiment.builders import build_train_state, device_memory_bytes
 from train.config import ConfigError, ExperimentConfig, from_dict, to_dict
 from train.data import DataError
-from train.diagnose import diagnose_state, summary_line
+from train.training.diagnose import diagnose_state, summary_line
 from train.references import one_line
-from train.state import TrainState, explain_model
-from train.step import evaluate, make_eval_step, make_train_step
+from train.training.state import TrainState, explain_model
+from train.training.step import evaluate, make_eval_step, make_train_step
 
 __all__ = ["DOCTOR_BATCHES", "Experiment", "doctor_batch", "measure_candidate", "memory_limit", "with_precision"]
 

@@ -18,11 +18,11 @@ import jax.numpy as jnp
 
 import precision
 from precision.stored import ACCUM_STREAM, step_key
-from train.distributed import Layout, to_host
-from train.binding import TRAIN_KEYWORDS, NNXModel, mode_kwargs
-from train.state import ScaledGrads, TrainState
-from train.model_inputs import call_arguments
-from train.tasks import Task, cross_entropy, get_task  # noqa: F401 - cross_entropy re-exported
+from train.parallel.distributed import Layout, to_host
+from train.training.binding import TRAIN_KEYWORDS, NNXModel, mode_kwargs
+from train.training.state import ScaledGrads, TrainState
+from train.data.model_inputs import call_arguments
+from train.training.tasks import Task, cross_entropy, get_task  # noqa: F401 - cross_entropy re-exported
 
 Metrics = dict[str, jax.Array]
 
@@ -55,7 +55,7 @@ def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], A
         sets that keyword to ``True``, ``None`` passes none. NNX models switch
         to training mode whatever this says.
       layout: the device mesh and sharding of state and batch (see
-        :mod:`train.distributed`); ``None`` runs where the arrays are. Under a
+        :mod:`train.parallel.distributed`); ``None`` runs where the arrays are. Under a
         layout, each micro-batch is spread over every device, gradients take the
         params' sharding, and the finiteness check and the loss scale are global.
       task: the loss and its metrics (see :func:`train.get_task`): softmax

@@ -4,9 +4,9 @@ compiled for a GPU this machine does not have, and what that program does.
 Before renting GPUs, learn whether a config fits and whether its policy reaches
 the kernels it should: the train state is built abstractly (``jax.eval_shape``:
 nothing allocated, so a model far larger than this machine can be described),
-laid out on N compile-only devices of the target (:mod:`train.targets`), and one
+laid out on N compile-only devices of the target (:mod:`train.inspections.targets`), and one
 train step is lowered and compiled by XLA's GPU compiler. The report reads the
-compiled program (:mod:`train.gpu_kernels`, :mod:`train.communication`):
+compiled program (:mod:`train.inspections.gpu_kernels`, :mod:`train.parallel.communication`):
 
 - memory per device from XLA's plan (arguments, outputs, aliased, temporaries)
   against the device's memory: whether it fits;
@@ -16,7 +16,7 @@ compiled program (:mod:`train.gpu_kernels`, :mod:`train.communication`):
   which of them a rule asked for;
 - the collectives a step sends on N devices, with dtypes and bytes;
 - the time to trace and lower, and to compile;
-- a *modeled* step time (:mod:`train.gpu_time`: every kernel's bytes and FLOPs
+- a *modeled* step time (:mod:`train.inspections.gpu_time`: every kernel's bytes and FLOPs
   against the device's datasheet, calibrated on a profile measured on a GPU),
   with the kernels that take most of it: a model, never a measurement.
 
@@ -36,12 +36,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from train.communication import CommunicationReport, compile_partitioned, hlo_collectives
+from train.parallel.communication import CommunicationReport, compile_partitioned, hlo_collectives
 from train.config import ConfigError, ExperimentConfig
-from train.distributed import Layout, MeshError, make_mesh
-from train.gpu_kernels import Kernel, read_kernels
-from train.gpu_time import ModeledStep, model_step
-from train.targets import GpuTarget, TargetError, get_target, target_devices
+from train.parallel.distributed import Layout, MeshError, make_mesh
+from train.inspections.gpu_kernels import Kernel, read_kernels
+from train.inspections.gpu_time import ModeledStep, model_step
+from train.inspections.targets import GpuTarget, TargetError, get_target, target_devices
 
 __all__ = ["CompiledStep", "compile_for", "compile_train_step", "write_report", "TargetError"]
 
@@ -152,8 +152,8 @@ def compile_for(config: ExperimentConfig, target: str | GpuTarget = "h100", devi
       TargetError: no CUDA plugin here, an unknown target, or a mesh that does not fit the devices.
       ConfigError, DataError: the config cannot run (as :func:`train.run` would say).
     """
-    from train.builders import build_train_state
-    from train.loop import build_experiment
+    from train.experiment.builders import build_train_state
+    from train.experiment.loop import build_experiment
 
     gpu = get_target(target)
     layout = _layout(config, target_devices(gpu, devices or _mesh_devices(config)))
@@ -173,7 +173,7 @@ def compile_train_step(state: Any, batch: Any, layout: Layout, target: GpuTarget
     """Compiles :func:`train.make_train_step`'s step for ``target`` on the
     compile-only devices of ``layout``'s mesh and reads the program back.
     ``state``, ``batch``: abstract (``jax.eval_shape``), placed here by ``layout``."""
-    from train.step import make_train_step
+    from train.training.step import make_train_step
 
     start = time.perf_counter() if started is None else started
     state = _placed(state, layout.state(state))

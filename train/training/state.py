@@ -12,12 +12,12 @@ from flax import struct
 
 import precision
 from precision.loss_scale import LossScale
-from train.distributed import Layout
-from train.binding import NNXModel, bind, call_mode_kwargs, cast_variables, mode_kwargs
-from train.model_inputs import call_arguments, call_with, describe_inputs
+from train.parallel.distributed import Layout
+from train.training.binding import NNXModel, bind, call_mode_kwargs, cast_variables, mode_kwargs
+from train.data.model_inputs import call_arguments, call_with, describe_inputs
 from train.references import one_line
-from train.pretrained import pretrained_variables
-from train.tree_paths import leaf_shapes
+from train.weights.pretrained import pretrained_variables
+from train.training.tree_paths import leaf_shapes
 
 
 class TrainState(struct.PyTreeNode):
@@ -198,7 +198,7 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
         than one device, otherwise the compute dtype (one device reduces
         nothing). See :func:`precision.with_policy`.
       init_from: start from pretrained weights, cast as ``variables`` are: another run's workdir
-        or checkpoint, or a Hugging Face Flax directory (:mod:`train.pretrained`).
+        or checkpoint, or a Hugging Face Flax directory (:mod:`train.weights.pretrained`).
       memory: bytes the state and one step's gradients must fit in, checked from their shapes
         and dtypes before the optimizer state is allocated (:class:`StateTooLarge`).
     """
@@ -245,7 +245,7 @@ def _given_variables(wrapped: Any, keys: dict, sample_input: Any, mode: dict, va
 
 def _init(wrapped: Any, mode: dict) -> Any:
     """``init(keys, inputs)`` of the bound model, the inputs one array or several
-    (:mod:`train.model_inputs`)."""
+    (:mod:`train.data.model_inputs`)."""
     return lambda keys, inputs: call_with(wrapped.init, inputs, keys, **mode)
 
 

@@ -15,12 +15,12 @@ import jax
 import precision
 from train import config as config_lib
 from train.config import ExperimentConfig
-from train.binding import bind
-from train.builders import build_train_state
-from train.communication import CommunicationReport, explain_communication
-from train.loop import accumulation_dtype, build_experiment, layout_of, state_note
-from train.state import explain_model
-from train.step import make_train_step
+from train.training.binding import bind
+from train.experiment.builders import build_train_state
+from train.parallel.communication import CommunicationReport, explain_communication
+from train.experiment.loop import accumulation_dtype, build_experiment, layout_of, state_note
+from train.training.state import explain_model
+from train.training.step import make_train_step
 
 __all__ = ["explain_experiment", "explain_experiment_communication", "explain_experiment_state"]
 
