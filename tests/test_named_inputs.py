@@ -57,6 +57,23 @@ def test_a_unet_shaped_model_with_three_named_inputs_trains_from_yaml_with_accum
     assert np.isfinite(summary["eval"]["mse"])
 
 
+def test_the_policy_reaches_every_matmul_of_the_named_input_model_and_it_trains_like_fp32(tmp_path):
+    """Its convolutions, time projection and cross-attention in half (a policy that left the
+    three-input model in float32 fails here), and the loss of float32 training reached."""
+    sys.path.insert(0, str(DENOISER.parent))
+    from denoiser import TinyDenoiser, noisy_images
+
+    inputs = {k: v[:4] for k, v in noisy_images(examples=8)["train"]["inputs"].items()}
+    explanation = precision.explain(TinyDenoiser(), policy="mixed_bf16", **inputs)
+    assert explanation.half_share == 1.0 and not explanation.uncovered, explanation.table()
+    losses = {}
+    for policy in ("fp32", "mixed_bf16"):
+        config = load_config(DENOISER, QUICK + ["steps=40", f"precision.policy={policy}",
+                                                f"workdir={tmp_path / policy}"])
+        losses[policy] = run(config, out=open(os.devnull, "w"))["eval"]["mse"]
+    assert losses["mixed_bf16"] == pytest.approx(losses["fp32"], rel=0.03), losses
+
+
 def test_named_inputs_reach_explain_check_and_diagnose_through_the_cli(tmp_path, capsys):
     from train.cli import main
 

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from train.data.base import ClassificationData, DataError
+from train.data.model_inputs import path_name
 
 __all__ = ["MAX_SCANNED", "check_data"]
 
@@ -112,8 +113,7 @@ def _leaves(arrays: dict) -> list[tuple[str, Any]]:
     """``(key, array)`` for every array of a split, a model's several inputs named as the user wrote
     them: ``inputs.timesteps`` (a dict of named inputs), ``inputs[1]`` (a tuple)."""
     leaves = jax.tree_util.tree_leaves_with_path(arrays, is_leaf=lambda x: isinstance(x, np.ndarray))
-    return [("".join(f".{k.key}" if hasattr(k, "key") else f"[{getattr(k, 'idx', k)}]" for k in path).lstrip("."), x)
-            for path, x in leaves]
+    return [(path_name(path), x) for path, x in leaves]
 
 
 def _check_finite(name: str, split: str, arrays: dict) -> None:

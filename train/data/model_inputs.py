@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-__all__ = ["call_arguments", "call_with", "first_input", "describe_inputs", "check_input_names", "RESERVED_NAMES"]
+__all__ = ["call_arguments", "call_with", "first_input", "path_name", "describe_inputs", "check_input_names", "RESERVED_NAMES"]
 
 #: Keywords the framework passes to a model's ``apply`` itself: no input may take these names.
 RESERVED_NAMES = frozenset({"rngs", "mutable", "method", "variables", "capture_intermediates", "train",
@@ -50,6 +50,12 @@ def first_input(inputs: Any) -> Any:
     for the example's where one shape is asked for (a sequence's length)."""
     args, kwargs = call_arguments(inputs)
     return args[0] if args else next(iter(kwargs.values()), None)
+
+
+def path_name(path: tuple) -> str:
+    """A key path into a batch as the user wrote it: ``inputs``, ``inputs.timesteps`` (a
+    named input), ``inputs[1]`` (one in order)."""
+    return "".join(f".{k.key}" if hasattr(k, "key") else f"[{getattr(k, 'idx', k)}]" for k in path).lstrip(".")
 
 
 def describe_inputs(inputs: Any, per_example: bool = True) -> str:

@@ -47,7 +47,7 @@ import numpy as np
 
 from train.data.base import Batch, DataError, EpochOrder, padded_batches
 from train.data.stream import EvalStream, TrainStream, is_stream, stack_examples
-from train.data.model_inputs import check_input_names, describe_inputs, first_input
+from train.data.model_inputs import check_input_names, describe_inputs, first_input, path_name
 from train.references import one_line
 
 __all__ = ["UserData", "from_user_function"]
@@ -63,7 +63,7 @@ class _Split:
         self.where = where
         if isinstance(split, dict):
             arrays = {k: _arrays(v, f"{where}: {k!r}") for k, v in split.items()}
-            sizes = {_name(path): (len(v) if v.ndim else None)
+            sizes = {path_name(path): (len(v) if v.ndim else None)
                      for path, v in jax.tree_util.tree_leaves_with_path(arrays)}
             if len(set(sizes.values())) != 1 or None in sizes.values():
                 raise DataError(f"{where}: every array needs one row per example; got rows {sizes}")
@@ -100,11 +100,6 @@ def _arrays(values: Any, where: str) -> Any:
     return _rows(values, where)
 
 
-def _name(path: tuple) -> str:
-    """A key path as the user wrote it: ``inputs``, ``inputs.timesteps``, ``inputs[1]``."""
-    return "".join(f".{k.key}" if hasattr(k, "key") else f"[{k.idx}]" for k in path).lstrip(".")
-
-
 def _rows(values: Any, where: str) -> np.ndarray:
     """``values`` as an array with one row per example; ragged rows are an error."""
     try:
@@ -121,13 +116,13 @@ def _check_splits_agree(train: "_Split", evaluation: "_Split", name: str) -> Non
         if key in train.example and key in evaluation.example:
             a = dict(jax.tree_util.tree_leaves_with_path({key: train.example[key]}))
             b = dict(jax.tree_util.tree_leaves_with_path({key: evaluation.example[key]}))
-            for path in sorted(set(a) | set(b), key=_name):
+            for path in sorted(set(a) | set(b), key=path_name):
                 if path not in a or path not in b:
                     split = "train" if path not in a else "eval"
-                    raise DataError(f"{name}: the {split} split has no {_name(path)}, the other has; the model "
+                    raise DataError(f"{name}: the {split} split has no {path_name(path)}, the other has; the model "
                                     f"takes both splits, so their inputs must agree")
                 if np.shape(a[path]) != np.shape(b[path]):
-                    raise DataError(f"{name}: the eval split's {_name(path)} have shape {np.shape(b[path])}, the "
+                    raise DataError(f"{name}: the eval split's {path_name(path)} have shape {np.shape(b[path])}, the "
                                     f"train split's {np.shape(a[path])}; the model takes both, so they must agree")
 
 
@@ -167,7 +162,7 @@ def _check_one_class(split: "_Split", num_classes: int, task: str, name: str) ->
 def _check_inputs(split: "_Split") -> None:
     """Real-valued (or integer) inputs: complex numbers are no model's input here."""
     for path, value in jax.tree_util.tree_leaves_with_path({"inputs": split.example["inputs"]}):
-        what, dtype = _name(path), np.asarray(value).dtype
+        what, dtype = path_name(path), np.asarray(value).dtype
         if np.issubdtype(dtype, np.complexfloating):
             raise DataError(f"{split.where}: {what} are complex ({dtype}); models train on real numbers: pass the "
                             f"real and imaginary parts as features (e.g. np.stack([x.real, x.imag], -1))")
