@@ -132,6 +132,15 @@ def _hand_written_state(model: Any, m: Model, half: Any, loss_scaled: bool, o2: 
     return jax.eval_shape(init)
 
 
+def hand_written_compiled(model: Any, m: Model, half: Any, loss_scaled: bool, o2: bool, layout: Layout) -> Any:
+    """The hand-written step of ``model`` (written in ``half``) on ``m``'s batch, compiled on ``layout``'s device."""
+    carry = _hand_written_state(model, m, half, loss_scaled, o2)
+    batch = {"inputs": m.inputs, "labels": m.labels}
+    placed = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=layout.replicated()),
+                                    (carry, batch))
+    return hand_written_step(model, half, loss_scaled, o2).lower(*placed).compile()
+
+
 def compare(m: Model, policy: str, target: Any, device: Any) -> dict[str, Any]:
     """One model under one policy: ours and the hand-written step, compiled for ``target``."""
     preset, loss_scale, half, o2 = POLICIES[policy]
@@ -141,11 +150,7 @@ def compare(m: Model, policy: str, target: Any, device: Any) -> dict[str, Any]:
     state = jax.eval_shape(lambda: create_train_state(m.ours, preset, _optimizer(), jax.random.key(0), sample,
                                                       loss_scale=loss_scale))
     ours = compile_train_step(state, batch, layout, target, task=m.task, experiment=f"{m.name} {policy}")
-    model = m.half(half)
-    carry = _hand_written_state(model, m, half, loss_scale != "none", o2)
-    placed = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=layout.replicated()),
-                                    (carry, batch))
-    hand_text = hand_written_step(model, half, loss_scale != "none", o2).lower(*placed).compile().as_text()
+    hand_text = hand_written_compiled(m.half(half), m, half, loss_scale != "none", o2, layout).as_text()
     row = {"model": m.name, "policy": policy}
     for who, text in (("ours", ours.hlo_text), ("hand_written", hand_text)):
         modeled = model_step(text, target)

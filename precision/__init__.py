@@ -56,6 +56,8 @@ from precision.evaluation import evaluation_params, keeps_evaluation_point
 from precision.state_memory import state_bytes
 from precision.pick import Candidate, Measurement, PolicyPick, pick_policy
 from precision.stored import accumulate, stochastic_round, stored_in
+from precision.losses import cross_entropy
+from precision.blockwise import Plan as BlockwisePlan, blockwise_loss, plan as plan_blockwise_loss
 
 __version__ = "0.1.0"
 
@@ -75,6 +77,7 @@ __all__ = (
     "keeps_evaluation_point",
     "accumulate", "state_bytes", "stochastic_round", "stored_in",
     "Candidate", "Measurement", "PolicyPick", "pick_policy",
+    "BlockwisePlan", "blockwise_loss", "cross_entropy", "plan_blockwise_loss",
 )
 
 # Before the autocast package, its modules lived at the top level: their import paths

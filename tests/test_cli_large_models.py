@@ -3,7 +3,7 @@ an allocation fails and the process aborts, minutes in) is refused before anythi
 compiles, in one line naming the limit and how to lift it (exit 2)."""
 
 from docs_pages import ROOT
-from train.experiment import builders
+from train.experiment import fits as builders
 from train.cli import main
 
 DEFAULT = ROOT / "configs" / "default.yaml"

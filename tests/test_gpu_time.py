@@ -200,3 +200,19 @@ def test_a_gpu_profile_carries_the_modeled_time_of_its_program_by_the_profiles_k
     assert set(found["busy_by_kind"]) == {"gemm", "attention", "fusion", "reduction", "copy"}
     gap = CALIBRATION.gap_seconds * found["launches"]
     assert found["seconds"] == pytest.approx(sum(found["busy_by_kind"].values()) + gap)
+
+
+def test_a_loop_carrying_six_or_more_values_counts_its_kernels_once_per_iteration():
+    """XLA writes ``/*index=5*/`` inside a tuple of six or more: the loop is still read (the
+    blockwise loss's scan carries a weight's gradient, the rows and the invariants)."""
+    def scanned(x, w):
+        def body(carry, _):
+            a, b, c, d, e, f = carry
+            return (jnp.tanh(a @ w), b + a[0, :3], c * a[1, :4], d - a[2, :5], e + a.sum(), f + b.sum()), None
+        init = (x, jnp.ones(3), jnp.ones(4), jnp.ones(5), jnp.float32(0), jnp.float32(1))
+        return sum(v.sum() for v in jax.lax.scan(body, init, None, length=4)[0])
+
+    text = jax.jit(scanned).lower(jnp.ones((64, 128)), jnp.ones((128, 128))).compile().as_text()
+    assert "/*index=5*/" in text
+    gemms = [k for k in read_hlo_kernels(text) if k.flops]
+    assert gemms and all(k.launches == 4 for k in gemms), gemms

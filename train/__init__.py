@@ -47,14 +47,15 @@ from train.inspections.policy_pick import pick_policy
 from train.weights.pretrained import PretrainedError, load_pretrained
 from train.references import UserCodeError
 from train.training.state import ScaledGrads, StateTooLarge, TrainState, create_train_state
-from train.training.step import evaluate, make_eval_step, make_multi_step, make_train_step, summarize_eval
+from train.training.step import (blockwise_plan, evaluate, make_eval_step, make_multi_step, make_train_step,
+                                 summarize_eval)
 from train.inspections.targets import GpuTarget, TargetError, get_target
 from train.training.tasks import Task, cross_entropy, get_task
 from train.tracking.wandb_logger import WandbLogger
 
 __all__ = ["CheckpointError", "Checkpointer", "CommunicationReport", "CompiledStep", "ConfigError", "DataError", "ExperimentConfig", "Layout", "MeshError",
            "MetricsWriter", "NNXModel", "NonFiniteError", "ScaledGrads", "StateTooLarge", "Task", "TrainState", "UserCodeError", "UserData", "WandbLogger", "bind",
-           "build_data", "build_experiment", "build_model", "build_optimizer", "build_task", "cast_for_inference",
+           "blockwise_plan", "build_data", "build_experiment", "build_model", "build_optimizer", "build_task", "cast_for_inference",
            "cast_variables", "check_model_fits_data", "compile_for", "compile_train_step", "create_train_state", "cross_entropy", "diagnose_experiment",
            "diagnose_state", "evaluate", "explain_communication",
            "full_precision_params", "get_target", "get_task", "GpuTarget", "help_text", "inference_report", "initialize_distributed",

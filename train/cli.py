@@ -253,13 +253,15 @@ def _compile_for(path: _Origin, config, target: str, devices: int | None) -> int
 
 
 def _explain(path: _Origin, config) -> int:
-    from train.inspections.explain import explain_experiment, explain_experiment_communication, explain_experiment_state
+    from train.inspections.explain import (explain_experiment, explain_experiment_communication, explain_experiment_loss,
+                                           explain_experiment_state)
     from train.experiment.loop import build_experiment
 
     try:
         experiment = build_experiment(config)  # once: data, task and model serve both reports
         print(explain_experiment(config, experiment))
         print(f"\n{explain_experiment_state(config, experiment)}")
+        print(explain_experiment_loss(config, experiment))
         communication = explain_experiment_communication(config, experiment)
     except (ConfigError, DataError) as e:
         return _fail(path(e), 2)

@@ -101,7 +101,11 @@ class OpLists:
 
     ``follow`` names primitives taken out of the default allow/deny lists;
     ``fuse_attention``: softmax attention written out in a half-precision region
-    becomes one fused attention call (cuDNN's where lowered for CUDA).
+    becomes one fused attention call (cuDNN's where lowered for CUDA);
+    ``blockwise_loss``: whether a train step computes a loss from large logits a block of
+    rows at a time (:func:`precision.blockwise_loss`): ``"auto"`` from logits of
+    :data:`precision.blockwise.AUTO_MIN_LOGITS_BYTES` (8 GiB in float32), ``"on"`` from
+    :data:`precision.blockwise.MIN_LOGITS_BYTES` (256 MiB), ``"off"``.
     Build one with :func:`op_lists`.
     """
 
@@ -109,6 +113,7 @@ class OpLists:
     deny: frozenset[str] = DENY
     follow: frozenset[str] = frozenset()
     fuse_attention: bool = True
+    blockwise_loss: str = "auto"
 
     def classify(self, name: str) -> OpClass:
         """The class of primitive ``name`` under these lists."""
@@ -144,7 +149,7 @@ def _names(arg: Iterable[str] | str | None, what: str) -> frozenset[str]:
 
 def op_lists(allow: Iterable[str] | str | None = None, deny: Iterable[str] | str | None = None,
              follow: Iterable[str] | str | None = None, *, fuse_attention: bool | None = None,
-             base: OpLists | None = None) -> OpLists:
+             blockwise_loss: bool | str | None = None, base: OpLists | None = None) -> OpLists:
     """The default lists (or ``base``) with primitives moved between classes.
 
     Args:
@@ -155,6 +160,11 @@ def op_lists(allow: Iterable[str] | str | None = None, deny: Iterable[str] | str
         (Flax's ``dot_product_attention``, einsum-softmax-einsum) as it is, op by op;
         by default (``None``: ``base``'s, else ``True``) it becomes one fused attention
         call where that is the same computation (see ``docs/fused-attention.md``).
+      blockwise_loss: whether a train step computes a loss from large logits a block of
+        rows at a time (:func:`precision.blockwise_loss`, ``docs/blockwise-loss.md``):
+        ``"auto"`` (``None``: ``base``'s, else ``"auto"``) from 8 GiB of float32 logits,
+        where their memory limits the batch; ``True`` / ``"on"`` from 256 MiB
+        (less memory, one more pass of the head's matmul); ``False`` / ``"off"`` never.
 
     A name may appear in only one argument. Names are JAX primitive names
     (``jax.make_jaxpr`` shows them); an unknown name raises :class:`PolicyError`.
@@ -169,4 +179,14 @@ def op_lists(allow: Iterable[str] | str | None = None, deny: Iterable[str] | str
     return OpLists(allow=(base.allow - deny_set - follow_set) | allow_set,
                    deny=(base.deny - allow_set - follow_set) | deny_set,
                    follow=(base.follow - allow_set - deny_set) | follow_set,
-                   fuse_attention=base.fuse_attention if fuse_attention is None else bool(fuse_attention))
+                   fuse_attention=base.fuse_attention if fuse_attention is None else bool(fuse_attention),
+                   blockwise_loss=base.blockwise_loss if blockwise_loss is None else _blockwise_mode(blockwise_loss))
+
+
+def _blockwise_mode(value: bool | str) -> str:
+    """``"auto"``, ``"on"`` or ``"off"`` from a flag or one of those names."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value in ("auto", "on", "off"):
+        return value
+    raise PolicyError(f"op_lists: blockwise_loss={value!r}; valid: 'auto', True ('on'), False ('off')")

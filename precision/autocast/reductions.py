@@ -40,9 +40,15 @@ import numpy as np
 from jax.interpreters import ad
 
 from precision.autocast import program
+from precision.autocast.regions import REDUCE_SCOPE_PREFIX
 from precision.policy import PolicyError, _canonical
 
-__all__ = ["REDUCING", "MOVES", "reduce_dtype_of", "applies", "bind"]
+__all__ = ["REDUCING", "MOVES", "reduce_dtype_of", "applies", "bind", "scope_name", "read_scope"]
+
+#: The named scope of a bound op's ``custom_vjp`` call: ``precision_reduce_<dtype>_<leaves>``, by
+#: which :mod:`precision.blockwise` binds the same op again on a block of rows (:func:`read_scope`);
+#: module paths leave it out (:func:`precision.autocast.regions.module_path`).
+SCOPE_PREFIX = REDUCE_SCOPE_PREFIX
 
 #: Primitives whose transposes contract a batch: products given an output dtype...
 _PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
@@ -142,7 +148,21 @@ def bind(primitive: Any, arrays: Sequence[Any], sources: Sequence[Any], params: 
         return tuple(None if ct is None else ct.astype(x.dtype) for ct, x in zip(cts, inputs))
 
     op.defvjp(forward, backward)
-    return op(*inputs)
+    with jax.named_scope(scope_name(reduce_dtype, leaves)):
+        return op(*inputs)
+
+
+def scope_name(reduce_dtype: Any, leaves: Sequence[bool]) -> str:
+    """The named scope :func:`bind` calls its op in: the reduce dtype and which operands are params."""
+    return f"{SCOPE_PREFIX}{np.dtype(reduce_dtype).name}_{''.join('1' if leaf else '0' for leaf in leaves)}"
+
+
+def read_scope(name: str) -> tuple[np.dtype, list[bool]] | None:
+    """``(reduce_dtype, leaves)`` from a scope :func:`scope_name` made (None for another scope)."""
+    if not name.startswith(SCOPE_PREFIX):
+        return None
+    dtype, _, leaves = name[len(SCOPE_PREFIX):].rpartition("_")
+    return np.dtype(dtype), [c == "1" for c in leaves]
 
 
 def _undefined(x: Any, dtype: Any = None) -> ad.UndefinedPrimal:

@@ -92,6 +92,8 @@ def region_fp8(scope: tuple[str, ...], default: bool) -> bool:
 
 #: Scopes JAX itself opens that are not modules (remat's recomputation).
 _JAX_SCOPES = frozenset({"rematted_computation", "checkpoint"})
+#: The scope an op bound for a reduce dtype is called in (:mod:`.reductions`): no module of its own.
+REDUCE_SCOPE_PREFIX = "precision_reduce_"
 
 
 def module_path(scope: tuple[str, ...]) -> tuple[str, ...]:
@@ -111,7 +113,8 @@ def module_path(scope: tuple[str, ...]) -> tuple[str, ...]:
 def _named(scope: tuple[str, ...], collapse: bool) -> tuple[str, ...]:
     path: list[str] = []
     for name in scope:
-        if name.startswith(TAG_PREFIX) or name.startswith(MODULE_PREFIX) or name in _JAX_SCOPES or "->" in name:
+        if (name.startswith((TAG_PREFIX, MODULE_PREFIX, REDUCE_SCOPE_PREFIX)) or name in _JAX_SCOPES
+                or "->" in name):
             continue
         if not collapse or not path or path[-1] != name:
             path.append(name)

@@ -158,6 +158,10 @@ class PrecisionConfig(_Schema):
                                                    "dot_product_attention, einsum-softmax-einsum) computed as one "
                                                    "fused attention call under a half policy (cuDNN's on a GPU) "
                                                    "where that is the same computation")
+    blockwise_loss: Literal["auto"] | bool = Field(
+        "auto", description="a loss from large logits (a language model's) computed a block of rows at a time, the "
+                            "logits never whole in either pass, where that is the same computation: auto from 8 GiB "
+                            "of float32 logits, true from 256 MiB (less memory, one more pass of the head), false never")
     strict: bool = Field(False, description="fail, instead of warning, when the policy leaves more than 5% of the "
                                             "model's matmul/conv FLOPs in float32")
     fp8: Fp8Config = Field(default_factory=Fp8Config, description="fp8 matmuls (policy mixed_fp8 or compute=f8)")
@@ -296,10 +300,11 @@ Fp8Config.dotted_key = "precision.fp8"
 
 def build_op_lists(p: PrecisionConfig) -> precision.OpLists | None:
     """The autocast op lists the precision section describes (None: the defaults)."""
-    if not (p.allow or p.deny or p.follow) and p.fuse_attention:
+    if not (p.allow or p.deny or p.follow) and p.fuse_attention and p.blockwise_loss == "auto":
         return None
     try:
-        return precision.op_lists(allow=p.allow, deny=p.deny, follow=p.follow, fuse_attention=p.fuse_attention)
+        return precision.op_lists(allow=p.allow, deny=p.deny, follow=p.follow, fuse_attention=p.fuse_attention,
+                                  blockwise_loss=p.blockwise_loss)
     except (TypeError, precision.PolicyError) as e:
         raise ConfigError(f"precision.allow/deny/follow: {e}") from None
 

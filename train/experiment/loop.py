@@ -27,8 +27,10 @@ import precision
 from precision.policy import dtype_to_names
 from train.experiment import compile_cache
 from train.tracking import library_log
-from train.experiment.builders import (build_data, build_model, build_optimizer, build_task, build_train_state,  # noqa: F401
-                            check_model_fits_data)
+from train.experiment.builders import (build_data, build_experiment, build_model, build_optimizer,  # noqa: F401
+                                       build_task, build_train_state, check_model_fits_data, experiment_from,
+                                       train_state_from)
+from train.experiment.names import resolve_names
 from train.training.checkpoint import CheckpointError
 from train.config import ConfigError, ExperimentConfig
 from train.data import prefetch_to_device, train_batch_stack
@@ -41,7 +43,7 @@ from train.weights.pretrained import describe_init
 from train.training.state import TrainState, explain_model
 from train.training.step import evaluate, make_eval_step, make_multi_step, make_train_step
 from train.experiment.interrupts import interrupts_between_calls
-from train.tracking.tracker import NonFiniteError, Tracker, format_summary, model_label
+from train.tracking.tracker import NonFiniteError, TrackedRun, Tracker, format_summary, model_label
 from train.tracking.wandb_logger import check_wandb
 from train.experiment.workdir import RESUMABLE_CHANGES, check_same_experiment, check_writable, resolved_config  # noqa: F401
 
@@ -77,10 +79,11 @@ def run(config: ExperimentConfig, *, out: TextIO | None = None,
     layout = _start_devices(config)
     if jax.process_index() != 0:
         out = io.StringIO()  # only process 0 reports
-    data, task, model = build_experiment(config)
-    resolved = resolved_config(config, model, data)
+    names = resolve_names(config)  # every name the config gives, once: building reads what they stand for
+    data, task, model = experiment_from(names, config)
+    resolved = resolved_config(config, model, data, names.model)
     check_same_experiment(os.path.abspath(config.workdir), resolved)
-    state, schedule = build_train_state(config, model, data, layout)
+    state, schedule = train_state_from(names, config, model, data, layout)
     outputs = Outputs(config, resolved, out, on_record, data)
     # libraries' logs and warnings: not the terminal; W&B (tracker.wandb) finished with the run's exit status
     with library_log.to_file(outputs.library_log), outputs.tracking():
@@ -106,24 +109,14 @@ def check_experiment(config: ExperimentConfig) -> str:
     if config.compile_cache not in (None, "auto"):
         check_writable(config.compile_cache, "compile_cache", create=False)
     layout = layout_of(config)
-    data, task, model = build_experiment(config)
-    check_same_experiment(workdir, resolved_config(config, model, data))
+    names = resolve_names(config)
+    data, task, model = experiment_from(names, config)
+    check_same_experiment(workdir, resolved_config(config, model, data, names.model))
     # The train state's own checks (policy and rules on this model, strict coverage, reduce_dtype, the loss
     # scale against the optimizer), abstractly: nothing is allocated.
-    jax.eval_shape(lambda: build_train_state(config, model, data, layout)[0])
+    jax.eval_shape(lambda: train_state_from(names, config, model, data, layout)[0])
     return (f"{model_label(config.model.name)} on {data.describe()}; policy {config.precision.policy}; "
             f"{config.steps} steps; {_describe_layout(layout)}; workdir {workdir}")
-
-
-def build_experiment(config: ExperimentConfig, memory: tuple[int, str] | None = None) -> tuple[Any, Any, Any]:
-    """The data, task and (unwrapped) model ``config`` names, checked to fit
-    each other before any compute (:class:`ConfigError` / ``DataError`` if not).
-    ``memory``: (bytes, where) its train state must fit in (0: unchecked); default: this machine's."""
-    data = build_data(config.data, config.seed)
-    task = build_task(config.task, data, config.model.output)
-    model = build_model(config.model, data, config.seed)
-    check_model_fits_data(model, data, config.model.name, task, config.model, memory)
-    return data, task, model
 
 
 def plan_calls(start: int, end: int, steps_per_call: int, every: tuple[int, ...] = ()) -> Iterator[tuple[int, int]]:
@@ -188,15 +181,17 @@ def start_compile_cache(setting: str | None) -> None:
 def _start_tracking(config: ExperimentConfig, state: TrainState, start: int, data: Any, task: Any, layout: Layout,
                     outputs: Outputs) -> Tracker:
     """The progress bar and the host-side bookkeeping; announces the run."""
+    notes = _fp8_coverage(config, state, data)
+    header = [*_data_notes(data), *notes, state_note(state, config.accum_steps)]
+    run = TrackedRun(config.model.name, config.precision.policy, config.steps, config.log_every,
+                     config.max_nonfinite_steps, config.data.batch_size * config.accum_steps)
     primary = jax.process_index() == 0
     progress = Progress(config.steps, start, primary and config.progress and start < config.steps)
-    notes = _fp8_coverage(config, state, data)
-    tracker = Tracker(config, state, data, task, outputs.writer, progress, outputs.on_record, notes)
+    tracker = Tracker(run, state, data, task, outputs.writer, progress, outputs.on_record, notes)
     print(f"{model_label(config.model.name)} on {data.describe()}; policy {state.policy} ({config.precision.policy}), "
           f"loss scale {type(state.loss_scale).__name__}; steps {start} -> {config.steps}"
           f"{describe_init(config.model.init_from, resuming=start > 0)}; "
           f"{_describe_layout(layout)}; workdir {outputs.workdir}", file=outputs.out)
-    header = [*_data_notes(data), *notes, state_note(state, config.accum_steps)]
     for note in header:
         print(note, file=outputs.out)
     outputs.report_precision(state, data.sample_input(config.data.batch_size), header)
@@ -275,7 +270,7 @@ def _train(config: ExperimentConfig, state: TrainState, start: int, data: Any, t
         _train_inputs(data, calls, per_call, batch_size, config.seed),
         config.data.prefetch, lambda b: layout.global_batch(b, batch_size, stacked=per_call > 1))
     holder = [state]  # the newest state, also when a call is interrupted
-    doctor = RunDoctor(config, data, task, outputs, tracker)
+    doctor = RunDoctor(data, task, outputs, tracker, batch_size=batch_size, seed=config.seed)
     try:
         with interrupts_between_calls() as interrupted:
             _train_calls(config, holder, start, step_fn, batches, outputs, tracker, evaluate_now, doctor,

@@ -21,11 +21,11 @@ import numpy as np
 import optax
 
 from train.config.errors import ConfigError
-from train.config.fields import OPTIMIZERS, optax_optimizers, optax_schedules
-from train.config.optimizer import SCHEDULE_FIELDS, optax_function, optimizer_arguments, schedule_arguments, takes
-from train.references import UserCodeError, one_line, resolve
+from train.config.optimizer import SCHEDULE_FIELDS, optimizer_arguments, schedule_arguments, takes
+from train.experiment.names import Resolved, resolve_optimizer, resolve_schedule
+from train.references import one_line
 
-__all__ = ["build_optimizer", "build_schedule"]
+__all__ = ["build_optimizer", "build_schedule", "optimizer_from", "schedule_from"]
 
 #: A small tree of params an optimizer is tried on when built (abstractly: nothing is computed).
 _PROBE_PARAMS = {"w": jax.ShapeDtypeStruct((4, 3), jnp.float32), "b": jax.ShapeDtypeStruct((3,), jnp.float32)}
@@ -46,10 +46,17 @@ def build_optimizer(opt: Any, steps: int) -> tuple[optax.GradientTransformation,
         argument the function does not take or needs, or an optimizer that cannot
         update a train state.
     """
-    schedule = build_schedule(opt, steps)
-    if opt.name in OPTIMIZERS:  # (its options were checked with the config)
+    return optimizer_from(opt, steps, resolve_optimizer(opt.name), resolve_schedule(opt.schedule))
+
+
+def optimizer_from(opt: Any, steps: int, optimizer: Resolved, schedule_name: Resolved
+                   ) -> tuple[optax.GradientTransformation, optax.Schedule | None]:
+    """:func:`build_optimizer` from ``optimizer.name`` and ``optimizer.schedule`` resolved
+    (:mod:`train.experiment.names`)."""
+    schedule = schedule_from(opt, steps, schedule_name)
+    if optimizer.target is None:  # a built-in (its options were checked with the config)
         return _builtin(opt, schedule), schedule
-    fn, what = _function(opt.name, "optimizer.name", optax_optimizers(), "an optimizer factory")
+    fn, what = optimizer.target, optimizer.label
     kwargs = {k: _plain(v) for k, v in optimizer_arguments(opt, fn, what).items()}
     if takes(fn, "learning_rate"):
         kwargs["learning_rate"] = schedule
@@ -87,16 +94,21 @@ def build_schedule(opt: Any, steps: int) -> optax.Schedule:
     """The learning-rate schedule of an optimizer config for a run of ``steps`` steps: the
     config's schedule after a linear warmup from 0 over ``warmup_steps`` (unless the
     schedule takes ``warmup_steps`` itself)."""
+    return schedule_from(opt, steps, resolve_schedule(opt.schedule))
+
+
+def schedule_from(opt: Any, steps: int, resolved: Resolved) -> optax.Schedule:
+    """:func:`build_schedule` from ``optimizer.schedule`` resolved (:mod:`train.experiment.names`)."""
     _check_learning_rate(opt.lr)
     warmup = min(opt.warmup_steps, steps)
-    if opt.schedule == "constant":
+    if resolved.name == "constant":
         after = optax.constant_schedule(opt.lr)
-    elif opt.schedule == "cosine":
+    elif resolved.name == "cosine":
         after = optax.cosine_decay_schedule(opt.lr, max(steps - warmup, 1), alpha=opt.min_lr / opt.lr)
-    elif opt.schedule == "linear":
+    elif resolved.name == "linear":
         after = optax.linear_schedule(opt.lr, opt.min_lr, max(steps - warmup, 1))
     else:
-        fn, what = _function(opt.schedule, "optimizer.schedule", optax_schedules(), "a schedule factory")
+        fn, what = resolved.target, resolved.label
         kwargs, own_warmup = schedule_arguments(opt, fn, what, steps)
         after = _call(fn, {k: _plain(v) for k, v in kwargs.items()}, what, "optimizer.schedule")
         _check_schedule(after, what)
@@ -114,19 +126,6 @@ def _check_learning_rate(lr: float) -> None:
         raise ConfigError(f"optimizer.lr: {lr:g} is far beyond any learning rate that trains{overflow}: its first "
                           f"updates would blow up the params; valid: at most {MAX_LEARNING_RATE:g} "
                           f"(typical: 1e-4 to 1e-1)")
-
-
-def _function(name: str, key: str, catalog: dict[str, Callable], kind: str) -> tuple[Callable, str]:
-    """The function ``name`` names (an optax one, or a reference to the user's) and how errors name it."""
-    if name in catalog:
-        return optax_function(name, catalog)
-    try:
-        fn = resolve(name, key)
-    except UserCodeError as e:
-        raise ConfigError(str(e)) from None
-    if not callable(fn):
-        raise ConfigError(f"{key}: {name} is a {type(fn).__name__}, not {kind}")
-    return fn, name
 
 
 def _call(fn: Callable, kwargs: dict[str, Any], what: str, key: str) -> Any:

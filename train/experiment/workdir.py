@@ -10,7 +10,8 @@ from typing import Any
 import yaml
 
 from train import config as config_lib
-from train.experiment.builders import model_options
+from train.experiment.builders import options_from
+from train.experiment.names import Resolved
 from train.config import ConfigError, ExperimentConfig
 from train.config.tracker import TRACKER_KEYS
 from train.models import MODELS
@@ -50,14 +51,15 @@ def check_writable(directory: str, key: str, create: bool = True) -> str:
     return directory
 
 
-def resolved_config(config: ExperimentConfig, model: Any, data: Any) -> dict:
-    """The config as plain data, with the model's sizes as built (those taken from the data too)."""
+def resolved_config(config: ExperimentConfig, model: Any, data: Any, model_name: Resolved) -> dict:
+    """The config as plain data, with the model's sizes as built (those taken from the data too).
+    ``model_name``: ``model.name`` resolved (:func:`train.experiment.names.resolve_model`)."""
     resolved = config_lib.to_dict(config)
-    if config.model.name in MODELS:
+    if model_name.builtin:
         resolved["model"].update({k: list(v) if isinstance(v, tuple) else v for k, v in
                                   ((f, getattr(model, f)) for f in config_lib.model_fields(config.model.name))})
     else:
-        resolved["model"].update(model_options(config.model, data))
+        resolved["model"].update(options_from(model_name, config.model, data))
     return resolved
 
 

@@ -67,6 +67,7 @@ class CompiledStep:
     hlo_text: str = dataclasses.field(default="", repr=False)  # the optimized program (compiled.as_text())
     modeled: ModeledStep | None = dataclasses.field(default=None, repr=False)  # None: no datasheet for the target
     modeled_error: str = ""  # why there is no model
+    blockwise: Any = None  # precision.BlockwisePlan: the loss from large logits, a block of rows at a time
 
     @property
     def fits(self) -> bool:
@@ -100,6 +101,7 @@ class CompiledStep:
                 "f32_gemms_in_float32_regions": self.f32_gemms(declared=True) if self.policy_half else {},
                 "collectives": self.communication.rows(), "seconds": self.seconds,
                 "modeled": self.modeled.to_json() if self.modeled is not None else {"error": self.modeled_error},
+                "blockwise_loss": self.blockwise._asdict() if self.blockwise is not None else None,
                 "jax": jax.__version__}
 
     def __str__(self) -> str:
@@ -125,6 +127,8 @@ class CompiledStep:
             lines += self._f32_lines()
         if self.devices > 1:
             lines.append(str(self.communication))
+        if self.blockwise is not None:
+            lines.append(self.blockwise.describe())
         lines += self.modeled.lines() if self.modeled is not None else [f"Modeled step time: none ({self.modeled_error})"]
         return "\n".join(lines)
 
@@ -173,7 +177,7 @@ def compile_train_step(state: Any, batch: Any, layout: Layout, target: GpuTarget
     """Compiles :func:`train.make_train_step`'s step for ``target`` on the
     compile-only devices of ``layout``'s mesh and reads the program back.
     ``state``, ``batch``: abstract (``jax.eval_shape``), placed here by ``layout``."""
-    from train.training.step import make_train_step
+    from train.training.step import blockwise_plan, make_train_step
 
     start = time.perf_counter() if started is None else started
     state = _placed(state, layout.state(state))
@@ -191,7 +195,8 @@ def compile_train_step(state: Any, batch: Any, layout: Layout, target: GpuTarget
         kernels=tuple(read_kernels(text)),
         communication=CommunicationReport(tuple(hlo_collectives(partitioned or text, count)), stage, target.name),
         seconds={"lower": round(lowered_at - start, 2), "compile": round(done - lowered_at, 2)}, hlo_text=text,
-        modeled=modeled, modeled_error=why)
+        modeled=modeled, modeled_error=why,
+        blockwise=blockwise_plan(state, batch, task=task, accum_steps=accum_steps, layout=layout))
 
 
 def _modeled(text: str, target: GpuTarget) -> tuple[ModeledStep | None, str]:

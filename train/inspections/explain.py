@@ -20,9 +20,10 @@ from train.experiment.builders import build_train_state
 from train.parallel.communication import CommunicationReport, explain_communication
 from train.experiment.loop import accumulation_dtype, build_experiment, layout_of, state_note
 from train.training.state import explain_model
-from train.training.step import make_train_step
+from train.training.step import blockwise_plan, make_train_step
 
-__all__ = ["explain_experiment", "explain_experiment_communication", "explain_experiment_state"]
+__all__ = ["explain_experiment", "explain_experiment_communication", "explain_experiment_loss",
+           "explain_experiment_state"]
 
 #: The stored-state presets ``--explain`` prices against the experiment's own policy.
 STATE_ALTERNATIVES = ("mixed_bf16", "lean_bf16", "lean_int8")
@@ -72,3 +73,16 @@ def explain_experiment_state(config: ExperimentConfig, experiment: tuple | None 
             total = precision.state_bytes(other.params, other.opt_state, accum)["total"]
             lines.append(f"  under {name}: {total:.1f} bytes/param")
     return "\n".join(lines)
+
+
+def explain_experiment_loss(config: ExperimentConfig, experiment: tuple | None = None) -> str:
+    """How one train step of ``config`` computes its loss from the model's logits: a block of
+    rows at a time (:func:`precision.blockwise_loss`: the block, the bytes), or whole and why.
+    Abstract: nothing is computed."""
+    data, task, model = experiment or build_experiment(config)
+    layout = layout_of(config)
+    state = jax.eval_shape(lambda: build_train_state(config, model, data, layout)[0])
+    size = config.data.batch_size * config.accum_steps
+    batch = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                   data.train_batch(0, size, config.seed))
+    return blockwise_plan(state, batch, task=task, accum_steps=config.accum_steps, layout=layout).describe()

@@ -20,7 +20,7 @@ import re
 from typing import Iterator, NamedTuple
 from urllib.parse import unquote
 
-from precision.autocast.regions import MODULE_PREFIX, TAG_PREFIX
+from precision.autocast.regions import MODULE_PREFIX, REDUCE_SCOPE_PREFIX, TAG_PREFIX
 
 __all__ = ["Kernel", "read_kernels", "GEMM_KINDS", "module_of", "region_of", "fp8_accumulation", "operand_names",
            "attribute"]
@@ -35,7 +35,8 @@ HALF_TYPES = frozenset({"f16", "bf16"}) | FP8_TYPES
 
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\((?P<params>.*)\)\s*->\s*.*\{\s*$")
 _PARAM = re.compile(r"%?([\w.\-]+):\s*\(?([a-z][a-z0-9]*)\[")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>\([^=]*?\)|[a-z][a-z0-9]*\[[^\]]*\]\S*)\s+"
+#: One instruction of an HLO module's text: name, result type (a tuple's may hold ``/*index=5*/``), op, rest.
+INSTRUCTION = _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>\((?:[^=]|/\*index=\d+\*/)*?\)|[a-z][a-z0-9]*\[[^\]]*\]\S*)\s+"
                     r"(?P<op>[\w\-]+)\((?P<rest>.*)$")
 _DTYPE = re.compile(r"([a-z][a-z0-9]*)\[")
 #: Frames JAX writes into op names without parentheses (control flow, remat), not module scopes.
@@ -121,7 +122,8 @@ def module_of(op_name: str) -> str:
     """The module path in an op's name: after its last ``precision.module=`` tag, else
     Flax's scopes, without JAX's transformation frames, region tags and the op itself."""
     tail = op_name.rsplit(MODULE_PREFIX, 1)[-1].split("/")[:-1]
-    return "/".join(unquote(p) for p in tail if p and not set(p) & set("(=:") and not _JAX_FRAME.fullmatch(p))
+    return "/".join(unquote(p) for p in tail if p and not set(p) & set("(=:") and not _JAX_FRAME.fullmatch(p)
+                    and not p.startswith(REDUCE_SCOPE_PREFIX))
 
 
 def region_of(op_name: str) -> str:

@@ -20,7 +20,7 @@ import math
 import re
 from typing import Iterator, NamedTuple
 
-from train.inspections.gpu_kernels import attribute, module_of, operand_names
+from train.inspections.gpu_kernels import INSTRUCTION as _INSTR, attribute, module_of, operand_names
 
 __all__ = ["HloKernel", "read_hlo_kernels", "KINDS", "DTYPE_BYTES", "dot_flops", "conv_flops"]
 
@@ -49,8 +49,6 @@ _ELEMENTWISE = frozenset({"add", "subtract", "multiply", "divide", "maximum", "m
 
 _HEADER = re.compile(r"^(ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\((?P<params>.*)\)\s*->\s*.*\{\s*$")
 _PARAM = re.compile(r"%?([\w.\-]+):\s*(\([^()]*\)|[a-z][a-z0-9]*\[[0-9,]*\](?:\{[^}]*\})?)")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>\([^=]*?\)|[a-z][a-z0-9]*\[[^\]]*\]\S*)\s+"
-                    r"(?P<op>[\w\-]+)\((?P<rest>.*)$")
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
 
 

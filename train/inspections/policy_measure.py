@@ -33,7 +33,8 @@ import numpy as np
 import yaml
 
 import precision
-from train.experiment.builders import build_train_state, device_memory_bytes
+from train.experiment.builders import build_train_state
+from train.experiment.fits import device_memory_bytes
 from train.config import ConfigError, ExperimentConfig, from_dict, to_dict
 from train.data import DataError
 from train.training.diagnose import diagnose_state, summary_line

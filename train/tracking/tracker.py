@@ -7,18 +7,17 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from train.config import ExperimentConfig
 from train.parallel.distributed import to_host
 from train.tracking.metrics import MetricsWriter, Progress
 from train.training.state import TrainState
 from train.training.tasks import RESERVED_METRICS
 from train.training.tree_paths import leaf_names
 
-__all__ = ["NonFiniteError", "Tracker", "format_summary", "model_label"]
+__all__ = ["NonFiniteError", "TrackedRun", "Tracker", "format_summary", "model_label"]
 
 
 def model_label(name: str) -> str:
@@ -36,13 +35,24 @@ class NonFiniteError(RuntimeError):
         self.first_step = first_step
 
 
+class TrackedRun(NamedTuple):
+    """What the tracker knows of the run it books (from the experiment's config)."""
+
+    model: str  # model.name
+    policy_spec: str  # precision.policy as the config gives it
+    steps: int  # the step the run ends at
+    log_every: int
+    max_nonfinite_steps: int
+    examples_per_step: int  # data.batch_size x accum_steps
+
+
 class Tracker:
     """Host-side bookkeeping: interval means, loss-scale events, throughput, the
     non-finite stop rule, and records to the metrics writer."""
 
-    def __init__(self, config: ExperimentConfig, state: TrainState, data: Any, task: Any, writer: MetricsWriter,
+    def __init__(self, run: TrackedRun, state: TrainState, data: Any, task: Any, writer: MetricsWriter,
                  progress: Progress, on_record: Callable[[dict], None] | None, notes: list[str] | None = None):
-        self.config, self.data, self.writer, self.on_record = config, data, writer, on_record
+        self.run, self.data, self.writer, self.on_record = run, data, writer, on_record
         self.notes = list(notes or [])  # what the summary repeats of the run's header (the fp8 share)
         self.language_model = task.name == "language_model"
         self.progress = progress
@@ -63,7 +73,7 @@ class Tracker:
         self.last_step = int(to_host(state.step))
         self.run_start = self.last_step  # the step this run started from (a resumed run: its checkpoint's)
         self.last_train: dict = {}
-        self.examples_per_step = config.data.batch_size * config.accum_steps
+        self.examples_per_step = run.examples_per_step
         self.tokens_per_example = data.input_shape[0] if self.language_model else 1
         self.first_step_seconds: float | None = None
         self.train_seconds = 0.0
@@ -127,7 +137,7 @@ class Tracker:
         self.skipped = int(m["skipped_steps"])
         self.interval.append(m)
         self._check_finite(step, m)
-        if step % self.config.log_every == 0 or step == self.config.steps:
+        if step % self.run.log_every == 0 or step == self.run.steps:
             self._log(step, m)
 
     def _check_finite(self, step: int, m: dict) -> None:
@@ -146,8 +156,8 @@ class Tracker:
                 self.at_min_scale_step = step
         self.streak += 1
         self.streak_loss_only = self.streak_loss_only and loss_only
-        k = self.config.max_nonfinite_steps
-        whole_run = self.streak >= self.config.steps - self.run_start  # a run shorter than k: nothing trained
+        k = self.run.max_nonfinite_steps
+        whole_run = self.streak >= self.run.steps - self.run_start  # a run shorter than k: nothing trained
         if self.streak >= k or whole_run:
             first_step, leaf = self.streak_start
             steps = (f"{self.streak} consecutive steps" if self.streak >= k
@@ -211,14 +221,14 @@ class Tracker:
         rate = self.steps_timed / self.train_seconds if self.train_seconds > 0 else None
         return {
             "workdir": workdir,
-            "model": model_label(self.config.model.name),
+            "model": model_label(self.run.model),
             "dataset": self.data.name,
             "policy": str(state.policy),
-            "policy_spec": self.config.precision.policy,
+            "policy_spec": self.run.policy_spec,
             "loss_scale_type": type(state.loss_scale).__name__,
             "steps": int(to_host(state.step)),
             "start_step": start,
-            "steps_asked": self.config.steps,
+            "steps_asked": self.run.steps,
             "first_step_seconds": self.first_step_seconds,
             "train_seconds": self.train_seconds,
             "steps_per_sec": rate,

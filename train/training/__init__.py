@@ -3,7 +3,8 @@ steps, losses, checkpoints.
 
 - :mod:`.binding`: any Flax model (Linen or NNX) under a policy as ``init`` / ``apply``;
 - :mod:`.state` (``TrainState``, ``create_train_state``), :mod:`.step` (train and eval
-  steps, accumulation, several steps per call), :mod:`.tasks` (losses and metrics);
+  steps, accumulation, several steps per call), :mod:`.forward` (a step's forward and loss,
+  the loss from large logits in blocks of rows), :mod:`.tasks` (losses and metrics);
 - :mod:`.checkpoint` (Orbax, bit-exact resume), :mod:`.inference` (half-precision
   serving), :mod:`.tree_paths`.
 

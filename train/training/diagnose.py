@@ -22,7 +22,6 @@ import numpy as np
 import precision
 from train.training.binding import NNXModel, call_mode_kwargs, mode_kwargs
 from train.data.model_inputs import call_arguments
-from train.config import ExperimentConfig
 from train.training.state import TrainState
 
 __all__ = ["DIAGNOSIS_FILE", "RunDoctor", "diagnose_state", "summary_line", "write_diagnosis"]
@@ -99,8 +98,11 @@ class RunDoctor:
     checkpointed before (the probed program is large: a doctor killed for memory
     must not cost the run its steps)."""
 
-    def __init__(self, config: ExperimentConfig, data: Any, task: Any, outputs: Any, tracker: Any):
-        self.config, self.data, self.task, self.outputs, self.tracker = config, data, task, outputs, tracker
+    def __init__(self, data: Any, task: Any, outputs: Any, tracker: Any, *, batch_size: int, seed: int):
+        """``batch_size``: a step's examples (all its micro-batches); ``seed``: the run's, which
+        with the step picks the batch (the data's ``train_batch``)."""
+        self.data, self.task, self.outputs, self.tracker = data, task, outputs, tracker
+        self.batch_size, self.seed = batch_size, seed
         self.done_at_min_scale = False
 
     def at_min_scale(self, state: TrainState) -> None:
@@ -126,8 +128,7 @@ class RunDoctor:
             return "for where, run: python -m train CONFIG --diagnose (on one process)"
         try:
             with self.tracker.paused():
-                batch_size = self.config.data.batch_size * self.config.accum_steps
-                batch = self.data.train_batch(step - 1, batch_size, self.config.seed)
+                batch = self.data.train_batch(step - 1, self.batch_size, self.seed)
                 diagnosis = diagnose_state(state, batch, self.task, loss_scale=self._scale_in_use(state))
                 path = write_diagnosis(self.outputs.workdir, diagnosis, step, reason)
         except Exception as e:  # noqa: BLE001 - a failed diagnosis must not cost the run its checkpoint

@@ -19,20 +19,12 @@ import jax.numpy as jnp
 import precision
 from precision.stored import ACCUM_STREAM, step_key
 from train.parallel.distributed import Layout, to_host
-from train.training.binding import TRAIN_KEYWORDS, NNXModel, mode_kwargs
+from train.training.forward import blockwise, blockwise_plan, forward_and_loss, mode, split_fp8  # noqa: F401
 from train.training.state import ScaledGrads, TrainState
 from train.data.model_inputs import call_arguments
 from train.training.tasks import Task, cross_entropy, get_task  # noqa: F401 - cross_entropy re-exported
 
 Metrics = dict[str, jax.Array]
-
-
-def _mode(model: Any, train: bool, train_kwarg: str | None) -> dict[str, bool]:
-    if train_kwarg == "auto" or isinstance(model, NNXModel):
-        return mode_kwargs(model, train)
-    if not train_kwarg:
-        return {}
-    return {train_kwarg: train if TRAIN_KEYWORDS.get(train_kwarg, True) else not train}  # deterministic: inverted
 
 
 def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], Any] | None = None,
@@ -109,14 +101,8 @@ def _loss_fn(layout: Layout | None, task: Task, train_kwarg: str | None) -> Call
         FSDP-split params are gathered in ``gather_dtypes`` (see :func:`_gather_dtypes`)."""
         if layout is not None:
             params = layout.gather(params, gather_dtypes)
-        mutable = list(model_state)
-        fp8 = {} if fp8_state is None else {precision.FP8_COLLECTION: fp8_state}
-        args, kwargs = call_arguments(batch["inputs"])
-        out = state.model.apply({"params": params, **model_state, **fp8}, *args, rngs={"dropout": rng},
-                                mutable=mutable or False, **kwargs, **_mode(state.model, True, train_kwarg))
-        outputs, new_model_state = out if mutable else (out, model_state)
-        new_model_state = {k: v for k, v in new_model_state.items() if k != precision.FP8_COLLECTION}
-        loss, task_metrics = task.loss(outputs, batch)
+        forward = blockwise(forward_and_loss(state, task, train_kwarg, list(model_state)), state, layout)
+        loss, task_metrics, new_model_state = forward(params, fp8_state, model_state, batch, rng)
         return loss_scale.scale(loss), (loss, task_metrics, new_model_state)
 
     return loss_fn
@@ -175,12 +161,6 @@ def _gather_dtypes(forward: Callable[[Any], Any], params: Any, layout: Layout | 
     return precision.read_dtypes(forward, params)
 
 
-def _split_fp8(model_state: Any) -> tuple[Any, Any]:
-    """(FP8 amax histories or None, the rest of the model state)."""
-    return (model_state.get(precision.FP8_COLLECTION),
-            {k: v for k, v in model_state.items() if k != precision.FP8_COLLECTION})
-
-
 def _with_fp8_state(model_state: Any, fp8_state: Any, state: TrainState, opt_state: Any) -> Any:
     """``model_state`` with the FP8 amax histories the step recorded; a skipped step keeps the old ones."""
     if fp8_state is None:
@@ -197,7 +177,7 @@ def _gradients(loss_fn: Callable, state: TrainState, batch: dict, rng: jax.Array
     bfloat16 with stochastic rounding; then averaged in float32), the new
     FP8 amax histories (the max over micro-batches; None without them), the
     mean loss and task metrics, and the new model state."""
-    fp8_state, model_state = _split_fp8(state.model_state)
+    fp8_state, model_state = split_fp8(state.model_state)
     dtypes = _gather_dtypes(lambda p: loss_fn(p, fp8_state, model_state, batch, rng, state, loss_scale)[0],
                             state.params, layout)
     loss_fn = functools.partial(loss_fn, gather_dtypes=dtypes)
@@ -318,19 +298,18 @@ def make_eval_step(*, train_kwarg: str | None = "auto", layout: Layout | None = 
     task = get_task(task)
 
     def eval_step(state: TrainState, batch: dict) -> Metrics:
-        mode = _mode(state.model, False, train_kwarg)
+        eval_mode = mode(state.model, False, train_kwarg)
         lay = step_layout(layout, state, "make_eval_step")
 
         def forward(params):
             args, kwargs = call_arguments(batch["inputs"])
-            return state.model.apply({"params": params, **state.model_state}, *args, **kwargs, **mode)
+            return state.model.apply({"params": params, **state.model_state}, *args, **kwargs, **eval_mode)
 
         params = _evaluated(state)
         if lay is not None:
             batch = lay.constrain_batch(batch)
             params = lay.gather(params, _gather_dtypes(forward, params, lay))
-        outputs = forward(params)
-        sums = task.eval_sums(outputs, batch)
+        sums = blockwise(lambda p, b: task.eval_sums(forward(p), b), state, lay)(params, batch)
         return sums if lay is None else jax.lax.with_sharding_constraint(sums, lay.replicated())
 
     return _LaidOutStep(jax.jit(eval_step), layout, "make_eval_step")

@@ -19,9 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from precision.losses import cross_entropy
 from train.references import UserCodeError, is_reference, resolve
 
-__all__ = ["Task", "get_task", "cross_entropy", "describe_outputs", "TASK_NAMES"]
+__all__ = ["Task", "get_task", "builtin_task", "user_task", "cross_entropy", "describe_outputs", "TASK_NAMES"]
 
 Metrics = dict[str, jax.Array]
 LossFn = Callable[[Any, dict], tuple[jax.Array, Metrics]]
@@ -32,67 +33,6 @@ RESERVED_METRICS = ("loss", "loss_scale", "grads_finite", "grad_norm", "skipped_
 
 #: Built-in task names (``lm`` is short for ``language_model``).
 TASK_NAMES = ("auto", "classification", "language_model", "lm")
-
-
-def cross_entropy(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per-example (or per-token) float32 cross-entropy and correctness (the label is the
-    first largest logit, as ``argmax``).
-
-    Equal to optax's ``softmax_cross_entropy_with_integer_labels`` (and ``argmax``), written
-    for the memory a language model's ``[tokens, vocabulary]`` logits cost (3.3 GB in float32
-    at GPT-2-small's vocabulary and 16 x 1024 tokens, each pass over them a millisecond on an
-    H100): the forward reads them once (maximum, sum of exponentials and first maximum in one
-    online-softmax reduction, where ``max``, ``logsumexp`` and ``argmax`` are a pass each), and
-    the gradient ``softmax - one_hot(labels)`` is one elementwise expression that XLA fuses
-    with what reads it (the head's bias and weight gradients) rather than a float32 array
-    written, scattered into (the label's gather transposed) and read again.
-    """
-    logits = logits.astype(jnp.float32)
-    labels = labels.astype(jnp.int32)
-    return _cross_entropy(logits, labels)
-
-
-@jax.custom_vjp
-def _cross_entropy(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return _cross_entropy_fwd(logits, labels)[0]
-
-
-def _cross_entropy_fwd(logits: jax.Array, labels: jax.Array) -> tuple:
-    log_total, first = _log_sum_exp_and_first(logits)
-    label_logit = jnp.take_along_axis(logits, labels[..., None], -1)[..., 0]
-    return (log_total - label_logit, first == labels), (logits, labels, log_total)
-
-
-def _cross_entropy_bwd(residuals: tuple, cotangents: tuple) -> tuple:
-    logits, labels, log_total = residuals
-    positions = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    one_hot = (positions == labels[..., None]).astype(logits.dtype)
-    softmax = jnp.exp(logits - log_total[..., None])
-    return cotangents[0][..., None] * (softmax - one_hot), None
-
-
-_cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
-
-
-def _log_sum_exp_and_first(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Over the last axis, in one reduction: ``logsumexp`` and the first position of the
-    maximum. Each element folds into a running (maximum, sum of ``exp(x - maximum)``, first
-    position of the maximum), the sum rescaled when the maximum grows (online softmax)."""
-    positions = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    init = (jnp.asarray(-jnp.inf, logits.dtype), jnp.zeros([], logits.dtype),
-            jnp.asarray(logits.shape[-1], jnp.int32))
-    peak, total, first = jax.lax.reduce((logits, jnp.ones_like(logits), positions), init, _fold,
-                                        (logits.ndim - 1,))
-    return peak + jnp.log(total), first
-
-
-def _fold(a: tuple, b: tuple) -> tuple:
-    (peak_a, total_a, first_a), (peak_b, total_b, first_b) = a, b
-    peak = jnp.maximum(peak_a, peak_b)
-    # exp(-inf - -inf) is nan: a side that has seen nothing (or only -inf) adds nothing
-    rescale = lambda p, t: jnp.where(p == -jnp.inf, 0.0, t * jnp.exp(p - peak))  # noqa: E731
-    first = jnp.where(peak_a == peak_b, jnp.minimum(first_a, first_b), jnp.where(peak_a > peak_b, first_a, first_b))
-    return peak, rescale(peak_a, total_a) + rescale(peak_b, total_b), first
 
 
 class Task(NamedTuple):
@@ -197,13 +137,8 @@ def get_task(spec: "str | Callable | Task" = "auto", data_task: str | None = Non
     if callable(spec):
         return Task(getattr(spec, "__name__", "custom"), spec, False, output)
     name = str(spec).strip()
-    if name == "auto":
-        if data_task not in ("classification", "language_model"):
-            raise UserCodeError(f"{key}: auto, but the data declares no task ({data_task!r}); set {key} to "
-                                f"classification, lm, or your loss as module:function")
-        name = data_task
-    if name in ("classification", "language_model", "lm"):
-        return Task("language_model" if name == "lm" else name, _cross_entropy_task, True, output)
+    if name in TASK_NAMES:
+        return builtin_task(name, data_task, key, output)
     if not is_reference(name):
         raise UserCodeError(f"{key}: unknown task {name!r}; valid: {', '.join(TASK_NAMES)}, or a loss "
                             f"module:function / path/to/file.py:function")
@@ -211,6 +146,27 @@ def get_task(spec: "str | Callable | Task" = "auto", data_task: str | None = Non
     if not callable(fn):
         raise UserCodeError(f"{key}: {name} is a {type(fn).__name__}, not a function fn(outputs, batch) -> "
                             f"(loss, metrics)")
+    return user_task(fn, name, key, output)
+
+
+def builtin_task(name: str, data_task: str | None = None, key: str = "task",
+                 output: str | int | None = None) -> Task:
+    """The built-in task ``name`` (one of :data:`TASK_NAMES`; ``auto``: ``data_task``, the data's own).
+
+    Raises:
+      UserCodeError: naming ``key``, for ``auto`` with data that declares no task.
+    """
+    if name == "auto":
+        if data_task not in ("classification", "language_model"):
+            raise UserCodeError(f"{key}: auto, but the data declares no task ({data_task!r}); set {key} to "
+                                f"classification, lm, or your loss as module:function")
+        name = data_task
+    return Task("language_model" if name == "lm" else name, _cross_entropy_task, True, output)
+
+
+def user_task(fn: Callable, name: str, key: str = "task", output: str | int | None = None) -> Task:
+    """The user's loss ``fn(outputs, batch) -> (loss, metrics)`` as a task named ``name``, its
+    result checked each call (a scalar floating loss, scalar metrics under names of its own)."""
     return Task(name, _checked(fn, name, key), False, output)
 
 
