@@ -24,6 +24,8 @@ def _type_name(schema: dict) -> str:
         return " or ".join(_type_name(s) for s in schema["anyOf"])
     if schema.get("type") == "array":
         return f"list of {_type_name(schema['items'])}" if schema.get("items") else "list"
+    if "type" not in schema and isinstance(schema.get("const"), str):  # Literal["auto"]: pydantic < 2.7 gives no type
+        return "string"
     return {"integer": "integer", "number": "number", "string": "string", "boolean": "true/false",
             "object": "mapping", "null": "null"}.get(schema.get("type"), "any")
 
