@@ -295,3 +295,15 @@ def test_split_over_two_devices_the_same_step_and_no_logits_gathered():
         assert run["found"] and run["block_rows"] % 2 == 0 and run["partitioned"], run
         np.testing.assert_allclose(run["loss"], out["one_device"], rtol=1e-5)
         assert run["params_diff"] < 1e-3 and run["largest_gather"] < out["logits"], run
+
+
+def test_a_step_that_does_not_fit_is_told_to_try_blocks_only_where_auto_left_the_logits_whole():
+    from train.inspections.compile_for import blocks_hint
+    small = precision.BlockwisePlan(False, "the largest matmul result, [16, 1024, 50304], is 3144.0 MiB in float32, "
+                                           "below 8192 MiB: whole is cheaper; precision.blockwise_loss=true computes "
+                                           "logits from 256 MiB in blocks")
+    assert "precision.blockwise_loss=true" in blocks_hint(small)
+    for plan in (None, precision.BlockwisePlan(False, "turned off (precision.blockwise_loss=false)"),
+                 precision.BlockwisePlan(False, "the loss from the logits [4, 50] is not computed row by row: x"),
+                 precision.BlockwisePlan(True, "", "head", (16, 1024, 50304), "bfloat16", 16, 4, 4, 1, 1)):
+        assert blocks_hint(plan) == ""

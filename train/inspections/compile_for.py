@@ -113,7 +113,7 @@ class CompiledStep:
                  f"Memory per device (XLA's plan): arguments {_size(m['argument'])}, outputs {_size(m['output'])} "
                  f"({_size(m['alias'])} aliased), temporaries {_size(m['temp'])}",
                  f"  peak about {_size(m['peak'])} of {t.memory_bytes / 2 ** 30:.1f} GiB: "
-                 + ("fits" if self.fits else "DOES NOT FIT"),
+                 + ("fits" if self.fits else "DOES NOT FIT" + blocks_hint(self.blockwise)),
                  "Kernels:", f"  {'kind':<30}{'operands':<24}{'count':>6}"]
         for row in self.kernel_rows():
             lines.append(f"  {_KIND_NAMES.get(row['kind'], row['kind']):<30}{' x '.join(row['operands']):<24}"
@@ -197,6 +197,14 @@ def compile_train_step(state: Any, batch: Any, layout: Layout, target: GpuTarget
         seconds={"lower": round(lowered_at - start, 2), "compile": round(done - lowered_at, 2)}, hlo_text=text,
         modeled=modeled, modeled_error=why,
         blockwise=blockwise_plan(state, batch, task=task, accum_steps=accum_steps, layout=layout))
+
+
+def blocks_hint(plan: Any) -> str:
+    """What to try when a step does not fit and its loss from the logits stays whole only
+    because ``precision.blockwise_loss: auto`` found them small enough (docs/blockwise-loss.md)."""
+    if plan is None or plan.found or "precision.blockwise_loss=true" not in plan.reason:
+        return ""
+    return " (its loss from the logits in blocks of rows may fit it: precision.blockwise_loss=true)"
 
 
 def _modeled(text: str, target: GpuTarget) -> tuple[ModeledStep | None, str]:
