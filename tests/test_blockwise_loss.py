@@ -307,3 +307,55 @@ def test_a_step_that_does_not_fit_is_told_to_try_blocks_only_where_auto_left_the
                  precision.BlockwisePlan(False, "the loss from the logits [4, 50] is not computed row by row: x"),
                  precision.BlockwisePlan(True, "", "head", (16, 1024, 50304), "bfloat16", 16, 4, 4, 1, 1)):
         assert blocks_hint(plan) == ""
+
+
+def test_a_scanned_rematerialized_gpt_keeps_its_head_and_blocks_in_half_precision(monkeypatch):
+    """The built-in GPT with ``nn.scan`` over its layers and ``remat``, under mixed_bf16: the
+    loss in blocks equals the whole logits', and every matmul of the blocked program (the
+    blocks' head included) computes in bfloat16."""
+    import train
+    monkeypatch.setattr(blockwise_transform, "MIN_LOGITS_BYTES", 1)
+    monkeypatch.setattr(blockwise_transform, "BLOCK_BYTES", 2 * SEQ * VOCAB * 4)
+    model = train.models.GPT(vocab_size=VOCAB, block_size=SEQ, num_layers=2, num_heads=2, d_model=WIDTH,
+                             scan_layers=True, remat="full")
+    tokens, labels = _batch()
+    batch = {"inputs": tokens, "labels": jnp.maximum(labels, 0)}
+    state = train.create_train_state(model, "mixed_bf16", optax.sgd(0.1), jax.random.key(0), tokens[:1],
+                                     ops=precision.op_lists(blockwise_loss=True))
+    plan = train.blockwise_plan(state, batch, task="lm")
+    assert plan.found and plan.logits_dtype == "bfloat16" and plan.blocks == ROWS // 2, plan
+    fn = _loss_fn(model, "mixed_bf16", _builtin)
+    variables = {"params": state.params}
+    blocked = precision.blockwise_loss(fn, **SMALL)
+    np.testing.assert_allclose(blocked(variables, tokens, jnp.maximum(labels, 0)),
+                               fn(variables, tokens, jnp.maximum(labels, 0)), rtol=2e-3)
+    text = str(jax.make_jaxpr(jax.grad(blocked))(variables, tokens, jnp.maximum(labels, 0)))
+    products = re.findall(r"(\w+)\[[\d,]*\] = dot_general", text)
+    assert products and set(products) == {"bf16"}, sorted(set(products))
+
+
+def test_a_small_models_train_step_compiles_to_the_same_program_under_auto():
+    """``auto`` leaves logits below its threshold whole: the step is the one without blocks."""
+    import train
+    model = train.models.GPT(vocab_size=VOCAB, block_size=SEQ, num_layers=1, num_heads=2, d_model=WIDTH)
+    tokens, labels = _batch()
+    batch = {"inputs": tokens, "labels": jnp.maximum(labels, 0)}
+    texts = []
+    for mode in ("auto", False):
+        state = train.create_train_state(model, "mixed_bf16", optax.sgd(0.1), jax.random.key(0), tokens[:1],
+                                         ops=precision.op_lists(blockwise_loss=mode))
+        texts.append(train.make_train_step(task="lm", donate=False).lower(state, batch).as_text())
+    assert texts[0] == texts[1]
+
+
+def test_a_bad_blockwise_setting_is_one_line_naming_the_key_and_the_valid_ones(tmp_path):
+    import subprocess
+    import sys
+
+    from helpers import subprocess_env
+    proc = subprocess.run([sys.executable, "-m", "train", "configs/default.yaml", "precision.blockwise_loss=maybe",
+                           f"workdir={tmp_path}", "--check"], capture_output=True, text=True, timeout=300,
+                          env=subprocess_env(JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "precision.blockwise_loss: 'maybe'; valid: auto" in proc.stderr and "true" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1

@@ -47,8 +47,8 @@ from train.inspections.policy_pick import pick_policy
 from train.weights.pretrained import PretrainedError, load_pretrained
 from train.references import UserCodeError
 from train.training.state import ScaledGrads, StateTooLarge, TrainState, create_train_state
-from train.training.step import (blockwise_plan, evaluate, make_eval_step, make_multi_step, make_train_step,
-                                 summarize_eval)
+from train.training.forward import blockwise_plan
+from train.training.step import evaluate, make_eval_step, make_multi_step, make_train_step, summarize_eval
 from train.inspections.targets import GpuTarget, TargetError, get_target
 from train.training.tasks import Task, cross_entropy, get_task
 from train.tracking.wandb_logger import WandbLogger

@@ -38,7 +38,7 @@ class Region(NamedTuple):
     rows: int  # the logits' leading dimension
     rows_of: dict  # every value of the region that carries rows (axis 0): its row factor
     big_bytes: int  # bytes of the region's logits-sized values, whole
-    cast_from: dict = {}  # invariant input -> (the function input it is a narrowing cast of, arranging ops after)
+    cast_from: dict  # invariant input -> (the function input it is a narrowing cast of, arranging ops after)
 
 
 def find_region(program: Program, min_logits_bytes: int) -> Region | None:

@@ -20,7 +20,7 @@ from precision.autocast.reductions import read_scope
 from precision.blockwise.program import Op, Program
 from precision.losses import CROSS_ENTROPY_SCOPE
 
-__all__ = ["NotRowWise", "reduced_op", "row_factors", "unwrapped"]
+__all__ = ["NotRowWise", "is_cross_entropy", "reduced_op", "row_factors", "unwrapped"]
 
 _ELEMENTWISE = {
     "abs", "acos", "acosh", "add", "and", "asin", "asinh", "atan", "atan2", "atanh", "cbrt", "ceil", "clamp",
@@ -54,7 +54,7 @@ def row_factors(program: Program, region: set[int], head: int) -> dict[int, int]
             op = unwrapped(ops[i])
             rule = _RULES.get(op.name, _elementwise if op.name in _ELEMENTWISE else None)
             if rule is None:
-                if _custom_cross_entropy(ops[i]):
+                if is_cross_entropy(ops[i]):
                     rule = _elementwise
                 else:
                     raise NotRowWise(f"{op.name} is not known to keep rows apart")
@@ -88,7 +88,8 @@ def unwrapped(op: Op) -> Op:
     return op if reduced is None else reduced[0]
 
 
-def _custom_cross_entropy(op: Any) -> bool:
+def is_cross_entropy(op: Any) -> bool:
+    """Whether ``op`` is :func:`precision.losses.cross_entropy`'s custom-VJP call (by its scope)."""
     stack = getattr(op.eqn.source_info.name_stack, "stack", ())
     return op.name == "custom_vjp_call" and any(getattr(e, "name", None) == CROSS_ENTROPY_SCOPE for e in stack)
 

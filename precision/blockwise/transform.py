@@ -6,8 +6,8 @@ loss from logits of at least ``min_logits_bytes`` (:mod:`.region`), that part ru
 block's function under ``jax.checkpoint`` so the backward pass makes each block's
 logits again instead of keeping them. The rest of the program runs as traced. Rows are
 independent in the region (proved op by op), so the result is the same computation: the
-same ops on fewer rows. The weights' cast to the compute dtype moves into the block, so
-their gradient sums over blocks in float32.
+same ops on fewer rows. A weight is cast to the compute dtype once, outside the loop, and
+its gradient reaches the float32 master summed over blocks in float32 (:func:`_cast_like`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from jax.extend.core import Literal
 from precision.autocast.regions import module_path, scope_names
 from precision.blockwise.program import Op, Program, bind_as_traced, flatten, inline_custom_jvp, read, run
 from precision.autocast import reductions
-from precision.blockwise.region import Region, find_region, reduced_op, why_not
+from precision.blockwise.region import Region, find_region, why_not
+from precision.blockwise.rows import is_cross_entropy, reduced_op
 from precision.losses import cross_entropy_core
 
 __all__ = ["Plan", "blockwise_loss", "plan", "min_logits_bytes", "AUTO_MIN_LOGITS_BYTES", "MIN_LOGITS_BYTES",
@@ -171,7 +172,7 @@ def _split_outside(program: Program, inside: set[int]) -> tuple[list[int], list[
 def _blocks(program: Program, region: Region, env: dict, k: int) -> list:
     """The region's outputs, computed by a scan over blocks of ``k`` rows (interleaved:
     block j holds rows j, j + blocks, ..., so rows split over devices stay on them). A value
-    of row factor f (:func:`precision.blockwise.region._rows`) takes f entries a row."""
+    of row factor f (:func:`precision.blockwise.rows.row_factors`) takes f entries a row."""
     n, blocks = region.rows, region.rows // k
     factors = region.rows_of
     # a weight's cast is read as made, once, its gradient sent to the master (summed over blocks in float32)
@@ -243,7 +244,7 @@ def _bind_block(op: Op, args: list, *, rows_of: dict, n: int, k: int) -> list:
         result = reductions.bind(inner.eqn.primitive, arrays, [x if leaf else None for x, leaf in zip(args, leaves)],
                                  params, reduce_dtype)
         return list(result) if inner.eqn.primitive.multiple_results else [result]
-    if op.name == "custom_vjp_call":  # precision.losses.cross_entropy: the same function on the block
+    if is_cross_entropy(op):  # precision.losses.cross_entropy: the same function on the block
         return list(cross_entropy_core(*args))
     return bind_as_traced(op, args, **_block_shapes(op, rows_of, n, k))
 

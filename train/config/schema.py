@@ -132,6 +132,16 @@ class Fp8Config(_Schema):
         return precision.fp8_options(self.scaling, self.history, self.min_size, self.attention)
 
 
+def _blockwise_mode(value: Any) -> Any:
+    """``precision.blockwise_loss``: auto, or true / false (YAML's spellings of them)."""
+    if isinstance(value, bool) or value == "auto":
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "on", "off", "yes", "no"):
+        return value.strip().lower() in ("true", "on", "yes")
+    raise invalid(f"precision.blockwise_loss: {value!r}; valid: auto (from 8 GiB of float32 logits), true (from "
+                  f"256 MiB), false (never)")
+
+
 class PrecisionConfig(_Schema):
     policy: str = Field("fp32", description=f"policy string or preset ({', '.join(precision.PRESETS)})")
     rules: list | None = Field(None, description="per-module rules [[pattern, policy], ...]; null: the preset's "
@@ -158,7 +168,7 @@ class PrecisionConfig(_Schema):
                                                    "dot_product_attention, einsum-softmax-einsum) computed as one "
                                                    "fused attention call under a half policy (cuDNN's on a GPU) "
                                                    "where that is the same computation")
-    blockwise_loss: Literal["auto"] | bool = Field(
+    blockwise_loss: Annotated[Literal["auto"] | bool, BeforeValidator(_blockwise_mode)] = Field(
         "auto", description="a loss from large logits (a language model's) computed a block of rows at a time, the "
                             "logits never whole in either pass, where that is the same computation: auto from 8 GiB "
                             "of float32 logits, true from 256 MiB (less memory, one more pass of the head), false never")

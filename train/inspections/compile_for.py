@@ -177,7 +177,8 @@ def compile_train_step(state: Any, batch: Any, layout: Layout, target: GpuTarget
     """Compiles :func:`train.make_train_step`'s step for ``target`` on the
     compile-only devices of ``layout``'s mesh and reads the program back.
     ``state``, ``batch``: abstract (``jax.eval_shape``), placed here by ``layout``."""
-    from train.training.step import blockwise_plan, make_train_step
+    from train.training.forward import blockwise_plan
+    from train.training.step import make_train_step
 
     start = time.perf_counter() if started is None else started
     state = _placed(state, layout.state(state))

@@ -20,7 +20,8 @@ from train.experiment.builders import build_train_state
 from train.parallel.communication import CommunicationReport, explain_communication
 from train.experiment.loop import accumulation_dtype, build_experiment, layout_of, state_note
 from train.training.state import explain_model
-from train.training.step import blockwise_plan, make_train_step
+from train.training.forward import blockwise_plan
+from train.training.step import make_train_step
 
 __all__ = ["explain_experiment", "explain_experiment_communication", "explain_experiment_loss",
            "explain_experiment_state"]

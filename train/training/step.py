@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import precision
 from precision.stored import ACCUM_STREAM, step_key
 from train.parallel.distributed import Layout, to_host
-from train.training.forward import blockwise, blockwise_plan, forward_and_loss, mode, split_fp8  # noqa: F401
+from train.training.forward import blockwise, forward_and_loss, mode, split_fp8
 from train.training.state import ScaledGrads, TrainState
 from train.data.model_inputs import call_arguments
 from train.training.tasks import Task, cross_entropy, get_task  # noqa: F401 - cross_entropy re-exported
