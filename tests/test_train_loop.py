@@ -261,6 +261,38 @@ def test_a_huge_model_says_so_before_tracing_and_ctrl_c_stops_it_at_once(tmp_pat
     assert code == 130 and seconds < 10 and err.strip() == "interrupted" and "Traceback" not in err
 
 
+def test_an_error_that_follows_a_ctrl_c_is_the_interruption_not_a_config_error(monkeypatch, capsys):
+    """CI, 2026-11-28: a press that landed inside the model's trace came out as the model check's
+    error (exit 2, 'error: model ... raised'); after a press, whatever a check says is the press."""
+    import os
+    import signal
+    import time
+
+    import train.experiment.loop as loop
+    from train.cli import main
+    from train.config import ConfigError
+
+    def press_inside_a_trace(config):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        except KeyboardInterrupt as e:  # what JAX and the model checks may make of it
+            raise ConfigError(f"model 'mlp' raised {type(e).__name__}") from None
+        raise AssertionError("the press was not raised")
+
+    monkeypatch.setattr(loop, "check_experiment", press_inside_a_trace)
+    assert main(["configs/default.yaml", "--check"]) == 130
+    assert capsys.readouterr().err.strip() == "interrupted"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+    def not_pressed(config):
+        raise ConfigError("model 'mlp' has no parameters")
+
+    monkeypatch.setattr(loop, "check_experiment", not_pressed)
+    assert main(["configs/default.yaml", "--check"]) == 2
+    assert capsys.readouterr().err == "error: configs/default.yaml: model 'mlp' has no parameters\n"
+
+
 def test_a_ctrl_c_while_training_is_noted_and_raised_between_device_calls():
     """Raised wherever Python happened to be, a Ctrl-C that lands in JAX's garbage-collection
     callback is 'exception ignored' and the run trains on (seen: 1 in 7 presses on a loaded

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Callable
 
 import yaml
 
@@ -78,14 +79,18 @@ def _parser() -> argparse.ArgumentParser:
 
 class _Origin(str):
     """The config file's path; called with an error about the config, the error after where
-    the key it names was set (the file, or the override on the command line)."""
+    the key it names was set (the file, or the override on the command line). An error that
+    follows a Ctrl-C is the interruption (``KeyboardInterrupt``), whatever it says."""
 
-    def __new__(cls, path: str, overrides: list[str]):
+    def __new__(cls, path: str, overrides: list[str], pressed: Callable[[], bool] = lambda: False):
         origin = super().__new__(cls, path)
         origin.overrides = list(overrides)
+        origin.pressed = pressed
         return origin
 
     def __call__(self, error: Exception) -> str:
+        if self.pressed():
+            raise KeyboardInterrupt from None
         return with_origin(str(error), str(self), self.overrides)
 
 
@@ -96,14 +101,23 @@ def _fail(message: str, code: int, prefix: str = "error: ") -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Parses the command line, runs the experiment, returns the exit status (see :func:`_main`).
-    A Ctrl-C is never lost to a garbage-collection callback (:mod:`train.experiment.interrupts`)."""
+    A Ctrl-C is never lost to a garbage-collection callback (:mod:`train.experiment.interrupts`),
+    and an error that follows one (JAX may turn an interrupt inside a trace into an error of its
+    own, which the model checks then report as the model's) is reported as the interruption."""
     from train.experiment.interrupts import reliable_interrupts
 
-    with reliable_interrupts():
-        return _main(argv)
+    with reliable_interrupts() as pressed:
+        try:
+            return _main(argv, pressed)
+        except KeyboardInterrupt:  # while looking at a config (--explain, --check, ...): nothing to save
+            return _fail("interrupted", 130, prefix="")
+        except Exception:
+            if pressed():
+                return _fail("interrupted", 130, prefix="")
+            raise
 
 
-def _main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str] | None = None, pressed: Callable[[], bool] = lambda: False) -> int:
     """Parses the command line, runs the experiment, returns the exit status.
 
     Exit status: 0 done, 2 bad config or data (nothing was computed), 1
@@ -135,7 +149,7 @@ def _main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
         return 0
-    path = _Origin(args.config, args.overrides)  # where a key named by an error was set
+    path = _Origin(args.config, args.overrides, pressed)  # where a key named by an error was set
     if args.compile_for is not None:
         return _compile_for(path, config, args.compile_for, args.devices)
     if args.devices is not None:
@@ -159,6 +173,8 @@ def _main(argv: list[str] | None = None) -> int:
     try:
         run(config)
     except (ConfigError, DataError) as e:
+        if pressed():  # the press, turned into an error by the trace it landed in
+            return _stopped(config, "interrupted", 130, prefix="")
         return _fail(path(e), 2)
     except NonFiniteError as e:
         return _stopped(config, str(e), 1)

@@ -7,7 +7,10 @@ tracing, compiling or training goes on as if nothing was pressed (1 press in 7
 during training, on a loaded machine). So:
 
 - :func:`reliable_interrupts` (the CLI, around everything): a press swallowed that
-  way (Python hands it to ``sys.unraisablehook``) is delivered again a moment later;
+  way (Python hands it to ``sys.unraisablehook``) is delivered again a moment later,
+  and the press is remembered: an error that follows it (JAX and the model checks
+  may turn an interrupt raised inside a trace into an error of their own) is the
+  press, not a fault of the config;
 - :func:`interrupts_between_calls` (the training loop): the first press is only
   noted and the loop raises it between device calls, where the newest state can
   be checkpointed; a second press raises at once.
@@ -49,15 +52,27 @@ def _swallowed_interrupts_redelivered() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def reliable_interrupts() -> Iterator[None]:
+def reliable_interrupts() -> Iterator[Callable[[], bool]]:
     """Within: Ctrl-C raises ``KeyboardInterrupt`` as usual, and one that lands where
     Python swallows exceptions (a gc or weakref callback) is raised again just after.
-    Outside the main thread: nothing changes."""
+    Yields a function that says whether Ctrl-C was pressed within. Outside the main
+    thread: nothing changes (and nothing is seen pressed)."""
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield lambda: False
         return
-    with _swallowed_interrupts_redelivered():
-        yield
+    pressed = [False]
+    previous = signal.getsignal(signal.SIGINT)
+
+    def press(signum, frame):
+        pressed[0] = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, press)
+    try:
+        with _swallowed_interrupts_redelivered():
+            yield lambda: pressed[0]
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @contextlib.contextmanager
