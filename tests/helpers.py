@@ -73,3 +73,14 @@ def tiny_fashion_mnist(directory: Path) -> Path:
 #: A short text for configs that read Shakespeare.
 TINY_TEXT = ("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings and "
              "arrows of outrageous fortune, or to take arms against a sea of troubles.\n") * 120
+
+
+def all_eqns(jaxpr):
+    """Every equation of ``jaxpr`` and of the programs inside it (scan, cond, custom_vjp, pjit...)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    yield from all_eqns(inner)

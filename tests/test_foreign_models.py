@@ -15,6 +15,7 @@ from flax import nnx
 
 import precision
 import train
+from helpers import all_eqns
 from foreign_models import EncoderDecoder, ScannedNNX, TiedNNX
 from helpers import assert_bitwise_equal, saved_leaves
 
@@ -167,14 +168,7 @@ def test_a_model_output_field_that_is_not_there_names_what_is(tmp_path):
 # ----------------------------------------------------------------------------- deny-listed ops in the backward pass
 
 
-def _eqns(jaxpr):
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for inner in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(inner, "jaxpr", inner)
-                if hasattr(inner, "eqns"):
-                    yield from _eqns(inner)
+_eqns = all_eqns
 
 
 @pytest.mark.parametrize("policy", ["mixed_bf16", "mixed_f16"])

@@ -87,8 +87,8 @@ def test_no_import_circles():
 
 #: train's packages (and top modules), bottom up: each imports only :mod:`precision` and the ones
 #: before it (docs/design.md). Models know nothing of precision; precision knows nothing of train.
-LAYERS = ("train.models", "train.references", "train.parallel", "train.data", "train.config", "train.weights",
-          "train.training", "train.tracking", "train.experiment", "train.inspections", "train.cli", "train.__main__")
+LAYERS = ("train.models", "train.references", "train.parallel", "train.data", "train.finetune", "train.config",
+          "train.weights", "train.training", "train.tracking", "train.experiment", "train.inspections", "train.cli", "train.__main__")
 
 
 def _layer(module: str) -> str:

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import traverse_util
 import pytest
 
 from helpers import saved_state
@@ -169,3 +170,28 @@ def test_hugging_face_weights_load_into_the_base_model_from_msgpack_and_safetens
     with pytest.raises(PretrainedError, match=r"none of the model's 1 params is in the Hugging Face weights .*: "
                                               r"the model has head/kernel, the checkpoint transformer/h/0/"):
         pretrained_variables(root / "hf", {"params": {"head": {"kernel": block["params"]["ln_1"]["scale"]}}}, fresh)
+
+
+def test_lora_on_a_hugging_face_gpt2_trains_its_adapters_on_the_frozen_pretrained_base(gpt2, tmp_path, caplog):
+    """Issue 56: qwix's adapters on a model written by someone else, its base from the checkpoint."""
+    root, trained = gpt2
+    model = {"name": "train.weights.huggingface:model", "path": str(root / "hf"), "output": "logits",
+             "init_from": str(root / "hf")}
+    out = io.StringIO()
+    with caplog.at_level(logging.WARNING, logger="train.weights.pretrained"):
+        tuned = run(from_dict({**QUICK, "steps": 8, "workdir": str(tmp_path / "lora"), "data": TEXT, "model": model,
+                               "finetune": {"lora": {"rank": 4}, "base": "bf16"}, **GPT2_TRAINING}), out=out)
+    assert not caplog.records  # the adapters are new by design: no warning about fresh arrays
+    assert "fine-tuning: LoRA adapters on 8 modules (transformer/h/0/attn/c_attn" in out.getvalue()
+    saved = saved_state(tmp_path / "lora")[1]["params"]
+    flat = {"/".join(k): v for k, v in traverse_util.flatten_dict(saved).items()}
+    base = {"/".join(k): v for k, v in traverse_util.flatten_dict(trained).items()}
+    kernel = "transformer/h/0/attn/c_attn/kernel"
+    assert flat[kernel].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(flat[kernel], np.float32),
+                                  np.asarray(jnp.asarray(base[kernel]).astype(jnp.bfloat16), np.float32))
+    assert np.abs(np.asarray(flat[kernel + "_lora_b"])).max() > 0  # the adapter trained
+    scratch = run(from_dict({**QUICK, "steps": 8, "workdir": str(tmp_path / "scratch"), "data": TEXT,
+                             "model": {k: v for k, v in model.items() if k != "init_from"}, **GPT2_TRAINING}),
+                  out=io.StringIO())
+    assert tuned["eval"]["loss"] < scratch["eval"]["loss"] - 0.5, (tuned["eval"], scratch["eval"])

@@ -2,7 +2,8 @@
 compute with one line naming the key.
 
 A config file is YAML with the sections ``model``, ``data``, ``optimizer``,
-``precision``, ``mesh``, ``distributed`` and ``tracker`` (:mod:`.tracker`) plus top-level run settings; every
+``precision``, ``mesh``, ``distributed``, ``tracker`` (:mod:`.tracker`) and ``finetune``
+(:mod:`.finetune`) plus top-level run settings; every
 field has a default, so a file only says what differs. ``python -m train --help``
 lists every field.
 
@@ -30,6 +31,7 @@ from train.config.optimizer import OptimizerConfig
 from train.config.fields import (CLASS_REFERENCE, FUNCTION_REFERENCE, INFERENCE_DTYPES, Count, DataName,
                                  InferenceDtype, ModelName, NonNegative, Number, Task, options_schema)
 from train.config.tracker import TrackerConfig
+from train.config.finetune import FinetuneConfig, LoraConfig
 from train.data import DATASETS
 from train.models import MODELS
 from train.references import is_reference
@@ -290,8 +292,10 @@ class ExperimentConfig(_Schema):
     mesh: MeshConfig = Field(default_factory=MeshConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     tracker: TrackerConfig = Field(default_factory=TrackerConfig)
+    finetune: FinetuneConfig = Field(default_factory=FinetuneConfig)
 
-    @field_validator("model", "data", "optimizer", "precision", "mesh", "distributed", "tracker", mode="before")
+    @field_validator("model", "data", "optimizer", "precision", "mesh", "distributed", "tracker", "finetune",
+                     mode="before")
     @classmethod
     def _empty_section(cls, section: Any) -> Any:
         return {} if section is None else section  # a section header with nothing under it
@@ -303,6 +307,7 @@ SECTIONS = {name: f.annotation for name, f in ExperimentConfig.model_fields.item
 for _key, _section in SECTIONS.items():
     _section.dotted_key = _key
 Fp8Config.dotted_key = "precision.fp8"
+LoraConfig.dotted_key = "finetune.lora"
 
 
 # ----------------------------------------------------------------------------- the precision section's objects

@@ -32,6 +32,7 @@ from train.experiment.optimizers import build_optimizer, optimizer_from
 from train.experiment.names import Names, Resolved, resolve_data, resolve_model, resolve_names, resolve_task
 from train.references import UserCodeError, one_line
 from train.weights.pretrained import PretrainedError, checkpoint_steps
+from train.finetune import FineTune, FreezeError, LoRA
 from train.training.state import StateTooLarge, create_train_state
 from train.training.tasks import Task, builtin_task, user_task
 
@@ -236,7 +237,10 @@ def train_state_from(names: Names, config: Any, model: Any, data: Any, layout: A
             max_grad_norm=config.optimizer.max_grad_norm, skip_with=config.precision.skip_with, layout=layout,
             ops=config_lib.build_op_lists(config.precision), autocast=config.precision.autocast,
             strict=config.precision.strict, fp8=config.precision.fp8.options(),
-            reduce_dtype=config.precision.reduce_dtype, init_from=_init_from(config), memory=have)
+            reduce_dtype=config.precision.reduce_dtype, init_from=_init_from(config), memory=have,
+            finetune=finetune_from(config.finetune))
+    except FreezeError as e:  # its message names the key
+        raise ConfigError(str(e)) from None
     except StateTooLarge as e:
         raise ConfigError(f"model '{config.model.name}': its train state under {config.precision.policy} with "
                           f"{config.optimizer.name} needs {format_bytes(e.need)} ({e.parts()}), more than the "
@@ -251,6 +255,17 @@ def train_state_from(names: Names, config: Any, model: Any, data: Any, layout: A
         raise ConfigError(f"model '{config.model.name}' with {config.model.options or 'its defaults'} "
                           f"cannot be built: {str(e).removeprefix('create_train_state: ')}") from None
     return state, schedule
+
+
+def finetune_from(section: Any) -> FineTune | None:
+    """The :class:`train.FineTune` the ``finetune`` section describes (None: the run trains every param)."""
+    if not section.active:
+        return None
+    lora = section.lora
+    adapters = None if lora.rank is None else LoRA(rank=lora.rank, alpha=lora.alpha, targets=tuple(lora.targets),
+                                                   dropout=lora.dropout)
+    return FineTune(lora=adapters, freeze=None if section.freeze is None else tuple(section.freeze),
+                    base=section.base)
 
 
 def _init_from(config: Any) -> str | None:

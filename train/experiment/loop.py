@@ -43,6 +43,7 @@ from train.weights.pretrained import describe_init
 from train.training.state import TrainState, explain_model
 from train.training.step import evaluate, make_eval_step, make_multi_step, make_train_step
 from train.experiment.interrupts import interrupts_between_calls
+from train.finetune import finetune_note
 from train.tracking.tracker import NonFiniteError, TrackedRun, Tracker, format_summary, model_label
 from train.tracking.wandb_logger import check_wandb
 from train.experiment.workdir import RESUMABLE_CHANGES, check_same_experiment, check_writable, resolved_config  # noqa: F401
@@ -183,6 +184,8 @@ def _start_tracking(config: ExperimentConfig, state: TrainState, start: int, dat
     """The progress bar and the host-side bookkeeping; announces the run."""
     notes = _fp8_coverage(config, state, data)
     header = [*_data_notes(data), *notes, state_note(state, config.accum_steps)]
+    if (tuned := finetune_note(state.params, state.frozen)) is not None:
+        header.append(tuned)
     run = TrackedRun(config.model.name, config.precision.policy, config.steps, config.log_every,
                      config.max_nonfinite_steps, config.data.batch_size * config.accum_steps)
     primary = jax.process_index() == 0

@@ -16,12 +16,13 @@ import precision
 from train import config as config_lib
 from train.config import ExperimentConfig
 from train.training.binding import bind
-from train.experiment.builders import build_train_state
+from train.experiment.builders import build_train_state, finetune_from
 from train.parallel.communication import CommunicationReport, explain_communication
 from train.experiment.loop import accumulation_dtype, build_experiment, layout_of, state_note
 from train.training.state import explain_model
 from train.training.forward import blockwise_plan
 from train.training.step import make_train_step
+from train.finetune import finetune_model, finetune_note
 
 __all__ = ["explain_experiment", "explain_experiment_communication", "explain_experiment_loss",
            "explain_experiment_state"]
@@ -34,10 +35,12 @@ def explain_experiment(config: ExperimentConfig, experiment: tuple | None = None
     """The :class:`precision.Explanation` of the model ``config`` trains, on one
     training micro-batch, under its policy, rules and op lists."""
     data, _, model = experiment or build_experiment(config)
+    sample = data.sample_input(config.data.batch_size)
+    model = finetune_model(model, finetune_from(config.finetune), sample)  # its adapters explained too
     wrapped = bind(model, config.precision.policy, config.precision.rules,
                    ops=config_lib.build_op_lists(config.precision), autocast=config.precision.autocast,
                    fp8=config.precision.fp8.options())
-    return explain_model(wrapped, data.sample_input(config.data.batch_size), train=True, backward=True)
+    return explain_model(wrapped, sample, train=True, backward=True)
 
 
 def explain_experiment_communication(config: ExperimentConfig, experiment: tuple | None = None
@@ -67,6 +70,8 @@ def explain_experiment_state(config: ExperimentConfig, experiment: tuple | None 
 
     state = abstract_state(config.precision.policy)
     lines = [state_note(state, config.accum_steps)]
+    if (tuned := finetune_note(state.params, state.frozen)) is not None:
+        lines.append(tuned)
     for name in STATE_ALTERNATIVES:
         if precision.get_policy(name) != state.policy:
             other = abstract_state(name)

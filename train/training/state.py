@@ -13,11 +13,13 @@ from flax import struct
 import precision
 from precision.loss_scale import LossScale
 from train.parallel.distributed import Layout
-from train.training.binding import NNXModel, bind, call_mode_kwargs, cast_variables, mode_kwargs
-from train.data.model_inputs import call_arguments, call_with, describe_inputs
+from train.training.binding import NNXModel, bind, call_mode_kwargs, mode_kwargs
+from train.training.initial import initial_variables, sharded_jit
+from train.data.model_inputs import call_arguments, describe_inputs
 from train.references import one_line
-from train.weights.pretrained import pretrained_variables
 from train.training.tree_paths import leaf_shapes
+from train.finetune import FineTune, base_dtype, finetune_frozen, finetune_model, merge, param_paths, stored_frozen, \
+    trainable
 
 
 class TrainState(struct.PyTreeNode):
@@ -39,11 +41,19 @@ class TrainState(struct.PyTreeNode):
     model: Any = struct.field(pytree_node=False)  # precision.LinenWithPolicy or train.NNXModel
     tx: optax.GradientTransformation = struct.field(pytree_node=False)
     layout: Layout | None = struct.field(pytree_node=False, default=None)  # the mesh it was created on
+    #: Paths of the params that are not trained (:mod:`train.finetune`): no gradient, master or optimizer state.
+    frozen: frozenset = struct.field(pytree_node=False, default=frozenset())
 
     @property
     def policy(self) -> precision.Policy:
         """The model's precision policy."""
         return self.model.policy
+
+    @property
+    def trained_params(self) -> Any:
+        """``params`` with ``None`` in place of each frozen one: what gradients, masters and
+        the optimizer state cover (all of ``params`` when nothing is frozen)."""
+        return trainable(self.params, self.frozen)
 
     @property
     def loss_scale(self) -> LossScale:
@@ -101,14 +111,17 @@ class TrainState(struct.PyTreeNode):
         skip or update (float32 masters of half params), adjust the loss scale. ``step``
         counts every call, skipped or not, as :func:`train.make_train_step` does;
         ``kwargs`` replace fields (``model_state=``). ``grads`` are :class:`ScaledGrads`,
-        or under no loss scale (bfloat16, float32) a plain tree like ``state.params``."""
+        or under no loss scale (bfloat16, float32) a plain tree like ``state.params``;
+        with frozen params, like :attr:`trained_params` (``None`` where frozen)."""
         scaled = _scaled_grads(grads, self.loss_scale)
-        _check_grads_match(scaled.grads, self.params)
+        trained, grads = self.trained_params, scaled.grads
+        _check_no_frozen_grads(grads, self.frozen)
+        _check_grads_match(grads, trained)
         extra = {} if scaled.loss is None else {"value": scaled.loss}  # a non-finite loss skips the step too
         if scaled.sharded:
             extra["grads_sharded"] = True
-        updates, opt_state = self.tx.update(scaled.grads, self.opt_state, self.params, **extra)
-        return self.replace(step=self.step + 1, params=optax.apply_updates(self.params, updates),
+        updates, opt_state = self.tx.update(grads, self.opt_state, trained, **extra)
+        return self.replace(step=self.step + 1, params=merge(optax.apply_updates(trained, updates), self.params),
                             opt_state=opt_state, **kwargs)
 
 
@@ -139,6 +152,15 @@ def _scaled_grads(grads: Any, loss_scale: LossScale) -> ScaledGrads:
     return ScaledGrads(grads)
 
 
+def _check_no_frozen_grads(grads: Any, frozen: frozenset) -> None:
+    """A frozen param receives no update: gradients given for one are an error (checked while tracing)."""
+    given = [path for path in param_paths(grads) if path in frozen] if frozen else []
+    if given:
+        raise ValueError(f"TrainState.apply_gradients: `grads` hold gradients of {len(given)} frozen params (e.g. "
+                         f"{given[0]}), which are not trained: differentiate with respect to state.trained_params "
+                         f"(None where a param is frozen) and pass the frozen ones in through train.finetune.merge")
+
+
 def _check_grads_match(grads: Any, params: Any) -> None:
     """Gradients must have the params' paths and shapes (checked while tracing: no cost)."""
     want, got = leaf_shapes(params), leaf_shapes(grads)
@@ -155,7 +177,8 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
                        skip_with: str = "auto", layout: Layout | None = None, variables: Any = None,
                        ops: precision.OpLists | None = None, autocast: bool = True, strict: bool = False,
                        fp8: "precision.Fp8Options | dict | None" = None, reduce_dtype: Any = "auto",
-                       init_from: str | os.PathLike | None = None, memory: int | None = None) -> TrainState:
+                       init_from: str | os.PathLike | None = None, memory: int | None = None,
+                       finetune: FineTune | None = None) -> TrainState:
     """Initialises a model under ``policy`` and a mixed-precision optimizer around ``optimizer``.
 
     Args:
@@ -201,7 +224,12 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
         or checkpoint, or a Hugging Face Flax directory (:mod:`train.weights.pretrained`).
       memory: bytes the state and one step's gradients must fit in, checked from their shapes
         and dtypes before the optimizer state is allocated (:class:`StateTooLarge`).
+      finetune: :class:`train.FineTune`: LoRA adapters added to ``model`` (qwix) and params
+        frozen (no gradient, master or optimizer state; stored in ``finetune.base``); see
+        ``docs/fine-tuning.md``. :class:`train.finetune.FreezeError` for a setting that does
+        not apply to the model.
     """
+    model = finetune_model(model, finetune, sample_input)
     try:
         wrapped = bind(model, policy, rules, ops=ops, autocast=autocast, fp8=fp8,
                        reduce_dtype=_reduce_dtype(reduce_dtype, layout, model, autocast))
@@ -212,49 +240,16 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
         rng = jax.random.key_data(rng)
     rng, params_key, dropout_key = jax.random.split(rng, 3)
     keys = {"params": params_key, "dropout": dropout_key}
-    mode = mode_kwargs(wrapped, False)
-    if init_from is not None:
-        variables = _pretrained(wrapped, keys, sample_input, mode, init_from, variables)
-    if variables is None:
-        variables = _sharded_jit(_init(wrapped, mode), layout)(keys, sample_input)
-    else:
-        variables = _given_variables(wrapped, keys, sample_input, mode, variables)
-    params = variables["params"]
+    variables = initial_variables(wrapped, keys, sample_input, variables, init_from, layout)
+    frozen = finetune_frozen(variables["params"], finetune)
+    params = stored_frozen(variables["params"], frozen, base_dtype(finetune))
+    trained = trainable(params, frozen)
     model_state = {k: v for k, v in variables.items() if k != "params"}
-    tx = _mixed_precision_optimizer(optimizer, params, wrapped.policy, loss_scale, max_grad_norm, skip_with)
-    _check_state(wrapped, params, jax.eval_shape(tx.init, params), memory)
-    state = TrainState(step=jnp.zeros([], jnp.int32), params=params, opt_state=_sharded_jit(tx.init, layout)(params),
-                       model_state=model_state, rng=rng, model=wrapped, tx=tx, layout=layout)
+    tx = _mixed_precision_optimizer(optimizer, trained, wrapped.policy, loss_scale, max_grad_norm, skip_with)
+    _check_state(wrapped, params, trained, jax.eval_shape(tx.init, trained), memory)
+    state = TrainState(step=jnp.zeros([], jnp.int32), params=params, opt_state=sharded_jit(tx.init, layout)(trained),
+                       model_state=model_state, rng=rng, model=wrapped, tx=tx, layout=layout, frozen=frozen)
     return state if layout is None else layout.put_state(state)
-
-
-def _given_variables(wrapped: Any, keys: dict, sample_input: Any, mode: dict, variables: Any) -> dict:
-    """``variables`` checked against the model's and cast to its policy (fp8 histories started empty)."""
-    expected = jax.eval_shape(_init(wrapped, mode), keys, sample_input)
-    if precision.FP8_COLLECTION in expected and precision.FP8_COLLECTION not in variables:  # start them empty
-        zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), expected[precision.FP8_COLLECTION])
-        variables = {**variables, precision.FP8_COLLECTION: zeros}
-    _check_variables(variables, expected)
-    given = {id(x) for x in jax.tree_util.tree_leaves(variables)}
-    args, kwargs = call_arguments(sample_input)
-    cast = cast_variables(wrapped, dict(variables), *args, **kwargs, **mode)
-    # the state owns its buffers: the train step donates them, and the caller's (two policies
-    # compared from one init) must outlive it
-    return jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True) if id(x) in given else x, cast)
-
-
-def _init(wrapped: Any, mode: dict) -> Any:
-    """``init(keys, inputs)`` of the bound model, the inputs one array or several
-    (:mod:`train.data.model_inputs`)."""
-    return lambda keys, inputs: call_with(wrapped.init, inputs, keys, **mode)
-
-
-def _pretrained(wrapped: Any, keys: dict, sample_input: Any, mode: dict, init_from: Any, variables: Any) -> dict:
-    """The variables ``init_from`` holds for ``wrapped``, with its fresh init where it has none."""
-    if variables is not None:
-        raise ValueError("create_train_state: give `variables` or `init_from`, not both")
-    init = jax.jit(_init(wrapped, mode))
-    return pretrained_variables(init_from, jax.eval_shape(init, keys, sample_input), lambda: init(keys, sample_input))
 
 
 def _reduce_dtype(reduce_dtype: Any, layout: Layout | None, model: Any, autocast: bool) -> Any:
@@ -300,15 +295,6 @@ def _model_name(wrapped: Any) -> str:
     return module.__name__ if isinstance(module, type) else type(module).__name__
 
 
-def _check_variables(given: Any, expected: Any) -> None:
-    """Given variables must have the paths and shapes the model creates."""
-    want, got = leaf_shapes(dict(expected)), leaf_shapes(dict(given))
-    for path in sorted(set(want) | set(got)):
-        if want.get(path) != got.get(path):
-            raise ValueError(f"create_train_state: `variables` do not match the model at {path}: the model has "
-                             f"{want.get(path, 'nothing')}, the variables have {got.get(path, 'nothing')}")
-
-
 class StateTooLarge(ValueError):
     """The train state would not fit in the memory :func:`create_train_state` was given."""
 
@@ -323,32 +309,20 @@ class StateTooLarge(ValueError):
         return f"{self.per_param['total']:.3g} bytes/param: {parts}"
 
 
-def _check_state(wrapped: Any, params: Any, opt_state: Any, memory: int | None) -> None:
-    """The reduce dtype fits the loss scale; the state and one step's gradients fit in ``memory``
-    (else :class:`StateTooLarge`)."""
+def _check_state(wrapped: Any, params: Any, trained: Any, opt_state: Any, memory: int | None) -> None:
+    """The reduce dtype fits the loss scale; the state and one step's gradients (of the
+    ``trained`` params) fit in ``memory`` (else :class:`StateTooLarge`)."""
     _check_reduce_dtype(wrapped, precision.current_loss_scale(opt_state))
     if not memory:
         return
     per_param = precision.state_bytes(params, opt_state)
     count = sum(x.size for x in jax.tree_util.tree_leaves(params)) or 1
-    gradients = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params)) / count  # params' dtypes
+    gradients = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(trained)) / count  # params' dtypes
     per_param = {**{k: v for k, v in per_param.items() if k != "total"}, "gradients": gradients,
                  "total": per_param["total"] + gradients}
     need = int(per_param["total"] * count)
     if need > memory:
         raise StateTooLarge(need, memory, per_param)
-
-
-def _sharded_jit(fn, layout: Layout | None):
-    """``jax.jit(fn)``, with outputs born in their layout's sharding."""
-    if layout is None:
-        return jax.jit(fn)
-
-    def call(*args):
-        shardings = layout.state(jax.eval_shape(fn, *args))
-        return jax.jit(fn, out_shardings=shardings)(*args)
-
-    return call
 
 
 def _mixed_precision_optimizer(optimizer, params, policy, loss_scale, max_grad_norm, skip_with):

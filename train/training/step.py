@@ -20,6 +20,7 @@ import precision
 from precision.stored import ACCUM_STREAM, step_key
 from train.parallel.distributed import Layout, to_host
 from train.training.forward import blockwise, forward_and_loss, mode, split_fp8
+from train.finetune import merge
 from train.training.state import ScaledGrads, TrainState
 from train.data.model_inputs import call_arguments
 from train.training.tasks import Task, cross_entropy, get_task  # noqa: F401 - cross_entropy re-exported
@@ -181,9 +182,12 @@ def _gradients(loss_fn: Callable, state: TrainState, batch: dict, rng: jax.Array
     dtypes = _gather_dtypes(lambda p: loss_fn(p, fp8_state, model_state, batch, rng, state, loss_scale)[0],
                             state.params, layout)
     loss_fn = functools.partial(loss_fn, gather_dtypes=dtypes)
+    if state.frozen:  # differentiated with respect to the trained params only: frozen ones get no gradient
+        loss_fn = _on_trained(loss_fn, state.params)
+    trained = state.trained_params
     grad_fn = jax.grad(loss_fn, argnums=(0, 1), has_aux=True)
     if accum_steps == 1:
-        (grads, new_fp8), (loss, metrics, model_state) = grad_fn(state.params, fp8_state, model_state, batch, rng,
+        (grads, new_fp8), (loss, metrics, model_state) = grad_fn(trained, fp8_state, model_state, batch, rng,
                                                                  state, loss_scale)
         return grads, new_fp8, loss, metrics, model_state
     leading = jax.tree_util.tree_leaves(batch)[0].shape[0]
@@ -197,23 +201,31 @@ def _gradients(loss_fn: Callable, state: TrainState, batch: dict, rng: jax.Array
     def body(carry, xs):
         grads_sum, fp8_max, model_state, sums = carry
         mb, i = xs
-        (grads, new_fp8), (loss, metrics, model_state) = grad_fn(state.params, fp8_state, model_state, mb,
+        (grads, new_fp8), (loss, metrics, model_state) = grad_fn(trained, fp8_state, model_state, mb,
                                                                  jax.random.fold_in(rng, i), state, loss_scale)
         grads_sum = precision.accumulate(grads_sum, grads, step_key(state.step, i, ACCUM_STREAM))
         fp8_max = None if fp8_max is None else precision.combine_fp8_states(fp8_max, new_fp8)
         return (grads_sum, fp8_max, model_state, jax.tree_util.tree_map(jnp.add, sums, (loss, metrics))), None
 
     accum_dtype = state.policy.accum_dtype or jnp.float32
-    zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, accum_dtype), state.params)
+    zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, accum_dtype), trained)
     first = jax.tree_util.tree_map(lambda x: x[0], micro)
     # The forward pass alone gives the shapes of the loss and metrics to sum (no backward trace).
-    shapes = jax.eval_shape(lambda: loss_fn(state.params, fp8_state, model_state, first, rng, state, loss_scale))
+    shapes = jax.eval_shape(lambda: loss_fn(trained, fp8_state, model_state, first, rng, state, loss_scale))
     sums = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes[1][:2])
     fp8_zeros = None if fp8_state is None else jax.tree_util.tree_map(jnp.zeros_like, fp8_state)
     (grads, new_fp8, model_state, (loss, metrics)), _ = jax.lax.scan(
         body, (zeros, fp8_zeros, model_state, sums), (micro, jnp.arange(accum_steps)))
     mean = lambda tree: jax.tree_util.tree_map(lambda x: x.astype(jnp.float32) / accum_steps, tree)  # noqa: E731
     return mean(grads), new_fp8, mean(loss), mean(metrics), model_state
+
+
+def _on_trained(loss_fn: Callable, params: Any) -> Callable:
+    """``loss_fn`` taking the trained params (``None`` where frozen), the frozen ones from ``params``."""
+    def on_trained(trained: Any, *args: Any, **kwargs: Any) -> Any:
+        return loss_fn(merge(trained, params), *args, **kwargs)
+
+    return on_trained
 
 
 def _optimizer_metrics(loss_scale: Any, opt_state: Any) -> Metrics:

@@ -33,6 +33,7 @@ import numpy as np
 from flax import traverse_util
 
 import precision
+from train.finetune.lora import ADAPTER_SUFFIXES
 from train.weights.huggingface import WEIGHT_FILES, read_weights
 
 __all__ = ["PretrainedError", "checkpoint_steps", "describe_init", "find_pretrained",
@@ -241,7 +242,10 @@ def pretrained_variables(init_from: str | os.PathLike, expected: dict, fresh: Ca
         initial = {c: traverse_util.flatten_dict(dict(v)) for c, v in fresh().items()}
         for collection, path in new:
             out[collection][path] = initial[collection][path]
-        _report(new, f"of the model are not in {source} and start from their fresh init")
+        # LoRA's adapters are new by design (B starts at zero: the adapted model is the base); not worth a warning
+        new = [(c, p) for c, p in new if not str(p[-1]).endswith(ADAPTER_SUFFIXES)]
+        if new:
+            _report(new, f"of the model are not in {source} and start from their fresh init")
     unused = [(c, p) for c, leaves in have.items() for p in leaves if (c, p) not in used]
     if unused:
         _report(unused, f"of {source} are not used by the model")

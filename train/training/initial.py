@@ -1,0 +1,82 @@
+"""Where a train state's first variables come from: the model's fresh init (created in
+their sharding), variables given (checked and cast to the policy), or pretrained weights
+(:mod:`train.weights.pretrained`, the fresh init where they have none)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import precision
+from train.data.model_inputs import call_arguments, call_with
+from train.parallel.distributed import Layout
+from train.training.binding import cast_variables, mode_kwargs
+from train.training.tree_paths import leaf_shapes
+from train.weights.pretrained import pretrained_variables
+
+__all__ = ["initial_variables", "sharded_jit"]
+
+
+def initial_variables(wrapped: Any, keys: dict, sample_input: Any, variables: Any,
+                      init_from: str | os.PathLike | None, layout: Layout | None) -> dict:
+    """The variables a state of the bound model ``wrapped`` starts from: ``init_from``'s
+    weights, else ``variables`` (checked, cast to the policy), else its init with ``keys``."""
+    mode = mode_kwargs(wrapped, False)
+    if init_from is not None:
+        variables = _pretrained(wrapped, keys, sample_input, mode, init_from, variables)
+    if variables is None:
+        return sharded_jit(_init(wrapped, mode), layout)(keys, sample_input)
+    return _given_variables(wrapped, keys, sample_input, mode, variables)
+
+
+def _given_variables(wrapped: Any, keys: dict, sample_input: Any, mode: dict, variables: Any) -> dict:
+    """``variables`` checked against the model's and cast to its policy (fp8 histories started empty)."""
+    expected = jax.eval_shape(_init(wrapped, mode), keys, sample_input)
+    if precision.FP8_COLLECTION in expected and precision.FP8_COLLECTION not in variables:  # start them empty
+        zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), expected[precision.FP8_COLLECTION])
+        variables = {**variables, precision.FP8_COLLECTION: zeros}
+    _check_variables(variables, expected)
+    given = {id(x) for x in jax.tree_util.tree_leaves(variables)}
+    args, kwargs = call_arguments(sample_input)
+    cast = cast_variables(wrapped, dict(variables), *args, **kwargs, **mode)
+    # the state owns its buffers: the train step donates them, and the caller's (two policies
+    # compared from one init) must outlive it
+    return jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True) if id(x) in given else x, cast)
+
+
+def _init(wrapped: Any, mode: dict) -> Any:
+    """``init(keys, inputs)`` of the bound model, the inputs one array or several
+    (:mod:`train.data.model_inputs`)."""
+    return lambda keys, inputs: call_with(wrapped.init, inputs, keys, **mode)
+
+
+def _pretrained(wrapped: Any, keys: dict, sample_input: Any, mode: dict, init_from: Any, variables: Any) -> dict:
+    """The variables ``init_from`` holds for ``wrapped``, with its fresh init where it has none."""
+    if variables is not None:
+        raise ValueError("create_train_state: give `variables` or `init_from`, not both")
+    init = jax.jit(_init(wrapped, mode))
+    return pretrained_variables(init_from, jax.eval_shape(init, keys, sample_input), lambda: init(keys, sample_input))
+
+
+def _check_variables(given: Any, expected: Any) -> None:
+    """Given variables must have the paths and shapes the model creates."""
+    want, got = leaf_shapes(dict(expected)), leaf_shapes(dict(given))
+    for path in sorted(set(want) | set(got)):
+        if want.get(path) != got.get(path):
+            raise ValueError(f"create_train_state: `variables` do not match the model at {path}: the model has "
+                             f"{want.get(path, 'nothing')}, the variables have {got.get(path, 'nothing')}")
+
+
+def sharded_jit(fn: Any, layout: Layout | None) -> Any:
+    """``jax.jit(fn)``, with outputs born in their layout's sharding."""
+    if layout is None:
+        return jax.jit(fn)
+
+    def call(*args):
+        shardings = layout.state(jax.eval_shape(fn, *args))
+        return jax.jit(fn, out_shardings=shardings)(*args)
+
+    return call
