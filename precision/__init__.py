@@ -58,6 +58,7 @@ from precision.pick import Candidate, Measurement, PolicyPick, pick_policy
 from precision.stored import accumulate, stochastic_round, stored_in
 from precision.losses import cross_entropy
 from precision.blockwise import Plan as BlockwisePlan, blockwise_loss, plan as plan_blockwise_loss
+from precision.quantized_weights import QuantizedWeight, dequantized, quantize_weight
 
 __version__ = "0.1.0"
 
@@ -78,6 +79,7 @@ __all__ = (
     "accumulate", "state_bytes", "stochastic_round", "stored_in",
     "Candidate", "Measurement", "PolicyPick", "pick_policy",
     "BlockwisePlan", "blockwise_loss", "cross_entropy", "plan_blockwise_loss",
+    "QuantizedWeight", "dequantized", "quantize_weight",
 )
 
 # Before the autocast package, its modules lived at the top level: their import paths

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from precision.optim import find_mixed_precision_state
+from precision.quantized_weights import is_quantized, logical_size
 
 __all__ = ["state_bytes"]
 
@@ -27,7 +28,7 @@ def state_bytes(params: Any, opt_state: Any, accumulation: Any = None) -> dict[s
     ``accum_dtype``, float32 when None), when a step accumulates: adds an
     ``accumulation`` part, a buffer the size of the params that lives during the step
     and is counted in ``total``."""
-    count = sum(int(np.prod(np.shape(x), dtype=np.int64)) for x in jax.tree_util.tree_leaves(params)) or 1
+    count = sum(logical_size(x) for x in jax.tree_util.tree_leaves(params, is_leaf=is_quantized)) or 1
     mp = find_mixed_precision_state(opt_state)
     parts = {"params": _nbytes(params), "masters": _nbytes((mp.master_params, mp.stored_masters)),
              "optimizer": _nbytes(mp.inner_state)}

@@ -18,15 +18,15 @@ import precision
 import train
 from helpers import all_eqns, assert_bitwise_equal, saved_leaves
 from train.config import ConfigError, from_dict, load_config
-from train.finetune import FineTune, FreezeError, LoRA, merge, param_paths
+from train.finetune import FineTune, FreezeError, LoRA, merge, param_leaves, param_paths
 from train.models import GPT
 
 TOKENS = jnp.zeros((2, 16), jnp.int32)
 QUICK = {"progress": False, "inference_dtypes": [], "log_every": 5, "checkpoint_every": 0}
 
 
-def _gpt():
-    return GPT(vocab_size=64, block_size=16, num_layers=2, num_heads=2, d_model=32)
+def _gpt(d_model=32):
+    return GPT(vocab_size=64, block_size=16, num_layers=2, num_heads=2, d_model=d_model)
 
 
 def _text_batch(seed=0):
@@ -40,7 +40,7 @@ def _state(policy="mixed_bf16", finetune=FineTune(lora=LoRA(rank=4), base="bf16"
 
 
 def _leaves(tree):
-    return dict(zip(param_paths(tree), jax.tree_util.tree_leaves(tree)))
+    return param_leaves(tree)
 
 
 def _float_bytes(tree):
@@ -163,7 +163,7 @@ def test_gradients_given_for_a_frozen_param_are_refused_and_trained_ones_apply()
                                            r"\(paths such as .*\); its modules: .*block_0/attn/qkv"),
     (FineTune(freeze=(".*",)), r"every param of the model is frozen"),
     (FineTune(base="bf16"), r"finetune.base=bf16 stores frozen params, and nothing is frozen"),
-    (FineTune(lora=LoRA(rank=2), base="int3"), r"finetune.base: 'int3'; valid: f32, bf16, f16"),
+    (FineTune(lora=LoRA(rank=2), base="int3"), r"finetune.base: 'int3'; valid: f32, bf16, f16, int8, nf4"),
 ])
 def test_bad_fine_tuning_settings_are_one_line_errors(finetune, message):
     with pytest.raises(FreezeError, match=message) as e:
@@ -187,14 +187,53 @@ def test_the_default_experiment_fine_tuned_with_lora_keeps_its_accuracy_in_under
     assert tuned["eval"]["accuracy"] >= base["eval"]["accuracy"] - 0.01, (tuned["eval"], base["eval"])
 
 
-def test_a_lora_run_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("base, most", [("int8", 1.6), ("nf4", 1.2)])
+def test_qlora_a_base_in_codes_trains_its_adapters_and_reads_the_weights_it_stores(base, most):
+    state = _state("mixed_bf16", FineTune(lora=LoRA(rank=4), base=base), model=_gpt(d_model=64))  # 64 x 192 qkv
+    kernel = _leaves(state.params)["block_0/attn/qkv/kernel"]
+    assert isinstance(kernel, precision.QuantizedWeight) and kernel.code == base
+    codes = np.asarray(kernel.codes)  # the step donates the state's buffers
+    assert str(_leaves(state.params)["block_0/LayerNorm_0/scale"].dtype) == "bfloat16"  # small: 16 bits
+    assert precision.state_bytes(state.params, state.opt_state)["params"] < most
+    step = train.make_train_step()
+    losses = []
+    for _ in range(6):
+        state, metrics = step(state, _text_batch())
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0] - 0.3, losses
+    after = _leaves(state.params)["block_0/attn/qkv/kernel"]
+    np.testing.assert_array_equal(after.codes, codes)
+    # the model reads what is stored: the base's output is that of its dequantized weights
+    plain = state.replace(params=precision.dequantized(state.params), frozen=frozenset())
+    evaluate = train.make_eval_step(task="language_model")
+    ours, dequantized = evaluate(state, _text_batch(1)), evaluate(plain, _text_batch(1))
+    assert set(ours) == set(dequantized) and len(ours) > 1
+    for key in ours:
+        np.testing.assert_allclose(ours[key], dequantized[key], rtol=1e-4, err_msg=key)  # fusion order only
+
+
+def test_the_default_experiment_with_qlora_on_an_nf4_base_in_under_one_and_a_half_bytes_per_param(tmp_path):
+    base = train.run(load_config("configs/default.yaml", [f"workdir={tmp_path / 'base'}", "steps=300",
+                                                          "progress=false", "inference_dtypes=[]"]), out=io.StringIO())
+    out = io.StringIO()
+    tuned = train.run(load_config("configs/default.yaml", [
+        f"workdir={tmp_path / 'tuned'}", "steps=300", "progress=false", "inference_dtypes=[]",
+        f"model.init_from={tmp_path / 'base'}", "finetune.lora.rank=4", "finetune.base=nf4"]), out=out)
+    per_param = float(out.getvalue().split("train state: ")[1].split(" bytes/param")[0])
+    assert per_param <= 1.5, out.getvalue()
+    assert "nf4 codes with no gradient, master or optimizer state" in out.getvalue()
+    assert tuned["eval"]["accuracy"] >= base["eval"]["accuracy"] - 0.01, (tuned["eval"], base["eval"])
+
+
+@pytest.mark.parametrize("base", ["bf16", "nf4"])
+def test_a_lora_run_resumes_exactly(tmp_path, base):
     def config(workdir, steps):
         return from_dict({**QUICK, "steps": steps, "workdir": str(workdir), "checkpoint_every": 10,
-                          "model": {"name": "mlp", "hidden": [16]},
-                          "data": {"name": "synthetic", "input_shape": [8], "num_classes": 4, "num_train": 256,
+                          "model": {"name": "mlp", "hidden": [128]},  # a 64 x 128 kernel: nf4 codes
+                          "data": {"name": "synthetic", "input_shape": [64], "num_classes": 4, "num_train": 256,
                                    "num_test": 64, "batch_size": 16},
                           "precision": {"policy": "mixed_f16"},
-                          "finetune": {"lora": {"rank": 2}, "base": "bf16"}})
+                          "finetune": {"lora": {"rank": 2}, "base": base}})
 
     train.run(config(tmp_path / "straight", 20), out=io.StringIO())
     train.run(config(tmp_path / "resumed", 10), out=io.StringIO())
@@ -205,7 +244,7 @@ def test_a_lora_run_resumes_exactly(tmp_path):
 def test_bad_finetune_keys_fail_in_one_line_naming_the_key():
     with pytest.raises(ConfigError, match=r"^finetune.lora.rank must be >= 1, got 0$"):
         from_dict({"finetune": {"lora": {"rank": 0}}})
-    with pytest.raises(ConfigError, match=r"^finetune.base: unknown value 'nf5'; valid: f32, bf16, f16"):
+    with pytest.raises(ConfigError, match=r"^finetune.base: unknown value 'nf5'; valid: f32, bf16, f16, int8, nf4"):
         from_dict({"finetune": {"base": "nf5"}})
     with pytest.raises(ConfigError, match=r"finetune.freeze: '\[' is not a regular expression"):
         from_dict({"finetune": {"freeze": ["["]}})

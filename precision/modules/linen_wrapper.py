@@ -19,6 +19,7 @@ from precision.autocast.regions import compute_in, in_module
 from precision.modules.common import (Compute, cast_by_path, check_needs_autocast, cast_like, compute_of, map_params, resolve, split_fp8,
                                       uses_fp8, vals_in, vals_like)
 from precision.policy import Policy, _cast_floating
+from precision.quantized_weights import dequantized
 from precision.rules import Resolver, Rule, class_names_of
 
 __all__ = ["LinenWithPolicy"]
@@ -118,11 +119,13 @@ class LinenWithPolicy:
                      **kwargs: Any) -> Any:
         """:meth:`apply` that also appends autocast's decisions to ``log`` (for explain).
 
+        Weights stored in 8 or 4 bits (:class:`precision.QuantizedWeight`, a fine-tuned
+        model's frozen base) are read as floating ones, dequantized in the traced program.
         The ``"fp8"`` collection (amax histories) is read by the FP8 matmuls, not
         by the module; it is returned unchanged when ``mutable`` names it (its
         new value is its gradient, see :mod:`precision.fp8`).
         """
-        fp8_state, variables, module_mutable = split_fp8(variables, mutable)
+        fp8_state, variables, module_mutable = split_fp8(dequantized(variables), mutable)  # 8/4-bit weights read
         if self._classes is None:
             self._record_structure(variables, *args, rngs=rngs, method=method, mutable=module_mutable, **kwargs)
         resolve = self._resolver()

@@ -44,8 +44,9 @@ class FinetuneConfig(Section):
     freeze: list[str] | None = Field(None, description="regular expressions (searched) of param paths not "
                                                        "trained: no gradient, master or optimizer state; null: with "
                                                        "LoRA every param but the adapters, without it none")
-    base: Literal["f32", "bf16", "f16"] | None = Field(None, description="dtype the frozen params are stored in: f32, bf16 or f16 "
-                                                                         "(null: the policy's param dtype)")
+    base: Literal["f32", "bf16", "f16", "int8", "nf4"] | None = Field(
+        None, description="how frozen params are stored: f32, bf16, f16, or int8 / nf4 (weight matrices in 8-bit / "
+                          "4-bit codes in blocks of 64, QLoRA's base; the rest in bf16); null: the policy's param dtype")
 
     @field_validator("freeze")
     @classmethod

@@ -7,11 +7,11 @@
 May import :mod:`train.data` (a model's sample inputs) and qwix; nothing else of ``train``.
 """
 
-from train.finetune.frozen import FreezeError, frozen_paths, merge, param_paths, stored_frozen, trainable
+from train.finetune.frozen import FreezeError, frozen_paths, merge, param_leaves, param_paths, stored_frozen, trainable
 from train.finetune.lora import LoRA, adapted_modules, is_adapter, with_lora
 from train.finetune.spec import BASE_DTYPES, FineTune, base_dtype, finetune_frozen, finetune_model, \
     finetune_note
 
 __all__ = ["FineTune", "LoRA", "FreezeError", "BASE_DTYPES", "with_lora", "is_adapter", "adapted_modules",
-           "frozen_paths", "param_paths", "trainable", "merge", "stored_frozen", "base_dtype", "finetune_frozen",
+           "frozen_paths", "param_leaves", "param_paths", "trainable", "merge", "stored_frozen", "base_dtype", "finetune_frozen",
            "finetune_model", "finetune_note"]

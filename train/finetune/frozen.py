@@ -23,7 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["param_path", "param_paths", "frozen_paths", "trainable", "merge", "stored_frozen", "FreezeError"]
+from precision.quantized_weights import CODES, is_quantized, quantizable, quantize_weight
+
+__all__ = ["param_path", "param_paths", "param_leaves", "frozen_paths", "trainable", "merge", "stored_frozen",
+           "FreezeError"]
 
 
 class FreezeError(ValueError):
@@ -36,8 +39,14 @@ def param_path(path: Sequence[Any]) -> str:
 
 
 def param_paths(params: Any) -> list[str]:
-    """The paths of every leaf of ``params``, in ``tree_leaves`` order."""
-    return [param_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+    """The paths of every param of ``params``, in ``tree_leaves`` order (a weight stored in
+    codes, :class:`precision.QuantizedWeight`, is one param)."""
+    return [param_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_quantized)]
+
+
+def param_leaves(params: Any) -> dict[str, Any]:
+    """``{path: param}``, a weight stored in codes as one param."""
+    return {param_path(p): x for p, x in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_quantized)}
 
 
 def frozen_paths(params: Any, freeze: Iterable[str], keep: Any = None) -> frozenset[str]:
@@ -74,26 +83,29 @@ def trainable(params: Any, frozen: frozenset[str]) -> Any:
     masters and optimizer state are made over."""
     if not frozen:
         return params
-    return jax.tree_util.tree_map_with_path(lambda p, x: None if param_path(p) in frozen else x, params)
+    return jax.tree_util.tree_map_with_path(lambda p, x: None if param_path(p) in frozen else x, params,
+                                            is_leaf=is_quantized)
 
 
 def merge(trained: Any, params: Any) -> Any:
     """``params`` with the leaves of ``trained`` (a :func:`trainable` tree) in their place:
     the frozen params unchanged, the trained ones new."""
     return jax.tree_util.tree_map(lambda t, p: p if t is None else t, trained, params,
-                                  is_leaf=lambda x: x is None)
+                                  is_leaf=lambda x: x is None or is_quantized(x))
 
 
 def stored_frozen(params: Any, frozen: frozenset[str], dtype: Any) -> Any:
-    """``params`` with each floating frozen param cast to ``dtype`` (its storage); the
-    trained ones unchanged. ``None``: unchanged."""
+    """``params`` with each floating frozen param stored as ``dtype`` says: a floating dtype,
+    or ``"int8"`` / ``"nf4"`` (:mod:`precision.quantized_weights`: weight matrices in codes,
+    the smaller ones in bfloat16); the trained ones unchanged. ``None``: unchanged."""
     if dtype is None or not frozen:
         return params
-    dtype = np.dtype(dtype)
+    code = dtype if isinstance(dtype, str) and dtype in CODES else None
+    floating = jnp.bfloat16 if code else np.dtype(dtype)
 
     def store(path, x):
-        if param_path(path) in frozen and jnp.issubdtype(x.dtype, jnp.floating):
-            return x.astype(dtype)
-        return x
+        if param_path(path) not in frozen or not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        return quantize_weight(x, code) if code and quantizable(x) else x.astype(floating)
 
     return jax.tree_util.tree_map_with_path(store, params)

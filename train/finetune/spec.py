@@ -2,27 +2,28 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
 
-from train.finetune.frozen import FreezeError, frozen_paths, param_paths
+from precision.quantized_weights import is_quantized, logical_size
+from train.finetune.frozen import FreezeError, frozen_paths, param_leaves
 from train.finetune.lora import LoRA, adapted_modules, check_targets, is_adapter, with_lora
 
 __all__ = ["FineTune", "BASE_DTYPES", "finetune_model", "finetune_frozen", "base_dtype", "finetune_note"]
 
-#: Storage of a frozen base, by name.
-BASE_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
+#: Storage of a frozen base, by name: a floating dtype, or 8-bit / 4-bit codes for its weight
+#: matrices (:mod:`precision.quantized_weights`; QLoRA's base), the smaller params in bfloat16.
+BASE_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16, "int8": "int8", "nf4": "nf4"}
 
 
 class FineTune(NamedTuple):
     """A fine-tuning: ``lora`` adapters (or None: the params themselves are trained),
     ``freeze``: regular expressions (``re.search``) of param paths that are not trained
     (None: with LoRA every param but the adapters, without it none), ``base``: the dtype
-    frozen params are stored in, ``"f32"``, ``"bf16"`` or ``"f16"`` (None: the policy's
-    param dtype)."""
+    frozen params are stored in, ``"f32"``, ``"bf16"``, ``"f16"``, or ``"int8"`` / ``"nf4"``
+    (weight matrices in 8-bit / 4-bit codes, the rest in bfloat16; None: the policy's param dtype)."""
 
     lora: LoRA | None = None
     freeze: tuple[str, ...] | None = None
@@ -30,12 +31,13 @@ class FineTune(NamedTuple):
 
 
 def base_dtype(finetune: FineTune | None) -> Any:
-    """The numpy dtype frozen params are stored in, or None (the policy's)."""
+    """The numpy dtype frozen params are stored in, ``"int8"`` / ``"nf4"``, or None (the policy's)."""
     if finetune is None or finetune.base is None:
         return None
     if finetune.base not in BASE_DTYPES:
         raise FreezeError(f"finetune.base: {finetune.base!r}; valid: {', '.join(BASE_DTYPES)}")
-    return np.dtype(BASE_DTYPES[finetune.base])
+    stored = BASE_DTYPES[finetune.base]
+    return stored if isinstance(stored, str) else np.dtype(stored)
 
 
 def finetune_model(model: Any, finetune: FineTune | None, sample_input: Any) -> Any:
@@ -70,16 +72,18 @@ def finetune_note(params: Any, frozen: frozenset[str]) -> str | None:
     frozen ones' storage (None when every param is trained)."""
     if not frozen:
         return None
-    import jax
-
-    leaves = {path: x for path, x in zip(param_paths(params), jax.tree_util.tree_leaves(params))}
-    total = sum(math.prod(x.shape) for x in leaves.values()) or 1
-    trained = sum(math.prod(x.shape) for p, x in leaves.items() if p not in frozen)
-    dtypes = sorted({str(np.dtype(leaves[p].dtype)) for p in frozen if p in leaves})
+    leaves = param_leaves(params)
+    total = sum(logical_size(x) for x in leaves.values()) or 1
+    trained = sum(logical_size(x) for p, x in leaves.items() if p not in frozen)
+    dtypes = sorted({_stored(leaves[p]) for p in frozen if p in leaves})
     modules = adapted_modules(params)
     lora = f"LoRA adapters on {len(modules)} module{'s' * (len(modules) != 1)} ({_first(modules)}); " if modules else ""
     return (f"fine-tuning: {lora}{trained:,} of {total:,} params trained ({100 * trained / total:.2g}%); "
             f"{len(frozen)} frozen arrays in {', '.join(dtypes)} with no gradient, master or optimizer state")
+
+
+def _stored(x: Any) -> str:
+    return f"{x.code} codes" if is_quantized(x) else str(np.dtype(x.dtype))
 
 
 def _first(names: list[str], limit: int = 4) -> str:

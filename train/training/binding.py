@@ -182,7 +182,8 @@ class NNXModel:
         rest = self._rest.from_tree(state) if self._rest.paths else nnx.State({})
         graph = self._train_graph if train else self._eval_graph
         rngs = jax.tree_util.tree_map(lambda x: x, self._rngs)  # fresh variables: reseeding must not touch ours
-        return nnx.merge(graph, self._params.from_tree(variables["params"]), rngs, rest)
+        params = precision.dequantized(variables["params"])  # 8/4-bit weights (a frozen base) read as floats
+        return nnx.merge(graph, self._params.from_tree(params), rngs, rest)
 
     def init(self, rngs: Any = None, *args: Any, **kwargs: Any) -> dict:
         """The module's variables, params in their param dtypes. An NNX module is

@@ -1,0 +1,123 @@
+"""Weights that are only read (a fine-tuned model's frozen base), stored in 8 or 4 bits.
+
+A frozen weight is never updated, so it needs no code that rounds updates well
+(:mod:`precision.quantized` does that for optimizer state): only a faithful copy,
+read once per step. It is split into blocks of :data:`BLOCK` values (the weight
+flattened), each with a float32 scale, its largest magnitude, and a code per value:
+
+- ``int8``: ``round(127 * x / scale)``, symmetric: 1 + 4/64 bytes per value;
+- ``nf4``: the index of the nearest of 16 levels placed at quantiles of a normal
+  distribution scaled to [-1, 1] (QLoRA's NormalFloat, for normally distributed
+  weights), two per byte: 0.5 + 4/64 bytes per value.
+
+Models read :class:`QuantizedWeight` leaves as floating arrays: the policy's model
+wrappers dequantize them where they are applied (:func:`dequantized`), inside the
+traced step, where XLA fuses the dequantization into the cast that feeds each
+matmul; no dequantized copy is stored. Weights too small to pay (biases, norms)
+stay floating: :func:`quantizable` says which.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+__all__ = ["BLOCK", "CODES", "QuantizedWeight", "quantizable", "quantize_weight", "dequantize_weight",
+           "dequantized", "is_quantized", "logical_size", "NF4_LEVELS"]
+
+#: Values per block (one float32 scale each), as QLoRA's.
+BLOCK = 64
+#: The codes a weight can be stored in.
+CODES = ("int8", "nf4")
+#: Weights with fewer values, or fewer than two dimensions, stay floating.
+MIN_SIZE = 4096
+
+
+def _normal_float_levels(bits: int = 4) -> np.ndarray:
+    """2**bits levels in [-1, 1], 0 among them, at quantiles of N(0, 1): one more
+    positive level than negative ones (QLoRA, section 3), normalised by the largest."""
+    normal = statistics.NormalDist()
+    offset = 0.5 * (1 / 32 + 1 / 30)  # the outermost quantile kept away from infinity
+    positive = [normal.inv_cdf(p) for p in np.linspace(1 - offset, 0.5, 2 ** (bits - 1) + 1)[:-1]]
+    negative = [-normal.inv_cdf(p) for p in np.linspace(1 - offset, 0.5, 2 ** (bits - 1))[:-1]]
+    levels = np.sort(np.array(positive + [0.0] + negative))
+    return (levels / np.abs(levels).max()).astype(np.float32)
+
+
+#: NormalFloat4's 16 levels, ascending, from -1 to 1.
+NF4_LEVELS = _normal_float_levels()
+
+
+@struct.dataclass
+class QuantizedWeight:
+    """A weight in blocks of :data:`BLOCK` codes (``int8``: int8 values; ``nf4``: uint8,
+    two 4-bit level indices each) and their float32 scales."""
+
+    codes: jax.Array
+    scales: jax.Array
+    shape: tuple[int, ...] = struct.field(pytree_node=False)
+    dtype: Any = struct.field(pytree_node=False)  # the weight's floating dtype when read
+    code: str = struct.field(pytree_node=False)
+
+    @property
+    def size(self) -> int:
+        """Values of the weight (not of its codes)."""
+        return math.prod(self.shape)
+
+
+def quantizable(x: Any) -> bool:
+    """Whether a weight is worth storing in codes: floating, a matrix or more, :data:`MIN_SIZE` values."""
+    return jnp.issubdtype(x.dtype, jnp.floating) and len(x.shape) >= 2 and math.prod(x.shape) >= MIN_SIZE
+
+
+def quantize_weight(x: jax.Array, code: str) -> QuantizedWeight:
+    """``x`` in ``code`` (``"int8"`` or ``"nf4"``), rounded to nearest, block by block."""
+    if code not in CODES:
+        raise ValueError(f"quantize_weight: code {code!r}; valid: {', '.join(CODES)}")
+    flat = jnp.asarray(x, jnp.float32).reshape(-1)
+    pad = -flat.size % BLOCK
+    blocks = jnp.pad(flat, (0, pad)).reshape(-1, BLOCK)
+    scales = jnp.max(jnp.abs(blocks), axis=1)
+    unit = blocks / jnp.where(scales > 0, scales, 1.0)[:, None]
+    if code == "int8":
+        codes = jnp.round(unit * 127).astype(jnp.int8)
+    else:
+        levels = jnp.asarray(NF4_LEVELS)
+        index = jnp.argmin(jnp.abs(unit[..., None] - levels), axis=-1).astype(jnp.uint8)
+        codes = index[:, 0::2] | (index[:, 1::2] << 4)
+    return QuantizedWeight(codes, scales, tuple(x.shape), np.dtype(x.dtype), code)
+
+
+def dequantize_weight(q: QuantizedWeight) -> jax.Array:
+    """The weight ``q`` stores, in its floating dtype."""
+    if q.code == "int8":
+        unit = q.codes.astype(jnp.float32) / 127
+    else:
+        index = jnp.stack([q.codes & 15, q.codes >> 4], axis=-1).reshape(q.codes.shape[0], -1)
+        unit = jnp.take(jnp.asarray(NF4_LEVELS), index.astype(jnp.int32))
+    values = (unit * q.scales[:, None]).reshape(-1)[:q.size]
+    return values.reshape(q.shape).astype(q.dtype)
+
+
+def is_quantized(x: Any) -> bool:
+    """Whether ``x`` is a :class:`QuantizedWeight` (an ``is_leaf`` for tree maps that see weights whole)."""
+    return isinstance(x, QuantizedWeight)
+
+
+def dequantized(tree: Any) -> Any:
+    """``tree`` with every :class:`QuantizedWeight` read as its floating weight (other leaves as they are)."""
+    if not any(is_quantized(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=is_quantized)):
+        return tree
+    return jax.tree_util.tree_map(lambda x: dequantize_weight(x) if is_quantized(x) else x, tree,
+                                  is_leaf=is_quantized)
+
+
+def logical_size(x: Any) -> int:
+    """Values of a weight, stored in codes or not."""
+    return x.size if is_quantized(x) else int(np.prod(np.shape(x), dtype=np.int64))
