@@ -1,10 +1,12 @@
 """The names of the dtypes a precision policy is written with, and the pieces of its
 grammar that need no policy: :class:`PolicyError`, dtype spellings (``f16``, ``bfloat16``,
-``full``...), the FP8 compute and 8-bit state spellings, master roundings, and the
-typo-correction and quoting of error messages (used by :mod:`precision.policy`)."""
+``full``...), the FP8 compute and 8-bit state spellings, master roundings, the precisions
+of float32 matmuls (``matmul=highest``), and the typo-correction and quoting of error
+messages (used by :mod:`precision.policy`)."""
 
 from __future__ import annotations
 
+import difflib
 import re
 from typing import Any, Mapping
 
@@ -12,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["PolicyError", "half_dtype", "dtype_to_names"]
+__all__ = ["PolicyError", "half_dtype", "dtype_to_names", "MATMUL_PRECISIONS", "matmul_precision_name"]
 
 class PolicyError(ValueError):
     """A precision policy spec that cannot be parsed.
@@ -73,11 +75,55 @@ _FP8_NAMES = ("f8", "fp8", "float8")
 _FP8_FALLBACK = np.dtype(jnp.bfloat16)
 _KEYS = {"p": "param", "params": "param", "c": "compute", "compute": "compute",
          "o": "output", "output": "output", "m": "master", "master": "master",
-         "s": "state", "state": "state", "opt": "state", "a": "accum", "accum": "accum", "grad_accum": "accum"}
+         "s": "state", "state": "state", "opt": "state", "a": "accum", "accum": "accum", "grad_accum": "accum",
+         "matmul": "matmul", "matmul_precision": "matmul"}
 #: How bfloat16 masters round a float32 update into them (see precision.stored); ``sr`` is stochastic.
 _ROUNDING_NAMES = {"sr": "stochastic", "stochastic": "stochastic", "kahan": "kahan", "nearest": "nearest",
                    "rn": "nearest"}
 _ROUNDING_SHORT = {"stochastic": "sr", "kahan": "kahan", "nearest": "nearest"}
+
+
+#: The precisions of float32 matmuls and convolutions a policy can ask for (``jax.lax.Precision``'s
+#: DEFAULT, HIGH, HIGHEST), each with what it means on a GPU.
+MATMUL_PRECISIONS: Mapping[str, str] = {
+    "default": "XLA's default: TF32 on GPUs that have it",
+    "high": "bf16_3x on TPU; on a GPU float32 or TF32, by GEMM kernel",
+    "highest": "true float32",
+}
+
+
+def matmul_precision_name(value: Any, spec: str = "", position: int = -1) -> str:
+    """``"default"``, ``"high"`` or ``"highest"`` for a name (any case), a
+    ``jax.lax.Precision`` or None (default); a :class:`PolicyError` naming the valid ones otherwise."""
+    if value is None:
+        return "default"
+    name = getattr(value, "name", value)  # jax.lax.Precision.HIGHEST -> "HIGHEST"
+    token = name.strip().lower() if isinstance(name, str) else ""
+    if token in MATMUL_PRECISIONS:
+        return token
+    close = difflib.get_close_matches(token, list(MATMUL_PRECISIONS), n=1, cutoff=0.5) if token else []
+    head = f"Invalid precision policy {_short(spec, position)!r}: " if spec else ""
+    where = f" at position {position}" if position >= 0 else ""
+    raise PolicyError(f"{head}unknown matmul precision {_short(str(value))!r}{where}."
+                      + (f" Did you mean {close[0]!r}?" if close else "")
+                      + f" Valid: {', '.join(f'{k} ({v})' for k, v in MATMUL_PRECISIONS.items())}",
+                      spec=spec, token=str(value), position=position)
+
+
+def _bare_with_matmul(spec: str) -> tuple[str, str | None]:
+    """``"mixed_bf16,matmul=highest"``: (the preset or bare dtype, the matmul precision);
+    ``(spec, None)`` for any other spec."""
+    head, comma, tail = spec.partition(",")
+    key, equals, value = tail.partition("=")
+    if not comma or "=" in head or not equals or "," in tail or _KEYS.get(key.strip().lower()) != "matmul":
+        return spec, None
+    position = len(head) + 1 + len(key) + 1 + (len(value) - len(value.lstrip()))
+    return head, matmul_precision_name(value.strip(), spec, position)
+
+
+def _is_fp8_name(token: str) -> bool:
+    """``f8``, ``fp8``, ``float8``, alone or with a ``/fallback``."""
+    return token.strip().partition("/")[0].strip().lower() in _FP8_NAMES
 
 
 #: Spellings of 8-bit optimizer state (block-wise quantized moments, precision.quantized).

@@ -12,7 +12,9 @@ computed), and reads the program that results, forward and backward:
   primitive). :func:`check_coverage` warns, or raises, when they exceed 5%.
 - under an FP8 policy, the share of matmul FLOPs in FP8, in 16-bit and in
   float32 per module, and why a matmul is not FP8 (below ``min_size``, a
-  rule, a convolution).
+  rule, a convolution);
+- the precision of each module's float32 matmuls, where a policy or rule asks for
+  one other than XLA's default (``matmul=highest``: true float32, not TF32).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from precision.autocast.op_lists import OpLists
 from precision.autocast.program import MATMUL_PRIMITIVES, MatmulOp, matmul_ops
 from precision.autocast.values import REGION
 from precision.explain_table import (NOT_FUSED, Island, attention_lines, attention_reports, columns, coverage_text,
-                                    fp8_rows, islands, share_text)
+                                    f32_precision, flops_by_precision, fp8_rows, half_flops as _flops, islands,
+                                    precision_column, precision_line, share_text, short_dtype as _short)
 from precision.fp8 import Fp8Options, as_fp8_options
 from precision.modules import LinenWithPolicy, NNXWithPolicy, with_policy
 from precision.policy import Policy, PolicyError, get_policy
@@ -67,6 +70,7 @@ class ModuleReport(NamedTuple):
     fp8_flops: float = 0.0  # forward and backward, fp8 operands
     not_fp8_reason: str = ""  # under an FP8 policy: why some of its matmuls are not fp8
     fp8_recipe: str = ""  # how its fp8 matmuls are scaled ("current scaling", "rowwise scaling"...)
+    f32_precision: str = ""  # of its float32 matmuls ("highest"...) where not all at XLA's default
 
     @property
     def half_share(self) -> float:
@@ -90,6 +94,7 @@ class Explanation:
     backward: tuple[float, float] | None
     fp8: tuple[float, float] = (0.0, 0.0)  # fp8 FLOPs (forward, backward)
     attention: tuple[tuple[str, str], ...] = ()  # (module, fused how or why not), per softmax attention
+    f32_flops_by_precision: tuple[tuple[str, float], ...] = ()  # float32 matmul FLOPs (fwd + bwd) per precision
 
     @property
     def fused_attention(self) -> tuple[str, ...]:
@@ -140,19 +145,20 @@ class Explanation:
                  f"({'autocast' if self.autocast else 'module casts only'})",
                  "matmul/conv FLOPs with half-precision operands: " + share_text("forward", self.forward)
                  + ("; " + share_text("backward", self.backward) if self.backward else "")]
+        lines += precision_line(dict(self.f32_flops_by_precision))
         if self.shows_fp8:
             lines.append("matmul/conv FLOPs with fp8 operands: "
                          + share_text("forward", (self.fp8[0], self.forward[1]))
                          + ("; " + share_text("backward", (self.fp8[1], self.backward[1])) if self.backward else ""))
             lines.append(self.fp8_coverage)
-            lines += columns(fp8_rows(self.modules))
+            lines += columns(precision_column(fp8_rows(self.modules), self.modules))
         else:
             rows = [("module", "params", "matmul/conv", "half", "float32 because")]
             for m in self.modules:
                 share = "" if not m.total_flops else f"{100 * m.half_share:.0f}%"
                 rows.append((m.path or "(top)", ",".join(m.param_dtypes), ",".join(m.matmul_dtypes), share,
                              m.f32_reason))
-            lines += columns(rows)
+            lines += columns(precision_column(rows, self.modules))
         lines += attention_lines(self.attention)
         if self.islands:
             lines.append("float32 islands:")
@@ -212,11 +218,6 @@ def _param_dtypes(params: Any) -> dict[str, tuple[str, ...]]:
     return {k: tuple(sorted(_short(d) for d in v)) for k, v in by_module.items()}
 
 
-def _short(dtype: str) -> str:
-    return {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64", "float8_e4m3fn": "e4m3",
-            "float8_e5m2": "e5m2"}.get(dtype, dtype)
-
-
 def _trace_linen(wrapped: LinenWithPolicy, args: tuple, kwargs: dict, backward: bool) -> _Traced:
     kwargs = dict(kwargs)
     rngs = kwargs.pop("rngs", None) or {"dropout": jax.random.key(0)}
@@ -257,7 +258,7 @@ def _trace_function(fn: Callable, policy: Policy, ops: OpLists, args: tuple, kwa
         for i, a in zip(floats, diff):
             full[i] = a
         return transform.call(fn, tuple(full), kwargs, compute_dtype=policy.compute_dtype, ops=ops, log=log,
-                              fp8=policy.fp8, fp8_run=Fp8Run(fp8))
+                              fp8=policy.fp8, fp8_run=Fp8Run(fp8), matmul_precision=policy.matmul_precision)
 
     rest = [None if i in floats else a for i, a in enumerate(args)]
     log: list = []
@@ -363,15 +364,13 @@ def _summarize(traced: _Traced, policy: Policy, autocast: bool) -> Explanation:
         dtypes = tuple(dict.fromkeys(_short(m.dtype.name) for m in ops if not m.backward))
         fp8 = sum(m.flops for m in ops if m.fp8)
         modules.append(ModuleReport(path, traced.params.get(path, ()), dtypes, half, total, reason, fp8,
-                                    not_fp8.get(path, "") if total > fp8 else "", recipes.get(path, "") if fp8 else ""))
+                                    not_fp8.get(path, "") if total > fp8 else "", recipes.get(path, "") if fp8 else "",
+                                    f32_precision(ops)))
     fp8_flops = (sum(m.flops for m in forward if m.fp8), sum(m.flops for m in backward or [] if m.fp8))
     return Explanation(traced.name, policy, autocast, tuple(modules), islands(traced.log, lambda p: _path(p, traced.root)),
                        _flops(forward), _flops(backward) if backward is not None else None, fp8_flops,
-                       attention_reports(traced.log, lambda p: _path(p, traced.root)))
-
-
-def _flops(ops: list[MatmulOp]) -> tuple[float, float]:
-    return sum(m.flops for m in ops if m.half), sum(m.flops for m in ops)
+                       attention_reports(traced.log, lambda p: _path(p, traced.root)),
+                       flops_by_precision(forward + (backward or [])))
 
 
 def check_coverage(explanation: Explanation, *, threshold: float = 0.05, strict: bool = False,

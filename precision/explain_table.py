@@ -12,8 +12,10 @@ from precision.autocast.attention_fusion import ATTENTION
 from precision.autocast.program import MATMUL_PRIMITIVES
 
 __all__ = ["share_text", "columns", "fp8_rows", "coverage_text", "attention_reports", "attention_lines", "NOT_FUSED", "Island",
-           "islands"]
+           "islands", "f32_precision", "flops_by_precision", "precision_column", "precision_line", "half_flops",
+           "short_dtype"]
 
+_F32 = np.dtype(np.float32)
 #: How an attention left as it is is reported (then why).
 NOT_FUSED = "not fused"
 _FUSED = "fused attention"
@@ -25,6 +27,17 @@ def share_text(what: str, flops: tuple[float, float]) -> str:
     if not total:
         return f"{what}: no matmul/conv"
     return f"{what} {100 * half / total:.1f}% of {_human(total)}"
+
+
+def half_flops(ops: Any) -> tuple[float, float]:
+    """(FLOPs with half-precision operands, all FLOPs) of matmuls/convolutions (:class:`MatmulOp`)."""
+    return sum(m.flops for m in ops if m.half), sum(m.flops for m in ops)
+
+
+def short_dtype(dtype: str) -> str:
+    """A dtype's name as the table prints it: ``f32``, ``bf16``, ``e4m3``..."""
+    return {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64", "float8_e4m3fn": "e4m3",
+            "float8_e5m2": "e5m2"}.get(dtype, dtype)
 
 
 def _human(flops: float) -> str:
@@ -50,6 +63,42 @@ def fp8_rows(modules: Any) -> list[tuple[str, ...]]:
                      pct(m.half_flops - m.fp8_flops, m), pct(m.total_flops - m.half_flops, m), m.fp8_recipe,
                      why if m.total_flops > m.fp8_flops else ""))
     return rows
+
+
+def f32_precision(ops: Any) -> str:
+    """The precisions of the float32 matmuls among ``ops`` (:class:`MatmulOp`), ``"highest"`` or
+    ``"highest,default"``; ``""`` where all are at XLA's default (or there are none)."""
+    names = dict.fromkeys(m.precision for m in ops if m.dtype == _F32)
+    return ",".join(names) if any(name != "default" for name in names) else ""
+
+
+def flops_by_precision(ops: Any) -> tuple[tuple[str, float], ...]:
+    """Float32 matmul/conv FLOPs of ``ops`` (:class:`MatmulOp`) per precision (``default``, ``highest``...)."""
+    flops: dict[str, float] = collections.defaultdict(float)
+    for m in ops:
+        if m.dtype == _F32:
+            flops[m.precision] += m.flops
+    return tuple(flops.items())
+
+
+def precision_column(rows: list[tuple[str, ...]], modules: Any) -> list[tuple[str, ...]]:
+    """The table's rows with a column for the precision of each module's float32 matmuls,
+    where some module asked for one other than XLA's default (else the rows unchanged)."""
+    if not any(m.f32_precision for m in modules):
+        return rows
+    return [rows[0] + ("f32 matmul precision",)] + [row + (m.f32_precision,) for row, m in zip(rows[1:], modules)]
+
+
+def precision_line(flops: dict[str, float]) -> list[str]:
+    """``float32 matmul/conv FLOPs by precision: highest 75.0%, default 25.0% of 1.2 MFLOP``, where
+    some are at a precision other than XLA's default (else no line)."""
+    total = sum(flops.values())
+    if not total or set(flops) <= {"default"}:
+        return []
+    shares = ", ".join(f"{name} {100 * part / total:.1f}%" for name, part in
+                       sorted(flops.items(), key=lambda kv: -kv[1]))
+    tf32 = " (default: TF32 on GPUs that have it)" if "default" in flops else ""
+    return [f"float32 matmul/conv FLOPs by precision: {shares} of {_human(total)}{tf32}"]
 
 
 def coverage_text(share: float, reasons: list[str]) -> str:

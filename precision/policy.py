@@ -6,7 +6,8 @@ gives the same three dtypes here. Beyond jmp we accept whitespace around tokens,
 ``fp16``/``fp32`` spellings, case-insensitive names and named presets, and
 the FP8 compute dtype ``f8`` (``compute=f8``, or ``compute=f8/f16`` for another
 16-bit fallback): allow-listed matmuls in FP8 (see :mod:`precision.fp8`),
-every other op in the fallback.
+every other op in the fallback; and ``matmul=highest``: true float32 matmuls, not the
+TF32 that GPUs run them in by default (docs/matmul-precision.md).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import numpy as np
 
 from precision.dtype_names import (_DTYPE_NAMES, _FP8_FALLBACK, _FP8_NAMES, _KEYS, _NAME_TO_DTYPE, _QUOTED,
                                     _ROUNDING_NAMES, _ROUNDING_SHORT, _VALID_DTYPE_NAMES, PolicyError, _is_int8,
-                                    _nearest_dtype, _short, dtype_to_names, half_dtype)
+                                    _bare_with_matmul, _is_fp8_name, _nearest_dtype, _short, dtype_to_names,
+                                    half_dtype, matmul_precision_name)
 
 T = TypeVar("T")
 
@@ -94,6 +96,10 @@ class Policy:
     gradients backward, float32 accumulation; see :mod:`precision.fp8`), and
     ``compute_dtype`` is the dtype of everything else (the fallback). A compute
     spelled ``"f8"`` or ``"f8/f16"`` sets it: ``Policy("f32", "f8", "f32")``.
+
+    ``matmul_precision`` (``matmul=highest`` in a spec): the ``jax.lax.Precision`` autocast gives
+    float32 matmuls and convolutions: ``"default"`` (XLA's: TF32 on GPUs that have it), ``"high"``
+    or ``"highest"`` (true float32); see :mod:`precision.autocast.matmul_precision`.
     """
 
     param_dtype: np.dtype
@@ -104,10 +110,11 @@ class Policy:
     master_rounding: str | None = None  # of bfloat16 masters: stochastic, kahan or nearest
     state_dtype: np.dtype | None = None  # the optimizer state's floating arrays; None: float32
     accum_dtype: np.dtype | None = None  # gradients summed over micro-batches; None: float32
+    matmul_precision: str = "default"  # of float32 matmuls/convolutions: default (TF32 on GPUs), high, highest
 
     def __init__(self, param_dtype: Any, compute_dtype: Any, output_dtype: Any, fp8: bool = False,
                  master_dtype: Any = None, master_rounding: str | None = None, state_dtype: Any = None,
-                 accum_dtype: Any = None):
+                 accum_dtype: Any = None, matmul_precision: Any = "default"):
         for name, value in (("params", param_dtype), ("output", output_dtype)):
             if isinstance(value, str) and _is_fp8_name(value):
                 raise PolicyError(f"{name}={value.strip()}: FP8 is a compute dtype for matmuls only; params and "
@@ -135,17 +142,20 @@ class Policy:
         object.__setattr__(self, "master_rounding", rounding if master is not None else None)
         object.__setattr__(self, "state_dtype", state)
         object.__setattr__(self, "accum_dtype", _stored_dtype(accum_dtype, "accum"))
+        object.__setattr__(self, "matmul_precision", matmul_precision_name(matmul_precision))
 
     @property
-    def _stored(self) -> dict:
+    def _kept(self) -> dict:
+        """What a ``with_*`` method keeps besides the three dtypes."""
         return {"master_dtype": self.master_dtype, "master_rounding": self.master_rounding,
-                "state_dtype": self.state_dtype, "accum_dtype": self.accum_dtype}
+                "state_dtype": self.state_dtype, "accum_dtype": self.accum_dtype,
+                "matmul_precision": self.matmul_precision}
 
     def with_stored(self, **fields: Any) -> "Policy":
         """The same dtypes with other stored-state fields (``master_dtype``, ``master_rounding``,
-        ``state_dtype``, ``accum_dtype``); the rest kept."""
+        ``state_dtype``, ``accum_dtype``) or ``matmul_precision``; the rest kept."""
         return Policy(self.param_dtype, self.compute_name if self.fp8 else self.compute_dtype, self.output_dtype,
-                      **{**self._stored, **fields})
+                      **{**self._kept, **fields})
 
     def cast_to_param(self, tree: T) -> T:
         """Casts floating leaves to the param dtype; integer and bool leaves are untouched."""
@@ -162,11 +172,15 @@ class Policy:
     def with_output_dtype(self, output_dtype: Any) -> "Policy":
         """The same policy with another output dtype."""
         return Policy(
-            self.param_dtype, self.compute_name if self.fp8 else self.compute_dtype, output_dtype, **self._stored)
+            self.param_dtype, self.compute_name if self.fp8 else self.compute_dtype, output_dtype, **self._kept)
 
     def with_compute_dtype(self, compute_dtype: Any) -> "Policy":
         """The same policy with another compute dtype (``"f8"`` or ``"f8/f16"`` for FP8 matmuls)."""
-        return Policy(self.param_dtype, compute_dtype, self.output_dtype, **self._stored)
+        return Policy(self.param_dtype, compute_dtype, self.output_dtype, **self._kept)
+
+    def with_matmul_precision(self, matmul_precision: Any) -> "Policy":
+        """The same policy with another precision of float32 matmuls (``"default"``, ``"high"``, ``"highest"``)."""
+        return self.with_stored(matmul_precision=matmul_precision)
 
     @property
     def is_mixed(self) -> bool:
@@ -189,6 +203,8 @@ class Policy:
             text += f",s={'int8' if self.state_dtype == np.dtype(np.int8) else n(self.state_dtype)}"
         if self.accum_dtype is not None:
             text += f",a={n(self.accum_dtype)}"
+        if self.matmul_precision != "default":
+            text += f",matmul={self.matmul_precision}"
         return text
 
     def __repr__(self) -> str:
@@ -229,7 +245,7 @@ def _suggest(token: str, choices, dtype: bool = False) -> str:
 def _error(spec: str, token: str, position: int, what: str, choices=(), *,
            bad_dtype: bool = False) -> PolicyError:
     where = f" at position {position}" if position >= 0 else ""
-    dtypes, keys = ", ".join(_VALID_DTYPE_NAMES), "p|params, c|compute, o|output, m|master, s|state|opt"
+    dtypes, keys = ", ".join(_VALID_DTYPE_NAMES), "p|params, c|compute, o|output, m|master, s|state|opt, matmul"
     # jmp says "Unknown dtype" for a bad dtype: code matching that phrase keeps working.
     fp8 = f"and for compute only {', '.join(_FP8_NAMES)} (FP8 matmuls, e.g. compute=fp8 or fp8/f16)"
     valid = (f"Unknown dtype: the valid ones are {dtypes}, {fp8}; valid keys: {keys};" if bad_dtype
@@ -264,8 +280,9 @@ def get_policy(spec: "str | Policy | Any") -> Policy:
     """Parses ``"params=f32,compute=f16"``, a bare dtype or a preset name into a Policy.
 
     A missing params is f32, a missing compute follows params, a missing output
-    follows compute, a bare dtype sets all three. A ``Policy`` or ``jmp.Policy``
-    is returned as an equal :class:`Policy`. Raises :class:`PolicyError`.
+    follows compute, a bare dtype sets all three. A preset or bare dtype may be
+    followed by ``,matmul=highest`` (``"mixed_bf16,matmul=highest"``). A ``Policy``
+    or ``jmp.Policy`` is returned as an equal :class:`Policy`. Raises :class:`PolicyError`.
     """
     if isinstance(spec, Policy):
         return spec
@@ -278,6 +295,9 @@ def get_policy(spec: "str | Policy | Any") -> Policy:
     stripped = spec.strip()
     if not stripped:
         raise _error(spec, spec, 0, "empty policy")
+    head, matmul = _bare_with_matmul(spec)
+    if matmul is not None:
+        return get_policy(head).with_matmul_precision(matmul)
     if stripped.lower() in _PRESET_LOOKUP:
         name = _PRESET_LOOKUP[stripped.lower()]
         p, c, o, _ = PRESETS[name]
@@ -317,7 +337,11 @@ def _parse_assignments(spec: str) -> Policy:
         if field is None:
             raise _error(spec, key, key_pos, "empty key" if not key else "unknown key", _KEYS)
         if field in found:
-            raise _error(spec, key, key_pos, f"duplicate key for {field} dtype")
+            what = "precision" if field == "matmul" else "dtype"
+            raise _error(spec, key, key_pos, f"duplicate key for {field} {what}")
+        if field == "matmul":
+            found[field] = matmul_precision_name(value, spec, value_pos)
+            continue
         if field == "master" and "/" in value:
             value, _, rounding = value.partition("/")
             if rounding.strip().lower() not in _ROUNDING_NAMES:
@@ -347,12 +371,7 @@ def _parse_assignments(spec: str) -> Policy:
     output = found.get("output", compute)
     return Policy(param, compute, output, fp8=bool(found.get("fp8")), master_dtype=found.get("master"),
                   master_rounding=found.get("master_rounding"), state_dtype=found.get("state"),
-                  accum_dtype=found.get("accum"))
-
-
-def _is_fp8_name(token: str) -> bool:
-    """``f8``, ``fp8``, ``float8``, alone or with a ``/fallback``."""
-    return token.strip().partition("/")[0].strip().lower() in _FP8_NAMES
+                  accum_dtype=found.get("accum"), matmul_precision=found.get("matmul"))
 
 
 def parse_compute(spec: str) -> np.dtype:

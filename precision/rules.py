@@ -10,6 +10,11 @@ inside the attention block.
 A matched module keeps its params in the rule's param dtype and computes in the
 rule's compute dtype; its outputs return to the enclosing compute dtype, so one
 float32 LayerNorm does not silently turn the rest of the network to float32.
+
+A rule's matmul precision (``("attn", "f32,matmul=highest")``: true float32, not
+TF32) applies inside the module; a rule that leaves it ``default`` keeps the
+enclosing module's, so a policy's ``matmul=highest`` reaches the float32 islands
+its rules make (see :func:`rule_policy`).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from typing import Any, Iterable, NamedTuple, Sequence
 from precision.policy import Policy, PolicyError, get_policy
 
 __all__ = ["Rule", "NORM_CLASSES", "SOFTMAX_PATTERNS", "norm_rules", "default_rules",
-           "get_rules", "as_rules", "match_rule"]
+           "get_rules", "as_rules", "match_rule", "rule_policy"]
 
 #: Normalization layers kept in float32 by default (Apex keep_batchnorm_fp32,
 #: Paddle O2, Haiku's ImageNet example).
@@ -53,9 +58,9 @@ def get_rules(spec: "str | Policy") -> tuple[Rule, ...]:
     """The rules that go with a policy spec or preset name.
 
     ``O1`` adds float32 softmax modules to the norm rules; ``O3`` has none
-    (pure half); every other spec gets :func:`default_rules`.
+    (pure half), also followed by ``,matmul=...``; every other spec gets :func:`default_rules`.
     """
-    name = spec.strip().upper() if isinstance(spec, str) else ""
+    name = spec.partition(",")[0].strip().upper() if isinstance(spec, str) else ""
     if name == "O1":
         return norm_rules() + tuple(Rule(p, _FULL) for p in SOFTMAX_PATTERNS)
     if name == "O3":
@@ -99,6 +104,15 @@ def match_rule(rules: Sequence[Rule], path: str, class_names: Sequence[str]) -> 
     return None
 
 
+def rule_policy(rule: Rule, enclosing: Policy) -> Policy:
+    """The policy of a module ``rule`` matches inside a module under ``enclosing``: the
+    rule's, its matmul precision the enclosing one's where the rule leaves it ``default``
+    (a rule cannot ask for XLA's default inside a module that asks for more)."""
+    if rule.policy.matmul_precision != "default" or enclosing.matmul_precision == "default":
+        return rule.policy
+    return rule.policy.with_matmul_precision(enclosing.matmul_precision)
+
+
 def class_names_of(obj: Any) -> tuple[str, ...]:
     """Names of the object's class and its bases, most specific first."""
     return tuple(c.__name__ for c in type(obj).__mro__ if c is not object)
@@ -119,6 +133,6 @@ class Resolver:
             return self._cache[path]
         parent = self(path[:-1]) if path else self.policy
         rule = match_rule(self.rules, "/".join(path), self.classes.get(path, ()))
-        policy = parent if rule is None else rule.policy
+        policy = parent if rule is None else rule_policy(rule, parent)
         self._cache[path] = policy
         return policy

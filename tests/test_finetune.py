@@ -19,7 +19,7 @@ import train
 from helpers import all_eqns, assert_bitwise_equal, saved_leaves
 from train.config import ConfigError, from_dict, load_config
 from train.finetune import FineTune, FreezeError, LoRA, merge, param_leaves, param_paths
-from train.models import GPT
+from train.models import GPT, MODELS
 
 TOKENS = jnp.zeros((2, 16), jnp.int32)
 QUICK = {"progress": False, "inference_dtypes": [], "log_every": 5, "checkpoint_every": 0}
@@ -270,3 +270,52 @@ def test_adapters_on_a_pinned_float32_model_run_in_the_compute_dtype():
     assert dots and all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars), \
         {str(v.aval.dtype) for e in dots for v in e.invars}
 
+
+
+def test_a_fine_tuning_continues_from_a_run_whose_base_is_in_nf4_codes(tmp_path):
+    """init_from reads a frozen base saved as codes back into floats (and the codes come out the same)."""
+    config = {**QUICK, "steps": 3, "model": {"name": "mlp", "hidden": [128]},
+              "data": {"name": "synthetic", "input_shape": [64], "num_classes": 4, "num_train": 256, "num_test": 64,
+                       "batch_size": 16},
+              "precision": {"policy": "mixed_bf16"}, "finetune": {"lora": {"rank": 2}, "base": "nf4"}}
+    train.run(from_dict({**config, "workdir": str(tmp_path / "first")}), out=io.StringIO())
+    saved = dict(_flat(saved_state_params(tmp_path / "first")))
+    state = _state("mixed_bf16", FineTune(lora=LoRA(rank=2), base="nf4"),
+                   model=MODELS["mlp"](hidden=(128,), num_classes=4), x=jnp.ones((1, 64)),
+                   init_from=str(tmp_path / "first"))
+    kernel = _leaves(state.params)["Dense_0/kernel"]
+    np.testing.assert_array_equal(np.asarray(kernel.codes), saved["Dense_0/kernel/codes"])
+    np.testing.assert_array_equal(np.asarray(_leaves(state.params)["Dense_0/kernel_lora_b"]),
+                                  saved["Dense_0/kernel_lora_b"])
+
+
+def saved_state_params(workdir):
+    from helpers import saved_state
+
+    return saved_state(workdir)[1]["params"]
+
+
+def _flat(tree):
+    return [("/".join(str(getattr(k, "key", k)) for k in path), np.asarray(x))
+            for path, x in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def test_under_fsdp_the_frozen_base_is_split_and_gathered_in_its_stored_codes(tmp_path):
+    """Two CPU devices, mesh fsdp=2: the nf4 base crosses the wire as its uint8 codes."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT, subprocess_env
+
+    result = subprocess.run(
+        [sys.executable, "-m", "train", "configs/default.yaml", f"workdir={tmp_path}", "finetune.lora.rank=4",
+         "finetune.base=nf4", "mesh.fsdp=2", "mesh.data=1", "mesh.fsdp_min_size=64", "--explain"],
+        cwd=ROOT, env=subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu"),
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    gathers = [line.split() for line in result.stdout.splitlines() if "all-gather" in line]
+    assert any(g[0] == "params" and g[2] == "u8" for g in gathers), result.stdout
+    # the frozen matrices' codes are gathered, not float32 copies of them: float32 gathers are small
+    f32 = [float(g[4]) for g in gathers if g[2] == "f32"]
+    codes = [float(g[4]) for g in gathers if g[2] == "u8"]
+    assert sum(f32) < sum(codes), gathers

@@ -46,6 +46,7 @@ from train.tracking.metrics import MetricsWriter, read_metrics
 from train.inspections.policy_pick import pick_policy
 from train.weights.pretrained import PretrainedError, load_pretrained
 from train.finetune import FineTune, FreezeError, LoRA, with_lora
+from train.inspections.export import ExportError, ExportReport, export_run
 from train.references import UserCodeError
 from train.training.state import ScaledGrads, StateTooLarge, TrainState, create_train_state
 from train.training.forward import blockwise_plan
@@ -54,12 +55,13 @@ from train.inspections.targets import GpuTarget, TargetError, get_target
 from train.training.tasks import Task, cross_entropy, get_task
 from train.tracking.wandb_logger import WandbLogger
 
-__all__ = ["CheckpointError", "Checkpointer", "CommunicationReport", "CompiledStep", "ConfigError", "DataError", "ExperimentConfig", "FineTune", "FreezeError",
+__all__ = ["CheckpointError", "Checkpointer", "CommunicationReport", "CompiledStep", "ConfigError", "DataError", "ExperimentConfig", "ExportError", "ExportReport",
+           "FineTune", "FreezeError",
            "Layout", "LoRA", "MeshError",
            "MetricsWriter", "NNXModel", "NonFiniteError", "ScaledGrads", "StateTooLarge", "Task", "TrainState", "UserCodeError", "UserData", "WandbLogger", "bind",
            "blockwise_plan", "build_data", "build_experiment", "build_model", "build_optimizer", "build_task", "cast_for_inference",
            "cast_variables", "check_model_fits_data", "compile_for", "compile_train_step", "create_train_state", "cross_entropy", "diagnose_experiment",
-           "diagnose_state", "evaluate", "explain_communication",
+           "diagnose_state", "evaluate", "explain_communication", "export_run",
            "full_precision_params", "get_target", "get_task", "GpuTarget", "help_text", "inference_report", "initialize_distributed",
            "load_config", "load_dataset", "make_eval_step", "make_mesh", "make_multi_step", "make_train_step", "pick_policy",
            "load_pretrained", "mode_kwargs", "PretrainedError", "read_metrics", "rebind", "run", "summarize_eval", "TargetError", "with_lora"]

@@ -21,7 +21,13 @@ Train the experiment a YAML config describes, with dotted key=value overrides, e
 
 Outputs go to WORKDIR: metrics.jsonl, config.yaml (the resolved config), summary.json,
 checkpoints/ and tensorboard/. Rerunning the same command resumes from the newest
-checkpoint; a larger steps= continues a finished run."""
+checkpoint; a larger steps= continues a finished run.
+
+  python -m train export RUN --dtype bf16 OUT
+
+writes a trained run's weights for serving (LoRA adapters merged, float32 kept where the
+run's precision rules keep it; python -m train export --help)."""
+EXPORT_USAGE = "python -m train export RUN --dtype {bf16,f16,f32} OUT [--check-accuracy]"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -125,6 +131,9 @@ def _main(argv: list[str] | None = None, pressed: Callable[[], bool] = lambda: F
     checkpoint or the metrics could not be written, or no intact checkpoint could
     be read (earlier ones kept), 130 interrupted (checkpoint saved).
     """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["export"]:  # a subcommand: configs are YAML paths, never this word
+        return _export(argv[1:])
     parser = _parser()
     args = parser.parse_intermixed_args(argv)
     if args.config is None:
@@ -182,6 +191,34 @@ def _main(argv: list[str] | None = None, pressed: Callable[[], bool] = lambda: F
         return _stopped(config, str(e), 3)
     except KeyboardInterrupt as e:  # Ctrl-C is no error: what was saved, and how to go on
         return _stopped(config, str(e) or "interrupted", 130, prefix="")
+    return 0
+
+
+def _export(argv: list[str]) -> int:
+    """``python -m train export RUN --dtype bf16 OUT``: exit 0 written, 2 bad input (nothing
+    written), 3 OUT could not be written."""
+    parser = argparse.ArgumentParser(
+        prog="python -m train export", usage=EXPORT_USAGE,
+        description="Write the newest checkpoint of RUN (a workdir of this framework) to OUT (new or empty) in "
+                    "DTYPE for serving: LoRA adapters merged into their weights, a frozen 8/4-bit base read back, "
+                    "the params of modules the run's precision rules keep in float32 (normalization layers) "
+                    "left in float32. OUT is a Hugging Face directory for a model read from one, else "
+                    "params.safetensors; with export.json; model.init_from=OUT reads either (docs/export.md).")
+    parser.add_argument("run", metavar="RUN", help="the run's workdir (config.yaml and checkpoints/ inside)")
+    parser.add_argument("out", metavar="OUT", help="the directory to write (must not exist, or be empty)")
+    parser.add_argument("--dtype", required=True, metavar="DTYPE", help="bf16, f16 or f32")
+    parser.add_argument("--check-accuracy", action="store_true",
+                        help="also evaluate the exported weights against float32 on the run's eval split")
+    args = parser.parse_intermixed_args(argv)
+    from train.inspections.export import ExportError, export_run, format_report  # heavy imports: jax, orbax
+
+    try:
+        report = export_run(args.run, args.out, args.dtype, check_accuracy=args.check_accuracy)
+    except ExportError as e:
+        return _fail(str(e), 2)
+    except OSError as e:
+        return _fail(f"could not write {args.out}: {e.strerror or e}", 3)
+    print(format_report(report))
     return 0
 
 

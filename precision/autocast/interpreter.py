@@ -15,7 +15,9 @@ binds each one again, deciding for each floating value the dtype it is held in
 - constants (literals, ``iota``, masks built from integers) take the dtype of
   what they meet, saturating instead of overflowing to inf;
 - explicit upcasts written in the model (``x.astype(jnp.float32)`` of a half
-  value) are honoured; explicit downcasts follow the policy.
+  value) are honoured; explicit downcasts follow the policy;
+- matmuls and convolutions left in float32 get the precision the module's
+  policy asks for (:mod:`.matmul_precision`: ``matmul=highest``, not TF32).
 
 Higher-order primitives (jit, scan, while, cond, remat, custom_jvp,
 custom_vjp, shard_map) are rewritten by the rules the context carries
@@ -41,8 +43,8 @@ from precision.autocast.op_lists import OpClass, OpLists
 from precision.autocast.program import binders
 from precision.autocast.fp8_matmul import E4M3
 from precision.autocast.fp8_sites import NOT_FP8_REGION, Fp8Run, fp8_dot, skip_reason
-from precision.autocast import attention_fusion, reductions
-from precision.autocast.regions import module_path, region_dtype, region_fp8, scope_names, within
+from precision.autocast import attention_fusion, matmul_precision, reductions
+from precision.autocast.regions import module_path, region_dtype, region_fp8, region_matmul, scope_names, within
 from precision.autocast.values import (AS_TRACED, DENIED, F32, FOLLOWS_F32, REGION, STATISTICS, UPCAST, Kind, Record,
                                        Val, is_policy_float, literal_val)
 
@@ -63,6 +65,7 @@ class Context:
     root_fp8: bool = False  # the root's matmuls in FP8 (compute=f8)
     fp8: Fp8Run = dataclasses.field(default_factory=Fp8Run)
     reduce: np.dtype | None = None  # the dtype half ops' gradients are produced in (see .reductions)
+    root_matmul: str = "default"  # the precision of float32 matmuls outside any region saying otherwise
 
     def at(self, prefix: tuple[str, ...], log: Any = ...) -> "Context":
         """The context of a part of this program at scope ``prefix`` (``log``: where its decisions go)."""
@@ -83,6 +86,7 @@ class Site:
     region: np.dtype
     demanded: bool  # its floating outputs only feed float32 ops
     fp8: bool = False  # in an FP8 region: its allow-listed matmul may be FP8
+    matmul: str = "default"  # the least precision of a float32 matmul here (see .matmul_precision)
 
     @property
     def name(self) -> str:
@@ -125,7 +129,7 @@ def _run(eqn: Any, env: dict, demanded: set, ctx: Context) -> None:
     path = module_path(scope)
     site = Site(eqn, scope, path, region_dtype(scope, ctx.root),
                 any(v in demanded for v in eqn.outvars if not isinstance(v, DropVar)),
-                region_fp8(scope, ctx.root_fp8))
+                region_fp8(scope, ctx.root_fp8), region_matmul(scope, ctx.root_matmul))
     ins = [_read(env, v, path) for v in eqn.invars]
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
     with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
@@ -172,8 +176,14 @@ def outputs(site: Site, results: Any, kind: Kind) -> list[Val]:
 
 
 def bind(site: Site, args: Sequence[Any], **param_updates: Any) -> Any:
-    """Binds the site's primitive again on ``args``, its params updated."""
-    return site.eqn.primitive.bind(*args, **{**site.eqn.params, **param_updates})
+    """Binds the site's primitive again on ``args``, its params updated (a float32
+    matmul's precision raised to the site's, :mod:`.matmul_precision`)."""
+    return site.eqn.primitive.bind(*args, **_params(site, args, param_updates))
+
+
+def _params(site: Site, args: Sequence[Any], updates: dict) -> dict:
+    params = {**site.eqn.params, **updates}
+    return {**params, **matmul_precision.update(site.name, params, args, site.matmul)}
 
 
 def rewrite_eqn(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
@@ -226,7 +236,7 @@ def bind_reducing(site: Site, ins: list[Val], args: Sequence[Any], reduce_dtype:
     if not reductions.applies(site.eqn.primitive, args, leaves, reduce_dtype):
         return bind(site, args, **param_updates)
     sources = [v.array if leaf else None for v, leaf in zip(ins, leaves)]
-    return reductions.bind(site.eqn.primitive, args, sources, {**site.eqn.params, **param_updates}, reduce_dtype)
+    return reductions.bind(site.eqn.primitive, args, sources, _params(site, args, param_updates), reduce_dtype)
 
 
 def _keeps_leaf(site: Site, ins: list[Val]) -> bool:

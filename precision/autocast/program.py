@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from precision.autocast.matmul_precision import precision_name
 from precision.autocast.regions import module_path, scope_names
 
 __all__ = ["Op", "binders", "iter_ops", "MatmulOp", "matmul_ops", "matmul_flops", "MATMUL_PRIMITIVES", "HALF_DTYPES",
@@ -136,6 +137,7 @@ class MatmulOp(NamedTuple):
     dtype: np.dtype  # of its floating operands (the widest, if they differ)
     flops: float  # per call of the program
     backward: bool
+    precision: str = "default"  # its precision param: default, high, highest, a dot algorithm's name
 
     @property
     def half(self) -> bool:
@@ -166,5 +168,6 @@ def matmul_ops(jaxpr: Any) -> list[MatmulOp]:
         if op.primitive in MATMUL_PRIMITIVES:
             floats = [d for d in op.in_dtypes if jnp.issubdtype(d, jnp.floating)]
             dtype = _algorithm_dtype(op.eqn) or (max(floats, key=lambda d: d.itemsize) if floats else op.in_dtypes[0])
-            found.append(MatmulOp(op.primitive, op.path, dtype, matmul_flops(op.eqn) * op.repeat, op.backward))
+            found.append(MatmulOp(op.primitive, op.path, dtype, matmul_flops(op.eqn) * op.repeat, op.backward,
+                                  precision_name(op.eqn.params.get("precision"))))
     return found

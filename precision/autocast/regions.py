@@ -4,7 +4,9 @@ A region is a stretch of a program whose matmuls and "follow" ops compute in a
 dtype other than the policy's (a module a rule keeps in float32, say). It is a
 ``jax.named_scope`` whose name is a tag, ``precision:float32``, so it survives
 tracing, nested jits, scans, remat and autodiff (JAX keeps name stacks on
-every equation), and autocast reads it back from each equation.
+every equation), and autocast reads it back from each equation. A region that
+also sets the precision of its float32 matmuls says so after an ``@``
+(``precision:float32@highest``); one that does not keeps the enclosing one's.
 
 The same name stack gives the module path of every equation: the Flax adapters
 (:mod:`precision.modules`) open a scope tagged with the module's whole path,
@@ -25,34 +27,40 @@ from urllib.parse import quote, unquote
 import jax
 import numpy as np
 
+from precision.dtype_names import matmul_precision_name
 from precision.policy import _canonical, _is_fp8_name, parse_compute
 
 __all__ = ["compute_in", "TAG_PREFIX", "MODULE_PREFIX", "tag", "module_tag", "in_module", "scope_names", "region_dtype",
-           "region_fp8", "module_path", "within"]
+           "region_fp8", "region_matmul", "module_path", "within"]
 
 TAG_PREFIX = "precision:"
 MODULE_PREFIX = "precision.module="
 _FP8_MARK = "fp8+"  # precision:fp8+bfloat16: FP8 matmuls, the rest in bfloat16
+_MATMUL_MARK = "@"  # precision:float32@highest: float32 matmuls at precision HIGHEST
 
 
-def tag(dtype: Any, fp8: bool = False) -> str:
-    """The scope name marking a region that computes in ``dtype`` (matmuls in FP8 if ``fp8``)."""
-    return TAG_PREFIX + (_FP8_MARK if fp8 else "") + np.dtype(dtype).name
+def tag(dtype: Any, fp8: bool = False, matmul: str | None = None) -> str:
+    """The scope name marking a region that computes in ``dtype`` (matmuls in FP8 if ``fp8``;
+    float32 matmuls at precision ``matmul``, None: the enclosing region's)."""
+    mark = "" if matmul is None else _MATMUL_MARK + matmul_precision_name(matmul)
+    return TAG_PREFIX + (_FP8_MARK if fp8 else "") + np.dtype(dtype).name + mark
 
 
 @contextlib.contextmanager
-def compute_in(dtype: Any, *, fp8: bool | None = None) -> Iterator[None]:
+def compute_in(dtype: Any, *, fp8: bool | None = None, matmul: str | None = None) -> Iterator[None]:
     """Ops traced inside compute in ``dtype`` under autocast (a region).
 
     ``with precision.compute_in("f32"): y = my_norm(x)`` keeps ``my_norm``'s
     matmuls and arithmetic in float32 under a half policy; its results return
     to the enclosing compute dtype where they leave the region. ``"f8"`` (or
     ``"f8/f16"``) runs the region's matmuls in FP8, the rest in bf16 (f16);
-    any other dtype turns FP8 off inside. Outside autocast it only names a scope.
+    any other dtype turns FP8 off inside. ``matmul``: the precision of its
+    float32 matmuls and convolutions (``"default"``, ``"high"``, ``"highest"``;
+    None: the enclosing region's or policy's). Outside autocast it only names a scope.
     """
     if isinstance(dtype, str) and _is_fp8_name(dtype):
         dtype, fp8 = parse_compute(dtype), True
-    with jax.named_scope(tag(_canonical(dtype), bool(fp8))):
+    with jax.named_scope(tag(_canonical(dtype), bool(fp8), matmul)):
         yield
 
 
@@ -78,7 +86,7 @@ def region_dtype(scope: tuple[str, ...], default: np.dtype) -> np.dtype:
     """The compute dtype of the innermost region tag in ``scope`` (else ``default``)."""
     for name in reversed(scope):
         if name.startswith(TAG_PREFIX):
-            return np.dtype(name[len(TAG_PREFIX):].removeprefix(_FP8_MARK))
+            return np.dtype(name[len(TAG_PREFIX):].removeprefix(_FP8_MARK).partition(_MATMUL_MARK)[0])
     return default
 
 
@@ -87,6 +95,14 @@ def region_fp8(scope: tuple[str, ...], default: bool) -> bool:
     for name in reversed(scope):
         if name.startswith(TAG_PREFIX):
             return name[len(TAG_PREFIX):].startswith(_FP8_MARK)
+    return default
+
+
+def region_matmul(scope: tuple[str, ...], default: str) -> str:
+    """The matmul precision of the innermost region tag in ``scope`` that sets one (else ``default``)."""
+    for name in reversed(scope):
+        if name.startswith(TAG_PREFIX) and _MATMUL_MARK in name:
+            return name.partition(_MATMUL_MARK)[2]
     return default
 
 

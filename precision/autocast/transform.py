@@ -22,23 +22,26 @@ from precision.autocast.reductions import reduce_dtype_of
 from precision.autocast.tracing import evaluate_call, flatten_call
 from precision.autocast.values import F32, is_policy_float
 from precision.fp8 import Fp8Options, as_fp8_options, init_fp8_state as init_fp8_state_of
+from precision.dtype_names import matmul_precision_name
 from precision.policy import Policy, _canonical, _is_fp8_name, get_policy, parse_compute
 
 __all__ = ["autocast", "call", "call_vals", "context", "flatten_call"]
 
 
 def context(compute_dtype: Any, ops: OpLists | None = None, log: list | None = None, fp8: bool = False,
-            fp8_run: Fp8Run | None = None, reduce_dtype: Any = None) -> Context:
+            fp8_run: Fp8Run | None = None, reduce_dtype: Any = None, matmul_precision: Any = "default") -> Context:
     """The interpreter's context for a program computing in ``compute_dtype``
     (its matmuls in FP8 if ``fp8``, with ``fp8_run``'s options and state; the
-    gradients of its half ops in ``reduce_dtype`` when given)."""
+    gradients of its half ops in ``reduce_dtype`` when given; its float32
+    matmuls at least at ``matmul_precision``)."""
     return Context(root=np.dtype(compute_dtype), ops=ops or OpLists(), rules=RULES, log=log, root_fp8=fp8,
-                   fp8=fp8_run or Fp8Run(), reduce=None if reduce_dtype is None else np.dtype(reduce_dtype))
+                   fp8=fp8_run or Fp8Run(), reduce=None if reduce_dtype is None else np.dtype(reduce_dtype),
+                   root_matmul=matmul_precision_name(matmul_precision))
 
 
 def call_vals(fn: Callable, args: tuple, kwargs: dict, *, compute_dtype: Any, ops: OpLists | None = None,
               log: list | None = None, fp8: bool = False, fp8_run: Fp8Run | None = None,
-              reduce_dtype: Any = None) -> Any:
+              reduce_dtype: Any = None, matmul_precision: Any = "default") -> Any:
     """Runs ``fn(*args, **kwargs)`` under autocast; returns its output pytree with
     :class:`~precision.autocast.values.Val` leaves (each knows its kind and gives
     its array in any dtype).
@@ -51,16 +54,20 @@ def call_vals(fn: Callable, args: tuple, kwargs: dict, *, compute_dtype: Any, op
     ``reduce_dtype``: the dtype the gradients of half matmuls, broadcasts and
     gathers are produced in, hence reduced in across devices (see
     :mod:`precision.autocast.reductions`); ``None``: their own dtype.
+    ``matmul_precision``: the least precision of its float32 matmuls and
+    convolutions (:mod:`precision.autocast.matmul_precision`).
     """
-    vals, _, flat = evaluate_call(fn, args, kwargs, context(compute_dtype, ops, log, fp8, fp8_run, reduce_dtype))
+    vals, _, flat = evaluate_call(fn, args, kwargs, context(compute_dtype, ops, log, fp8, fp8_run, reduce_dtype,
+                                                            matmul_precision))
     return flat.unflatten(vals)
 
 
 def call(fn: Callable, args: tuple, kwargs: dict, *, compute_dtype: Any, ops: OpLists | None = None,
-         log: list | None = None, fp8: bool = False, fp8_run: Fp8Run | None = None, reduce_dtype: Any = None) -> Any:
+         log: list | None = None, fp8: bool = False, fp8_run: Fp8Run | None = None, reduce_dtype: Any = None,
+         matmul_precision: Any = "default") -> Any:
     """Runs ``fn`` under autocast, every output in the dtype ``fn`` itself gives it."""
-    vals, shapes, flat = evaluate_call(fn, args, kwargs,
-                                       context(compute_dtype, ops, log, fp8, fp8_run, reduce_dtype))
+    vals, shapes, flat = evaluate_call(fn, args, kwargs, context(compute_dtype, ops, log, fp8, fp8_run, reduce_dtype,
+                                                                 matmul_precision))
     if any(is_policy_float(x.dtype) and np.dtype(x.dtype) != F32 for x in flat.arrays):
         shapes = jax.eval_shape(flat.fn, *flat.arrays)  # the dtypes fn gives to its half inputs
     results = [val.as_dtype(shape.dtype) if val.managed and is_policy_float(shape.dtype) else val.array
@@ -81,8 +88,9 @@ def autocast(fn: Callable, policy: "str | Policy | Any" = "mixed_bf16", *, ops: 
     Args:
       fn: any function of arrays (pytrees in and out); non-array arguments
         (Python numbers, flags) are static.
-      policy: a :class:`Policy`, spec or preset; only its compute dtype is used
-        (a bare dtype name such as ``"bf16"`` works too).
+      policy: a :class:`Policy`, spec or preset; its compute dtype and the
+        precision of float32 matmuls (``matmul=highest``) are used (a bare dtype
+        name such as ``"bf16"`` works too).
       ops: the allow/deny lists (:func:`precision.op_lists`); default lists otherwise.
       fp8: :func:`precision.fp8_options` for a policy whose compute is ``f8``
         (``"mixed_fp8"``, or a bare ``"f8"``). Under delayed scaling the
@@ -97,13 +105,13 @@ def autocast(fn: Callable, policy: "str | Policy | Any" = "mixed_bf16", *, ops: 
     """
     if not callable(fn):
         raise TypeError(f"autocast expects a callable, got {type(fn).__name__} {fn!r}")
-    compute, on = _compute(policy)
+    compute, on, matmul = _compute(policy)
     options = as_fp8_options(fp8)
     reduce_dtype = reduce_dtype_of(reduce_dtype)
 
     def autocast_fn(*args: Any, fp8_state: dict | None = None, **kwargs: Any) -> Any:
         return call(fn, args, kwargs, compute_dtype=compute, ops=ops, fp8=on,
-                    fp8_run=Fp8Run(options, state=fp8_state), reduce_dtype=reduce_dtype)
+                    fp8_run=Fp8Run(options, state=fp8_state), reduce_dtype=reduce_dtype, matmul_precision=matmul)
 
     def init_fp8_state(*args: Any, **kwargs: Any) -> dict:
         """Zero amax histories for every FP8 matmul ``fn(*args, **kwargs)`` makes (delayed scaling)."""
@@ -117,14 +125,14 @@ def autocast(fn: Callable, policy: "str | Policy | Any" = "mixed_bf16", *, ops: 
     return autocast_fn
 
 
-def _compute(policy: Any) -> tuple[np.dtype, bool]:
-    """(compute dtype, FP8 matmuls) of a policy, spec, preset or bare dtype name."""
+def _compute(policy: Any) -> tuple[np.dtype, bool, str]:
+    """(compute dtype, FP8 matmuls, float32 matmul precision) of a policy, spec, preset or bare dtype name."""
     if isinstance(policy, str) and "=" not in policy and "," not in policy:
         if _is_fp8_name(policy):
-            return parse_compute(policy), True
+            return parse_compute(policy), True, "default"
         try:
-            return _canonical(policy), False
+            return _canonical(policy), False, "default"
         except Exception:
             pass
     resolved = get_policy(policy)
-    return resolved.compute_dtype, resolved.fp8
+    return resolved.compute_dtype, resolved.fp8, resolved.matmul_precision

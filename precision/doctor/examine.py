@@ -151,9 +151,12 @@ def _rule_changes(problem: Problem, s: _Setting) -> list[_Change | None]:
 
 
 def _policy_name(policy: Policy) -> str:
-    """``f32`` for a policy of one dtype, else its spec."""
+    """``f32`` (``f32,matmul=highest``) for a policy of one dtype, else its spec."""
     one = len({policy.param_dtype, policy.compute_dtype, policy.output_dtype}) == 1
-    return str(policy).split(",")[0].removeprefix("p=") if one else str(policy)
+    if not one:
+        return str(policy)
+    matmul = f",matmul={policy.matmul_precision}" if policy.matmul_precision != "default" else ""
+    return str(policy).split(",")[0].removeprefix("p=") + matmul
 
 
 def _op_list_change(problem: Problem, s: _Setting) -> _Change | None:
@@ -174,7 +177,7 @@ def _bf16_change(problem: Problem, s: _Setting) -> _Change | None:
     half = {F16: BF16}
     policy = Policy(half.get(s.policy.param_dtype, s.policy.param_dtype), BF16,
                     half.get(s.policy.output_dtype, s.policy.output_dtype), state_dtype=s.policy.state_dtype,
-                    accum_dtype=s.policy.accum_dtype)
+                    accum_dtype=s.policy.accum_dtype, matmul_precision=s.policy.matmul_precision)
     return _Change("bfloat16 instead of float16 (float32's range)", *_with_python(
         config_text(policy=str(policy)), f"precision.with_policy(model, {str(policy)!r})",
         dataclasses.replace(s, policy=policy)))

@@ -15,20 +15,30 @@ from precision.fp8 import FP8_COLLECTION
 from precision.policy import Policy, PolicyError, get_policy
 from precision.rules import Rule, as_rules, get_rules
 
-__all__ = ["Compute", "compute_of", "uses_fp8", "check_needs_autocast", "split_fp8", "resolve", "cast_by_path",
-           "cast_like", "vals_in", "vals_like", "map_params"]
+__all__ = ["Compute", "compute_of", "region", "uses_fp8", "check_needs_autocast", "split_fp8", "resolve",
+           "cast_by_path", "cast_like", "vals_in", "vals_like", "map_params"]
 
 
 class Compute(NamedTuple):
-    """What a module computes in: the dtype of its ops, and whether its matmuls are FP8."""
+    """What a module computes in: the dtype of its ops, whether its matmuls are FP8, and
+    the precision of its float32 matmuls (None in a region: the enclosing one's)."""
 
     dtype: np.dtype
     fp8: bool
+    matmul: str | None = "default"
 
 
 def compute_of(policy: Policy) -> Compute:
     """The compute of a module under ``policy``."""
-    return Compute(policy.compute_dtype, policy.fp8)
+    return Compute(policy.compute_dtype, policy.fp8, policy.matmul_precision)
+
+
+def region(compute: Compute, caller: Compute) -> Compute | None:
+    """The region a module computing in ``compute`` opens inside its caller's: None where
+    they compute alike; its matmul precision None (kept) where only the dtype differs."""
+    if compute == caller:
+        return None
+    return compute if compute.matmul != caller.matmul else compute._replace(matmul=None)
 
 
 def uses_fp8(policy: Policy, rules: Iterable[Rule]) -> bool:
@@ -37,13 +47,17 @@ def uses_fp8(policy: Policy, rules: Iterable[Rule]) -> bool:
 
 
 def check_needs_autocast(policy: Policy, rules: Iterable[Rule], autocast: bool, reduce_dtype: Any) -> None:
-    """FP8 matmuls and a ``reduce_dtype`` are made by autocast: a wrapper that only
-    casts at module boundaries can have neither."""
+    """FP8 matmuls, a matmul precision and a ``reduce_dtype`` are made by autocast: a
+    wrapper that only casts at module boundaries can have none of them."""
     if autocast:
         return
     if uses_fp8(policy, rules):
         raise ValueError(f"with_policy: {policy} runs matmuls in FP8, which needs autocast=True "
                          "(autocast=False only casts at module boundaries)")
+    asked = next((p for p in (policy, *(rule.policy for rule in rules)) if p.matmul_precision != "default"), None)
+    if asked is not None:
+        raise PolicyError(f"with_policy: matmul={asked.matmul_precision} ({asked}) is set on float32 matmuls by "
+                          "autocast: it needs autocast=True (autocast=False only casts at module boundaries)")
     if reduce_dtype is not None:
         raise PolicyError(f"reduce_dtype={np.dtype(reduce_dtype).name} needs autocast=True (autocast=False only "
                           "casts at module boundaries)")

@@ -16,8 +16,8 @@ from precision.autocast.op_lists import OpLists
 from precision.autocast.reductions import reduce_dtype_of
 from precision.fp8 import FP8_COLLECTION, Fp8Options, init_fp8_state
 from precision.autocast.regions import compute_in, in_module
-from precision.modules.common import (Compute, cast_by_path, check_needs_autocast, cast_like, compute_of, map_params, resolve, split_fp8,
-                                      uses_fp8, vals_in, vals_like)
+from precision.modules.common import (Compute, cast_by_path, check_needs_autocast, cast_like, compute_of, map_params,
+                                      region, resolve, split_fp8, uses_fp8, vals_in, vals_like)
 from precision.policy import Policy, _cast_floating
 from precision.quantized_weights import dequantized
 from precision.rules import Resolver, Rule, class_names_of
@@ -141,7 +141,7 @@ class LinenWithPolicy:
         fp8_run = fp8_run or Fp8Run(self.fp8, state=fp8_state)
         vals = autocast_lib.call_vals(run, (variables, rngs, args, kwargs), {}, compute_dtype=root.dtype,
                                       ops=self.ops, log=log, fp8=root.fp8, fp8_run=fp8_run,
-                                      reduce_dtype=self.reduce_dtype)
+                                      reduce_dtype=self.reduce_dtype, matmul_precision=root.matmul)
         if mutable is False:
             return vals_in(vals, self.policy.output_dtype)
         out, updated = vals if module_mutable is not False else (vals, {})
@@ -196,11 +196,12 @@ def _module_calls(resolve: Resolver, root: Compute, call: Any):
 
 def _region_interceptor(resolve: Resolver, root: Compute):
     """Module calls tagged with their path, and a region opened wherever a module's
-    compute dtype differs from its caller's (a rule matched it)."""
+    compute (dtype, FP8, matmul precision) differs from its caller's (a rule matched it)."""
     def in_region(next_fun, call_args, call_kwargs, compute, caller):
-        if compute == caller:
+        opened = region(compute, caller)
+        if opened is None:
             return next_fun(*call_args, **call_kwargs)
-        with compute_in(compute.dtype, fp8=compute.fp8):
+        with compute_in(opened.dtype, fp8=opened.fp8, matmul=opened.matmul):
             return next_fun(*call_args, **call_kwargs)
 
     return _module_calls(resolve, root, in_region)

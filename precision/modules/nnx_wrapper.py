@@ -18,7 +18,9 @@ from precision.autocast.op_lists import OpLists
 from precision.autocast.reductions import reduce_dtype_of
 from precision.fp8 import Fp8Options, init_fp8_state
 from precision.autocast.regions import compute_in, in_module
-from precision.modules.common import Compute, cast_by_path, check_needs_autocast, cast_like, compute_of, vals_in, vals_like
+from precision.modules.common import (Compute, cast_by_path, check_needs_autocast, cast_like, compute_of, vals_in,
+                                      vals_like)
+from precision.modules.common import region as opened_region
 from precision.policy import Policy, _cast_floating
 from precision.rules import Resolver, Rule, class_names_of
 
@@ -80,7 +82,7 @@ def _scoped_class(cls: type, path: tuple[str, ...], region: Compute | None) -> t
             with in_module(path):
                 if region is None:
                     return method(self, *args, **kwargs)
-                with compute_in(region.dtype, fp8=region.fp8):
+                with compute_in(region.dtype, fp8=region.fp8, matmul=region.matmul):
                     return method(self, *args, **kwargs)
         return functools.wraps(method)(call)
 
@@ -134,14 +136,14 @@ class NNXWithPolicy(nnx.Module):
         def run(state, args, kwargs):
             model = nnx.merge(graphdef, state)
             for node, path, compute, caller in _submodules(model, resolve):
-                node.__class__ = _scoped_class(type(node), path, None if compute == caller else compute)
+                node.__class__ = _scoped_class(type(node), path, opened_region(compute, caller))
             with in_module(()):
                 return model(*args, **kwargs), nnx.state(model)
 
         root = compute_of(resolve(()))
         out, new_state = autocast_lib.call_vals(run, (state, args, kwargs), {}, compute_dtype=root.dtype, ops=self.ops,
                                                 log=log, fp8=root.fp8, fp8_run=fp8_run or Fp8Run(self.fp8),
-                                                reduce_dtype=self.reduce_dtype)
+                                                reduce_dtype=self.reduce_dtype, matmul_precision=root.matmul)
         nnx.update(self.module, vals_like(new_state, state))
         return vals_in(out, self.policy.output_dtype)
 

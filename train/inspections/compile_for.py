@@ -14,6 +14,8 @@ compiled program (:mod:`train.inspections.gpu_kernels`, :mod:`train.parallel.com
   cuBLASLt, cuBLASLt FP8, Triton) and operand dtypes, cuDNN convolutions;
 - under a half policy, every GEMM with a float32 operand, by module path, and
   which of them a rule asked for;
+- the GEMMs with float32 operands by the arithmetic they run: TF32 at XLA's
+  default precision, true float32 where a policy asked for it (``matmul=highest``);
 - the collectives a step sends on N devices, with dtypes and bytes;
 - the time to trace and lower, and to compile;
 - a *modeled* step time (:mod:`train.inspections.gpu_time`: every kernel's bytes and FLOPs
@@ -29,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import time
 from collections import Counter
 from typing import Any
@@ -80,6 +83,14 @@ class CompiledStep:
         return dict(Counter(k.module for k in self.kernels
                             if k.gemm and k.has_f32_operand and (k.region == "float32") == declared))
 
+    def f32_gemm_algorithms(self) -> dict[str, int]:
+        """GEMMs with both operands float32, counted by the arithmetic they run on the target
+        (:func:`train.inspections.gpu_kernels.f32_algorithm`): ``tf32`` (XLA's default precision on
+        a GPU with TF32), ``f32`` (``matmul=highest``...), ``bf16_3x``..."""
+        tf32 = _has_tf32(self.target)
+        return dict(Counter(k.algorithm if tf32 or k.algorithm != "tf32" else "f32"
+                            for k in self.kernels if k.algorithm))
+
     def kernel_rows(self) -> list[dict[str, Any]]:
         """One row per (kernel kind, operand dtypes): how many."""
         counts = Counter((k.kind, k.operands) for k in self.kernels)
@@ -99,6 +110,7 @@ class CompiledStep:
                 "kernels": self.kernel_rows(), "gemms": self.count(), "fp8_gemms": self.count(fp8=True),
                 "f32_gemms": self.f32_gemms() if self.policy_half else {},
                 "f32_gemms_in_float32_regions": self.f32_gemms(declared=True) if self.policy_half else {},
+                "f32_gemm_algorithms": self.f32_gemm_algorithms(),
                 "collectives": self.communication.rows(), "seconds": self.seconds,
                 "modeled": self.modeled.to_json() if self.modeled is not None else {"error": self.modeled_error},
                 "blockwise_loss": self.blockwise._asdict() if self.blockwise is not None else None,
@@ -120,6 +132,7 @@ class CompiledStep:
                          f"{row['count']:>6}")
         if not self.kernels:
             lines.append("  no GEMM, attention or convolution kernel")
+        lines += _algorithm_lines(self.f32_gemm_algorithms())
         fp8 = self.count(fp8=True)
         if fp8 or "f8" in self.experiment:
             lines.append(f"FP8 GEMMs: {fp8} of {self.count()} GEMMs")
@@ -144,6 +157,25 @@ class CompiledStep:
             lines += [f"  {module or '(outside any module)'}: {n}"
                       for module, n in sorted(f32.items(), key=lambda kv: (-kv[1], kv[0]))]
         return lines
+
+
+#: How the report names the arithmetic of a float32 GEMM.
+_ALGORITHM_NAMES = {"tf32": "TF32 (XLA's default precision)", "f32": "float32"}
+
+
+def _algorithm_lines(counts: dict[str, int]) -> list[str]:
+    """``Float32 GEMMs by arithmetic: 10 TF32 (XLA's default precision), 2 float32`` (none: no line)."""
+    if not counts:
+        return []
+    shown = ", ".join(f"{n} {_ALGORITHM_NAMES.get(name, name)}" for name, n in
+                      sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+    return [f"Float32 GEMMs by arithmetic: {shown}"]
+
+
+def _has_tf32(target: GpuTarget) -> bool:
+    """Whether the target's tensor cores run TF32 (compute capability 8.0 or later)."""
+    m = re.search(r"cuda_compute_capability\s*\{\s*major:\s*(\d+)", target.config_text)
+    return m is None or int(m.group(1)) >= 8
 
 
 def compile_for(config: ExperimentConfig, target: str | GpuTarget = "h100", devices: int | None = None

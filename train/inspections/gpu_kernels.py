@@ -10,6 +10,10 @@ from. A GEMM's operand dtypes are those its matrix unit reads: the ``dot``'s
 operands inside a Triton fusion (a ``convert`` the fusion applies first is part
 of the kernel), the custom call's operands for a library call.
 
+A GEMM whose operands are both float32 also says the arithmetic it runs
+(:func:`f32_algorithm`): TF32 at XLA's default precision, true float32 where
+the program asked for it (``matmul=highest`` in a policy, docs/matmul-precision.md).
+
 Each instruction is counted once: a loop body (a scanned layer) counts once
 however many times it runs.
 """
@@ -22,8 +26,8 @@ from urllib.parse import unquote
 
 from precision.autocast.regions import MODULE_PREFIX, REDUCE_SCOPE_PREFIX, TAG_PREFIX
 
-__all__ = ["Kernel", "read_kernels", "GEMM_KINDS", "module_of", "region_of", "fp8_accumulation", "operand_names",
-           "attribute"]
+__all__ = ["Kernel", "read_kernels", "GEMM_KINDS", "module_of", "region_of", "fp8_accumulation", "f32_algorithm",
+           "operand_names", "attribute"]
 
 #: Kernel kinds that are matrix multiplications.
 GEMM_KINDS = ("cublas", "cublaslt", "cublaslt_fp8", "triton_gemm", "xla_dot")
@@ -53,6 +57,7 @@ class Kernel(NamedTuple):
     module: str  # module path of the op it came from ("" if unknown)
     op_name: str  # JAX's name for that op
     accumulation: str = ""  # an FP8 GEMM: "fast" (reduced precision) or "float32" (see fp8_accumulation)
+    algorithm: str = ""  # a float32 GEMM: "tf32", "f32", "bf16_3x"... (see f32_algorithm)
 
     @property
     def region(self) -> str:
@@ -182,7 +187,8 @@ def _kernels_of(instr: _Instr, comp: dict, comps: dict) -> list[Kernel]:
         if target in _LIBRARY:
             kind = _LIBRARY[target]
             return [Kernel(kind, operands[:2], instr.dtype, module_of(op_name), op_name,
-                           fp8_accumulation(kind, operands[:2], instr.rest))]
+                           fp8_accumulation(kind, operands[:2], instr.rest),
+                           f32_algorithm(kind, operands[:2], instr.rest))]
         if target.startswith("__cudnn$fmha"):
             kind = "cudnn_attention_backward" if "Backward" in target else "cudnn_attention"
             return [Kernel(kind, operands[:3], instr.dtype, module_of(op_name), op_name)]
@@ -196,11 +202,13 @@ def _kernels_of(instr: _Instr, comp: dict, comps: dict) -> list[Kernel]:
             operands = tuple(inner["types"].get(o, "") for o in dot.operands[:2])
             gemm = "triton_gemm" if kind in _TRITON_GEMM else "xla_dot"
             found.append(Kernel(gemm, operands, dot.dtype, module_of(attribute(dot.rest, "op_name") or op_name),
-                                attribute(dot.rest, "op_name") or op_name, fp8_accumulation(gemm, operands, dot.rest)))
+                                attribute(dot.rest, "op_name") or op_name, fp8_accumulation(gemm, operands, dot.rest),
+                                f32_algorithm(gemm, operands, dot.rest)))
         return found
     if instr.op == "dot":
         operands = tuple(types.get(o, "") for o in instr.operands[:2])
-        return [Kernel("xla_dot", operands, instr.dtype, module_of(op_name), op_name)]
+        return [Kernel("xla_dot", operands, instr.dtype, module_of(op_name), op_name,
+                       algorithm=f32_algorithm("xla_dot", operands, instr.rest))]
     return []
 
 
@@ -225,6 +233,37 @@ def fp8_accumulation(kind: str, operands: tuple[str, ...], rest: str) -> str:
         return "fast" if algorithm.group(1).endswith("_FAST_ACCUM") else "float32"
     precisions = re.findall(r'"(DEFAULT|HIGH|HIGHEST)"', text)
     return "float32" if any(p != "DEFAULT" for p in precisions) else "fast"
+
+
+#: XLA's named dot algorithms (``algorithm=dot_bf16_bf16_f32_x3``) as the arithmetic they run.
+_ALGORITHMS = {"tf32_tf32_f32": "tf32", "tf32_tf32_f32_x3": "tf32_3x", "f32_f32_f32": "f32", "bf16_bf16_f32": "bf16",
+               "bf16_bf16_f32_x3": "bf16_3x", "bf16_bf16_f32_x6": "bf16_6x", "bf16_bf16_f32_x9": "bf16_9x"}
+_RANK = {"default": 0, "high": 1, "highest": 2}
+
+
+def f32_algorithm(kind: str, operands: tuple[str, ...], rest: str) -> str:
+    """The arithmetic of a GEMM whose operands are both float32 ("" for any other kernel)
+    on a GPU with TF32 (Ampere or later), as XLA's GPU compiler picks it:
+
+    - a named dot algorithm: its own (``tf32``, ``f32``, ``bf16_3x``...);
+    - XLA's own dot emitter (``xla_dot``): plain float32 whatever the precision;
+    - precision ``HIGHEST``: ``f32``; ``HIGH``: ``f32`` in a Triton GEMM (its PTX
+      has no TF32 instruction), ``tf32`` in cuBLAS (XLA allows TF32 up to HIGH);
+      ``DEFAULT`` (none asked): ``tf32``.
+    """
+    if kind not in GEMM_KINDS or set(operands) != {"f32"} or len(operands) != 2:
+        return ""
+    named = re.search(r"\balgorithm=dot_(\w+)", rest) or re.search(r'"algorithm":"ALG_DOT_(\w+)"', rest)
+    if named:
+        return _ALGORITHMS.get(named.group(1).lower(), named.group(1).lower())
+    if kind == "xla_dot":
+        return "f32"
+    asked = re.search(r"operand_precision=\{([^}]*)\}", rest) or re.search(r'"operand_precision":\[([^\]]*)\]', rest)
+    names = re.findall(r"\w+", asked.group(1).lower()) if asked else []
+    top = max((_RANK.get(n, 0) for n in names), default=0)
+    if top == 2 or (top == 1 and kind == "triton_gemm"):
+        return "f32"
+    return "tf32"
 
 
 def _fusion_kind(rest: str) -> str:

@@ -20,7 +20,7 @@ import math
 import re
 from typing import Iterator, NamedTuple
 
-from train.inspections.gpu_kernels import INSTRUCTION as _INSTR, attribute, module_of, operand_names
+from train.inspections.gpu_kernels import INSTRUCTION as _INSTR, attribute, f32_algorithm, module_of, operand_names
 
 __all__ = ["HloKernel", "read_hlo_kernels", "KINDS", "DTYPE_BYTES", "dot_flops", "conv_flops"]
 
@@ -62,7 +62,7 @@ class HloKernel(NamedTuple):
     flops: float  # matrix FLOPs per launch (GEMMs, attention, convolutions); 0 for the rest
     dtype: str  # a GEMM's / attention's operand type ("bf16", "f32", "f8e4m3fn"); the result's otherwise
     module: str  # module path of the op it came from ("" if unknown)
-    precision: str = ""  # a float32 GEMM: "highest" where it asked for full float32, else "" (TF32)
+    precision: str = ""  # a float32 GEMM: "highest" where it runs in full float32, else "" (TF32)
     causal: bool = False  # attention with a causal mask
 
 
@@ -171,9 +171,9 @@ def _kernel(instr: _Instr, comp: _Comp, comps: dict[str, _Comp], launches: int) 
     if instr.op == "custom-call":
         target = attribute(instr.rest, "custom_call_target")
         if target in _GEMM_TARGETS:
+            precision = _precision("cublas", operand_types, instr.rest, '"HIGHEST"' in instr.rest)
             return HloKernel(kind="gemm", bytes=moved, flops=_gemm_flops(instr.type, operand_types, instr.rest),
-                             dtype=_dtype(operand_types[0]), precision="highest" if '"HIGHEST"' in instr.rest else "",
-                             **base)
+                             dtype=_dtype(operand_types[0]), precision=precision, **base)
         if target.startswith("__cudnn$fmha"):
             return HloKernel(kind="attention", bytes=moved, flops=_attention_flops(target, operand_types, instr.rest),
                              dtype=_dtype(operand_types[0]), causal='"mask_type": "CAUSAL"' in instr.rest, **base)
@@ -211,13 +211,23 @@ def _fusion(instr: _Instr, operand_types: list[str], comps: dict[str, _Comp], ba
         flops = sum(_gemm_flops(d.type, [c.types.get(o, "") for o in d.operands], d.rest) if d.op == "dot" else
                     _conv_flops(d.type, [c.types.get(o, "") for o in d.operands], d.rest) for d, c in dots)
         first, c = dots[0]
-        operand = c.types.get(first.operands[0], "") if first.operands else ""
+        operands = [c.types.get(o, "") for o in first.operands[:2]]
+        triton = fusion_kind in ("__triton_gemm", "__triton_nested_gemm_fusion")
+        precision = _precision("triton_gemm", operands, first.rest, "highest" in first.rest) if triton else \
+            ("highest" if "highest" in first.rest else "")
         return HloKernel(kind="gemm" if first.op == "dot" else "conv", bytes=read + written, flops=flops,
-                         dtype=_dtype(operand), precision="highest" if "highest" in first.rest else "", **base)
+                         dtype=_dtype(operands[0] if operands else ""), precision=precision, **base)
     ops = {i.op for i, _ in _all_instrs(inner, comps)}
     kind = "reduction" if (fusion_kind == "kInput" and "reduce" in " ".join(ops)) or "reduce" in instr.name else \
         "copy" if ops <= {"parameter", "copy", "transpose", "bitcast"} else "fusion"
     return HloKernel(kind=kind, bytes=read + written, flops=0.0, dtype=_dtype(instr.type), **base)
+
+
+def _precision(kind: str, operand_types: list[str], rest: str, asked_highest: bool) -> str:
+    """``"highest"`` for a GEMM that runs in full float32 (asked for HIGHEST, or HIGH in a Triton
+    GEMM, or the float32 dot algorithm: :func:`~train.inspections.gpu_kernels.f32_algorithm`), else ""."""
+    dtypes = tuple(_dtype(t) for t in operand_types[:2])
+    return "highest" if asked_highest or f32_algorithm(kind, dtypes, rest) == "f32" else ""
 
 
 def _all_instrs(comp: _Comp, comps: dict[str, _Comp], seen: set | None = None) -> Iterator[tuple[_Instr, _Comp]]:

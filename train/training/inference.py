@@ -25,9 +25,11 @@ def cast_for_inference(state: TrainState, dtype: Any, rules: Any = None) -> Trai
     """The state with params stored and computed in ``dtype`` (outputs float32).
 
     ``rules`` default to the training model's rules, so normalization layers
-    stay float32 (and BatchNorm statistics always do).
+    stay float32 (and BatchNorm statistics always do); float32 matmuls keep the
+    training policy's precision (``matmul=highest``).
     """
-    policy = precision.Policy(dtype, dtype, jnp.float32)
+    matmul = getattr(getattr(state.model, "policy", None), "matmul_precision", "default")
+    policy = precision.Policy(dtype, dtype, jnp.float32, matmul_precision=matmul)
     model = rebind(state.model, policy, rules)
     params = cast_variables(model, {"params": full_precision_params(state)})["params"]
     return state.replace(model=model, params=params)

@@ -9,6 +9,8 @@ DIR is one of:
   step, RNG or FP8 amax histories. Read with orbax from the checkpoint's own metadata, only
   the arrays wanted: no template of the other run is needed;
 * a Hugging Face Flax ``save_pretrained`` directory (:func:`train.weights.huggingface.read_weights`).
+* an export of a run (``python -m train export``: ``params.safetensors``, every collection;
+  :func:`train.weights.export.read_export`).
 
 The weights are matched to the model's variables by path and shape. The checkpoint's tree
 may sit under a prefix of the model's (a Hugging Face module wrapped by a module of yours)
@@ -34,6 +36,7 @@ from flax import traverse_util
 
 import precision
 from train.finetune.lora import ADAPTER_SUFFIXES
+from train.weights.export import PARAMS_FILE, ExportError, dequantized_base, read_export
 from train.weights.huggingface import WEIGHT_FILES, read_weights
 
 __all__ = ["PretrainedError", "checkpoint_steps", "describe_init", "find_pretrained",
@@ -58,7 +61,8 @@ def checkpoint_steps(directory: str) -> list[int]:
 
 def find_pretrained(init_from: str | os.PathLike) -> tuple[str, str, int | None]:
     """``(kind, path, step)``: what ``init_from`` holds, without reading it: ``("orbax",
-    STEP_DIR/state, step)`` or ``("huggingface", DIR, None)``.
+    STEP_DIR/state, step)``, ``("export", DIR, None)`` (``python -m train export``'s
+    ``params.safetensors``) or ``("huggingface", DIR, None)``.
 
     Raises:
       PretrainedError: it does not exist or holds neither (saying what was looked for).
@@ -76,6 +80,8 @@ def find_pretrained(init_from: str | os.PathLike) -> tuple[str, str, int | None]
     if os.path.isdir(os.path.join(directory, "state")):
         name = os.path.basename(directory)
         return "orbax", os.path.join(directory, "state"), int(name) if name.isdigit() else None
+    if os.path.isfile(os.path.join(directory, PARAMS_FILE)):  # written by python -m train export
+        return "export", directory, None
     if any(os.path.isfile(os.path.join(directory, n)) for n in (*WEIGHT_FILES, "config.json", "pytorch_model.bin")):
         return "huggingface", directory, None
     raise PretrainedError(f"init_from: {directory} holds no weights; {looked}")
@@ -90,7 +96,7 @@ def describe_init(init_from: str | os.PathLike | None, resuming: bool) -> str:
     kind, path, step = find_pretrained(init_from)
     if kind == "orbax":
         return f"; params from the checkpoint at step {step} in {os.path.dirname(os.path.dirname(path))}"
-    return f"; params from the Hugging Face weights in {path}"
+    return f"; params from the {'exported' if kind == 'export' else 'Hugging Face'} weights in {path}"
 
 
 def load_pretrained(init_from: str | os.PathLike) -> tuple[dict, str]:
@@ -104,6 +110,12 @@ def load_pretrained(init_from: str | os.PathLike) -> tuple[dict, str]:
     kind, path, step = find_pretrained(init_from)
     if kind == "orbax":
         variables, source = _read_orbax(path), f"the checkpoint {os.path.dirname(path)}"
+    elif kind == "export":
+        try:
+            variables, file = read_export(path)
+        except ExportError as e:
+            raise PretrainedError(f"init_from: {e}") from None
+        source = f"the exported weights {file}"
     else:
         try:
             found = read_weights(path)
@@ -142,7 +154,11 @@ def _read_orbax(path: str) -> dict:
             if not isinstance(saved, dict) or "params" not in saved:
                 raise PretrainedError(f"init_from: {path} is not a checkpoint of this framework (no params in it)")
             masters = _masters_path(saved.get("opt_state"), ("opt_state",))
-            wanted = {("params",) if masters is None else masters, ("model_state",)}
+            # a fine-tuning's frozen params have no masters (None in their place): those are read from params
+            partial = masters is not None and _has_none(_at(saved, masters))
+            wanted = {("params",) if masters is None or partial else masters, ("model_state",)}
+            if partial:
+                wanted.add(masters)
             item = _only(saved, wanted, ocp.PLACEHOLDER)
             restore_args = _map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
             restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args))
@@ -152,6 +168,8 @@ def _read_orbax(path: str) -> dict:
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise PretrainedError(f"init_from: the checkpoint {path} cannot be read ({text[:300]})") from None
     params = _at(restored, ("params",) if masters is None else masters)
+    if partial:
+        params = _overlay(params, restored["params"])
     state = {k: v for k, v in (restored.get("model_state") or {}).items() if k != precision.FP8_COLLECTION}
     return {"params": params, **state}
 
@@ -172,6 +190,24 @@ def _masters_path(tree: Any, path: Path) -> Path | None:
         if found is not None:
             return found
     return None
+
+
+def _has_none(tree: Any) -> bool:
+    """Whether a saved tree has a None leaf (a frozen param's place in the masters)."""
+    if isinstance(tree, dict):
+        return any(_has_none(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return any(_has_none(v) for v in tree)
+    return tree is None
+
+
+def _overlay(masters: Any, params: Any) -> Any:
+    """``params`` with the masters in the place of each param that has one."""
+    if masters is None:
+        return params
+    if isinstance(params, dict) and isinstance(masters, dict):
+        return {k: _overlay(masters.get(k), v) for k, v in params.items()}
+    return masters
 
 
 def _only(tree: Any, wanted: set[Path], placeholder: Any, path: Path = ()) -> Any:
@@ -222,6 +258,11 @@ def pretrained_variables(init_from: str | os.PathLike, expected: dict, fresh: Ca
     loaded, source = load_pretrained(init_from)
     want = {c: traverse_util.flatten_dict(dict(v)) for c, v in expected.items() if c != precision.FP8_COLLECTION}
     have = {c: traverse_util.flatten_dict(dict(v)) for c, v in loaded.items()}
+    if "params" in have and "params" in want:  # a fine-tuning's frozen base saved in 8/4-bit codes: read back
+        try:
+            have["params"] = dequantized_base(have["params"], {p: tuple(s.shape) for p, s in want["params"].items()})
+        except ExportError as e:
+            raise PretrainedError(f"init_from: {source}: {e}") from None
     model_prefix, saved_prefix = _alignment(set(want.get("params", {})), set(have.get("params", {})), source)
     out: dict = {c: {} for c in want}
     new, used = [], set()

@@ -1,0 +1,59 @@
+"""Fine-tuning compiled for an H100 without one (issue 56): a LoRA step on a frozen nf4 base
+holds a fraction of full fine-tuning's state, its frozen weight-gradient GEMMs are gone, and
+its adapters' GEMMs run in bf16. Needs JAX's CUDA plugin (``gpu_compile``)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from train.inspections.targets import TargetError, get_target, target_devices
+
+gpu_compile = pytest.mark.gpu_compile
+
+
+@functools.lru_cache(maxsize=None)
+def _device():
+    try:
+        return target_devices(get_target("h100"))[0]
+    except TargetError:
+        return None
+
+
+@pytest.fixture(autouse=True)
+def _needs_plugin():
+    if _device() is None:
+        pytest.skip("needs JAX's CUDA plugin (no GPU): pip install '.[gpu-compile]'")
+
+
+def _compiled(finetune):
+    import optax
+
+    import train
+    from train.inspections.compile_for import compile_train_step
+    from train.models import GPT
+    from train.parallel.distributed import Layout, make_mesh
+
+    model = GPT(vocab_size=4096, block_size=256, num_layers=2, num_heads=4, d_model=256)
+    state = jax.eval_shape(lambda: train.create_train_state(model, "mixed_bf16", optax.adamw(1e-4), jax.random.key(0),
+                                                            jnp.zeros((1, 256), jnp.int32), finetune=finetune))
+    tokens = jax.ShapeDtypeStruct((8, 256), jnp.int32)
+    return compile_train_step(state, {"inputs": tokens, "labels": tokens}, Layout(make_mesh(1, 1, [_device()])),
+                              get_target("h100"), task="language_model")
+
+
+@gpu_compile
+def test_a_qlora_step_compiled_for_an_h100_holds_a_fraction_of_full_fine_tunings_state():
+    import train
+
+    full = _compiled(None)
+    lora = _compiled(train.FineTune(lora=train.LoRA(8, targets=(r"block_\d+/.*",)), base="nf4"))
+    assert lora.memory["argument"] < 0.2 * full.memory["argument"], (lora.memory, full.memory)
+    from train.inspections.hlo_kernels import read_hlo_kernels
+
+    gemms = lambda step: [k for k in read_hlo_kernels(step.hlo_text) if k.kind == "gemm"]  # noqa: E731
+    assert len(gemms(lora)) > 0 and all(k.dtype == "bf16" for k in gemms(lora)), {k.dtype for k in gemms(lora)}
+    # frozen blocks: no weight-gradient GEMM of their kernels; the adapters' thin ones instead
+    big = lambda step: [k for k in gemms(step) if k.flops >= 2 * 8 * 256 * 256 * 256]  # noqa: E731
+    assert len(big(lora)) < len(big(full)), (len(big(lora)), len(big(full)))

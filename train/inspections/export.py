@@ -1,0 +1,290 @@
+"""``python -m train export RUN --dtype bf16 OUT``: a trained run's weights for serving.
+
+The newest checkpoint's params are read as :func:`train.load_pretrained` reads them (float32
+masters where the run kept them), a frozen base stored in 8/4-bit codes is read back as
+float32, LoRA adapters are merged into the weights they adapt (their layout found by one
+backward pass of the LoRA model, and the merged model checked against it), and every floating
+param is cast to the dtype asked for, except the params of modules the run's precision rules
+keep in float32 (normalization layers, by default): the framework's own casting by module path
+and class (:func:`train.cast_variables`), as half-precision inference casts them. OUT is a
+Hugging Face directory for a model read from one (``train.weights.huggingface:model``), else
+``params.safetensors``; both with ``export.json``, and both read by ``model.init_from``.
+The pure parts (files, codes, adapters' layouts) are :mod:`train.weights.export`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx, traverse_util
+
+import precision
+from precision.rules import Rule, as_rules
+from train.config import ConfigError, load_config
+from train.data import DataError
+from train.data.model_inputs import call_with
+from train.experiment.builders import build_experiment
+from train.experiment.fits import format_bytes
+from train.finetune import FineTune, LoRA, finetune_model
+from train.training.binding import bind, cast_variables, mode_kwargs, rebind
+from train.training.inference import inference_report
+from train.training.state import create_train_state
+from train.weights.export import (MANIFEST, ExportError, ExportReport, adapter_layouts, adapter_pairs, dequantized_base,
+                                  export_dtype, lora_delta, pick_layout, staged, write_huggingface, write_manifest,
+                                  write_params)
+from train.weights.huggingface import TokenIds
+from train.weights.pretrained import PretrainedError, checkpoint_steps, find_pretrained, load_pretrained
+
+__all__ = ["export_run", "format_report", "ExportError", "ExportReport"]
+
+Flat = dict[tuple[str, ...], Any]
+_FULL = precision.Policy("float32", "float32", "float32")
+
+
+def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str, *,
+               check_accuracy: bool = False) -> ExportReport:
+    """Exports the newest checkpoint of the run in ``run_dir`` to ``out_dir`` (new or empty) in
+    ``dtype`` (``bf16``, ``f16``, ``f32``): adapters merged, float32 kept where the run's rules
+    keep it. ``check_accuracy``: also evaluate the exported weights against the float32 ones on
+    the run's eval split (:func:`train.inference_report`). Raises :class:`ExportError` (one
+    line) on bad input; writes nothing unless it succeeds."""
+    name = export_dtype(dtype)
+    run_dir, config, step = _read_run(run_dir)
+    out = _free_out(out_dir)
+    try:
+        data, task, model = build_experiment(config, memory=(0, "here"))
+        variables, _ = load_pretrained(run_dir)
+    except (ConfigError, DataError, PretrainedError) as e:
+        raise ExportError(f"{run_dir}: {e}") from None
+    inputs = data.train_batch(0, 2, config.seed)["inputs"]
+    shapes = _param_shapes(bind(model, "fp32"), inputs)
+    state = {k: v for k, v in variables.items() if k != "params"}
+    params = dequantized_base(traverse_util.flatten_dict(variables["params"]), shapes)
+    params, merged, match = _merge_lora(config, model, inputs, params, state)
+    _check_fits(params, shapes, run_dir)
+    rules = _export_rules(config.precision, name)
+    exported, kept = _cast(model, inputs, params, name, rules, _rules_origin(config.precision))
+    accuracy = _accuracy(config, data, task, model, params, state, rules, name) if check_accuracy else None
+    hf = isinstance(model, TokenIds)
+    report = ExportReport(out, name, run_dir, step,
+                          "huggingface" if hf else "params", (), len(exported),
+                          int(sum(np.size(x) for x in exported.values())), 0, kept, merged, match, accuracy)
+    with staged(out) as temp:
+        tree = {"params": traverse_util.unflatten_dict(exported), **_state_f32(state)}
+        if hf:
+            options = config.model.options
+            files = write_huggingface(temp, tree, options["path"], options.get("architecture"))
+        else:
+            files = [os.path.basename(write_params(temp, tree))]
+        files.append(MANIFEST)
+        size = sum(os.path.getsize(os.path.join(temp, f)) for f in files[:-1])
+        report = report._replace(files=tuple(files), bytes=size)
+        write_manifest(temp, report)
+    return report
+
+
+def _read_run(run_dir: str | os.PathLike) -> tuple[str, Any, int]:
+    """``(absolute path, config, newest step)`` of a run's workdir, or :class:`ExportError`."""
+    path = os.path.abspath(os.path.expanduser(os.fspath(run_dir)))
+    if not os.path.isdir(path):
+        raise ExportError(f"{path} is not a run: it {'is a file' if os.path.exists(path) else 'does not exist'}")
+    if not os.path.isfile(os.path.join(path, "config.yaml")):
+        raise ExportError(f"{path} is not a run of this framework: it has no config.yaml")
+    if not checkpoint_steps(os.path.join(path, "checkpoints")):
+        raise ExportError(f"{path} is not a trained run: it has no checkpoints/<step>/state")
+    try:
+        config = load_config(os.path.join(path, "config.yaml"))
+    except ConfigError as e:
+        raise ExportError(str(e)) from None
+    return path, config, find_pretrained(path)[2]
+
+
+def _free_out(out_dir: str | os.PathLike) -> str:
+    """The absolute path of ``out_dir``, which must not exist, or be an empty directory."""
+    out = os.path.abspath(os.path.expanduser(os.fspath(out_dir)))
+    if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
+        raise ExportError(f"{out} exists and is not empty; give a new directory")
+    return out
+
+
+def _param_shapes(bound: Any, inputs: Any) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """The model's params and their shapes, from its init traced abstractly."""
+    key = jax.random.key(0)
+    keys = {"params": key, "dropout": key}
+    mode = mode_kwargs(bound, False)
+    variables = jax.eval_shape(lambda k: call_with(bound.init, inputs, k, **mode), keys)
+    return {p: tuple(x.shape) for p, x in traverse_util.flatten_dict(variables["params"]).items()}
+
+
+def _apply(bound: Any, inputs: Any, state: dict) -> Any:
+    """``params -> the model's floating outputs`` (a list), in eval mode."""
+    mode = mode_kwargs(bound, False)
+
+    def apply(params):
+        out = call_with(bound.apply, inputs, {"params": params, **state}, **mode)
+        return [x.astype(jnp.float32) for x in jax.tree_util.tree_leaves(out) if jnp.issubdtype(x.dtype, jnp.floating)]
+
+    return jax.jit(apply)
+
+
+def _gradients(apply: Any, params: dict) -> Flat:
+    """Gradients of a fixed random projection of the outputs: one backward pass."""
+    shapes = jax.eval_shape(apply, params)
+    weights = [jax.random.normal(jax.random.key(i), s.shape, jnp.float32) for i, s in enumerate(shapes)]
+    grads = jax.jit(jax.grad(lambda p: sum(jnp.vdot(y, w) for y, w in zip(apply(p), weights))))(params)
+    return {k: np.asarray(v) for k, v in traverse_util.flatten_dict(grads).items()}
+
+
+def _merge_lora(config: Any, model: Any, inputs: Any, params: Flat, state: dict
+                ) -> tuple[Flat, tuple[str, ...], float | None]:
+    """``params`` with each adapter pair merged into its weight and dropped, the merged
+    weights' paths, and how far the merged model's outputs are from the LoRA model's."""
+    pairs = adapter_pairs(params)
+    if not pairs:
+        return params, (), None
+    lora = config.finetune.lora
+    if lora.rank is None:
+        raise ExportError("the checkpoint has LoRA adapters and the run's config no finetune.lora section (rank, "
+                          "alpha): they cannot be merged")
+    spec = LoRA(rank=lora.rank, alpha=lora.alpha, targets=tuple(lora.targets), dropout=0.0).checked()
+    scale = spec.alpha / spec.rank
+    adapted = finetune_model(nnx.clone(model) if isinstance(model, nnx.Module) else model, FineTune(lora=spec), inputs)
+    with_adapters = _apply(bind(adapted, "fp32"), inputs, state)
+    tree = traverse_util.unflatten_dict({k: jnp.asarray(v) for k, v in params.items()})
+    grads = _gradients(with_adapters, tree)
+    merged = {k: v for k, v in params.items() if not any(k in pair for pair in pairs.values())}
+    for weight, (a, b) in pairs.items():
+        w, a_value, b_value = (np.asarray(params[k], np.float32) for k in (weight, a, b))
+        if not b_value.any():  # untrained (B starts at zero): nothing to add
+            continue
+        layout = pick_layout(adapter_layouts(w.shape, a_value.shape, b_value.shape), a_value, b_value,
+                             (grads[weight], grads[a], grads[b]), scale)
+        if layout is None:
+            raise ExportError(f"{'/'.join(weight)}: its LoRA adapters cannot be merged: the weight is read by "
+                              f"more than the adapted matmul (a tied embedding?), or by none")
+        merged[weight] = w + scale * lora_delta(layout, w.shape, a_value, b_value)
+    match = _match(with_adapters, _apply(bind(model, "fp32"), inputs, state), tree, params, merged, pairs)
+    return merged, tuple("/".join(k) for k in pairs), match
+
+
+def _match(with_adapters: Any, base: Any, tree: dict, params: Flat, merged: Flat, pairs: dict) -> float:
+    """The merged model's largest output difference from the LoRA model's, relative to its
+    largest output; an error if it is more than rounding (1% of what the adapters add)."""
+    unmerged = {k: v for k, v in params.items() if not any(k in pair for pair in pairs.values())}
+    lora, ours, plain = (with_adapters(tree), base(traverse_util.unflatten_dict(merged)),
+                         base(traverse_util.unflatten_dict(unmerged)))
+    worst = max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(lora, ours))
+    effect = max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(lora, plain))
+    size = max(float(jnp.max(jnp.abs(x))) for x in lora) or 1.0
+    if worst > 1e-2 * effect + 1e-5 * size:
+        raise ExportError(f"the merged model's outputs differ from the LoRA model's by {worst:.3g} (the adapters "
+                          f"add {effect:.3g}): the adapters cannot be merged exactly")
+    return worst / size
+
+
+def _check_fits(params: Flat, shapes: dict, run_dir: str) -> None:
+    """The merged params are the model's, in its shapes (else the checkpoint is another model's)."""
+    for path in sorted(set(params) | set(shapes)):
+        have, want = np.shape(params[path]) if path in params else None, shapes.get(path)
+        if have != want:
+            raise ExportError(f"{run_dir}: params/{'/'.join(path)} is {have or 'missing'} in the checkpoint and "
+                              f"{want or 'missing'} in the model its config.yaml builds")
+
+
+def _run_rules(section: Any) -> tuple[Rule, ...]:
+    """The run's per-module rules: ``precision.rules``, or its policy's own."""
+    return precision.get_rules(section.policy) if section.rules is None else as_rules(section.rules)
+
+
+def _rules_origin(section: Any) -> str:
+    return "precision.rules" if section.rules is not None else f"{section.policy}'s rules"
+
+
+def _export_rules(section: Any, dtype: str) -> tuple[Rule, ...]:
+    """The run's rules for the export: a module they keep in float32 stays float32, the rest in ``dtype``."""
+    target = precision.Policy(dtype, dtype, "float32")
+    return tuple(Rule(r.pattern, _FULL if r.policy.param_dtype == jnp.float32 else target)
+                 for r in _run_rules(section))
+
+
+def _cast(model: Any, inputs: Any, params: Flat, dtype: str, rules: tuple[Rule, ...], origin: str
+          ) -> tuple[Flat, dict[str, str]]:
+    """``params`` cast as the framework casts them under ``params=dtype`` and ``rules``, and the
+    params kept in float32 with the rule that keeps each."""
+    bound = bind(model, precision.Policy(dtype, dtype, "float32"), rules)
+    _param_shapes(bound, inputs)  # records the module structure (class names), abstractly
+    abstract = traverse_util.unflatten_dict({k: jax.ShapeDtypeStruct(np.shape(v), np.float32)
+                                             for k, v in params.items()})
+
+    def dtypes(model_rules):
+        model_ = bound if model_rules is rules else rebind(bound, bound.policy, model_rules)
+        cast = jax.eval_shape(lambda p: cast_variables(model_, {"params": p})["params"], abstract)
+        return {k: np.dtype(v.dtype) for k, v in traverse_util.flatten_dict(cast).items()}
+
+    plan = dtypes(rules)
+    floating = {k for k, v in params.items() if jnp.issubdtype(np.asarray(v).dtype, jnp.floating)}
+    exported = {k: np.asarray(v).astype(plan[k]) if k in floating else np.asarray(v) for k, v in params.items()}
+    kept = [k for k in floating if plan[k] == np.float32 and dtype != "float32"]
+    reasons: dict[str, str] = {}
+    for i, rule in enumerate(rules):
+        if len(reasons) == len(kept) or rule.policy != _FULL:
+            continue
+        now = dtypes(rules[:i + 1])
+        for k in kept:
+            if "/".join(k) not in reasons and now[k] == np.float32:
+                reasons["/".join(k)] = f"rule {rule.pattern} -> f32 ({origin})"
+    return exported, {"/".join(k): reasons.get("/".join(k), f"a rule ({origin})") for k in sorted(kept)}
+
+
+def _state_f32(state: dict) -> dict:
+    """The model's other collections (BatchNorm statistics) as they were: float32."""
+    return jax.tree_util.tree_map(np.asarray, state)
+
+
+def _accuracy(config: Any, data: Any, task: Any, model: Any, params: Flat, state: dict, rules: tuple[Rule, ...],
+              dtype: str) -> dict[str, dict[str, float]]:
+    """:func:`train.inference_report` of the merged float32 weights, served in float32 and in
+    ``dtype`` cast as the export casts them (the same rules), on the run's eval split."""
+    variables = {"params": traverse_util.unflatten_dict({k: jnp.asarray(v) for k, v in params.items()}), **state}
+    trained = create_train_state(model, _FULL, optax.identity(), jax.random.key(config.seed), data.sample_input(1),
+                                 rules=rules, variables=variables)
+    batches = lambda: data.eval_batches(config.data.eval_batch_size, config.data.eval_batches)  # noqa: E731
+    return inference_report(trained, batches, task, () if dtype == "float32" else (dtype,))
+
+
+def format_report(report: ExportReport) -> str:
+    """The export's summary: one line per fact."""
+    lines = [f"exported: {report.params} params ({report.values:,} values) in {report.dtype}, from step "
+             f"{report.step} of {report.source}"]
+    if report.merged:
+        lines.append(f"merged: {len(report.merged)} LoRA adapter pairs into their weights ({_first(report.merged)}); "
+                     f"the merged model's outputs match the LoRA model's to {report.lora_match:.1e} "
+                     f"(float32, relative)")
+    by_reason: dict[str, list[str]] = {}
+    for path, reason in report.kept_float32.items():
+        by_reason.setdefault(reason, []).append(path)
+    for reason, paths in by_reason.items():
+        lines.append(f"kept in float32: {len(paths)} params ({_first(paths)}): {reason}")
+    kind = "a Hugging Face directory" if report.format == "huggingface" else "weights"
+    lines.append(f"written: {format_bytes(report.bytes)} in {report.out}: {kind} ({', '.join(report.files)}); "
+                 f"model.init_from={report.out} reads it")
+    if report.accuracy:
+        lines.append(_accuracy_line(report.accuracy))
+    return "\n".join(lines)
+
+
+def _accuracy_line(accuracy: dict[str, dict[str, float]]) -> str:
+    metric = "accuracy" if all("accuracy" in m for m in accuracy.values()) else "loss"
+    values = ", ".join(f"{dtype} {m[metric]:.4f}" for dtype, m in accuracy.items())
+    deltas = [f"{m[metric] - accuracy['float32'][metric]:+.4f}" for d, m in accuracy.items() if d != "float32"]
+    return f"{metric} on the eval split: {values}" + (f" (change {', '.join(deltas)})" if deltas else "")
+
+
+def _first(names: Any, limit: int = 4) -> str:
+    names = list(names)
+    return ", ".join(names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit else "")
