@@ -241,14 +241,15 @@ def test_a_lora_run_resumes_exactly(tmp_path, base):
     assert_bitwise_equal(saved_leaves(tmp_path / "straight", 20)[1], saved_leaves(tmp_path / "resumed", 20)[1])
 
 
-def test_bad_finetune_keys_fail_in_one_line_naming_the_key():
+def test_bad_finetune_keys_fail_in_one_line_naming_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"^finetune.lora.rank must be >= 1, got 0$"):
         from_dict({"finetune": {"lora": {"rank": 0}}})
     with pytest.raises(ConfigError, match=r"^finetune.base: unknown value 'nf5'; valid: f32, bf16, f16, int8, nf4"):
         from_dict({"finetune": {"base": "nf5"}})
     with pytest.raises(ConfigError, match=r"finetune.freeze: '\[' is not a regular expression"):
         from_dict({"finetune": {"freeze": ["["]}})
-    config = from_dict({**QUICK, "steps": 1, "finetune": {"lora": {"rank": 2, "targets": ["Dense_9"]}}})
+    config = from_dict({**QUICK, "steps": 1, "workdir": str(tmp_path),
+                        "finetune": {"lora": {"rank": 2, "targets": ["Dense_9"]}}})
     with pytest.raises(ConfigError, match=r"finetune.lora.targets: 'Dense_9' matches no module .*Dense_0, Dense_1"):
         train.run(config, out=io.StringIO())
 
