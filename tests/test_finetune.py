@@ -171,20 +171,33 @@ def test_bad_fine_tuning_settings_are_one_line_errors(finetune, message):
     assert "\n" not in str(e.value)
 
 
-def test_the_default_experiment_fine_tuned_with_lora_keeps_its_accuracy_in_under_three_bytes_per_param(tmp_path):
-    """The issue's check, from the shipped config: 300 steps, then LoRA rank 4 on a bf16 base."""
-    base = train.run(load_config("configs/default.yaml", [f"workdir={tmp_path / 'base'}", "steps=300",
-                                                          "progress=false", "inference_dtypes=[]"]), out=io.StringIO())
+@pytest.fixture(scope="module")
+def default_base(tmp_path_factory):
+    """The shipped default experiment trained 300 steps: (its workdir, its eval)."""
+    workdir = tmp_path_factory.mktemp("default_base")
+    base = train.run(load_config("configs/default.yaml", [f"workdir={workdir}", "steps=300", "progress=false",
+                                                          "inference_dtypes=[]"]), out=io.StringIO())
+    return workdir, base["eval"]
+
+
+def _fine_tuned(default_base, workdir, base_dtype):
+    """300 more steps from the default base with LoRA rank 4 on a ``base_dtype`` base: (eval, header, bytes/param)."""
     out = io.StringIO()
     tuned = train.run(load_config("configs/default.yaml", [
-        f"workdir={tmp_path / 'tuned'}", "steps=300", "progress=false", "inference_dtypes=[]",
-        f"model.init_from={tmp_path / 'base'}", "finetune.lora.rank=4", "finetune.base=bf16"]), out=out)
+        f"workdir={workdir}", "steps=300", "progress=false", "inference_dtypes=[]",
+        f"model.init_from={default_base[0]}", "finetune.lora.rank=4", f"finetune.base={base_dtype}"]), out=out)
     header = out.getvalue()
-    per_param = float(header.split("train state: ")[1].split(" bytes/param")[0])
+    return tuned["eval"], header, float(header.split("train state: ")[1].split(" bytes/param")[0])
+
+
+def test_the_default_experiment_fine_tuned_with_lora_keeps_its_accuracy_in_under_three_bytes_per_param(
+        default_base, tmp_path):
+    """The issue's check, from the shipped config: 300 steps, then LoRA rank 4 on a bf16 base."""
+    tuned, header, per_param = _fine_tuned(default_base, tmp_path, "bf16")
     assert per_param <= 3.0, header
     assert "fine-tuning: LoRA adapters on 3 modules (Dense_0, Dense_1, Dense_2)" in header
     assert "frozen arrays in bfloat16 with no gradient, master or optimizer state" in header
-    assert tuned["eval"]["accuracy"] >= base["eval"]["accuracy"] - 0.01, (tuned["eval"], base["eval"])
+    assert tuned["accuracy"] >= default_base[1]["accuracy"] - 0.01, (tuned, default_base[1])
 
 
 @pytest.mark.parametrize("base, most", [("int8", 1.6), ("nf4", 1.2)])
@@ -212,17 +225,12 @@ def test_qlora_a_base_in_codes_trains_its_adapters_and_reads_the_weights_it_stor
         np.testing.assert_allclose(ours[key], dequantized[key], rtol=1e-4, err_msg=key)  # fusion order only
 
 
-def test_the_default_experiment_with_qlora_on_an_nf4_base_in_under_one_and_a_half_bytes_per_param(tmp_path):
-    base = train.run(load_config("configs/default.yaml", [f"workdir={tmp_path / 'base'}", "steps=300",
-                                                          "progress=false", "inference_dtypes=[]"]), out=io.StringIO())
-    out = io.StringIO()
-    tuned = train.run(load_config("configs/default.yaml", [
-        f"workdir={tmp_path / 'tuned'}", "steps=300", "progress=false", "inference_dtypes=[]",
-        f"model.init_from={tmp_path / 'base'}", "finetune.lora.rank=4", "finetune.base=nf4"]), out=out)
-    per_param = float(out.getvalue().split("train state: ")[1].split(" bytes/param")[0])
-    assert per_param <= 1.5, out.getvalue()
-    assert "nf4 codes with no gradient, master or optimizer state" in out.getvalue()
-    assert tuned["eval"]["accuracy"] >= base["eval"]["accuracy"] - 0.01, (tuned["eval"], base["eval"])
+def test_the_default_experiment_with_qlora_on_an_nf4_base_in_under_one_and_a_half_bytes_per_param(
+        default_base, tmp_path):
+    tuned, header, per_param = _fine_tuned(default_base, tmp_path, "nf4")
+    assert per_param <= 1.5, header
+    assert "nf4 codes with no gradient, master or optimizer state" in header
+    assert tuned["accuracy"] >= default_base[1]["accuracy"] - 0.01, (tuned, default_base[1])
 
 
 @pytest.mark.parametrize("base", ["bf16", "nf4"])
