@@ -39,7 +39,8 @@ from train.models import GPT
 SHAPES = {
     "tiny": (2, 2, 64, 32, 4, 256),
     "gpt2_small": (12, 12, 768, 1024, 8, 32768),
-    "llama_1b": (16, 16, 2048, 2048, 4, 32768),
+    "llama_1b": (16, 16, 2048, 2048, 4, 32768),  # 0.94B params
+    "gpt_1b3": (24, 16, 2048, 2048, 4, 32768),  # 1.34B params, 8,192 tokens a step
 }
 
 
@@ -80,6 +81,7 @@ def measure(name: str, steps: int, rounds: int, fp8: dict[str, Any]) -> dict[str
     def stepper(policy):
         return lambda carry: compiled[policy](carry[0], runs[policy][2])
 
+    params = sum(x.size for x in jax.tree_util.tree_leaves(runs["mixed_bf16"][0].params))
     losses = {}
     for policy, (state, _, data) in runs.items():  # the same steps from the same init: the loss each reaches
         state = jax.tree_util.tree_map(jnp.copy, state)  # the timing below donates the originals
@@ -89,6 +91,7 @@ def measure(name: str, steps: int, rounds: int, fp8: dict[str, Any]) -> dict[str
     timing = alternating_ratio(stepper("mixed_bf16"), (runs["mixed_bf16"][0], None), stepper("mixed_fp8"),
                                (runs["mixed_fp8"][0], None), rounds=rounds, steps_per_round=steps)
     return {"shape": dict(zip(("layers", "heads", "d_model", "seq", "batch", "vocab"), shape)), "fp8": fp8,
+            "params": params, "steps": steps,
             "fp8_share": explanation.fp8_share, "gemms": {p: fp8_gemms(c.as_text()) for p, c in compiled.items()},
             "bf16_seconds": timing["a_seconds"], "fp8_seconds": timing["b_seconds"],
             "speedup": 1.0 / timing["ratio"], "loss": losses,
@@ -97,13 +100,14 @@ def measure(name: str, steps: int, rounds: int, fp8: dict[str, Any]) -> dict[str
 
 def markdown(result: dict[str, Any]) -> str:
     lines = ["# FP8 speed: mixed_fp8 vs mixed_bf16", "", f"device: {result['device']}", "",
-             "| shape | fp8 share of matmul FLOPs | FP8 GEMMs in the step | bf16 step | fp8 step | speedup | "
-             "loss vs bf16 |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| shape | params | fp8 share of matmul FLOPs | FP8 GEMMs in the step | bf16 step | fp8 step | speedup | "
+             "loss vs bf16 |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, r in result["shapes"].items():
         g = r["gemms"]["mixed_fp8"]
         by = ", ".join([f"{n} {kind}" for kind, n in sorted(g.get("fp8_by", {}).items())]
                        + [f"{n} accumulating {how}" for how, n in sorted(g.get("fp8_accumulation", {}).items())])
-        lines.append(f"| {name} | {100 * r['fp8_share']:.0f}% | {g['fp8_gemms']} of {g['gemms']}"
+        params = f"{r['params'] / 1e9:.2f}B" if "params" in r else "-"
+        lines.append(f"| {name} | {params} | {100 * r['fp8_share']:.0f}% | {g['fp8_gemms']} of {g['gemms']}"
                      f"{f' ({by})' if by else ''} | "
                      f"{1e3 * r['bf16_seconds']:.1f} ms | {1e3 * r['fp8_seconds']:.1f} ms | {r['speedup']:.2f}x | "
                      f"{100 * r['loss_vs_bf16']:+.2f}% |")

@@ -32,12 +32,29 @@ def median_seconds(call: Callable[[Any], Any], carry: Any, steps: int, warmup: i
     return statistics.median(times), carry
 
 
+def back_to_back_seconds(call: Callable[[Any], Any], carry: Any, steps: int, rounds: int = 3) -> tuple[float, Any]:
+    """Seconds per call of ``carry = call(carry)`` run ``steps`` times back to back and
+    waited for once, as a training loop runs steps; the median over ``rounds``. Returns
+    it and the last carry."""
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(steps):
+            carry = call(carry)
+        carry = jax.block_until_ready(carry)
+        times.append((time.perf_counter() - start) / steps)
+    return statistics.median(times), carry
+
+
 def alternating_ratio(a: Callable[[Any], Any], a_carry: Any, b: Callable[[Any], Any], b_carry: Any,
                       rounds: int, steps_per_round: int, warmup: int = 2) -> dict[str, Any]:
     """Median over rounds of (time of ``b``) / (time of ``a``), the two timed in turn.
 
     Each round runs ``steps_per_round`` calls of one then of the other, and the
-    order flips every round (ABBA), so drift in machine load hits both alike.
+    order flips every round (ABBA), so drift in machine load hits both alike. The
+    calls of a round run back to back, waited for at its end, as a training loop
+    runs them: a step's host-side dispatch overlaps the device's work on the one
+    before, so a per-step wait does not charge the dispatch of a larger state twice.
     """
     for _ in range(warmup):
         a_carry = jax.block_until_ready(a(a_carry))
@@ -46,7 +63,8 @@ def alternating_ratio(a: Callable[[Any], Any], a_carry: Any, b: Callable[[Any], 
     def run(call, carry):
         start = time.perf_counter()
         for _ in range(steps_per_round):
-            carry = jax.block_until_ready(call(carry))
+            carry = call(carry)
+        carry = jax.block_until_ready(carry)
         return (time.perf_counter() - start) / steps_per_round, carry
 
     ratios, a_times, b_times = [], [], []
@@ -219,3 +237,22 @@ def peak_flops(device: Any, math: str) -> float | None:
         if all(word in words for word in key.split()):
             return peaks[math]
     return None
+
+
+def modeled_step(compiled_text: str, device: Any) -> dict[str, Any] | None:
+    """:mod:`train.inspections.gpu_time`'s modeled time of a compiled step on ``device``
+    (an H100 or H200; None elsewhere): a model of the program, **not a measurement**,
+    set beside the measured time to check the model. A program the model cannot
+    read gives ``{"error": ...}`` rather than stopping the benchmark."""
+    from train.inspections.gpu_time import model_step
+    from train.inspections.targets import get_target
+
+    kind = getattr(device, "device_kind", "").lower()
+    name = next((n for n in ("h100", "h200") if n in kind), None)
+    if name is None or getattr(device, "platform", "") != "gpu":
+        return None
+    try:
+        step = model_step(compiled_text, get_target(name))
+    except Exception as error:  # noqa: BLE001 - the model is a side note to the measurement
+        return {"error": f"{type(error).__name__}: {error}"}
+    return {"seconds": step.seconds, "launches": step.launches, "target": name}

@@ -7,7 +7,8 @@ each kernel on the device's streams. Prints and saves a table: the top kernels b
 time per step, their share of the device's busy time, and the time by kind
 (GEMMs, cuDNN attention, other fusions, copies).
 
-    python -m benchmarks.profile_step [--model gpt] [--size gpu] [--policy mixed_bf16] [--steps 5] [--out DIR]
+    python -m benchmarks.profile_step [--model gpt] [--size gpu] [--policy mixed_bf16] [--steps 5]
+                                      [--hand-written] [--out DIR]
 
 On a CPU the device plane is absent and the host's XLA op events are summed
 instead (times then mean little; the script is checked there).
@@ -88,10 +89,15 @@ def kernel_times(trace_dir: str) -> tuple[dict[str, float], str]:
     return {}, "no events"
 
 
-def profile(model: str, size: str, policy: str, steps: int) -> dict[str, Any]:
-    """Traces ``steps`` train steps of ``model`` under ``policy``; the kernels' times per step."""
+def profile(model: str, size: str, policy: str, steps: int, hand_written: bool = False) -> dict[str, Any]:
+    """Traces ``steps`` train steps of ``model`` under ``policy`` (``hand_written``: the suite's
+    hand-written JAX + optax bf16 step instead of ours); the kernels' times per step."""
     w = workload(model, size)
-    prepared = suite.prepare_case(w, policy_case(policy), suite.initial_variables(w))
+    if hand_written:
+        _, prepared = suite.prepare_overhead(w, suite.initial_variables(w))
+        policy = "hand_written_bf16"
+    else:
+        prepared = suite.prepare_case(w, policy_case(policy), suite.initial_variables(w))
     state, batch, step = prepared.state, prepared.batch, prepared.step
     for _ in range(3):  # warm-up: autotuning and first-call work stay out of the trace
         state, _ = step(state, batch)
@@ -141,13 +147,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--size", choices=SIZES, default="gpu")
     p.add_argument("--policy", choices=POLICY_NAMES, default="mixed_bf16")
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--hand-written", action="store_true",
+                   help="profile the suite's hand-written JAX + optax bf16 step instead of ours")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
     compile_cache.enable()
     env = environment()
-    result = profile(args.model, args.size, args.policy, args.steps) | {
+    result = profile(args.model, args.size, args.policy, args.steps, args.hand_written) | {
         "device": jax.devices()[0].device_kind, "environment": env}
-    write_tables(args.out, f"profile-{args.model}-{args.policy}-{device_slug(env)}", result, markdown(result))
+    write_tables(args.out, f"profile-{args.model}-{result['policy']}-{device_slug(env)}", result, markdown(result))
     return result
 
 

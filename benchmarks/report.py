@@ -14,6 +14,8 @@ import flax
 import jax
 import optax
 
+from benchmarks.workloads import MODEL_FLOPS_FORMULA
+
 #: The committed tables (full sizes, or ``--out benchmarks/results``).
 RESULTS = pathlib.Path(__file__).parent / "results"
 #: Where a quick run writes unless told otherwise: never over the committed tables.
@@ -63,21 +65,32 @@ def _pct(v: float | None) -> str:
 
 def table(results: dict[str, Any]) -> str:
     """The per-model, per-policy table in markdown."""
-    head = ("| model | policy | step ms | fwd ms | bwd+update ms | throughput/s | speedup vs fp32 "
+    head = ("| model | policy | step ms | back-to-back step ms | fwd ms | bwd+update ms | throughput/s | speedup vs fp32 "
             "| activations MiB (vs fp32) | XLA memory MiB: args / out / temp / total | XLA GFLOP "
-            "| half matmul share: program / compiled | MFU |")
+            "| half matmul share: program / compiled | MFU | MFU (6N + 12LdT, back to back) | modeled step ms |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in results["rows"]:
         m = r["memory"]
         lines.append(
-            f"| {r['model']} | {r['policy']} | {r['step_seconds'] * 1e3:.2f} | {r['forward_seconds'] * 1e3:.2f} "
+            f"| {r['model']} | {r['policy']} | {r['step_seconds'] * 1e3:.2f} "
+            f"| {_ms(r.get('step_seconds_back_to_back'))} | {r['forward_seconds'] * 1e3:.2f} "
             f"| {r['backward_seconds'] * 1e3:.2f} | {r['items_per_second']:,.0f} {r['items']} "
             f"| {_x(r['speedup_vs_fp32'])}x | {_mib(r['activations']['bytes'])} ({_x(r['activations_vs_fp32'])}x) "
             f"| {_mib(m.get('arguments'))} / {_mib(m.get('outputs'))} / {_mib(m.get('temps'))} / "
             f"{_mib(m.get('total'))} | {_x((r['xla_flops'] or 0) / 1e9, 1)} "
             f"| {_pct(r['half_matmul_share_program'])} / {_pct(r['half_matmul_share_compiled'])} "
-            f"| {_pct(r['mfu'])} |")
+            f"| {_pct(r['mfu'])} | {_pct(r.get('mfu_model_flops'))} | {_modeled_ms(r.get('modeled'))} |")
     return "\n".join(lines)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.2f}"
+
+
+def _modeled_ms(modeled: dict[str, Any] | None) -> str:
+    if not modeled:
+        return "-"
+    return "(model failed)" if "error" in modeled else f"{modeled['seconds'] * 1e3:.2f}"
 
 
 def pinned_table(results: dict[str, Any]) -> str:
@@ -95,6 +108,17 @@ def pinned_table(results: dict[str, Any]) -> str:
                      f"{r['step_seconds'] * 1e3:.2f} | {_x(r['pinned_flops_vs_unpinned'], 3)}, "
                      f"{_x(r['pinned_bytes_vs_unpinned'], 3)} |")
     return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def _overhead_times(o: dict[str, Any]) -> str:
+    if "ours_seconds" not in o:
+        return ""
+    text = f" [ours {o['ours_seconds'] * 1e3:.2f} ms, hand-written {o['hand_written_seconds'] * 1e3:.2f} ms"
+    ours, hand = o.get("ours_modeled"), o.get("hand_written_modeled")
+    if ours and hand and "error" not in ours and "error" not in hand:
+        text += (f"; modeled {ours['seconds'] * 1e3:.2f} / {hand['seconds'] * 1e3:.2f} ms, "
+                 f"{ours['launches']} / {hand['launches']} kernel launches")
+    return text + "]"
 
 
 def headline(results: dict[str, Any]) -> dict[str, float]:
@@ -118,7 +142,7 @@ def markdown(results: dict[str, Any]) -> str:
             "model, bf16 casts and AdamW, per model: "
             + ", ".join(f"{o['model']} {o['ratio']:.3f} (first-step loss difference {o['first_step_loss_difference']:.1e})"
                         + (f" (the programs of {o['same_programs_as']}: not timed again)" if o.get("same_programs_as")
-                           else "") for o in results["overhead"]) + "; the worst is reported.",
+                           else "") + _overhead_times(o) for o in results["overhead"]) + "; the worst is reported.",
             "- `loss_scale_overhead_ratio`: mixed_f16 with dynamic loss scaling / mixed_f16 without, per model: "
             + ", ".join(f"{o['model']} {o['ratio']:.3f}" for o in results["loss_scale_overhead"])
             + "; the worst is reported.",
@@ -131,12 +155,18 @@ def markdown(results: dict[str, Any]) -> str:
             f"on every backend.",
             "", "## Per model and policy", "", table(results), "",
             "Models: " + "; ".join(f"`{k}`: {v}" for k, v in results["models"].items()) + ".", "",
-            "Columns: *fwd* is the forward pass and float32 loss alone; *bwd+update* the rest of the step. "
+            "Columns: *step* is the median of steps each waited for; *back-to-back step* the time per step "
+            "of steps run back to back and waited for once (as a training loop runs them: each step's "
+            "dispatch overlaps the device's work on the one before). *fwd* is the forward pass and float32 loss alone; *bwd+update* the rest of the step. "
             "*Activations*: residuals saved for the backward pass, without the params and their "
             "compute-dtype copies. *XLA memory*: `compiled.memory_analysis()` of the train step (total = "
             "args + out + temp - donated). *Half matmul share*: the share of dot/convolution FLOPs with half "
             "inputs, in the program as written and after XLA compiled it. *MFU*: matmul FLOPs of the program "
-            "per second over the device's dense peak for the precision the matmuls run in (GPU only)."]
+            "per second over the device's dense peak for the precision the matmuls run in (GPU only). "
+            "*MFU (6N + 12LdT, back to back)*: the FLOPs of the usual formula per back-to-back step "
+            "over the same peak, "
+            f"{MODEL_FLOPS_FORMULA} (GPT models only). *Modeled step*: "
+            "`train.inspections.gpu_time`'s time for the compiled program (a model, not a measurement)."]
     pinned = pinned_table(results)
     if pinned:
         out += ["", "## Models with pinned layer dtypes", "",

@@ -37,7 +37,7 @@ import optax
 
 import train
 from benchmarks import hlo, measure
-from benchmarks.workloads import MODELS, POLICIES, PolicyCase, Workload, policy_case, workload
+from benchmarks.workloads import MODELS, POLICIES, PolicyCase, Workload, model_flops_per_step, policy_case, workload
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,15 +143,17 @@ def measure_case(w: Workload, case: PolicyCase, settings: Settings, prepared: Pr
 
     fwd_s, state = measure.median_seconds(run_forward, prepared.state, settings.steps, settings.warmup)
     step_s, state = measure.median_seconds(lambda s: step(s, batch)[0], state, settings.steps, settings.warmup)
+    pipelined_s, state = measure.back_to_back_seconds(lambda s: step(s, batch)[0], state, settings.steps)
     program = hlo.matmul_flops(prepared.lowered.as_text(dialect="hlo"))
     compiled = hlo.matmul_flops(step.as_text())
     items = w.batch_size * w.tokens_per_example
     math = "half" if program.half_share > 0.5 else ("f32" if case.matmul_precision == "highest" else "tf32")
     peak = measure.peak_flops(jax.devices()[0], math)
+    model_flops = model_flops_per_step(w)
     row = {
         "model": w.name, "policy": case.name, "policy_spec": case.policy, "loss_scale": case.loss_scale,
         "matmul_precision": case.matmul_precision or "default",
-        "step_seconds": step_s, "forward_seconds": fwd_s, "backward_seconds": step_s - fwd_s,
+        "step_seconds": step_s, "step_seconds_back_to_back": pipelined_s, "forward_seconds": fwd_s, "backward_seconds": step_s - fwd_s,
         "items_per_second": items / step_s, "items": "tokens" if w.tokens_per_example > 1 else "examples",
         "activations": measure.activation_bytes(prepared.residuals),
         "memory": measure.compiled_memory(step),
@@ -161,7 +163,10 @@ def measure_case(w: Workload, case: PolicyCase, settings: Settings, prepared: Pr
         "half_matmul_share_program": program.half_share,
         "half_matmul_share_compiled": compiled.half_share,
         "mfu": program.total / step_s / peak if peak else None,
+        "model_flops": model_flops,
+        "mfu_model_flops": model_flops / pipelined_s / peak if peak and model_flops else None,
         "peak_flops": peak,
+        "modeled": measure.modeled_step(step.as_text(), jax.devices()[0]),
         "compile_seconds": prepared.compile_seconds,
     }
     return row, state
@@ -217,9 +222,12 @@ def overhead(w: Workload, settings: Settings, prepared: tuple[Prepared, Prepared
     timing = measure.alternating_ratio(lambda c: hand.step(c, batch)[0], hand_state,
                                        lambda s: ours.step(s, batch)[0], ours_state,
                                        settings.rounds, settings.steps_per_round, settings.warmup)
+    device = jax.devices()[0]
     return {"model": w.name, "ratio": timing["ratio"], "ours_seconds": timing["b_seconds"],
             "hand_written_seconds": timing["a_seconds"], "ratios": timing["ratios"],
-            "first_step_loss_difference": same_loss}
+            "first_step_loss_difference": same_loss,
+            "ours_modeled": measure.modeled_step(ours.step.as_text(), device),
+            "hand_written_modeled": measure.modeled_step(hand.step.as_text(), device)}
 
 
 def prepare_unscaled(w: Workload, variables: Any) -> Prepared:

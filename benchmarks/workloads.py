@@ -6,7 +6,11 @@ Models (plain Flax modules from :mod:`train.models`, unchanged):
               cross-entropy);
   ``resnet``  the Fashion-MNIST ResNet of ``configs/fmnist_resnet_*.yaml``;
   ``gpt``     the Shakespeare GPT of ``configs/shakespeare_gpt_*.yaml`` at a batch
-              where activations dominate memory.
+              where activations dominate memory (65-token vocabulary);
+  ``gpt2_small`` GPT-2 small at its real (padded) vocabulary of 50,304 tokens and
+              an untied head: at ``gpu`` size the shape of
+              ``configs/gpu/gpt2_small_mixed_bf16.yaml`` (12 x 768, 16 x 1024 tokens),
+              the workload llm.c's MFU figures are for.
 Each also comes *pinned* (``mlp_pinned``...): the same model with every layer's
 ``dtype=jnp.float32`` set, the way Flax's examples and most published models are
 written; a policy must reach it as fully as the unpinned one.
@@ -74,9 +78,31 @@ def _resnet(stages: tuple[int, ...], width: int, batch: int) -> Workload:
                     jax.ShapeDtypeStruct((batch, 28, 28), jnp.float32), 10)
 
 
-def _gpt(layers: int, heads: int, d_model: int, seq: int, batch: int, vocab: int = 65) -> Workload:
+GPT2_VOCAB = 50304  # GPT-2's 50,257 tokens padded to a multiple of 128
+
+
+def _gpt(layers: int, heads: int, d_model: int, seq: int, batch: int, vocab: int = 65,
+         name: str = "gpt") -> Workload:
     model = GPT(vocab_size=vocab, block_size=seq, num_layers=layers, num_heads=heads, d_model=d_model)
-    return Workload("gpt", model, jax.ShapeDtypeStruct((batch, seq), jnp.int32), vocab, tokens_per_example=seq)
+    return Workload(name, model, jax.ShapeDtypeStruct((batch, seq), jnp.int32), vocab, tokens_per_example=seq)
+
+
+MODEL_FLOPS_FORMULA = ("6 N + 12 L d T per token (PaLM's appendix B, nanoGPT's estimate_mfu): N the params "
+                       "that multiply (12 L d^2 in the blocks + V d in the untied head; embeddings are "
+                       "lookups), L layers, d width, T sequence length; attention counted whole, not halved "
+                       "for the causal mask")
+
+
+def model_flops_per_step(w: Workload) -> float | None:
+    """Training FLOPs of one step of a GPT workload by the usual formula
+    (:data:`MODEL_FLOPS_FORMULA`), the numerator of MFU as llm.c and nanoGPT report it;
+    None for other models."""
+    m = w.model
+    if not isinstance(m, GPT):
+        return None
+    layers, d, seq = m.num_layers, m.d_model, w.tokens_per_example
+    matmul_params = layers * (4 + 2 * m.mlp_ratio) * d * d + m.vocab_size * d
+    return (6 * matmul_params + 12 * layers * d * seq) * w.batch_size * seq
 
 
 _BUILDERS: dict[str, dict[str, Callable[[], Workload]]] = {
@@ -85,6 +111,9 @@ _BUILDERS: dict[str, dict[str, Callable[[], Workload]]] = {
                "gpu": lambda: _resnet((2, 2, 2), 64, 256)},
     "gpt": {"quick": lambda: _gpt(1, 4, 128, 128, 8), "full": lambda: _gpt(4, 4, 128, 128, 64),
             "gpu": lambda: _gpt(12, 12, 768, 1024, 16)},
+    "gpt2_small": {"quick": lambda: _gpt(1, 2, 64, 64, 4, GPT2_VOCAB, "gpt2_small"),
+                   "full": lambda: _gpt(2, 4, 128, 256, 8, GPT2_VOCAB, "gpt2_small"),
+                   "gpu": lambda: _gpt(12, 12, 768, 1024, 16, GPT2_VOCAB, "gpt2_small")},
 }
 _BUILDERS.update({f"{name}_pinned": {size: (lambda build=build: _pinned(build())) for size, build in sizes.items()}
                   for name, sizes in list(_BUILDERS.items())})

@@ -100,6 +100,15 @@ def _leaving(jaxpr: Any, eqn: Any, sub: Any, reads: set) -> set:
     return found
 
 
+def _scan_unsliced(params: dict[str, Any]) -> int:
+    """How many of a scan's operands pass into its body whole (its constants and carry):
+    ``num_consts + num_carry`` before jax 0.11, the first two parts of ``ft_in`` since."""
+    if "num_consts" in params:
+        return params["num_consts"] + params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts) + len(carry)
+
+
 def _inner_binders(eqn: Any, positions: list[int]) -> list[tuple[Any, Any, bool]]:
     """(sub-program, its binder, whether the binder holds a part of the operand) for each
     operand position of ``eqn`` that passes straight into a sub-program (jit, scan, remat,
@@ -122,7 +131,7 @@ def _inner_binders(eqn: Any, positions: list[int]) -> list[tuple[Any, Any, bool]
     for sub in subs:
         if len(sub.invars) != len(eqn.invars) - offset:
             return []
-        scanned = eqn.params["num_consts"] + eqn.params["num_carry"] if name == "scan" else len(eqn.invars)
+        scanned = _scan_unsliced(eqn.params) if name == "scan" else len(eqn.invars)
         pairs += [(sub, sub.invars[i - offset], i >= scanned) for i in positions if i >= offset]
     if not subs or (offset and 0 in positions):
         return []

@@ -84,3 +84,14 @@ def all_eqns(jaxpr):
                 inner = getattr(inner, "jaxpr", inner)
                 if hasattr(inner, "eqns"):
                     yield from all_eqns(inner)
+
+
+def flax_transformers():
+    """``transformers`` with its Flax models (versions before 5), or the calling test skipped
+    saying why: the Hugging Face tests need ``FlaxGPT2LMHeadModel``."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "FlaxGPT2LMHeadModel"):
+        pytest.skip(f"transformers {transformers.__version__} has no Flax models (version 5 dropped them)")
+    return transformers

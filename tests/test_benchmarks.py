@@ -225,3 +225,53 @@ def test_profile_step_sums_kernel_time_by_name_and_kind(tmp_path):
     assert source == "host XLA threads" and totals and all(s >= 0 for s in totals.values()), (source, totals)
     with pytest.raises(FileNotFoundError, match="xplane"):
         profile_step.kernel_times(str(tmp_path / "empty"))
+
+
+def test_gpt2_small_workload_and_its_model_flops_formula():
+    """``gpt2_small`` at ``gpu`` size is GPT-2 small at its padded vocabulary with an untied
+    head (163M params, configs/gpu/gpt2_small_mixed_bf16.yaml); its MFU numerator is
+    6 N + 12 L d T per token with N the params that multiply (nanoGPT's estimate_mfu)."""
+    from benchmarks.workloads import GPT2_VOCAB, model_flops_per_step, workload
+
+    w = workload("gpt2_small", "gpu")
+    m = w.model
+    assert (m.vocab_size, m.num_layers, m.d_model, w.batch_size, w.tokens_per_example) == (GPT2_VOCAB, 12, 768, 16, 1024)
+    params = jax.eval_shape(lambda: m.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))["params"]
+    total = sum(x.size for x in jax.tree_util.tree_leaves(params))
+    assert 162e6 < total < 164e6
+    embeddings = params["tokens"]["embedding"].size + params["positions"]["embedding"].size
+    multiplying = sum(x.size for x in jax.tree_util.tree_leaves(params) if x.ndim == 2) - embeddings
+    tokens = 16 * 1024
+    assert model_flops_per_step(w) == (6 * multiplying + 12 * 12 * 768 * 1024) * tokens
+    assert model_flops_per_step(workload("mlp", "quick")) is None
+
+
+def test_modeled_step_is_none_off_a_modeled_gpu_and_an_error_is_reported_not_raised(monkeypatch):
+    from types import SimpleNamespace
+
+    import train.inspections.gpu_time as gpu_time
+
+    text = jax.jit(lambda x: x @ x).lower(jnp.ones((256, 256))).compile().as_text()
+    assert measure.modeled_step(text, jax.devices()[0]) is None  # a CPU
+    h100 = SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3", platform="gpu")
+    modeled = measure.modeled_step(text, h100)
+    assert modeled["target"] == "h100" and modeled["launches"] >= 1 and modeled["seconds"] > 0
+
+    def unreadable(*_):
+        raise ValueError("no datasheet")
+
+    monkeypatch.setattr(gpu_time, "model_step", unreadable)
+    assert measure.modeled_step(text, h100) == {"error": "ValueError: no datasheet"}
+
+
+def test_ceilings_measure_a_product_and_a_copy_and_save_them(tmp_path, capsys):
+    import json
+
+    from benchmarks import ceilings
+
+    result = ceilings.main(["--size", "128", "--copy-gib", "0.001", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "ceilings.json").read_text())
+    assert saved["matmul"]["n"] == 128 and saved["matmul"]["flops_per_second"] > 0
+    assert saved["copy"]["bytes_per_second"] == result["copy"]["bytes_per_second"] > 0
+    assert saved["matmul"]["datasheet_dense_bf16"] is None  # a CPU has no datasheet peak
+    assert "TFLOP/s" in capsys.readouterr().out

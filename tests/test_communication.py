@@ -299,3 +299,48 @@ def test_multidevice_a_step_made_without_the_layout_runs_the_state_in_its_own():
     other = Layout(make_mesh(8, 1, jax.devices()[:8]))
     with pytest.raises(ValueError, match="not the layout the state was created in"):
         make_train_step(layout=other, donate=False, task="language_model")(state, batch)
+
+
+def test_an_all_gather_of_a_step_argument_carries_params_whatever_its_metadata_names():
+    """XLA may label FSDP's gather with the op that uses the param rather than the gather
+    scope (jax 0.11's float32 and uint8 gathers): a gather of an entry parameter is still a
+    param's; one of a computed value, or of a loop body's parameter, is not."""
+    from train.parallel.communication import hlo_collectives
+
+    text = """HloModule m
+
+%body (p: f32[4]) -> f32[16] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %g = f32[16]{0} all-gather(%p), replica_groups={{0,1,2,3}}, dimensions={0}
+}
+
+ENTRY %main (param.5: f32[16,16], param.6: f32[8,16]) -> f32[64,16] {
+  %param.5 = f32[16,16]{1,0} parameter(0), sharding={devices=[4,1]<=[4]}
+  %param.6 = f32[8,16]{1,0} parameter(1)
+  %all-gather = f32[64,16]{1,0} all-gather(%param.5), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}, metadata={op_name="jit(train_step)/jvp(MLP)/Dense_0/dot_general"}
+  %add = f32[8,16]{1,0} add(%param.6, %param.6)
+  %all-gather.1 = f32[32,16]{1,0} all-gather(%add), channel_id=2, replica_groups={{0,1,2,3}}, dimensions={0}, metadata={op_name="jit(train_step)/jvp(MLP)/Dense_0/dot_general"}
+  ROOT %all-gather.2 = u8[64,16]{1,0} all-gather(u8[16,16]{1,0} %param.5), channel_id=3, replica_groups={{0,1,2,3}}, dimensions={0}
+}
+"""
+    found = [(c.shape, c.dtype, c.carries) for c in hlo_collectives(text, 4)]
+    assert found == [((16,), "f32", "activations"), ((64, 16), "f32", "params"),
+                     ((32, 16), "f32", "activations"), ((64, 16), "u8", "params")]
+
+
+def test_a_scans_whole_operands_are_read_from_its_params_before_and_since_jax_0_11():
+    """jax 0.11 replaced a scan's ``num_consts``/``num_carry`` by ``ft_in`` (constants, carry,
+    scanned); :func:`precision.read_dtypes` reads either (the CPU suite on jax 0.11 failed here)."""
+    from types import SimpleNamespace
+
+    from precision.reads import _scan_unsliced
+
+    eqn = jax.make_jaxpr(lambda w, x: jax.lax.scan(lambda c, y: (c + y * w, c), 0.0, x))(2.0, jnp.ones(3)).eqns[-1]
+    assert eqn.primitive.name == "scan"
+    expected = 2  # the constant w and the carry
+    if "ft_in" in eqn.params:
+        assert _scan_unsliced(eqn.params) == expected
+    else:
+        assert _scan_unsliced(eqn.params) == eqn.params["num_consts"] + eqn.params["num_carry"] == expected
+    packed = SimpleNamespace(unpack=lambda: (["w"], ["c"], ["x", "y"]))
+    assert _scan_unsliced({"ft_in": packed}) == expected

@@ -304,10 +304,10 @@ def test_a_config_named_export_is_not_taken_for_the_subcommand(tmp_path, capsys,
     assert "config file export.yaml not found" in capsys.readouterr().err
 
 
-transformers = pytest.importorskip("transformers")
-
-
 def test_a_hugging_face_gpt2_fine_tuned_with_lora_exports_to_a_directory_transformers_loads(tmp_path):
+    from helpers import flax_transformers
+
+    transformers = flax_transformers()
     cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=32, n_positions=32,
                                   architectures=["GPT2LMHeadModel"])
     cfg.save_pretrained(tmp_path / "gpt2")  # config.json alone: a fresh init, fine-tuned with adapters

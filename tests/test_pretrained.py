@@ -57,6 +57,9 @@ def _mlp_config(workdir, steps, **model):
 @pytest.fixture(scope="module")
 def gpt2(tmp_path_factory):
     """A tiny GPT-2 trained for 60 steps by this framework, exported with transformers' save_pretrained."""
+    from helpers import flax_transformers
+
+    flax_transformers()
     root = tmp_path_factory.mktemp("gpt2")
     cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64,
                                   architectures=["GPT2LMHeadModel"])

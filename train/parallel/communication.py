@@ -149,6 +149,7 @@ def hlo_collectives(text: str, device_count: int) -> list[Collective]:
     once per array it carries)."""
     found = []
     users = _users(text) if "all-reduce" in text else {}
+    arguments = _entry_parameters(text)
     for m in _INSTRUCTION.finditer(text):
         kind, rest = m.group("kind"), m.group("rest")
         arrays = [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _ARRAY.findall(m.group("shape"))]
@@ -160,9 +161,28 @@ def hlo_collectives(text: str, device_count: int) -> list[Collective]:
         op_name = re.search(r'op_name="([^"]*)"', rest)
         name = op_name.group(1) if op_name else ""
         parts = _parts(m.group("name"), users, arrays) if kind == "all-reduce" and not m.group("start") else 1
+        # an all-gather of a step's argument is a stored array gathered whole, whatever op XLA
+        # names in its metadata (on jax 0.11, FSDP's float32 gathers lost the gather scope's name)
+        argument = kind == "all-gather" and _first_operand(rest) in arguments
         for dtype, shape in arrays:
-            found.append(Collective(kind, dtype, shape, group, _carries(name, shape), name, parts))
+            carries = _carries(name, shape)
+            found.append(Collective(kind, dtype, shape, group,
+                                    "params" if argument and carries == "activations" else carries, name, parts))
     return found
+
+
+def _entry_parameters(text: str) -> frozenset[str]:
+    """The names of the entry computation's parameters (the step's arguments, split)."""
+    entry = re.search(r"^ENTRY[^\n]*\{\n(?P<body>.*?)^\}", text, re.M | re.S)
+    if entry is None:
+        return frozenset()
+    return frozenset(_percent(m.group("name")) for m in _OP.finditer(entry.group("body"))
+                     if m.group("op") == "parameter")
+
+
+def _first_operand(rest: str) -> str:
+    operand = re.match(r"\s*(?:[a-z][a-z0-9]*\[[0-9,]*\]\S*\s+)?(%?[\w.\-]+)", rest)
+    return _percent(operand.group(1)) if operand else ""
 
 
 def _users(text: str) -> dict[str, list[tuple[str, str, int]]]:
