@@ -330,3 +330,57 @@ def test_a_hugging_face_gpt2_fine_tuned_with_lora_exports_to_a_directory_transfo
     served = np.asarray(loaded(ids, params=jax.tree_util.tree_map(lambda v: v.astype(jnp.float32),
                                                                    loaded.params)).logits, np.float32).reshape(-1)
     np.testing.assert_allclose(served, lora, rtol=0, atol=2 ** -6 * np.abs(lora).max())
+
+
+AMPLIFIED = '''
+import flax.linen as nn
+
+
+class Amplify(nn.Module):
+    """A Dense whose output is scaled past float16's range (x 1e5): trains in bfloat16, overflows in float16."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(32, name="wide")(x) * 1e5
+
+
+class Net(nn.Module):
+    num_classes: int = 4
+
+    @nn.compact
+    def __call__(self, x):
+        x = Amplify(name="amplify")(nn.relu(nn.Dense(32)(x)))
+        return nn.Dense(self.num_classes)(nn.LayerNorm()(x))
+'''
+
+
+def test_the_doctor_on_the_served_weights_names_what_overflows_only_there_and_its_fix_exports_clean(tmp_path, capsys):
+    """A model trained in bfloat16 whose activations pass float16's range: exported in f16,
+    ``--diagnose`` runs the doctor on serving it (eval forward in float16), names the module,
+    and its verified rule, given back to export, keeps that module in float32 and serves clean."""
+    (tmp_path / "amplified.py").write_text(AMPLIFIED)
+    config = from_dict({**QUICK, "steps": 4, "workdir": str(tmp_path / "run"), "data": DATA,
+                        "model": {"name": f"{tmp_path / 'amplified.py'}:Net"}, "precision": {"policy": "mixed_bf16"}})
+    train.run(config, out=io.StringIO())
+    run = tmp_path / "run"
+    assert main(["export", str(run), "--dtype", "f16", str(tmp_path / "f16"), "--diagnose"]) == 0
+    printed = capsys.readouterr().out
+    assert "doctor, serving in float16 (one eval batch; diagnosis.json): mul in amplify (forward) first went " \
+           "non-finite; verified fix: add the rule [amplify, f32]" in printed
+    written = json.loads((tmp_path / "f16" / "diagnosis.json").read_text())
+    assert written["reason"] == "export --dtype float16" and written["first_nonfinite"]["path"] == "amplify"
+    manifest = json.loads((tmp_path / "f16" / "export.json").read_text())
+    assert manifest["diagnosis"]["healthy"] is False and "diagnosis.json" in manifest["files"]
+    again = manifest["diagnosis"]["export_again"]
+    assert again.startswith(f"python -m train export {run} --dtype float16 OUT 'precision.rules=[[amplify, f32], ")
+    fix = again.split(" OUT ", 1)[1].strip("'")
+    report = export_run(run, tmp_path / "fixed", "f16", diagnose=True, overrides=[fix])
+    assert report.kept_float32["amplify/wide/kernel"] == "rule amplify -> f32 (precision.rules)"
+    assert report.diagnosis["healthy"] and report.diagnosis["export_again"] is None
+    assert _exported(tmp_path / "fixed")["amplify/wide/kernel"].dtype == np.float32
+    assert _exported(tmp_path / "fixed")["Dense_0/kernel"].dtype == np.float16
+    # the export reads no other override: the run's model and training stay the run's
+    assert main(["export", str(run), "--dtype", "f16", str(tmp_path / "bad"), "optimizer.lr=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: export takes only precision.rules=[...] overrides (the rules that keep modules in "
+                   "float32), got 'optimizer.lr=1'"] and not (tmp_path / "bad").exists()

@@ -38,7 +38,7 @@ from train.data.user import UserData
 from train.inspections.checkup import diagnose_experiment
 from train.parallel.communication import CommunicationReport, explain_communication
 from train.inspections.compile_for import CompiledStep, compile_for, compile_train_step
-from train.training.diagnose import diagnose_state
+from train.training.diagnose import diagnose_inference, diagnose_state
 from train.parallel.distributed import Layout, MeshError, initialize_distributed, make_mesh
 from train.training.inference import cast_for_inference, full_precision_params, inference_report
 from train.experiment.loop import NonFiniteError, build_experiment, run
@@ -61,7 +61,7 @@ __all__ = ["CheckpointError", "Checkpointer", "CommunicationReport", "CompiledSt
            "MetricsWriter", "NNXModel", "NonFiniteError", "ScaledGrads", "StateTooLarge", "Task", "TrainState", "UserCodeError", "UserData", "WandbLogger", "bind",
            "blockwise_plan", "build_data", "build_experiment", "build_model", "build_optimizer", "build_task", "cast_for_inference",
            "cast_variables", "check_model_fits_data", "compile_for", "compile_train_step", "create_train_state", "cross_entropy", "diagnose_experiment",
-           "diagnose_state", "evaluate", "explain_communication", "export_run",
+           "diagnose_inference", "diagnose_state", "evaluate", "explain_communication", "export_run",
            "full_precision_params", "get_target", "get_task", "GpuTarget", "help_text", "inference_report", "initialize_distributed",
            "load_config", "load_dataset", "make_eval_step", "make_mesh", "make_multi_step", "make_train_step", "pick_policy",
            "load_pretrained", "mode_kwargs", "PretrainedError", "read_metrics", "rebind", "run", "summarize_eval", "TargetError", "with_lora"]

@@ -27,7 +27,8 @@ checkpoint; a larger steps= continues a finished run.
 
 writes a trained run's weights for serving (LoRA adapters merged, float32 kept where the
 run's precision rules keep it; python -m train export --help)."""
-EXPORT_USAGE = "python -m train export RUN --dtype {bf16,f16,f32} OUT [--check-accuracy]"
+EXPORT_USAGE = ("python -m train export RUN --dtype {bf16,f16,f32} OUT [--check-accuracy] [--diagnose] "
+                "['precision.rules=[...]']")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -209,11 +210,18 @@ def _export(argv: list[str]) -> int:
     parser.add_argument("--dtype", required=True, metavar="DTYPE", help="bf16, f16 or f32")
     parser.add_argument("--check-accuracy", action="store_true",
                         help="also evaluate the exported weights against float32 on the run's eval split")
+    parser.add_argument("--diagnose", action="store_true",
+                        help="also run the numerics doctor on serving the exported weights (the eval forward "
+                             "pass in DTYPE on one eval batch): what overflows only there, and the verified rule "
+                             "that fixes it; written to OUT/diagnosis.json")
+    parser.add_argument("overrides", nargs="*", metavar="precision.rules=[...]",
+                        help="the rules that keep modules in float32, in place of the run's (a doctor's fix)")
     args = parser.parse_intermixed_args(argv)
     from train.inspections.export import ExportError, export_run, format_report  # heavy imports: jax, orbax
 
     try:
-        report = export_run(args.run, args.out, args.dtype, check_accuracy=args.check_accuracy)
+        report = export_run(args.run, args.out, args.dtype, check_accuracy=args.check_accuracy,
+                            diagnose=args.diagnose, overrides=args.overrides)
     except ExportError as e:
         return _fail(str(e), 2)
     except OSError as e:

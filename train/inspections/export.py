@@ -15,7 +15,7 @@ The pure parts (files, codes, adapters' layouts) are :mod:`train.weights.export`
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,7 @@ from train.experiment.builders import build_experiment
 from train.experiment.fits import format_bytes
 from train.finetune import FineTune, LoRA, finetune_model
 from train.training.binding import bind, cast_variables, mode_kwargs, rebind
+from train.training.diagnose import diagnose_inference, summary_line, write_diagnosis
 from train.training.inference import inference_report
 from train.training.state import create_train_state
 from train.weights.export import (MANIFEST, ExportError, ExportReport, adapter_layouts, adapter_pairs, dequantized_base,
@@ -47,14 +48,17 @@ _FULL = precision.Policy("float32", "float32", "float32")
 
 
 def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str, *,
-               check_accuracy: bool = False) -> ExportReport:
+               check_accuracy: bool = False, diagnose: bool = False, overrides: Sequence[str] = ()) -> ExportReport:
     """Exports the newest checkpoint of the run in ``run_dir`` to ``out_dir`` (new or empty) in
     ``dtype`` (``bf16``, ``f16``, ``f32``): adapters merged, float32 kept where the run's rules
     keep it. ``check_accuracy``: also evaluate the exported weights against the float32 ones on
-    the run's eval split (:func:`train.inference_report`). Raises :class:`ExportError` (one
-    line) on bad input; writes nothing unless it succeeds."""
+    the run's eval split (:func:`train.inference_report`). ``diagnose``: also run the numerics
+    doctor on serving them (:func:`train.diagnose_inference`, one eval batch; written to
+    ``OUT/diagnosis.json``). ``overrides``: ``precision.rules=...`` in place of the run's rules
+    (a doctor's verified fix). Raises :class:`ExportError` (one line) on bad input; writes
+    nothing unless it succeeds."""
     name = export_dtype(dtype)
-    run_dir, config, step = _read_run(run_dir)
+    run_dir, config, step = _read_run(run_dir, overrides)
     out = _free_out(out_dir)
     try:
         data, task, model = build_experiment(config, memory=(0, "here"))
@@ -69,11 +73,14 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
     _check_fits(params, shapes, run_dir)
     rules = _export_rules(config.precision, name)
     exported, kept = _cast(model, inputs, params, name, rules, _rules_origin(config.precision))
-    accuracy = _accuracy(config, data, task, model, params, state, rules, name) if check_accuracy else None
+    served = _served(config, data, model, params, state, rules) if check_accuracy or diagnose else None
+    accuracy = _accuracy(config, data, task, served, name) if check_accuracy else None
+    diagnosis = _diagnosis(config, data, served, name, rules) if diagnose else None
     hf = isinstance(model, TokenIds)
     report = ExportReport(out, name, run_dir, step,
                           "huggingface" if hf else "params", (), len(exported),
-                          int(sum(np.size(x) for x in exported.values())), 0, kept, merged, match, accuracy)
+                          int(sum(np.size(x) for x in exported.values())), 0, kept, merged, match, accuracy,
+                          _diagnosis_summary(diagnosis, run_dir, name) if diagnosis else None)
     with staged(out) as temp:
         tree = {"params": traverse_util.unflatten_dict(exported), **_state_f32(state)}
         if hf:
@@ -81,15 +88,18 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
             files = write_huggingface(temp, tree, options["path"], options.get("architecture"))
         else:
             files = [os.path.basename(write_params(temp, tree))]
+        size = sum(os.path.getsize(os.path.join(temp, f)) for f in files)  # the weights
+        if diagnosis is not None:
+            files.append(os.path.basename(write_diagnosis(temp, diagnosis, step or 0, f"export --dtype {name}")))
         files.append(MANIFEST)
-        size = sum(os.path.getsize(os.path.join(temp, f)) for f in files[:-1])
         report = report._replace(files=tuple(files), bytes=size)
         write_manifest(temp, report)
     return report
 
 
-def _read_run(run_dir: str | os.PathLike) -> tuple[str, Any, int]:
-    """``(absolute path, config, newest step)`` of a run's workdir, or :class:`ExportError`."""
+def _read_run(run_dir: str | os.PathLike, overrides: Sequence[str] = ()) -> tuple[str, Any, int]:
+    """``(absolute path, config, newest step)`` of a run's workdir, or :class:`ExportError`;
+    ``overrides`` (``precision.rules=...`` only) applied to its config."""
     path = os.path.abspath(os.path.expanduser(os.fspath(run_dir)))
     if not os.path.isdir(path):
         raise ExportError(f"{path} is not a run: it {'is a file' if os.path.exists(path) else 'does not exist'}")
@@ -97,8 +107,12 @@ def _read_run(run_dir: str | os.PathLike) -> tuple[str, Any, int]:
         raise ExportError(f"{path} is not a run of this framework: it has no config.yaml")
     if not checkpoint_steps(os.path.join(path, "checkpoints")):
         raise ExportError(f"{path} is not a trained run: it has no checkpoints/<step>/state")
+    other = [o for o in overrides if o.partition("=")[0].strip() != "precision.rules" or "=" not in o]
+    if other:
+        raise ExportError(f"export takes only precision.rules=[...] overrides (the rules that keep modules in "
+                          f"float32), got {other[0]!r}")
     try:
-        config = load_config(os.path.join(path, "config.yaml"))
+        config = load_config(os.path.join(path, "config.yaml"), list(overrides))
     except ConfigError as e:
         raise ExportError(str(e)) from None
     return path, config, find_pretrained(path)[2]
@@ -246,15 +260,31 @@ def _state_f32(state: dict) -> dict:
     return jax.tree_util.tree_map(np.asarray, state)
 
 
-def _accuracy(config: Any, data: Any, task: Any, model: Any, params: Flat, state: dict, rules: tuple[Rule, ...],
-              dtype: str) -> dict[str, dict[str, float]]:
+def _served(config: Any, data: Any, model: Any, params: Flat, state: dict, rules: tuple[Rule, ...]) -> Any:
+    """A float32 state of the merged weights under the export's rules, to serve as the export casts."""
+    variables = {"params": traverse_util.unflatten_dict({k: jnp.asarray(v) for k, v in params.items()}), **state}
+    return create_train_state(model, _FULL, optax.identity(), jax.random.key(config.seed), data.sample_input(1),
+                              rules=rules, variables=variables)
+
+
+def _accuracy(config: Any, data: Any, task: Any, served: Any, dtype: str) -> dict[str, dict[str, float]]:
     """:func:`train.inference_report` of the merged float32 weights, served in float32 and in
     ``dtype`` cast as the export casts them (the same rules), on the run's eval split."""
-    variables = {"params": traverse_util.unflatten_dict({k: jnp.asarray(v) for k, v in params.items()}), **state}
-    trained = create_train_state(model, _FULL, optax.identity(), jax.random.key(config.seed), data.sample_input(1),
-                                 rules=rules, variables=variables)
     batches = lambda: data.eval_batches(config.data.eval_batch_size, config.data.eval_batches)  # noqa: E731
-    return inference_report(trained, batches, task, () if dtype == "float32" else (dtype,))
+    return inference_report(served, batches, task, () if dtype == "float32" else (dtype,))
+
+
+def _diagnosis(config: Any, data: Any, served: Any, dtype: str, rules: tuple[Rule, ...]) -> precision.Diagnosis:
+    """The doctor on serving the weights in ``dtype`` under the export's rules: the eval forward
+    pass on the run's first eval batch."""
+    batch = next(iter(data.eval_batches(config.data.eval_batch_size, 1)))
+    return diagnose_inference(served, batch, dtype, rules=rules)
+
+
+def _diagnosis_summary(diagnosis: precision.Diagnosis, run_dir: str, dtype: str) -> dict[str, Any]:
+    fix = next((r for r in diagnosis.recommendations if r.overrides), None)
+    again = (f"python -m train export {run_dir} --dtype {dtype} OUT {fix.command_line}" if fix else None)
+    return {"healthy": diagnosis.healthy, "summary": summary_line(diagnosis), "export_again": again}
 
 
 def format_report(report: ExportReport) -> str:
@@ -275,6 +305,11 @@ def format_report(report: ExportReport) -> str:
                  f"model.init_from={report.out} reads it")
     if report.accuracy:
         lines.append(_accuracy_line(report.accuracy))
+    if report.diagnosis:
+        lines.append(f"doctor, serving in {report.dtype} (one eval batch; diagnosis.json): "
+                     f"{report.diagnosis['summary']}")
+        if report.diagnosis.get("export_again"):
+            lines.append(f"to export with the fix: {report.diagnosis['export_again']}")
     return "\n".join(lines)
 
 

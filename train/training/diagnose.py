@@ -22,9 +22,10 @@ import numpy as np
 import precision
 from train.training.binding import NNXModel, call_mode_kwargs, mode_kwargs
 from train.data.model_inputs import call_arguments
+from train.training.inference import cast_for_inference, full_precision_params
 from train.training.state import TrainState
 
-__all__ = ["DIAGNOSIS_FILE", "RunDoctor", "diagnose_state", "summary_line", "write_diagnosis"]
+__all__ = ["DIAGNOSIS_FILE", "RunDoctor", "diagnose_inference", "diagnose_state", "summary_line", "write_diagnosis"]
 
 DIAGNOSIS_FILE = "diagnosis.json"
 
@@ -38,22 +39,43 @@ def diagnose_state(state: TrainState, batch: dict, task: Any, *, verify: bool = 
     with ``verify``, the changes that fix what it finds."""
     # On the device(s) the state is on: a state on a mesh is diagnosed on that mesh, as it is sharded.
     params = precision.full_precision_params(state.params, state.opt_state)
-    model_state = state.model_state
-    batch = jax.tree_util.tree_map(lambda v: v if isinstance(v, jax.Array) else np.asarray(v), batch)
+    batch = _arrays(batch)
 
     def loss_fn(outputs: Any) -> jax.Array:
         return task.loss(outputs, batch)[0]
 
-    if isinstance(state.model, NNXModel):
-        target = state.model.merge({"params": params, **model_state}, train=True)
-        variables, kwargs = None, call_mode_kwargs(state.model.module_type.__call__, True)
-    else:
-        target, variables = state.model, {"params": params, **model_state}
-        kwargs = mode_kwargs(state.model, True)
+    target, variables, kwargs = _subject(state.model, params, state.model_state, train=True)
     scale = jax.device_get(state.loss_scale) if loss_scale is None else loss_scale
     args, inputs = call_arguments(batch["inputs"])  # one input, or several (train.data.model_inputs)
     return precision.diagnose(target, *args, variables=variables, loss_fn=loss_fn, loss_scale=scale,
                               verify=verify, **inputs, **kwargs)
+
+
+def diagnose_inference(state: TrainState, batch: dict, dtype: Any, *, rules: Any = None,
+                       verify: bool = True) -> precision.Diagnosis:
+    """The diagnosis of serving ``state`` in ``dtype``: the model's forward pass in eval mode
+    (no dropout, BatchNorm's running statistics) with its params stored and computed in
+    ``dtype`` and outputs in float32, as :func:`train.cast_for_inference` serves it, under
+    ``rules`` (default: the training model's, so norms stay float32), on ``batch``. It finds
+    what overflows only when serving: weights rounded to ``dtype`` without their float32
+    masters, activations of an eval-mode forward; with ``verify``, the rules that fix it."""
+    served = cast_for_inference(state, dtype, rules).model
+    params = full_precision_params(state)  # the float32 params served (cast by the doctor, as served)
+    target, variables, kwargs = _subject(served, params, state.model_state, train=False)
+    args, inputs = call_arguments(_arrays(batch)["inputs"])
+    return precision.diagnose(target, *args, variables=variables, verify=verify, **inputs, **kwargs)
+
+
+def _arrays(batch: dict) -> dict:
+    return jax.tree_util.tree_map(lambda v: v if isinstance(v, jax.Array) else np.asarray(v), batch)
+
+
+def _subject(model: Any, params: Any, model_state: dict, *, train: bool) -> tuple[Any, Any, dict]:
+    """What :func:`precision.diagnose` takes for a state's model: ``(target, variables, mode kwargs)``."""
+    if isinstance(model, NNXModel):
+        return (model.merge({"params": params, **model_state}, train=train), None,
+                call_mode_kwargs(model.module_type.__call__, train))
+    return model, {"params": params, **model_state}, mode_kwargs(model, train)
 
 
 def write_diagnosis(workdir: str, diagnosis: precision.Diagnosis, step: int, reason: str,

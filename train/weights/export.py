@@ -67,7 +67,8 @@ class ExportReport(NamedTuple):
     ``kept_float32`` (param path: the rule that keeps it), ``merged`` (weights the adapters were merged into),
     ``lora_match`` (the merged model's largest output difference from the LoRA model's,
     relative, float32; None without adapters), ``accuracy`` (:func:`train.inference_report`
-    of the exported weights against float32, when checked)."""
+    of the exported weights against float32, when checked), ``diagnosis`` (the doctor on
+    serving them, when asked: ``healthy``, ``summary``, ``export_again`` with its verified fix)."""
 
     out: str
     dtype: str
@@ -82,6 +83,7 @@ class ExportReport(NamedTuple):
     merged: tuple[str, ...]
     lora_match: float | None = None
     accuracy: dict[str, dict[str, float]] | None = None
+    diagnosis: dict[str, Any] | None = None
 
 
 def export_dtype(name: str) -> str:
