@@ -328,3 +328,30 @@ def test_under_fsdp_the_frozen_base_is_split_and_gathered_in_its_stored_codes(tm
     f32 = [float(g[4]) for g in gathers if g[2] == "f32"]
     codes = [float(g[4]) for g in gathers if g[2] == "u8"]
     assert sum(f32) < sum(codes), gathers
+
+
+def test_lora_on_a_scanned_rematerialized_gpt_trains_its_stacked_adapters_and_exports_merged(tmp_path):
+    """``scan_layers`` stacks each block's kernels along a layer axis and ``remat`` recomputes the
+    block: qwix's adapters go on the stacked kernels, the nf4 base stays frozen through the scan,
+    and the export merges each layer's adapters into its slice of the stacked kernel."""
+    from train.inspections.export import export_run
+
+    workdir = tmp_path / "run"
+    config = from_dict({**QUICK, "steps": 6, "workdir": str(workdir), "checkpoint_every": 6,
+                        "optimizer": {"lr": 2e-2}, "precision": {"policy": "mixed_bf16"},
+                        "model": {"name": "gpt", "num_layers": 2, "num_heads": 2, "d_model": 32,
+                                  "scan_layers": True, "remat": "full"},
+                        "data": {"name": "synthetic_text", "num_classes": 64, "seq_len": 16, "num_test": 64,
+                                 "batch_size": 8, "eval_batch_size": 8, "eval_batches": 1},
+                        "finetune": {"lora": {"rank": 2}, "base": "nf4"}})
+    out = io.StringIO()
+    train.run(config, out=out)
+    assert "fine-tuning: LoRA adapters on 5 modules (blocks/block/Dense_0" in out.getvalue()
+    from flax import traverse_util
+
+    params = traverse_util.flatten_dict(saved_state_params(workdir), sep="/")  # as saved
+    stacked = {p: np.asarray(x) for p, x in params.items() if p.startswith("blocks/") and "lora" in p}
+    assert stacked and all(x.shape[0] == 2 for x in stacked.values())  # one adapter per layer, stacked
+    assert any(np.abs(x).max() > 0 for p, x in stacked.items() if p.endswith("_lora_b"))  # B starts at 0
+    report = export_run(workdir, tmp_path / "f32", "f32")
+    assert "blocks/block/attn/qkv/kernel" in report.merged and report.lora_match < 1e-5
