@@ -162,7 +162,8 @@ def hlo_collectives(text: str, device_count: int) -> list[Collective]:
         name = op_name.group(1) if op_name else ""
         parts = _parts(m.group("name"), users, arrays) if kind == "all-reduce" and not m.group("start") else 1
         # an all-gather of a step's argument is a stored array gathered whole, whatever op XLA
-        # names in its metadata (on jax 0.11, FSDP's float32 gathers lost the gather scope's name)
+        # names in its metadata (on jax 0.11, FSDP's float32 and uint8 gathers were not found
+        # in the gather scope)
         argument = kind == "all-gather" and _first_operand(rest) in arguments
         for dtype, shape in arrays:
             carries = _carries(name, shape)
