@@ -29,8 +29,8 @@ import jax.numpy as jnp
 
 import precision
 from benchmarks import step_cost
-from benchmarks.compile_only import chosen, target_device
-from benchmarks.report import RESULTS, environment, write_tables
+from benchmarks.compile_only import chosen, target_device, target_slug
+from benchmarks.report import RESULTS, command, environment, write_tables
 from benchmarks.step_models import Llama, PinnedGPT, cudnn_attention
 from train import create_train_state
 from train.inspections.compile_for import compile_train_step
@@ -163,9 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [measure(name, target, device, not args.no_fit) for name in names]
     result = {"target": target.name, "device_kind": target.device_kind, "device_memory_bytes": target.memory_bytes,
               "environment": environment(), "rows": rows,
-              "command": " ".join(["python", "-m", "benchmarks.blockwise_loss",
-                                   *(argv if argv is not None else sys.argv[1:])])}
-    write_tables(args.out, f"blockwise-loss-{target.name.removesuffix('.txtpb')}", result, markdown(result))
+              "command": command("benchmarks.blockwise_loss", argv)}
+    write_tables(args.out, f"blockwise-loss-{target_slug(target)}", result, markdown(result))
     return 0
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.report import RESULTS, environment, write_tables
+from benchmarks.report import RESULTS, command, environment, write_tables
 from precision.blockwise import transform
 from train import load_config, read_metrics, run
 
@@ -81,8 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"steps": args.steps, "environment": environment(), "runs": runs,
               "blocks_difference": runs["blocks of 4 rows, seed 0"]["eval_loss"] - base,
               "seed_difference": runs["whole, seed 1"]["eval_loss"] - base,
-              "command": " ".join(["python", "-m", "benchmarks.blockwise_parity",
-                                   *(argv if argv is not None else sys.argv[1:])])}
+              "command": command("benchmarks.blockwise_parity", argv)}
     write_tables(args.out, "blockwise-parity", result, markdown(result))
     return 0
 

@@ -9,7 +9,7 @@ from typing import Any, Iterable
 
 from train.inspections.targets import TargetError, get_target, target_devices
 
-__all__ = ["chosen", "target_device"]
+__all__ = ["chosen", "target_device", "target_slug"]
 
 
 def chosen(parser: argparse.ArgumentParser, **choices: tuple[str, Iterable[str]]) -> list[list[str]]:
@@ -32,3 +32,8 @@ def target_device(name: str) -> tuple[Any, Any] | None:
     except TargetError as e:
         print(f"error: {e}", file=sys.stderr)
         return None
+
+
+def target_slug(target: Any) -> str:
+    """The target's name in result file names (``h100``; a target file's name without ``.txtpb``)."""
+    return target.name.removesuffix(".txtpb")

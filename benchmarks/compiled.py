@@ -33,8 +33,8 @@ import jax.numpy as jnp
 import optax
 
 import precision
-from benchmarks.compile_only import chosen, target_device
-from benchmarks.report import RESULTS, environment
+from benchmarks.compile_only import chosen, target_device, target_slug
+from benchmarks.report import RESULTS, command, environment
 from benchmarks.workloads import POLICIES, policy_case, workload
 from train import create_train_state
 from train.inspections.compile_for import compile_train_step
@@ -124,11 +124,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{model_name:<12}{case:<18}temp {rows[-1]['memory']['temp'] / 2 ** 30:7.2f} GiB  "
                   f"GEMMs {rows[-1]['gemms']} (f32 {rows[-1]['f32_gemms']}, fp8 {rows[-1]['fp8_gemms']})", flush=True)
     text = table(rows)
-    name = target.name.removesuffix(".txtpb")
+    name = target_slug(target)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"target": target.name, "device_kind": target.device_kind, "environment": environment(),
-              "command": " ".join(["python", "-m", "benchmarks.compiled", *(argv or sys.argv[1:])]), "rows": rows}
+              "command": command("benchmarks.compiled", argv), "rows": rows}
     (out / f"{name}-compiled.json").write_text(json.dumps(result, indent=1))
     (out / f"{name}-compiled.md").write_text(markdown(result))
     print(f"\n{text}\n\nwrote {out / f'{name}-compiled.json'} and {out / f'{name}-compiled.md'}")

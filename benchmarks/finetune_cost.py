@@ -37,8 +37,8 @@ import optax
 
 import precision
 import train
-from benchmarks.compile_only import chosen, target_device
-from benchmarks.report import RESULTS, environment, write_tables
+from benchmarks.compile_only import chosen, target_device, target_slug
+from benchmarks.report import RESULTS, command, environment, write_tables
 from benchmarks.step_models import Llama, PinnedGPT
 from train.inspections.compile_for import compile_train_step
 from train.inspections.gpu_time import model_step
@@ -190,14 +190,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['modeled_seconds'] * 1e3:.1f} ms", flush=True)
     result = {"target": target.name, "device_kind": target.device_kind, "memory_bytes": target.memory_bytes,
               "environment": environment(), "rows": rows,
-              "command": " ".join(["python", "-m", "benchmarks.finetune_cost", *(argv if argv is not None else sys.argv[1:])])}
+              "command": command("benchmarks.finetune_cost", argv)}
     if args.cpu:
         result["cpu_ratios"] = cpu_ratios()
         print("cpu step time over full fine-tuning:", result["cpu_ratios"], flush=True)
     if args.accuracy:
         result["accuracy"] = accuracy_rows(args.accuracy)
         print(accuracy_table(result["accuracy"]), flush=True)
-    write_tables(args.out, f"finetune-cost-{target.name.removesuffix('.txtpb')}", result, markdown(result))
+    write_tables(args.out, f"finetune-cost-{target_slug(target)}", result, markdown(result))
     return 0
 
 

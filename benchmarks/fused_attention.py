@@ -24,8 +24,8 @@ import pathlib
 import sys
 from typing import Any
 
-from benchmarks.compile_only import chosen, target_device
-from benchmarks.report import RESULTS, environment
+from benchmarks.compile_only import chosen, target_device, target_slug
+from benchmarks.report import RESULTS, command, environment
 from train.inspections.compile_for import compile_for
 from train.config import load_config
 
@@ -107,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['cudnn_attention']} / {r['cudnn_attention_backward']}", flush=True)
     result = {"target": target.name, "device_kind": target.device_kind, "environment": environment(),
               "layers": args.layers, "rows": rows,
-              "command": " ".join(["python", "-m", "benchmarks.fused_attention", *(argv or sys.argv[1:])])}
-    name = target.name.removesuffix(".txtpb")
+              "command": command("benchmarks.fused_attention", argv)}
+    name = target_slug(target)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}-fused-attention.json").write_text(json.dumps(result, indent=1))

@@ -8,6 +8,7 @@ import os
 import pathlib
 import platform
 import re
+import sys
 from typing import Any
 
 import flax
@@ -209,6 +210,12 @@ def save(results: dict[str, Any], directory: pathlib.Path = RESULTS) -> tuple[pa
     json_path.write_text(json.dumps(results, indent=1, default=float) + "\n")
     md_path.write_text(markdown(results))
     return json_path, md_path
+
+
+def command(module: str, argv: list[str] | None) -> str:
+    """The command that reproduces a benchmark's run: ``python -m MODULE`` and its arguments
+    (``argv`` as given to ``main``, else the process's)."""
+    return " ".join(["python", "-m", module, *(argv if argv is not None else sys.argv[1:])])
 
 
 def write_tables(out: str | pathlib.Path, stem: str, result: dict[str, Any], text: str) -> tuple[pathlib.Path, pathlib.Path]:

@@ -35,8 +35,8 @@ import jax.numpy as jnp
 import jmp
 import optax
 
-from benchmarks.compile_only import chosen, target_device
-from benchmarks.report import RESULTS, environment, write_tables
+from benchmarks.compile_only import chosen, target_device, target_slug
+from benchmarks.report import RESULTS, command, environment, write_tables
 from benchmarks.step_models import Llama, PinnedGPT, cudnn_attention
 from benchmarks.workloads import workload
 from train import create_train_state
@@ -44,7 +44,6 @@ from train.training.binding import mode_kwargs
 from train.inspections.compile_for import compile_train_step
 from train.parallel.distributed import Layout, make_mesh
 from train.inspections.gpu_time import model_step
-from train.inspections.hlo_kernels import read_hlo_kernels
 from train.models import GPT
 
 #: policy -> (preset, loss scale, half dtype, O2: half params with float32 masters)
@@ -214,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
     result = {"target": target.name, "device_kind": target.device_kind, "layers": args.layers,
               "environment": environment(), "rows": rows,
-              "command": " ".join(["python", "-m", "benchmarks.step_cost", *(argv if argv is not None else sys.argv[1:])])}
-    write_tables(args.out, f"step-cost-{target.name.removesuffix('.txtpb')}", result, markdown(result))
+              "command": command("benchmarks.step_cost", argv)}
+    write_tables(args.out, f"step-cost-{target_slug(target)}", result, markdown(result))
     return 0
 
 

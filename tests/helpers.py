@@ -1,5 +1,6 @@
 """Helpers shared by the tests: checkpoints read off disk, subprocess environments."""
 
+import functools
 import gzip
 import os
 from pathlib import Path
@@ -95,3 +96,23 @@ def flax_transformers():
     if not hasattr(transformers, "FlaxGPT2LMHeadModel"):
         pytest.skip(f"transformers {transformers.__version__} has no Flax models (version 5 dropped them)")
     return transformers
+
+
+@functools.lru_cache(maxsize=None)
+def h100_device():
+    """One compile-only H100 device of JAX's CUDA plugin (no GPU needed), or None where the
+    plugin is not installed."""
+    from train.inspections.targets import TargetError, get_target, target_devices
+
+    try:
+        return target_devices(get_target("h100"))[0]
+    except TargetError:
+        return None
+
+
+def needs_cuda_plugin():
+    """Skips the calling test, saying why, where JAX's CUDA plugin is not installed."""
+    import pytest
+
+    if h100_device() is None:
+        pytest.skip("needs JAX's CUDA plugin (no GPU): pip install '.[gpu-compile]'")

@@ -2,29 +2,19 @@
 holds a fraction of full fine-tuning's state, its frozen weight-gradient GEMMs are gone, and
 its adapters' GEMMs run in bf16. Needs JAX's CUDA plugin (``gpu_compile``)."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import pytest
 
-from train.inspections.targets import TargetError, get_target, target_devices
+from helpers import h100_device as _device, needs_cuda_plugin
+from train.inspections.targets import get_target
 
 gpu_compile = pytest.mark.gpu_compile
 
 
-@functools.lru_cache(maxsize=None)
-def _device():
-    try:
-        return target_devices(get_target("h100"))[0]
-    except TargetError:
-        return None
-
-
 @pytest.fixture(autouse=True)
 def _needs_plugin():
-    if _device() is None:
-        pytest.skip("needs JAX's CUDA plugin (no GPU): pip install '.[gpu-compile]'")
+    needs_cuda_plugin()
 
 
 def _compiled(finetune):

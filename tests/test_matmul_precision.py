@@ -19,7 +19,7 @@ from precision import PolicyError, get_policy
 from precision.autocast.program import iter_ops
 from precision.rules import get_rules
 from train.inspections.gpu_kernels import f32_algorithm, read_kernels, region_of
-from train.inspections.targets import TargetError, get_target, target_devices
+from helpers import h100_device, needs_cuda_plugin
 
 HIGHEST = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
 X = jnp.ones((2, 8))
@@ -241,22 +241,13 @@ def test_a_float32_gemm_says_what_arithmetic_it_runs():
     assert region_of("jit(f)/precision:float32@highest/head/dot_general") == "float32"
 
 
-@functools.lru_cache(maxsize=None)
-def _h100():
-    try:
-        return target_devices(get_target("h100"))[0]
-    except TargetError:
-        return None
-
-
 @pytest.mark.gpu_compile
 def test_the_h100_program_runs_a_highest_module_in_float32_and_the_rest_as_asked():
-    if _h100() is None:
-        pytest.skip("needs JAX's CUDA plugin (no GPU): pip install '.[gpu-compile]'")
+    needs_cuda_plugin()
     from train.inspections.hlo_kernels import read_hlo_kernels
 
     place = functools.partial(lambda s, a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                              jax.sharding.SingleDeviceSharding(_h100()))
+                              jax.sharding.SingleDeviceSharding(h100_device()))
     x = jnp.ones((256, 512))
     for rule, head in (("f32,matmul=highest", "f32"), ("f32", "tf32")):
         wrapped = precision.with_policy(Block(), "mixed_bf16", [("head", rule)])
@@ -271,8 +262,7 @@ def test_the_h100_program_runs_a_highest_module_in_float32_and_the_rest_as_asked
 
 @pytest.mark.gpu_compile
 def test_compile_for_counts_the_float32_gemms_of_a_config_by_arithmetic(tmp_path):
-    if _h100() is None:
-        pytest.skip("needs JAX's CUDA plugin (no GPU): pip install '.[gpu-compile]'")
+    needs_cuda_plugin()
     from helpers import ROOT, TINY_TEXT
     from train.config import load_config
     from train.inspections.compile_for import compile_for

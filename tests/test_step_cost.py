@@ -10,27 +10,17 @@ hand-written step does not make, and XLA's split-K GEMM reductions it then keeps
 float16 the hand-written step's per-leaf ``jmp.all_finite`` costs more than our check.
 """
 
-import functools
-
 import pytest
 
-from train.inspections.targets import TargetError, get_target, target_devices
+from helpers import h100_device as _device, needs_cuda_plugin
+from train.inspections.targets import get_target
 
 gpu_compile = pytest.mark.gpu_compile
 
 
-@functools.lru_cache(maxsize=None)
-def _device():
-    try:
-        return target_devices(get_target("h100"))[0]
-    except TargetError:
-        return None
-
-
 @pytest.fixture(autouse=True)
 def _needs_plugin():
-    if _device() is None:
-        pytest.skip("needs JAX's CUDA plugin (no GPU): pip install '.[gpu-compile]'")
+    needs_cuda_plugin()
 
 
 @gpu_compile
