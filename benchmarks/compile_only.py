@@ -24,8 +24,8 @@ def chosen(parser: argparse.ArgumentParser, **choices: tuple[str, Iterable[str]]
 
 
 def target_device(name: str) -> tuple[Any, Any] | None:
-    """The target ``name`` (``h100``, ``h200`` or a target file) and one compile-only device
-    of it; None, having said why on stderr (no CUDA plugin, an unknown target)."""
+    """The target ``name`` (``h100``, ``h200``, a target file, ``v5e``, ``v5p``, ``v6e``) and one
+    compile-only device of it; None, having said why on stderr (no CUDA plugin or libtpu, an unknown target)."""
     try:
         target = get_target(name)
         return target, target_devices(target)[0]
@@ -35,5 +35,5 @@ def target_device(name: str) -> tuple[Any, Any] | None:
 
 
 def target_slug(target: Any) -> str:
-    """The target's name in result file names (``h100``; a target file's name without ``.txtpb``)."""
-    return target.name.removesuffix(".txtpb")
+    """The target's name in result file names (``h100``, ``v5p-2x2x2``; a target file's name without ``.txtpb``)."""
+    return target.name.removesuffix(".txtpb").replace(":", "-")

@@ -116,3 +116,23 @@ def needs_cuda_plugin():
 
     if h100_device() is None:
         pytest.skip("needs JAX's CUDA plugin (no GPU): pip install '.[gpu-compile]'")
+
+
+@functools.lru_cache(maxsize=None)
+def has_libtpu() -> bool:
+    """Whether libtpu is installed here (compiling for a TPU slice needs it, not a TPU)."""
+    from train.inspections.targets import TargetError, get_target, target_devices
+
+    try:
+        target_devices(get_target("v5e"))
+    except TargetError:
+        return False
+    return True
+
+
+def needs_libtpu():
+    """Skips the calling test, saying why, where libtpu is not installed."""
+    import pytest
+
+    if not has_libtpu():
+        pytest.skip("needs libtpu (no TPU): pip install '.[tpu-compile]'")

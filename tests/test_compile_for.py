@@ -20,7 +20,7 @@ import pytest
 
 import precision
 from precision.doctor import probe
-from helpers import ROOT, TINY_TEXT, subprocess_env, tiny_fashion_mnist
+from helpers import ROOT, TINY_TEXT, h100_device, subprocess_env, tiny_fashion_mnist
 from train.inspections.compile_for import compile_for
 from train.config import load_config
 from train.inspections.gpu_kernels import module_of, read_kernels, region_of
@@ -32,13 +32,8 @@ SHIPPED = ([p for p in sorted((ROOT / "configs").rglob("*.yaml")) if p != GPT2_S
            + sorted((ROOT / "examples" / "user_models").glob("*.yaml")))
 
 
-@functools.lru_cache(maxsize=None)
 def _plugin() -> bool:
-    try:
-        target_devices(get_target("h100"))
-    except TargetError:
-        return False
-    return True
+    return h100_device() is not None
 
 
 gpu_compile = pytest.mark.gpu_compile

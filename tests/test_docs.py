@@ -47,6 +47,11 @@ RUN_BY_TESTS = {
         "tests/test_diagnose_training.py::test_diagnose_flag_reads_the_newest_checkpoint_and_leaves_checkpoints_untouched",
     "python -m train configs/gpu/gpt2_small_mixed_bf16.yaml --compile-for h100":
         "tests/test_compile_for.py::test_gpt2_small_half_steps_fuse_attention_in_every_layer_with_half_gemms_and_a_third_of_the_memory",
+    # libtpu: CI's compile-only environment runs these (pytest -m tpu_compile), on the config made small
+    "python -m train configs/gpu/gpt2_small_mixed_bf16.yaml --compile-for v5e":
+        "tests/test_tpu_compile.py::test_the_gpt_compiles_for_one_v5e_chip_with_every_matmul_in_bfloat16",
+    "python -m train configs/gpu/gpt2_small_mixed_bf16.yaml --compile-for v5p":
+        "tests/test_tpu_compile.py::test_a_v5p_slice_of_eight_chips_gathers_fsdp_params_in_bfloat16",
 }
 #: Commands CI cannot run, and why.
 NOT_HERE = {

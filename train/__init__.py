@@ -51,7 +51,7 @@ from train.references import UserCodeError
 from train.training.state import ScaledGrads, StateTooLarge, TrainState, create_train_state
 from train.training.forward import blockwise_plan
 from train.training.step import evaluate, make_eval_step, make_multi_step, make_train_step, summarize_eval
-from train.inspections.targets import GpuTarget, TargetError, get_target
+from train.inspections.targets import GpuTarget, TargetError, TpuTarget, get_target
 from train.training.tasks import Task, cross_entropy, get_task
 from train.tracking.wandb_logger import WandbLogger
 
@@ -62,7 +62,7 @@ __all__ = ["CheckpointError", "Checkpointer", "CommunicationReport", "CompiledSt
            "blockwise_plan", "build_data", "build_experiment", "build_model", "build_optimizer", "build_task", "cast_for_inference",
            "cast_variables", "check_model_fits_data", "compile_for", "compile_train_step", "create_train_state", "cross_entropy", "diagnose_experiment",
            "diagnose_inference", "diagnose_state", "evaluate", "explain_communication", "export_run",
-           "full_precision_params", "get_target", "get_task", "GpuTarget", "help_text", "inference_report", "initialize_distributed",
+           "full_precision_params", "get_target", "get_task", "GpuTarget", "TpuTarget", "help_text", "inference_report", "initialize_distributed",
            "load_config", "load_dataset", "make_eval_step", "make_mesh", "make_multi_step", "make_train_step", "pick_policy",
            "load_pretrained", "mode_kwargs", "PretrainedError", "read_metrics", "rebind", "run", "summarize_eval", "TargetError", "with_lora"]
 

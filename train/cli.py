@@ -54,15 +54,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--diagnose-steps", type=int, default=1, metavar="N",
                         help="with --diagnose: how many steps to diagnose (default 1)")
     parser.add_argument("--compile-for", metavar="TARGET",
-                        help="compile one train step for a GPU this machine need not have (h100, h200, or a "
-                             "GpuTargetConfigProto text file; needs JAX's CUDA plugin: pip install "
-                             "'.[gpu-compile]'), building the state abstractly, and report whether it fits the "
+                        help="compile one train step for a GPU or TPU this machine need not have (h100, h200, a "
+                             "GpuTargetConfigProto text file: needs JAX's CUDA plugin, pip install '.[gpu-compile]'; "
+                             "v5e, v5p, v6e or a slice such as v5p:2x2x2: needs libtpu, pip install "
+                             "'.[tpu-compile]'), building the state abstractly, and report whether it fits the "
                              "device's memory, its kernels (cuDNN attention, GEMMs by library and operand dtypes, "
-                             "FP8 GEMMs), float32 GEMMs under a half policy and the collectives; writes "
-                             "WORKDIR/compiled-TARGET.json and exits without training (exit 1: does not fit)")
+                             "FP8 GEMMs; a TPU's matmuls), float32 GEMMs under a half policy and the collectives; "
+                             "writes WORKDIR/compiled-TARGET.json and exits without training (exit 1: does not fit)")
     parser.add_argument("--devices", type=int, metavar="N",
-                        help="with --compile-for: how many devices of the target (default: mesh.data * mesh.fsdp, "
-                             "else 1)")
+                        help="with --compile-for: how many devices of the target (default: mesh.data * mesh.fsdp; "
+                             "a given TPU slice's chips under mesh.data=-1; else 1); for a TPU, the smallest slice "
+                             "holding them")
     parser.add_argument("--pick-policy", action="store_true",
                         help="measure candidate precision policies on this experiment and this machine (the "
                              "doctor's numerics, the loss after N steps against float32, step time, memory) and pick "

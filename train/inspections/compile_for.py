@@ -1,5 +1,6 @@
 """``python -m train CONFIG --compile-for h100``: the experiment's train step,
-compiled for a GPU this machine does not have, and what that program does.
+compiled for a GPU (or a TPU slice: ``v5e``, ``v5p``, ``v6e``) this machine does not
+have, and what that program does.
 
 Before renting GPUs, learn whether a config fits and whether its policy reaches
 the kernels it should: the train state is built abstractly (``jax.eval_shape``:
@@ -24,6 +25,12 @@ compiled program (:mod:`train.inspections.gpu_kernels`, :mod:`train.parallel.com
 
 No autotuning runs without a GPU (XLA's default GEMM configurations), so it
 proves structure, dtypes and memory, not speed.
+
+For a TPU (libtpu's compile-only client, :mod:`train.inspections.targets`) the report
+is the same but for the kernels: a TPU program's are its matrix-unit ops
+(:mod:`train.inspections.tpu_kernels`), and no model of its time exists here. A
+float16 policy is refused for a TPU (its matrix units multiply bfloat16), and
+so is FP8 (none of these generations multiplies it).
 """
 
 from __future__ import annotations
@@ -44,21 +51,23 @@ from train.config import ConfigError, ExperimentConfig
 from train.parallel.distributed import Layout, MeshError, make_mesh
 from train.inspections.gpu_kernels import Kernel, read_kernels
 from train.inspections.gpu_time import ModeledStep, model_step
-from train.inspections.targets import GpuTarget, TargetError, get_target, target_devices
+from train.inspections.targets import GpuTarget, Target, TargetError, TpuTarget, get_target, target_devices
+from train.inspections.tpu_kernels import read_tpu_kernels
 
-__all__ = ["CompiledStep", "compile_for", "compile_train_step", "write_report", "TargetError"]
+__all__ = ["CompiledStep", "compile_for", "compile_train_step", "write_report", "TargetError", "check_tpu_policy",
+           "tpu_policy_problem"]
 
 _KIND_NAMES = {"cudnn_attention": "cuDNN fused attention", "cudnn_attention_backward": "cuDNN fused attention (bwd)",
                "cublas": "cuBLAS GEMM", "cublaslt": "cuBLASLt GEMM", "cublaslt_fp8": "cuBLASLt FP8 GEMM",
                "triton_gemm": "Triton GEMM fusion", "xla_dot": "XLA dot (no GEMM library)",
-               "cudnn_conv": "cuDNN convolution"}
+               "cudnn_conv": "cuDNN convolution", "tpu_matmul": "TPU matmul (MXU)"}
 
 
 @dataclasses.dataclass(frozen=True)
 class CompiledStep:
-    """One train step compiled for a GPU target, read back."""
+    """One train step compiled for a GPU or TPU target, read back."""
 
-    target: GpuTarget
+    target: Target
     devices: int
     mesh: dict[str, int]
     experiment: str  # what was compiled: model, policy, batch
@@ -87,7 +96,7 @@ class CompiledStep:
         """GEMMs with both operands float32, counted by the arithmetic they run on the target
         (:func:`train.inspections.gpu_kernels.f32_algorithm`): ``tf32`` (XLA's default precision on
         a GPU with TF32), ``f32`` (``matmul=highest``...), ``bf16_3x``..."""
-        tf32 = _has_tf32(self.target)
+        tf32 = isinstance(self.target, TpuTarget) or _has_tf32(self.target)
         return dict(Counter(k.algorithm if tf32 or k.algorithm != "tf32" else "f32"
                             for k in self.kernels if k.algorithm))
 
@@ -160,7 +169,9 @@ class CompiledStep:
 
 
 #: How the report names the arithmetic of a float32 GEMM.
-_ALGORITHM_NAMES = {"tf32": "TF32 (XLA's default precision)", "f32": "float32"}
+_ALGORITHM_NAMES = {"tf32": "TF32 (XLA's default precision)", "f32": "float32",
+                    "bf16": "one bfloat16 pass (XLA's default precision on a TPU)", "bf16_3x": "three bfloat16 passes",
+                    "bf16_6x": "six bfloat16 passes (float32 accuracy)"}
 
 
 def _algorithm_lines(counts: dict[str, int]) -> list[str]:
@@ -178,21 +189,25 @@ def _has_tf32(target: GpuTarget) -> bool:
     return m is None or int(m.group(1)) >= 8
 
 
-def compile_for(config: ExperimentConfig, target: str | GpuTarget = "h100", devices: int | None = None
+def compile_for(config: ExperimentConfig, target: str | Target = "h100", devices: int | None = None
                 ) -> CompiledStep:
-    """Compiles one train step of ``config`` for ``target`` (``"h100"``, ``"h200"`` or a
-    ``GpuTargetConfigProto`` text file) on ``devices`` of it (default: the config's
-    mesh size, else 1), without a GPU, and reads the program back.
+    """Compiles one train step of ``config`` for ``target`` (``"h100"``, ``"h200"``, a
+    ``GpuTargetConfigProto`` text file, ``"v5e"``, ``"v5p"``, ``"v6e"`` or a TPU slice such as
+    ``"v5p:2x2x2"``) on ``devices`` of it (default: the config's mesh size, a given slice's
+    chips under ``mesh.data=-1``, else 1), without the device, and reads the program back.
 
     Raises:
-      TargetError: no CUDA plugin here, an unknown target, or a mesh that does not fit the devices.
+      TargetError: no CUDA plugin (libtpu) here, an unknown target, a policy the target cannot
+        run (float16 or FP8 on a TPU), or a mesh that does not fit the devices.
       ConfigError, DataError: the config cannot run (as :func:`train.run` would say).
     """
     from train.experiment.builders import build_train_state
     from train.experiment.loop import build_experiment
 
     gpu = get_target(target)
-    layout = _layout(config, target_devices(gpu, devices or _mesh_devices(config)))
+    if isinstance(gpu, TpuTarget):
+        check_tpu_policy(config, gpu)
+    layout = _layout(config, target_devices(gpu, devices or _default_devices(config, gpu)))
     data, task, model = build_experiment(config, memory=(0, ""))  # XLA's plan says what fits, below
     start = time.perf_counter()
     # nothing allocated; XLA's plan says what fits, below
@@ -204,7 +219,7 @@ def compile_for(config: ExperimentConfig, target: str | GpuTarget = "h100", devi
                               experiment=_describe(config, state, size), started=start)
 
 
-def compile_train_step(state: Any, batch: Any, layout: Layout, target: GpuTarget, *, task: Any = "classification",
+def compile_train_step(state: Any, batch: Any, layout: Layout, target: Target, *, task: Any = "classification",
                        accum_steps: int = 1, experiment: str = "", started: float | None = None) -> CompiledStep:
     """Compiles :func:`train.make_train_step`'s step for ``target`` on the
     compile-only devices of ``layout``'s mesh and reads the program back.
@@ -225,7 +240,7 @@ def compile_train_step(state: Any, batch: Any, layout: Layout, target: GpuTarget
     return CompiledStep(
         target=target, devices=count, mesh=dict(layout.mesh.shape), experiment=experiment,
         policy_half=np.dtype(state.model.policy.compute_dtype).itemsize < 4, memory=_memory(compiled),
-        kernels=tuple(read_kernels(text)),
+        kernels=tuple(read_tpu_kernels(text) if isinstance(target, TpuTarget) else read_kernels(text)),
         communication=CommunicationReport(tuple(hlo_collectives(partitioned or text, count)), stage, target.name),
         seconds={"lower": round(lowered_at - start, 2), "compile": round(done - lowered_at, 2)}, hlo_text=text,
         modeled=modeled, modeled_error=why,
@@ -240,9 +255,11 @@ def blocks_hint(plan: Any) -> str:
     return " (its loss from the logits in blocks of rows may fit it: precision.blockwise_loss=true)"
 
 
-def _modeled(text: str, target: GpuTarget) -> tuple[ModeledStep | None, str]:
+def _modeled(text: str, target: Target) -> tuple[ModeledStep | None, str]:
     """The modeled step time of ``text`` on ``target``, or None and why (a target whose
-    compute capability has no datasheet peaks here)."""
+    compute capability has no datasheet peaks here; a TPU)."""
+    if isinstance(target, TpuTarget):
+        return None, "the model is of a GPU's kernels, calibrated on a GPU's profile; none of a TPU's here"
     try:
         return model_step(text, target), ""
     except ValueError as e:
@@ -254,6 +271,45 @@ def _size(n: float) -> str:
         if n >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n:.0f} bytes"
+
+
+#: Policy dtypes a TPU's matrix units do not multiply, and what to use instead.
+_NOT_ON_TPU = {"float16": "float16 is not native on a TPU (its matrix units multiply bfloat16; XLA would emulate "
+                          "float16), and loss scaling is not needed for bfloat16: use precision.policy=mixed_bf16",
+               "fp8": "none of these TPU generations multiplies FP8: use precision.policy=mixed_bf16"}
+
+
+def check_tpu_policy(config: ExperimentConfig, target: TpuTarget) -> None:
+    """Refuses, in one line, a policy (or a rule's) that computes in float16 or FP8 for a TPU target."""
+    named = [("precision.policy", config.precision.policy)]
+    named += [(f"precision.rules[{i}]", rule[1]) for i, rule in enumerate(config.precision.rules or [])
+              if isinstance(rule, (list, tuple)) and len(rule) == 2]
+    for where, text in named:
+        problem = tpu_policy_problem(text, target)
+        if problem:
+            raise TargetError(f"{where}={text} for {target.name}: {problem}")
+
+
+def tpu_policy_problem(policy: Any, target: TpuTarget) -> str:
+    """Why ``policy`` (a string or :class:`precision.Policy`) cannot compute on ``target``
+    (float16, or FP8 on a TPU without FP8 matrix units), in words; "" if it can."""
+    import precision
+
+    try:
+        policy = precision.get_policy(policy)
+    except (ValueError, TypeError):
+        return ""  # the config's own checks say what is wrong with it
+    dtypes = {np.dtype(d).name for d in (policy.param_dtype, policy.compute_dtype, policy.output_dtype)}
+    found = "fp8" if policy.fp8 and not target.fp8 else "float16" if "float16" in dtypes else None
+    return _NOT_ON_TPU[found] if found else ""
+
+
+def _default_devices(config: ExperimentConfig, target: Target) -> int | None:
+    """Devices to compile on when --devices is not given: all of a given TPU slice's chips under
+    ``mesh.data=-1`` (None), else the config's mesh size."""
+    if isinstance(target, TpuTarget) and target.topology and config.mesh.data == -1:
+        return None
+    return _mesh_devices(config)
 
 
 def _mesh_devices(config: ExperimentConfig) -> int:
@@ -299,7 +355,8 @@ def _describe(config: ExperimentConfig, state: Any, batch: int) -> str:
 def write_report(report: CompiledStep, workdir: str) -> str:
     """Writes ``WORKDIR/compiled-<target>.json``; returns its path."""
     os.makedirs(workdir, exist_ok=True)
-    path = os.path.join(workdir, f"compiled-{report.target.name.removesuffix('.txtpb')}.json")
+    name = report.target.name.removesuffix(".txtpb").replace(":", "-")
+    path = os.path.join(workdir, f"compiled-{name}.json")
     with open(path, "w", encoding="utf-8") as f:
         json.dump(report.to_json(), f, indent=1)
     return path

@@ -30,7 +30,7 @@ __all__ = ["Kernel", "read_kernels", "GEMM_KINDS", "module_of", "region_of", "fp
            "operand_names", "attribute"]
 
 #: Kernel kinds that are matrix multiplications.
-GEMM_KINDS = ("cublas", "cublaslt", "cublaslt_fp8", "triton_gemm", "xla_dot")
+GEMM_KINDS = ("cublas", "cublaslt", "cublaslt_fp8", "triton_gemm", "xla_dot", "tpu_matmul")
 #: Library calls by custom-call target (exact, or prefix for cuDNN's families).
 _LIBRARY = {"__cublas$gemm": "cublas", "__cublas$lt$matmul": "cublaslt", "__cublas$lt$matmul$f8": "cublaslt_fp8"}
 _TRITON_GEMM = ("__triton_gemm", "__triton_nested_gemm_fusion", "__cublas$lt$matmul")  # fusion kinds holding a GEMM
@@ -51,7 +51,7 @@ class Kernel(NamedTuple):
     """One kernel of a compiled GPU program."""
 
     kind: str  # cublas, cublaslt, cublaslt_fp8, triton_gemm, xla_dot, cudnn_attention, cudnn_attention_backward,
-    #            cudnn_conv
+    #            cudnn_conv; tpu_matmul (a TPU's matrix units: train.inspections.tpu_kernels)
     operands: tuple[str, ...]  # HLO element types of the operands it computes on (a GEMM: lhs, rhs)
     result: str  # HLO element type of its (first) result
     module: str  # module path of the op it came from ("" if unknown)

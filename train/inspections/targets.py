@@ -1,4 +1,4 @@
-"""GPUs to compile for without having one: their descriptions and compile-only devices.
+"""GPUs and TPUs to compile for without having one: their descriptions and compile-only devices.
 
 JAX's CUDA plugin has a compile-only client: given a description of a GPU (an
 XLA ``GpuTargetConfigProto`` in text form), ``jax.experimental.topologies``
@@ -12,6 +12,11 @@ Shipped targets: ``h100`` (H100 SXM, 80 GB) and ``h200`` (141 GB). A user's
 target is the path of a ``GpuTargetConfigProto`` text file (XLA's
 ``xla/backends/gpu/target_config/specs/*.txtpb`` are such files; fields this
 XLA does not know must be removed).
+
+TPUs the same way through libtpu (``jax[tpu]``, the extra ``tpu-compile``): ``v5e``,
+``v5p``, ``v6e``, a slice of N chips chosen from N, or given (``v5p:2x2x2``). libtpu's
+compile-only client makes the slice's devices on a machine with no TPU, and XLA's TPU
+compiler produces the program the slice would run.
 """
 
 from __future__ import annotations
@@ -22,11 +27,15 @@ import re
 from typing import Any
 
 import jax
+import numpy as np
 
-__all__ = ["GpuTarget", "TargetError", "TARGETS", "get_target", "target_devices", "GPU_COMPILE_EXTRA"]
+__all__ = ["GpuTarget", "TpuTarget", "Target", "TargetError", "TARGETS", "GPU_TARGETS", "TPU_TARGETS", "get_target",
+           "target_devices", "slice_topology", "GPU_COMPILE_EXTRA", "TPU_COMPILE_EXTRA"]
 
 #: What to install for compiling to a GPU (the CUDA plugin matching the installed jax).
 GPU_COMPILE_EXTRA = "pip install '.[gpu-compile]' (or pip install \"jax[cuda12]=={version}\")"
+#: What to install for compiling to a TPU (libtpu matching the installed jax).
+TPU_COMPILE_EXTRA = "pip install '.[tpu-compile]' (or pip install \"jax[tpu]=={version}\")"
 
 
 class TargetError(ValueError):
@@ -85,14 +94,52 @@ _SPECS = {
     "h100": _Spec("NVIDIA H100 80GB HBM3", 132, 84_942_979_072, 3_352_320_000_000, 52_428_800, 1.98, (9, 0)),
     "h200": _Spec("NVIDIA H200 141GB HBM3e", 132, 151_397_597_184, 4_800_000_000_000, 52_428_800, 1.98, (9, 0)),
 }
-TARGETS = tuple(_SPECS)
+GPU_TARGETS = tuple(_SPECS)
 
 
-def get_target(target: str | GpuTarget) -> GpuTarget:
-    """A shipped target by name (``h100``, ``h200``) or a ``GpuTargetConfigProto`` text file."""
-    if isinstance(target, GpuTarget):
+@dataclasses.dataclass(frozen=True)
+class TpuTarget:
+    """A TPU generation to compile for, on a slice of its chips."""
+
+    name: str  # "v5e", or "v5p:2x2x2" when the slice was given
+    device_kind: str  # "TPU v5 lite", as its devices say
+    memory_bytes: int  # HBM per chip
+    generation: str  # libtpu's name for it in a topology ("v5e")
+    host: tuple[int, ...]  # the chips of one host (the smallest slice libtpu makes): 2x2, or 2x2x1 on a 3-D torus
+    accelerator: str  # TPU_ACCELERATOR_TYPE of one host, so libtpu does not ask a metadata server
+    topology: str = ""  # the slice given with the target ("2x2x2"), else chosen from the device count
+    fp8: bool = False  # matrix units that multiply FP8
+
+    def describe(self) -> str:
+        return f"{self.device_kind} ({self.memory_bytes / 2 ** 30:.1f} GiB HBM per chip)"
+
+
+# Public figures (cloud.google.com/tpu/docs): HBM per chip 16 GiB (v5e), 95 GiB (v5p), 32 GiB (v6e);
+# four chips per host, a 2-D torus (v5e, v6e) or a 3-D one (v5p); none multiplies FP8 natively.
+_TPUS = {
+    "v5e": TpuTarget("v5e", "TPU v5 lite", 16 * 2 ** 30, "v5e", (2, 2), "v5litepod-4"),
+    "v5p": TpuTarget("v5p", "TPU v5", 95 * 2 ** 30, "v5p", (2, 2, 1), "v5p-8"),
+    "v6e": TpuTarget("v6e", "TPU v6 lite", 32 * 2 ** 30, "v6e", (2, 2), "v6e-4"),
+}
+TPU_TARGETS = tuple(_TPUS)
+TARGETS = GPU_TARGETS + TPU_TARGETS
+#: A target of either kind.
+Target = GpuTarget | TpuTarget
+#: libtpu's environment on a machine that is not a TPU host: no metadata server to ask, no logs on the
+#: terminal, and no lock on the (absent) chips, so that several processes compile at once.
+_LIBTPU_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost", "TPU_STDERR_LOG_LEVEL": "3",
+               "TPU_MIN_LOG_LEVEL": "3", "TPU_LOG_DIR": "disabled", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+
+
+def get_target(target: str | Target) -> Target:
+    """A shipped target by name (``h100``, ``h200``, ``v5e``, ``v5p``, ``v6e``), a TPU slice
+    (``v5p:2x2x2``) or a ``GpuTargetConfigProto`` text file."""
+    if isinstance(target, (GpuTarget, TpuTarget)):
         return target
     key = str(target).strip().lower()
+    generation, _, topology = key.partition(":")
+    if generation in _TPUS:
+        return _tpu_target(_TPUS[generation], topology)
     if key in _SPECS:
         spec = _SPECS[key]
         return GpuTarget(key, spec.device_kind, spec.memory_bytes, spec.config_text())
@@ -113,16 +160,20 @@ def get_target(target: str | GpuTarget) -> GpuTarget:
                      int(memory.group(1)), text)
 
 
-def target_devices(target: GpuTarget, count: int = 1) -> list[Any]:
-    """``count`` compile-only devices of ``target`` (one host; nothing runs on them).
+def target_devices(target: Target, count: int | None = None) -> list[Any]:
+    """``count`` compile-only devices of ``target`` (GPUs: one host; TPUs: the chips of a slice;
+    default: 1, or a given slice's chips). Nothing runs on them.
 
     Raises:
-      TargetError: JAX's CUDA plugin is not installed, or XLA cannot read the target.
+      TargetError: JAX's CUDA plugin (libtpu for a TPU) is not installed, or XLA cannot make the devices.
     """
     from jax.experimental import topologies
 
-    if count < 1:
+    if count is not None and count < 1:
         raise TargetError(f"--devices must be at least 1, got {count}")
+    if isinstance(target, TpuTarget):
+        return _tpu_devices(target, count)
+    count = count or 1
     try:
         topology = topologies.get_topology_desc(platform="cuda", target_config=target.config_text,
                                                 topology=f"1x1x{count}")
@@ -132,3 +183,53 @@ def target_devices(target: GpuTarget, count: int = 1) -> list[Any]:
     except Exception as e:  # noqa: BLE001 - XLA's parse or topology errors, as one line
         raise TargetError(f"XLA cannot make {count} {target.name} device(s): {str(e).splitlines()[0]}") from None
     return list(topology.devices)
+
+
+def _tpu_target(base: TpuTarget, topology: str) -> TpuTarget:
+    """``base`` on the slice ``topology`` ("2x2x2"; "" to choose it from the device count)."""
+    if not topology:
+        return base
+    dims = topology.split("x")
+    if len(dims) != len(base.host) or not all(d.isdigit() and int(d) > 0 for d in dims):
+        example = "2x2x2" if len(base.host) == 3 else "2x4"
+        raise TargetError(f"unknown {base.name} slice {topology!r}: give {len(base.host)} chip counts, as in "
+                          f"{base.name}:{example}, or {base.name} alone (the slice chosen from --devices)")
+    return dataclasses.replace(base, name=f"{base.name}:{topology}", topology=topology)
+
+
+def slice_topology(target: TpuTarget, count: int) -> str:
+    """The smallest slice of ``target`` holding ``count`` chips, as libtpu names it ("v5p:2x2x2"):
+    the given one, else one host's, its sides doubled from the shortest until it holds them."""
+    if target.topology:
+        return f"{target.generation}:{target.topology}"
+    dims = sorted(target.host)
+    while int(np.prod(dims)) < count:
+        dims[0] *= 2
+        dims.sort()
+    shape = dims if len(dims) == 2 else [dims[1], dims[2], dims[0]] if dims[0] == 1 else dims
+    return f"{target.generation}:{'x'.join(map(str, shape))}"
+
+
+def _tpu_devices(target: TpuTarget, count: int | None) -> list[Any]:
+    """``count`` chips of the slice of ``target`` that holds them (default: the whole given slice, else one)."""
+    from jax.experimental import topologies
+
+    given = int(np.prod([int(d) for d in target.topology.split("x")])) if target.topology else None
+    count = count or given or 1
+    if given is not None and count > given:
+        raise TargetError(f"--devices {count} is more than the {given} chips of the slice {target.name}")
+    for key, value in {**_LIBTPU_ENV, "TPU_ACCELERATOR_TYPE": target.accelerator}.items():
+        os.environ.setdefault(key, value)
+    name = slice_topology(target, count)
+    try:
+        topology = topologies.get_topology_desc(topology_name=name, platform="tpu")
+    except (NotImplementedError, ModuleNotFoundError, ImportError):
+        raise TargetError(f"compiling for {target.name} needs libtpu, which is not installed: "
+                          + TPU_COMPILE_EXTRA.format(version=jax.__version__)) from None
+    except Exception as e:  # noqa: BLE001 - libtpu's topology errors, as one line
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "not installed" in message:
+            raise TargetError(f"compiling for {target.name} needs libtpu, which is not installed: "
+                              + TPU_COMPILE_EXTRA.format(version=jax.__version__)) from None
+        raise TargetError(f"libtpu cannot make the slice {name}: {message}") from None
+    return list(topology.devices)[:count]

@@ -286,7 +286,9 @@ def compile_partitioned(lowered: Any) -> tuple[Any, str | None]:
     where XLA wrote none), from the one compilation."""
     with tempfile.TemporaryDirectory() as directory:
         compiled = lowered.compile({"xla_dump_to": directory, "xla_dump_hlo_pass_re": "spmd-partitioning"})
-        files = glob.glob(os.path.join(directory, "*after_spmd-partitioning*.txt"))
+        # XLA's GPU compiler names the pass spmd-partitioning, its TPU compiler tpu-spmd-partitioning
+        files = [f for f in glob.glob(os.path.join(directory, "*.txt"))
+                 if re.search(r"\.after_(tpu-)?spmd-partitioning\.", os.path.basename(f))]
         if not files:
             return compiled, None
         with open(max(files, key=os.path.getsize)) as f:

@@ -1,0 +1,174 @@
+"""Compiling for a TPU slice without one: targets, slices, the policies a TPU refuses, and
+the program libtpu's compiler makes, read back.
+
+Tests marked ``tpu_compile`` need libtpu (``pip install '.[tpu-compile]'``; no TPU): CI runs
+them in the compile-only environment. The rest run everywhere.
+"""
+
+import functools
+import json
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ROOT, needs_libtpu, subprocess_env
+from train.config import load_config
+from train.inspections.compile_for import compile_for, tpu_policy_problem
+from train.inspections.targets import TargetError, TpuTarget, get_target, slice_topology
+from train.inspections.tpu_kernels import read_tpu_kernels
+
+GPT2_SMALL = ROOT / "configs" / "gpu" / "gpt2_small_mixed_bf16.yaml"
+#: The GPT-2-small config made small enough to compile in seconds (the full one: benchmarks.compiled --target v5e).
+SMALL = ("model.num_layers=1", "model.d_model=256", "model.num_heads=4", "data.num_classes=4096", "data.seq_len=256",
+         "data.batch_size=8", "data.eval_batch_size=8")
+tpu_compile = pytest.mark.tpu_compile
+
+
+@pytest.fixture(autouse=True)
+def _needs_libtpu(request):
+    if request.node.get_closest_marker("tpu_compile"):
+        needs_libtpu()
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(target, *overrides, devices=None):
+    return compile_for(load_config(GPT2_SMALL, ["workdir=/tmp/unused", *SMALL, *overrides]), target, devices)
+
+
+# ----------------------------------------------------------------------------- the program libtpu compiles
+
+
+@tpu_compile
+def test_the_gpt_compiles_for_one_v5e_chip_with_every_matmul_in_bfloat16(tmp_path):
+    from train.inspections.compile_for import write_report
+
+    report = _compiled("v5e")
+    assert isinstance(report.target, TpuTarget) and report.devices == 1 and report.fits
+    matmuls = [k for k in report.kernels if k.gemm]
+    # per layer: 4 projections and 2 attention products, each forward and twice backward; the head's 3
+    assert len(matmuls) == 18 + 3 and {k.kind for k in matmuls} == {"tpu_matmul"}
+    assert {k.operands for k in matmuls} == {("bf16", "bf16")} and report.f32_gemms() == {}
+    assert "TPU matmul (MXU)" in str(report) and "Modeled step time: none" in str(report)
+    written = json.loads(open(write_report(report, str(tmp_path))).read())
+    assert written["target"] == "v5e" and written["device_kind"] == "TPU v5 lite" and written["fits"]
+
+
+@tpu_compile
+def test_float32_matmuls_run_one_bfloat16_pass_on_a_tpu_six_at_highest():
+    """What the report says of a float32 matmul's arithmetic, from programs libtpu compiled (a
+    train step's: the fp32 and fp32_highest rows of benchmarks/results/v5e-compiled.md)."""
+    import jax
+    import jax.numpy as jnp
+
+    from train.inspections.targets import target_devices
+
+    device = target_devices(get_target("v5e"))[0]
+    x = jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(device))
+    found = {}
+    for asked in ("default", "high", "highest"):
+        text = jax.jit(lambda a, b: jnp.dot(a, b, precision=asked)).lower(x, x).compile().as_text()
+        found[asked] = [k.algorithm for k in read_tpu_kernels(text)]
+    assert found == {"default": ["bf16"], "high": ["bf16_3x"], "highest": ["bf16_6x"]}
+
+
+@tpu_compile
+def test_a_v5p_slice_of_eight_chips_gathers_fsdp_params_in_bfloat16():
+    report = _compiled("v5p", "mesh.fsdp=8", devices=8)
+    assert report.devices == 8 and report.mesh == {"data": 1, "fsdp": 8}
+    assert report.target.device_kind == "TPU v5" and report.communication.stage == "partitioned"
+    gathers = {r["dtype"] for r in report.communication.rows()
+               if r["carries"] == "params" and r["kind"] == "all-gather"}
+    assert gathers == {"bf16"}, report.communication.rows()
+    assert "Collectives per step (partitioned program, v5p)" in str(report)
+
+
+@tpu_compile
+def test_a_given_slice_gives_all_its_chips_and_no_more():
+    from train.inspections.targets import target_devices
+
+    assert len(target_devices(get_target("v5p:2x2x2"))) == 8 and len(target_devices(get_target("v5p"), 8)) == 8
+    assert {d.device_kind for d in target_devices(get_target("v6e"), 4)} == {"TPU v6 lite"}
+    with pytest.raises(TargetError, match="--devices 16 is more than the 8 chips of the slice v5p:2x2x2"):
+        target_devices(get_target("v5p:2x2x2"), 16)
+
+
+# ----------------------------------------------------------------------------- everywhere
+
+
+@pytest.mark.parametrize("name,count,topology", [
+    ("v5e", 1, "v5e:2x2"), ("v5e", 4, "v5e:2x2"), ("v5e", 8, "v5e:2x4"), ("v5e", 32, "v5e:4x8"),
+    ("v6e", 256, "v6e:16x16"), ("v5p", 1, "v5p:2x2x1"), ("v5p", 8, "v5p:2x2x2"), ("v5p", 16, "v5p:2x2x4"),
+    ("v5p", 64, "v5p:4x4x4"), ("v5p:4x4x4", 8, "v5p:4x4x4"),
+])
+def test_the_slice_is_the_smallest_holding_the_devices(name, count, topology):
+    assert slice_topology(get_target(name), count) == topology
+
+
+def test_tpu_targets_and_their_errors():
+    v5p = get_target("v5p:2x2x2")
+    assert v5p.topology == "2x2x2" and v5p.memory_bytes == 95 * 2 ** 30 and not v5p.fp8
+    assert get_target(" V5E ").name == "v5e"
+    with pytest.raises(TargetError, match=r"unknown v5p slice '2x2': give 3 chip counts, as in v5p:2x2x2"):
+        get_target("v5p:2x2")
+    with pytest.raises(TargetError, match="give one of h100, h200, v5e, v5p, v6e"):
+        get_target("v4")
+
+
+@pytest.mark.parametrize("policy,found", [
+    ("mixed_f16", "float16 is not native on a TPU"), ("O2", "float16 is not native"),
+    ("params=f32,compute=bf16,output=f16", "float16 is not native"),
+    ("mixed_fp8", "none of these TPU generations multiplies FP8"), ("mixed_bf16", ""), ("fp32", ""),
+])
+def test_what_a_tpu_cannot_compute_in(policy, found):
+    problem = tpu_policy_problem(policy, get_target("v5e"))
+    assert (found in problem) if found else problem == ""
+    assert (not found) or "precision.policy=mixed_bf16" in problem
+
+
+@pytest.mark.parametrize("override,where", [
+    ("precision.policy=mixed_f16", "precision.policy=mixed_f16 for v5e"),
+    ("precision.rules=[['block_0', 'params=f32,compute=f16']]", "precision.rules[0]=params=f32,compute=f16 for v5e"),
+])
+def test_compile_for_a_tpu_refuses_float16_in_one_line_naming_mixed_bf16(override, where, tmp_path, capsys):
+    from train.cli import main
+
+    code = main([str(GPT2_SMALL), "--compile-for", "v5e", override, f"workdir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 2 and where in err and "use precision.policy=mixed_bf16" in err and err.count("\n") == 1
+
+
+def test_without_libtpu_compile_for_a_tpu_names_what_to_install(tmp_path):
+    from helpers import has_libtpu
+
+    if has_libtpu():
+        pytest.skip("libtpu is installed here")
+    result = subprocess.run([sys.executable, "-m", "train", str(GPT2_SMALL), "--compile-for", "v5e",
+                             f"workdir={tmp_path}"], capture_output=True, text=True,
+                            env=subprocess_env(JAX_PLATFORMS="cpu"), cwd=ROOT, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.count("\n") == 1 and "pip install '.[tpu-compile]'" in result.stderr
+
+
+def test_the_tpu_reader_finds_matmuls_in_fusions_with_their_operands_and_arithmetic():
+    text = """HloModule m, entry_computation_layout={()->f32[]}
+
+%fused (p0: bf16[8,16], p1: bf16[16,4]) -> bf16[8,4] {
+  %p0 = bf16[8,16]{1,0:T(8,128)(2,1)} parameter(0)
+  %p1 = bf16[16,4]{1,0:T(8,128)(2,1)} parameter(1)
+  ROOT %convolution.1 = bf16[8,4]{1,0} convolution(%p0, %p1), dim_labels=bf_io->bf, metadata={op_name="jit(step)/precision.module=/block_0/precision.module=block_0/qkv/dot_general"}
+}
+
+ENTRY %main (a: bf16[8,16], b: bf16[16,4], c: f32[4,4], d: f32[4,4]) -> f32[4,4] {
+  %a = bf16[8,16]{1,0} parameter(0)
+  %b = bf16[16,4]{1,0} parameter(1)
+  %c = f32[4,4]{1,0} parameter(2)
+  %d = f32[4,4]{1,0} parameter(3)
+  %fusion.1 = bf16[8,4]{1,0} fusion(%a, %b), kind=kOutput, calls=%fused
+  %convolution.2 = f32[4,4]{1,0} convolution(%c, %d), dim_labels=bf_io->bf, operand_precision={highest,highest}
+  ROOT %convolution.3 = f32[4,4]{1,0} convolution(%c, %convolution.2), dim_labels=bf_io->bf
+}
+"""
+    kernels = read_tpu_kernels(text)
+    assert [(k.operands, k.module, k.algorithm) for k in kernels] == [
+        (("bf16", "bf16"), "block_0/qkv", ""), (("f32", "f32"), "", "bf16_6x"), (("f32", "f32"), "", "bf16")]

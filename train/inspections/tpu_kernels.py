@@ -1,0 +1,57 @@
+"""The matrix-unit ops of a program compiled for a TPU, read from its optimized HLO text.
+
+XLA's TPU compiler writes every matrix multiplication as a ``convolution`` (a
+``dot_general`` becomes one with a window of size 1) and runs it on the chip's
+matrix units (MXUs), fused with what feeds it and what it feeds. So where a GPU
+program has library calls to read (:mod:`train.inspections.gpu_kernels`), a TPU
+program has ``convolution`` and ``dot`` instructions, in fusions or alone: each
+is one :class:`~train.inspections.gpu_kernels.Kernel` of kind ``tpu_matmul``
+with its operand dtypes (those the MXU reads: a ``convert`` fused before it is
+part of the op) and the module path of the op it came from.
+
+The arithmetic of a float32 matmul on a TPU (:func:`tpu_f32_algorithm`) is not a
+GPU's: at XLA's default precision the MXU multiplies float32 operands rounded to
+bfloat16 in one pass; ``HIGH`` takes three bfloat16 passes, ``HIGHEST`` six
+(float32 accuracy).
+"""
+
+from __future__ import annotations
+
+import re
+
+from train.inspections.gpu_kernels import Kernel, _computations, attribute, module_of
+
+__all__ = ["read_tpu_kernels", "tpu_f32_algorithm"]
+
+_MATMUL_OPS = ("convolution", "dot")
+_PRECISION_PASSES = {0: "bf16", 1: "bf16_3x", 2: "bf16_6x"}
+_RANK = {"default": 0, "high": 1, "highest": 2}
+
+
+def read_tpu_kernels(text: str) -> list[Kernel]:
+    """Every matmul and convolution of an optimized TPU HLO module's text, once each (a
+    loop body's once, however many times it runs), in program order."""
+    kernels = []
+    for comp in _computations(text).values():  # fused computations too: a TPU matmul is one op wherever it sits
+        for instr in comp["instrs"]:
+            if instr.op not in _MATMUL_OPS:
+                continue
+            operands = tuple(comp["types"].get(o, "") for o in instr.operands[:2])
+            op_name = attribute(instr.rest, "op_name")
+            kernels.append(Kernel("tpu_matmul", operands, instr.dtype, module_of(op_name), op_name,
+                                  algorithm=tpu_f32_algorithm(operands, instr.rest)))
+    return kernels
+
+
+def tpu_f32_algorithm(operands: tuple[str, ...], rest: str) -> str:
+    """The arithmetic of a matmul whose operands are both float32 on a TPU's MXU ("" for any
+    other): ``bf16`` (one pass over operands rounded to bfloat16: XLA's default precision),
+    ``bf16_3x`` (``HIGH``), ``bf16_6x`` (``HIGHEST``: float32 accuracy), or a named dot algorithm."""
+    if set(operands) != {"f32"} or len(operands) != 2:
+        return ""
+    named = re.search(r"\balgorithm=dot_(\w+)", rest)
+    if named:
+        return named.group(1).lower()
+    asked = re.search(r"operand_precision=\{([^}]*)\}", rest)
+    names = re.findall(r"\w+", asked.group(1).lower()) if asked else []
+    return _PRECISION_PASSES[max((_RANK.get(n, 0) for n in names), default=0)]
