@@ -41,7 +41,8 @@ from benchmarks.compile_only import chosen, target_device, target_slug
 from benchmarks.report import RESULTS, command, environment
 from benchmarks.workloads import POLICIES, policy_case, workload
 from train import create_train_state
-from train.inspections.compile_for import compile_train_step, tpu_policy_problem
+from train.config.tpu_policy import tpu_policy_problem
+from train.inspections.compile_for import compile_train_step
 from train.inspections.targets import TpuTarget
 from train.parallel.distributed import Layout, make_mesh
 

@@ -14,7 +14,8 @@ import pytest
 
 from helpers import ROOT, needs_libtpu, subprocess_env
 from train.config import load_config
-from train.inspections.compile_for import compile_for, tpu_policy_problem
+from train.config.tpu_policy import tpu_policy_problem
+from train.inspections.compile_for import compile_for
 from train.inspections.targets import TargetError, TpuTarget, get_target, slice_topology
 from train.inspections.tpu_kernels import read_tpu_kernels
 
@@ -136,6 +137,18 @@ def test_compile_for_a_tpu_refuses_float16_in_one_line_naming_mixed_bf16(overrid
     code = main([str(GPT2_SMALL), "--compile-for", "v5e", override, f"workdir={tmp_path}"])
     err = capsys.readouterr().err
     assert code == 2 and where in err and "use precision.policy=mixed_bf16" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("policy,noted", [("mixed_f16", True), ("O2", True), ("mixed_bf16", False)])
+def test_a_run_on_a_tpu_notes_a_float16_policy_in_one_line(policy, noted):
+    from train.experiment.loop import tpu_notes
+
+    config = load_config(GPT2_SMALL, ["workdir=/tmp/unused", f"precision.policy={policy}"])
+    notes = tpu_notes(config, backend="tpu")
+    assert notes == ([f"note: precision.policy={policy} for a TPU: float16 is not native on a TPU (its matrix "
+                      f"units multiply bfloat16; XLA would emulate float16), and loss scaling is not needed for "
+                      f"bfloat16: use precision.policy=mixed_bf16"] if noted else [])
+    assert tpu_notes(config, backend="cpu") == [] and tpu_notes(config, backend="gpu") == []
 
 
 def test_without_libtpu_compile_for_a_tpu_names_what_to_install(tmp_path):

@@ -44,6 +44,7 @@ from train.training.state import TrainState, explain_model
 from train.training.step import evaluate, make_eval_step, make_multi_step, make_train_step
 from train.experiment.interrupts import interrupts_between_calls
 from train.finetune import finetune_note
+from train.config.tpu_policy import tpu_config_problem
 from train.tracking.tracker import NonFiniteError, TrackedRun, Tracker, format_summary, model_label
 from train.tracking.wandb_logger import check_wandb
 from train.experiment.workdir import RESUMABLE_CHANGES, check_same_experiment, check_writable, resolved_config  # noqa: F401
@@ -183,7 +184,7 @@ def _start_tracking(config: ExperimentConfig, state: TrainState, start: int, dat
                     outputs: Outputs) -> Tracker:
     """The progress bar and the host-side bookkeeping; announces the run."""
     notes = _fp8_coverage(config, state, data)
-    header = [*_data_notes(data), *notes, state_note(state, config.accum_steps)]
+    header = [*_data_notes(data), *notes, *tpu_notes(config), state_note(state, config.accum_steps)]
     if (tuned := finetune_note(state.params, state.frozen)) is not None:
         header.append(tuned)
     run = TrackedRun(config.model.name, config.precision.policy, config.steps, config.log_every,
@@ -199,6 +200,15 @@ def _start_tracking(config: ExperimentConfig, state: TrainState, start: int, dat
         print(note, file=outputs.out)
     outputs.report_precision(state, data.sample_input(config.data.batch_size), header)
     return tracker
+
+
+def tpu_notes(config: ExperimentConfig, backend: str | None = None) -> list[str]:
+    """On a TPU (``backend``: JAX's default), a policy or rule it does not compute in natively
+    (float16, emulated; FP8), said in one line; the run goes on."""
+    if (backend or jax.default_backend()) != "tpu":
+        return []
+    problem = tpu_config_problem(config)
+    return [f"note: {problem}"] if problem else []
 
 
 def state_note(state: TrainState, accum_steps: int = 1) -> str:

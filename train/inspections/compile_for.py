@@ -53,9 +53,9 @@ from train.inspections.gpu_kernels import Kernel, read_kernels
 from train.inspections.gpu_time import ModeledStep, model_step
 from train.inspections.targets import GpuTarget, Target, TargetError, TpuTarget, get_target, target_devices
 from train.inspections.tpu_kernels import read_tpu_kernels
+from train.config.tpu_policy import tpu_config_problem
 
-__all__ = ["CompiledStep", "compile_for", "compile_train_step", "write_report", "TargetError", "check_tpu_policy",
-           "tpu_policy_problem"]
+__all__ = ["CompiledStep", "compile_for", "compile_train_step", "write_report", "TargetError", "check_tpu_policy"]
 
 _KIND_NAMES = {"cudnn_attention": "cuDNN fused attention", "cudnn_attention_backward": "cuDNN fused attention (bwd)",
                "cublas": "cuBLAS GEMM", "cublaslt": "cuBLASLt GEMM", "cublaslt_fp8": "cuBLASLt FP8 GEMM",
@@ -273,35 +273,11 @@ def _size(n: float) -> str:
     return f"{n:.0f} bytes"
 
 
-#: Policy dtypes a TPU's matrix units do not multiply, and what to use instead.
-_NOT_ON_TPU = {"float16": "float16 is not native on a TPU (its matrix units multiply bfloat16; XLA would emulate "
-                          "float16), and loss scaling is not needed for bfloat16: use precision.policy=mixed_bf16",
-               "fp8": "none of these TPU generations multiplies FP8: use precision.policy=mixed_bf16"}
-
-
 def check_tpu_policy(config: ExperimentConfig, target: TpuTarget) -> None:
     """Refuses, in one line, a policy (or a rule's) that computes in float16 or FP8 for a TPU target."""
-    named = [("precision.policy", config.precision.policy)]
-    named += [(f"precision.rules[{i}]", rule[1]) for i, rule in enumerate(config.precision.rules or [])
-              if isinstance(rule, (list, tuple)) and len(rule) == 2]
-    for where, text in named:
-        problem = tpu_policy_problem(text, target)
-        if problem:
-            raise TargetError(f"{where}={text} for {target.name}: {problem}")
-
-
-def tpu_policy_problem(policy: Any, target: TpuTarget) -> str:
-    """Why ``policy`` (a string or :class:`precision.Policy`) cannot compute on ``target``
-    (float16, or FP8 on a TPU without FP8 matrix units), in words; "" if it can."""
-    import precision
-
-    try:
-        policy = precision.get_policy(policy)
-    except (ValueError, TypeError):
-        return ""  # the config's own checks say what is wrong with it
-    dtypes = {np.dtype(d).name for d in (policy.param_dtype, policy.compute_dtype, policy.output_dtype)}
-    found = "fp8" if policy.fp8 and not target.fp8 else "float16" if "float16" in dtypes else None
-    return _NOT_ON_TPU[found] if found else ""
+    problem = tpu_config_problem(config, target)
+    if problem:
+        raise TargetError(problem)
 
 
 def _default_devices(config: ExperimentConfig, target: Target) -> int | None:
