@@ -7,7 +7,7 @@ import argparse
 import sys
 from typing import Any, Iterable
 
-from train.inspections.targets import TargetError, get_target, target_devices
+from train.inspections.targets import TargetError, get_target, target_devices, target_slug
 
 __all__ = ["chosen", "target_device", "target_slug"]
 
@@ -32,8 +32,3 @@ def target_device(name: str) -> tuple[Any, Any] | None:
     except TargetError as e:
         print(f"error: {e}", file=sys.stderr)
         return None
-
-
-def target_slug(target: Any) -> str:
-    """The target's name in result file names (``h100``, ``v5p-2x2x2``; a target file's name without ``.txtpb``)."""
-    return target.name.removesuffix(".txtpb").replace(":", "-")

@@ -51,7 +51,8 @@ from train.config import ConfigError, ExperimentConfig
 from train.parallel.distributed import Layout, MeshError, make_mesh
 from train.inspections.gpu_kernels import Kernel, read_kernels
 from train.inspections.gpu_time import ModeledStep, model_step
-from train.inspections.targets import GpuTarget, Target, TargetError, TpuTarget, get_target, target_devices
+from train.inspections.targets import (GpuTarget, Target, TargetError, TpuTarget, get_target, target_devices,
+                                       target_slug)
 from train.inspections.tpu_kernels import read_tpu_kernels
 from train.config.tpu_policy import tpu_config_problem
 
@@ -96,8 +97,8 @@ class CompiledStep:
         """GEMMs with both operands float32, counted by the arithmetic they run on the target
         (:func:`train.inspections.gpu_kernels.f32_algorithm`): ``tf32`` (XLA's default precision on
         a GPU with TF32), ``f32`` (``matmul=highest``...), ``bf16_3x``..."""
-        tf32 = isinstance(self.target, TpuTarget) or _has_tf32(self.target)
-        return dict(Counter(k.algorithm if tf32 or k.algorithm != "tf32" else "f32"
+        as_read = isinstance(self.target, TpuTarget) or _has_tf32(self.target)  # else TF32 falls back to f32
+        return dict(Counter(k.algorithm if as_read or k.algorithm != "tf32" else "f32"
                             for k in self.kernels if k.algorithm))
 
     def kernel_rows(self) -> list[dict[str, Any]]:
@@ -331,8 +332,7 @@ def _describe(config: ExperimentConfig, state: Any, batch: int) -> str:
 def write_report(report: CompiledStep, workdir: str) -> str:
     """Writes ``WORKDIR/compiled-<target>.json``; returns its path."""
     os.makedirs(workdir, exist_ok=True)
-    name = report.target.name.removesuffix(".txtpb").replace(":", "-")
-    path = os.path.join(workdir, f"compiled-{name}.json")
+    path = os.path.join(workdir, f"compiled-{target_slug(report.target)}.json")
     with open(path, "w", encoding="utf-8") as f:
         json.dump(report.to_json(), f, indent=1)
     return path

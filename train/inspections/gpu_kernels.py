@@ -27,7 +27,7 @@ from urllib.parse import unquote
 from precision.autocast.regions import MODULE_PREFIX, REDUCE_SCOPE_PREFIX, TAG_PREFIX
 
 __all__ = ["Kernel", "read_kernels", "GEMM_KINDS", "module_of", "region_of", "fp8_accumulation", "f32_algorithm",
-           "operand_names", "attribute"]
+           "operand_names", "attribute", "computations"]
 
 #: Kernel kinds that are matrix multiplications.
 GEMM_KINDS = ("cublas", "cublaslt", "cublaslt_fp8", "triton_gemm", "xla_dot", "tpu_matmul")
@@ -86,7 +86,7 @@ class _Instr(NamedTuple):
     rest: str
 
 
-def _computations(text: str) -> dict[str, dict]:
+def computations(text: str) -> dict[str, dict]:
     """Computation name -> {"types": name -> element type, "instrs": [_Instr]}."""
     comps: dict[str, dict] = {}
     current = None
@@ -163,7 +163,7 @@ def _dots(comps: dict, name: str, seen: set) -> Iterator[tuple[_Instr, dict]]:
 
 def read_kernels(text: str) -> list[Kernel]:
     """The GEMM, attention and convolution kernels of an optimized GPU HLO module's text."""
-    comps = _computations(text)
+    comps = computations(text)
     fused = set()  # computations a fusion calls: read through their fusion, not on their own
     for comp in comps.values():
         for instr in comp["instrs"]:

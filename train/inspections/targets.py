@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 __all__ = ["GpuTarget", "TpuTarget", "Target", "TargetError", "TARGETS", "GPU_TARGETS", "TPU_TARGETS", "get_target",
-           "target_devices", "slice_topology", "GPU_COMPILE_EXTRA", "TPU_COMPILE_EXTRA"]
+           "target_devices", "slice_topology", "target_slug", "GPU_COMPILE_EXTRA", "TPU_COMPILE_EXTRA"]
 
 #: What to install for compiling to a GPU (the CUDA plugin matching the installed jax).
 GPU_COMPILE_EXTRA = "pip install '.[gpu-compile]' (or pip install \"jax[cuda12]=={version}\")"
@@ -113,6 +113,11 @@ class TpuTarget:
     def describe(self) -> str:
         return f"{self.device_kind} ({self.memory_bytes / 2 ** 30:.1f} GiB HBM per chip)"
 
+    @property
+    def chips(self) -> int | None:
+        """The chips of the given slice; None where the slice is chosen from the device count."""
+        return int(np.prod([int(d) for d in self.topology.split("x")])) if self.topology else None
+
 
 # Public figures (cloud.google.com/tpu/docs): HBM per chip 16 GiB (v5e), 95 GiB (v5p), 32 GiB (v6e);
 # four chips per host, a 2-D torus (v5e, v6e) or a 3-D one (v5p); none multiplies FP8 natively.
@@ -185,6 +190,11 @@ def target_devices(target: Target, count: int | None = None) -> list[Any]:
     return list(topology.devices)
 
 
+def target_slug(target: Target) -> str:
+    """The target's name in file names: ``h100``, ``v5p-2x2x2``, a target file's name without ``.txtpb``."""
+    return target.name.removesuffix(".txtpb").replace(":", "-")
+
+
 def _tpu_target(base: TpuTarget, topology: str) -> TpuTarget:
     """``base`` on the slice ``topology`` ("2x2x2"; "" to choose it from the device count)."""
     if not topology:
@@ -214,7 +224,7 @@ def _tpu_devices(target: TpuTarget, count: int | None) -> list[Any]:
     """``count`` chips of the slice of ``target`` that holds them (default: the whole given slice, else one)."""
     from jax.experimental import topologies
 
-    given = int(np.prod([int(d) for d in target.topology.split("x")])) if target.topology else None
+    given = target.chips
     count = count or given or 1
     if given is not None and count > given:
         raise TargetError(f"--devices {count} is more than the {given} chips of the slice {target.name}")

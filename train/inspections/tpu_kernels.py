@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 
-from train.inspections.gpu_kernels import Kernel, _computations, attribute, module_of
+from train.inspections.gpu_kernels import Kernel, attribute, computations, module_of
 
 __all__ = ["read_tpu_kernels", "tpu_f32_algorithm"]
 
@@ -32,7 +32,7 @@ def read_tpu_kernels(text: str) -> list[Kernel]:
     """Every matmul and convolution of an optimized TPU HLO module's text, once each (a
     loop body's once, however many times it runs), in program order."""
     kernels = []
-    for comp in _computations(text).values():  # fused computations too: a TPU matmul is one op wherever it sits
+    for comp in computations(text).values():  # fused computations too: a TPU matmul is one op wherever it sits
         for instr in comp["instrs"]:
             if instr.op not in _MATMUL_OPS:
                 continue
