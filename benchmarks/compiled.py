@@ -67,7 +67,8 @@ def measure(model_name: str, case: str, target: Any, device: Any) -> dict[str, A
         batch = {"inputs": w.inputs, "labels": jax.ShapeDtypeStruct(labels, "int32")}
         report = compile_train_step(state, batch, Layout(make_mesh(1, 1, [device])), target, task=task,
                                     experiment=f"{model_name} {case}")
-    kinds = {k: report.count(k) for k in ("cudnn_attention", "cudnn_attention_backward", "cudnn_conv")}
+    kinds = {k: report.count(k) for k in ("cudnn_attention", "cudnn_attention_backward", "cudnn_conv",
+                                          "tpu_flash_attention", "tpu_flash_attention_backward")}
     gemms = [k for k in report.kernels if k.gemm]
     convs = [k for k in report.kernels if k.kind == "cudnn_conv"]
     return {"model": model_name, "policy": case, "memory": report.memory, "fits": report.fits,
@@ -80,14 +81,16 @@ def measure(model_name: str, case: str, target: Any, device: Any) -> dict[str, A
 def table(rows: list[dict[str, Any]], tpu: bool = False) -> str:
     """The rows as markdown, temporaries against the same model's fp32 (a TPU's: its matmuls, no cuDNN)."""
     fp32 = {r["model"]: r["memory"]["temp"] for r in rows if r["policy"] == "fp32"}
-    head = ("| model | policy | peak GiB | temp GiB | temp / fp32 | matmuls | f32 | half | compile s |" if tpu else
+    head = ("| model | policy | peak GiB | temp GiB | temp / fp32 | flash attn fwd / bwd | matmuls | f32 | half "
+            "| compile s |" if tpu else
             "| model | policy | peak GiB | temp GiB | temp / fp32 | cuDNN attn fwd / bwd | GEMMs | f32 | half | fp8 "
             "| convs f32 | compile s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         m = r["memory"]
         ratio = f"{m['temp'] / fp32[r['model']]:.2f}" if fp32.get(r["model"]) else "-"
-        kernels = (f"{r['gemms']} | {r['f32_gemms']} | {r['half_gemms']}" if tpu else
+        kernels = (f"{r.get('tpu_flash_attention', 0)} / {r.get('tpu_flash_attention_backward', 0)} | {r['gemms']} | "
+                   f"{r['f32_gemms']} | {r['half_gemms']}" if tpu else
                    f"{r['cudnn_attention']} / {r['cudnn_attention_backward']} | {r['gemms']} | {r['f32_gemms']} | "
                    f"{r['half_gemms']} | {r['fp8_gemms']} | {r['f32_convs']} of {r['cudnn_conv']}")
         lines.append(f"| {r['model']} | {r['policy']} | {m['peak'] / 2 ** 30:.2f} | {m['temp'] / 2 ** 30:.2f} | "
@@ -104,7 +107,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"{result['environment']['device']}, {result['environment']['date']}). One train step per row, "
             f"batch sizes of `benchmarks/workloads.py`'s `gpu` size (GPT: 16 x 1024 tokens). Peak: arguments + "
             f"outputs - aliased + temporaries, per device, from XLA's memory plan; "
-            + ("matmuls: the program's matrix-unit ops (matmuls and convolutions) by operand dtype.\n\n" if tpu else
+            + ("flash attn: the Pallas flash attention kernels (forward; backward, two per layer); matmuls: the "
+               "program's other matrix-unit ops (matmuls and convolutions) by operand dtype.\n\n" if tpu else
                "GEMMs by operand dtype; convs: cuDNN convolutions with a float32 operand, of all.\n\n")
             + f"{table(result['rows'], tpu)}\n\n" + (_TPU_NOTE if tpu else _GPU_NOTE))
 
@@ -117,7 +121,9 @@ _GPU_NOTE = ("What it proves: the kernels XLA's GPU compiler chose for an H100, 
              "`explain` says. What it does not prove: time. No autotuning runs without a GPU, so GEMMs get XLA's "
              "default Triton configurations (a tuned run may pick cuBLAS), and nothing executes; the allocator's "
              "peak on a device adds the CUDA context and fragmentation to XLA's plan.\n")
-_TPU_NOTE = ("What it proves: the program XLA's TPU compiler makes for one chip: under the bfloat16 policies every "
+_TPU_NOTE = ("What it proves: the program XLA's TPU compiler makes for one chip: under the bfloat16 policies the "
+             "GPTs' attention is JAX's Pallas flash attention in every layer (one kernel forward, two backward: "
+             "no `[batch, heads, T, T]` scores kept), every "
              "matmul and convolution reads bfloat16 operands, pinned `dtype=float32` layers included, and XLA's "
              "memory plan against the chip's HBM. float16 and FP8 policies are not compiled: a TPU's matrix units "
              "multiply bfloat16 (`--compile-for` refuses them in one line). float32 matmuls at XLA's default "

@@ -98,7 +98,8 @@ class Explanation:
 
     @property
     def fused_attention(self) -> tuple[str, ...]:
-        """The modules whose softmax attention runs fused (cuDNN's where lowered for CUDA)."""
+        """The modules whose softmax attention runs fused (cuDNN's where lowered for CUDA, the
+        Pallas flash attention where lowered for TPU)."""
         return tuple(path for path, how in self.attention if not how.startswith(NOT_FUSED))
 
     @property

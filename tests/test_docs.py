@@ -140,12 +140,14 @@ def _shown(expected: str, printed: str) -> list[str]:
     return missing
 
 
-# An output that depends on whether JAX's CUDA plugin is installed (a GPU install has it).
-_PLUGIN_OUTPUT = {True: "output with the CUDA plugin", False: "output without the CUDA plugin"}
+# An output that depends on whether JAX's CUDA plugin (a GPU install has it) and libtpu are installed.
+_PLUGIN_OUTPUT = {(True, False): "output with the CUDA plugin", (False, False): "output without the CUDA plugin",
+                  (True, True): "output with the CUDA plugin and libtpu"}
 
 
-def _has_cuda_plugin() -> bool:
-    return any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13))
+def _installed() -> tuple[bool, bool]:
+    return (any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13)),
+            importlib.util.find_spec("libtpu") is not None)
 
 
 @pytest.mark.parametrize("page", [p for p in pages() if any(b.lang == "python" for b in blocks(p))],
@@ -160,7 +162,7 @@ def test_python_blocks_run_and_print_what_they_show(page):
             foreign = [line for line in block.text.splitlines() if line.strip() and line.strip() not in
                        _file_lines(source)]
             assert not foreign, f"{where}: lines not in {source} (update the excerpt): {foreign}"
-        elif block.marker in ("output", _PLUGIN_OUTPUT[_has_cuda_plugin()]):
+        elif block.marker in ("output", _PLUGIN_OUTPUT.get(_installed())):
             missing = _shown(block.text, printed)
             assert not missing, f"{where}: shown output not printed by the block before it: {missing}"
         elif block.lang == "python":

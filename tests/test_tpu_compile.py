@@ -5,6 +5,7 @@ Tests marked ``tpu_compile`` need libtpu (``pip install '.[tpu-compile]'``; no T
 them in the compile-only environment. The rest run everywhere.
 """
 
+import collections
 import functools
 import json
 import subprocess
@@ -47,10 +48,15 @@ def test_the_gpt_compiles_for_one_v5e_chip_with_every_matmul_in_bfloat16(tmp_pat
     report = _compiled("v5e")
     assert isinstance(report.target, TpuTarget) and report.devices == 1 and report.fits
     matmuls = [k for k in report.kernels if k.gemm]
-    # per layer: 4 projections and 2 attention products, each forward and twice backward; the head's 3
-    assert len(matmuls) == 18 + 3 and {k.kind for k in matmuls} == {"tpu_matmul"}
+    # per layer: 4 projections, each forward and twice backward; the head's 3. The attention's
+    # products are in the Pallas flash attention: one kernel forward, two backward (dq; dk, dv).
+    assert len(matmuls) == 12 + 3 and {k.kind for k in matmuls} == {"tpu_matmul"}
     assert {k.operands for k in matmuls} == {("bf16", "bf16")} and report.f32_gemms() == {}
-    assert "TPU matmul (MXU)" in str(report) and "Modeled step time: none" in str(report)
+    assert _attention_kernels(report) == {("tpu_flash_attention", "block_0/attn"): 1,
+                                          ("tpu_flash_attention_backward", "block_0/attn"): 2}
+    assert {k.operands for k in report.kernels if "flash" in k.kind} == {("bf16", "bf16", "bf16")}
+    assert "TPU matmul (MXU)" in str(report) and "Pallas flash attention (bwd)" in str(report)
+    assert "Modeled step time: none" in str(report)
     written = json.loads(open(write_report(report, str(tmp_path))).read())
     assert written["target"] == "v5e" and written["device_kind"] == "TPU v5 lite" and written["fits"]
 
@@ -82,6 +88,14 @@ def test_a_v5p_slice_of_eight_chips_gathers_fsdp_params_in_bfloat16():
                if r["carries"] == "params" and r["kind"] == "all-gather"}
     assert gathers == {"bf16"}, report.communication.rows()
     assert "Collectives per step (partitioned program, v5p)" in str(report)
+    # each chip runs the fused attention on its own rows of the batch (the step's mesh in context)
+    assert _attention_kernels(report) == {("tpu_flash_attention", "block_0/attn"): 1,
+                                          ("tpu_flash_attention_backward", "block_0/attn"): 2}
+    assert "bf16[1,4,256,64]" in next(line for line in report.hlo_text.splitlines() if "pallas_flash_attention." in line)
+
+
+def _attention_kernels(report):
+    return dict(collections.Counter((k.kind, k.module) for k in report.kernels if "flash" in k.kind))
 
 
 @tpu_compile

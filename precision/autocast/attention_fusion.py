@@ -3,14 +3,16 @@
 The interpreter asks :func:`plan` which of a program's equations form a softmax
 attention to fuse (:mod:`.attention_pattern` finds them): in a half-precision
 region, unless the op lists turn it off, where cuDNN's fused attention can be
-built for its shapes (that needs JAX's CUDA plugin, not a GPU). :func:`emit`
-then makes the attention's result for the platform the program is lowered for,
-as :mod:`.fused_attention` does for ``jax.nn.dot_product_attention`` calls:
-``jax.lax.platform_dependent`` holds cuDNN's fused attention for CUDA (query,
-key and value in the region's dtype, in its ``(batch, length, heads, head
-size)`` layout; the mask, bias, scale and causality found) and, for every other
-platform, the pattern's own equations rewritten op by op, exactly as without
-fusion. Both give the region's dtype.
+built for its shapes (that needs JAX's CUDA plugin, not a GPU) or the TPU's
+Pallas flash attention can compute it (that needs libtpu, not a TPU:
+:mod:`.tpu_attention`). :func:`emit` then makes the attention's result for the
+platform the program is lowered for, as :mod:`.fused_attention` does for
+``jax.nn.dot_product_attention`` calls: ``jax.lax.platform_dependent`` holds
+cuDNN's fused attention for CUDA and the Pallas kernel for TPU (query, key and
+value in the region's dtype, in the ``(batch, length, heads, head size)`` layout;
+the mask, bias, scale and causality found) and, for every other platform, the
+pattern's own equations rewritten op by op, exactly as without fusion. All give
+the region's dtype.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from precision.autocast import fused_attention
+from precision.autocast import fused_attention, tpu_attention
 from precision.autocast.attention_masks import Graph, keep_mask, narrowed
 from precision.autocast.attention_pattern import Attention, describe, find_attention, near_misses
 from precision.autocast.regions import module_path, region_dtype, scope_names
@@ -43,12 +45,13 @@ platform_dependent = jax.lax.platform_dependent
 
 @dataclasses.dataclass(frozen=True)
 class Fusion:
-    """An attention to fuse: the pattern, its compute dtype, cuDNN's call for it, and
-    the vars its mask and bias are read from (before their broadcast), with how."""
+    """An attention to fuse: the pattern, its compute dtype, its fused calls by platform
+    (``cuda``: cuDNN's, ``tpu``: the Pallas flash attention), and the vars its mask and bias
+    are read from (before their broadcast), with how."""
 
     attention: Attention
     dtype: np.dtype
-    cudnn: Callable
+    kernels: dict[str, Callable]  # platform -> the fused call, a function of the operands giving its outputs
     reads: dict  # role -> (var, function of its value giving the fused call's operand)
 
 
@@ -68,13 +71,10 @@ def plan(jaxpr: Any, consts: dict, ctx: Any) -> dict[int, Fusion]:
     for att in found:
         path, dtype = _where(jaxpr, att, ctx)
         why = _why_not(att, dtype, ctx)
-        fusion = None
-        if why is None:
-            fusion = _fusion(graph, att, dtype)
-            why = None if fusion is not None else _cannot_build()
+        fusion, how = (None, f"not fused: {why}") if why is not None else _fusion(graph, att, dtype)
         if fusion is not None:
             chosen[att.last] = fusion
-        _log(ctx, path, dtype, describe(att) if why is None else f"not fused: {why}")
+        _log(ctx, path, dtype, how)
     for index, why in missed:
         path, dtype = _where(jaxpr, None, ctx, index)
         _log(ctx, path, dtype, f"not fused: {why}")
@@ -102,11 +102,31 @@ def _why_not(att: Attention, dtype: np.dtype, ctx: Any) -> str | None:
     return None
 
 
+def _cuda_plugin() -> bool:
+    return any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13))
+
+
 def _cannot_build() -> str:
-    if not any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13)):
+    if not _cuda_plugin():
         return ("cuDNN's fused attention cannot be described here: JAX's CUDA plugin is not installed "
                 "(a GPU install has it)")
     return "cuDNN's fused attention cannot take its shapes, head size, mask or bias"
+
+
+def _how(att: Attention, kernels: dict, tpu_why: str) -> str:
+    """What explain says of an attention: fused, and by which kernels where a TPU's is
+    described here (libtpu installed), or why not. A platform whose toolkit is not installed
+    goes unsaid, unless nothing is: a CPU-only install says cuDNN's could not be described."""
+    cuda_why = "" if "cuda" in kernels else _cannot_build()
+    names = {"cuda": "cuDNN for CUDA", "tpu": f"{tpu_attention.KERNEL} for TPU"}
+    whys = {"cuda": cuda_why if _cuda_plugin() or not tpu_attention.available() else "", "tpu": tpu_why}
+    if not kernels:
+        return "not fused: " + "; ".join(
+            why if p == "cuda" else f"{names[p]}: {why}" for p, why in whys.items() if why)
+    if not tpu_attention.available():
+        return describe(att)
+    return "; ".join([describe(att) + " by " + " and ".join(names[p] for p in names if p in kernels)] +
+                     [f"not by {names[p]}: {why}" for p, why in whys.items() if why])
 
 
 def _log(ctx: Any, path: tuple, dtype: np.dtype, reason: str) -> None:
@@ -114,8 +134,9 @@ def _log(ctx: Any, path: tuple, dtype: np.dtype, reason: str) -> None:
         ctx.log.append(Record(path, ATTENTION, dtype, reason))
 
 
-def _fusion(graph: Graph, att: Attention, dtype: np.dtype) -> Fusion | None:
-    """cuDNN's call for ``att`` in ``dtype`` (built abstractly), or None where it cannot be."""
+def _fusion(graph: Graph, att: Attention, dtype: np.dtype) -> tuple[Fusion | None, str]:
+    """The fused calls for ``att`` in ``dtype`` (built abstractly), by platform, and what
+    explain says of them; no fusion where no kernel can take it."""
     logits = _logits_shape(graph.jaxpr, att)
     heads = att.q_dims[3] is not None
     reads: dict = {}
@@ -139,8 +160,12 @@ def _fusion(graph: Graph, att: Attention, dtype: np.dtype) -> Fusion | None:
         held = dtype if role in fused_attention.QKV or role == "bias" else var.aval.dtype
         specs[role] = jax.eval_shape(make, jax.ShapeDtypeStruct(var.aval.shape, held))
     static = {"scale": att.scale, "is_causal": att.is_causal}
-    cudnn = fused_attention.cudnn_function(tuple(specs), static, list(specs.values()))
-    return None if cudnn is None else Fusion(att, dtype, cudnn, reads)
+    kernels = {"cuda": fused_attention.cudnn_function(tuple(specs), static, list(specs.values()))}
+    tpu_why = ""
+    if tpu_attention.available():
+        kernels["tpu"], tpu_why = tpu_attention.flash_function(tuple(specs), static, list(specs.values()))
+    kernels = {p: k for p, k in kernels.items() if k is not None}
+    return (Fusion(att, dtype, kernels, reads) if kernels else None), _how(att, kernels, tpu_why)
 
 
 def _logits_shape(jaxpr: Any, att: Attention) -> tuple[int, ...]:
@@ -189,8 +214,9 @@ def _from_btnh(out: Any, att: Attention) -> Any:
 
 
 def emit(fusion: Fusion, read: Callable[[Any], Val], op_by_op: Callable[[], Val], path: tuple[str, ...]) -> Val:
-    """The attention's result: cuDNN's fused call where the program is lowered for CUDA,
-    ``op_by_op()`` (the pattern's equations rewritten as without fusion) elsewhere."""
+    """The attention's result: its fused call where the program is lowered for a platform
+    that has one (cuDNN's for CUDA, the Pallas flash attention for TPU), ``op_by_op()`` (the
+    pattern's equations rewritten as without fusion) elsewhere."""
     dtype = fusion.dtype
     operands = {}
     for role, (var, _) in fusion.reads.items():
@@ -198,11 +224,14 @@ def emit(fusion: Fusion, read: Callable[[Any], Val], op_by_op: Callable[[], Val]
         held = dtype if role in fused_attention.QKV else var.aval.dtype
         operands[role] = val.as_dtype(held) if val.managed else val.array
 
-    def fused(given):
-        args = [make(given[role]) for role, (_, make) in fusion.reads.items()]
-        return _from_btnh(fusion.cudnn(*args)[0], fusion.attention).astype(dtype)
+    def fused(kernel):
+        def run(given):
+            args = [make(given[role]) for role, (_, make) in fusion.reads.items()]
+            return _from_btnh(kernel(*args)[0], fusion.attention).astype(dtype)
+        return run
 
     def elsewhere(_):
         return op_by_op().as_dtype(dtype)
 
-    return Val(Kind.HALF, platform_dependent(operands, cuda=fused, default=elsewhere), path)
+    branches = {platform: fused(kernel) for platform, kernel in fusion.kernels.items()}
+    return Val(Kind.HALF, platform_dependent(operands, default=elsewhere, **branches), path)

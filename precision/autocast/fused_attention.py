@@ -13,7 +13,9 @@ here for these shapes), the interpreter makes the call again with query, key
 and value in the region's compute dtype, for the platform the program is
 *lowered* for: ``jax.lax.platform_dependent`` holds cuDNN's call for CUDA and
 the traced (XLA) attention rewritten op by op for every other platform, and
-lowering keeps one of the two. So the choice follows the target, not the host:
+lowering keeps one of the two (three where libtpu is installed: the TPU's
+Pallas flash attention too, :mod:`.tpu_attention`). So the choice follows the
+target, not the host:
 compiling for an H100 from a CPU machine (JAX's compile-only CUDA client),
 exporting, and running on the GPU all get cuDNN's kernel, and a CPU run gets
 XLA's. Building cuDNN's call needs JAX's CUDA plugin (it describes cuDNN; no
@@ -44,7 +46,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["MARK", "QKV", "argument_names", "cudnn_call", "cudnn_function", "is_marked", "marking", "wants_cudnn"]
+__all__ = ["MARK", "QKV", "argument_names", "call_static", "cudnn_call", "cudnn_function", "is_marked", "marking",
+           "wants_cudnn", "wants_fused", "where_fused"]
 
 #: The arguments autocast casts to the compute dtype; the rest (bias, mask, lengths) stay as traced.
 QKV = ("query", "key", "value")
@@ -142,6 +145,18 @@ def argument_names(eqn: Any) -> tuple[str, ...]:
     return _call(eqn)[0]
 
 
+def call_static(eqn: Any) -> dict:
+    """A marked call's static arguments (scale, causality, implementation...)."""
+    return dict(_call(eqn)[3])
+
+
+def wants_fused(eqn: Any, dtype: Any) -> bool:
+    """Whether the marked call ``eqn`` may run as a fused kernel (cuDNN's for CUDA, the TPU's
+    Pallas flash attention) with query, key and value in ``dtype``: half operands, and the
+    model left ``implementation`` open or asked for cuDNN."""
+    return wants_cudnn(eqn, dtype) or (_call(eqn)[3].get("implementation") is None and np.dtype(dtype) in _HALF)
+
+
 def wants_cudnn(eqn: Any, dtype: Any) -> bool:
     """Whether the marked call ``eqn`` may run as cuDNN's fused attention with
     query, key and value in ``dtype``: half operands, and the model asked for
@@ -188,6 +203,13 @@ def cudnn_function(names: tuple[str, ...], static: dict, arrays: list) -> Callab
     except (NotImplementedError, RuntimeError, ValueError, TypeError):
         return None
     return attend
+
+
+def where_fused(kernels: Any) -> str:
+    """Where a fused attention runs, for ``explain``: ``kernels`` holds the platforms with a
+    fused kernel (``cuda``: cuDNN's, ``tpu``: the Pallas flash attention)."""
+    where = {"cuda": "cuDNN where lowered for CUDA", "tpu": "Pallas flash attention where lowered for TPU"}
+    return ", ".join([where[p] for p in where if p in kernels] + ["XLA's elsewhere"])
 
 
 def _pull_back(fn: Any, args: tuple) -> Any:

@@ -23,11 +23,14 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 from jax.extend import linear_util as lu
 
-from precision.autocast import fused_attention
+from precision.autocast import fused_attention, tpu_attention
 from precision.autocast.interpreter import Context, Rule, Site, bind, evaluate, log, outputs
 from precision.autocast.regions import module_path, region_dtype, region_fp8, region_matmul
 from precision.autocast.tracing import evaluate_call
 from precision.autocast.values import Kind, Val, cast, const_val
+
+#: How the lowering picks a fused attention's branch (a name tests replace to run another platform's on a CPU).
+platform_dependent = jax.lax.platform_dependent
 
 try:  # moves constvars of a jaxpr to leading invars (remat needs a jaxpr without consts)
     from jax._src.interpreters.partial_eval import convert_constvars_jaxpr
@@ -108,7 +111,7 @@ def _closed_parts(closed: Any) -> tuple[Any, Sequence[Any]]:
 
 
 def _jit(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
-    if fused_attention.is_marked(site.eqn) and fused_attention.wants_cudnn(site.eqn, site.region):
+    if fused_attention.is_marked(site.eqn) and fused_attention.wants_fused(site.eqn, site.region):
         out = _fused_attention(site, ins, ctx)
         if out is not None:
             return out
@@ -131,32 +134,48 @@ def _unmarked(site: Site) -> dict:
 
 def _fused_attention(site: Site, ins: list[Val], ctx: Context) -> list[Val] | None:
     """A ``jax.nn.dot_product_attention`` call made again for the platform it is lowered
-    for: cuDNN's fused attention with query, key and value in the region's compute
-    dtype on CUDA, the traced attention rewritten op by op elsewhere (see
-    :mod:`precision.autocast.fused_attention`); ``None`` where cuDNN's cannot be built."""
+    for: with query, key and value in the region's compute dtype, cuDNN's fused attention on
+    CUDA and the Pallas flash attention on a TPU (where each can take it), the traced (XLA)
+    attention rewritten op by op elsewhere (see :mod:`precision.autocast.fused_attention`);
+    ``None`` where neither kernel can be built."""
     names = fused_attention.argument_names(site.eqn)
     arrays = [v.as_dtype(site.region if name in fused_attention.QKV else var.aval.dtype) if v.managed else v.array
               for name, v, var in zip(names, ins, site.eqn.invars, strict=True)]
     if "bias" in names:  # cuDNN takes a bias in the operands' dtype; a -1e9 mask bias saturates, never inf
         i = names.index("bias")
         arrays[i] = cast(arrays[i], site.region, saturate=True)
-    cudnn = fused_attention.cudnn_call(site.eqn, arrays)
-    if cudnn is None:
+    kernels = _attention_kernels(site, names, arrays)
+    if not kernels:
         return None
     jaxpr, consts = _closed_parts(site.eqn.params["jaxpr"])
     closed, _, records = retrace(jaxpr, consts, [Spec.of(v) for v in ins], ctx.at(site.scope))
     _commit(ctx, records)
 
-    fused_outs = jax.eval_shape(cudnn, *arrays)
+    fused_outs = jax.eval_shape(next(iter(kernels.values())), *arrays)
 
-    def elsewhere(_, traced_args):  # in cuDNN's output dtypes: both branches give one type
+    def elsewhere(_, traced_args):  # in the kernels' output dtypes: every branch gives one type
         outs = bind(site, traced_args, jaxpr=closed, **_unmarked(site))
         return [o.astype(want.dtype) for o, want in zip(outs, fused_outs, strict=True)]
 
-    results = jax.lax.platform_dependent(arrays, [v.array for v in ins], cuda=lambda fused, _: cudnn(*fused),
-                                         default=elsewhere)
-    log(ctx, site, site.region, "fused attention (cuDNN where lowered for CUDA, XLA's elsewhere)")
+    branches = {platform: (lambda fused, _, kernel=kernel: kernel(*fused)) for platform, kernel in kernels.items()}
+    results = platform_dependent(arrays, [v.array for v in ins], default=elsewhere, **branches)
+    log(ctx, site, site.region, f"fused attention ({fused_attention.where_fused(kernels)})")
     return outputs(site, results, Kind.HALF)
+
+
+def _attention_kernels(site: Site, names: tuple[str, ...], arrays: list) -> dict[str, Any]:
+    """The fused kernels that can compute the marked call ``site.eqn`` on ``arrays``, by
+    platform: cuDNN's for ``cuda``, the Pallas flash attention for ``tpu``."""
+    kernels = {}
+    if fused_attention.wants_cudnn(site.eqn, site.region):
+        cudnn = fused_attention.cudnn_call(site.eqn, arrays)
+        if cudnn is not None:
+            kernels["cuda"] = cudnn
+    if tpu_attention.available():
+        flash, _ = tpu_attention.flash_function(names, fused_attention.call_static(site.eqn), arrays)
+        if flash is not None:
+            kernels["tpu"] = flash
+    return kernels
 
 
 def _inline(site: Site, ins: list[Val], ctx: Context) -> list[Val]:

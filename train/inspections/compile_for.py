@@ -61,7 +61,8 @@ __all__ = ["CompiledStep", "compile_for", "compile_train_step", "write_report", 
 _KIND_NAMES = {"cudnn_attention": "cuDNN fused attention", "cudnn_attention_backward": "cuDNN fused attention (bwd)",
                "cublas": "cuBLAS GEMM", "cublaslt": "cuBLASLt GEMM", "cublaslt_fp8": "cuBLASLt FP8 GEMM",
                "triton_gemm": "Triton GEMM fusion", "xla_dot": "XLA dot (no GEMM library)",
-               "cudnn_conv": "cuDNN convolution", "tpu_matmul": "TPU matmul (MXU)"}
+               "cudnn_conv": "cuDNN convolution", "tpu_matmul": "TPU matmul (MXU)",
+               "tpu_flash_attention": "Pallas flash attention", "tpu_flash_attention_backward": "Pallas flash attention (bwd)"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,14 +44,15 @@ INSTRUCTION = _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(
                     r"(?P<op>[\w\-]+)\((?P<rest>.*)$")
 _DTYPE = re.compile(r"([a-z][a-z0-9]*)\[")
 #: Frames JAX writes into op names without parentheses (control flow, remat), not module scopes.
-_JAX_FRAME = re.compile(r"cond|branch_\d+_fun|while|body|checkpoint|remat|rematted_computation|closed_call")
+_JAX_FRAME = re.compile(r"cond|branch_\d+_fun|while|body|checkpoint|remat|rematted_computation|closed_call|shard_map")
 
 
 class Kernel(NamedTuple):
     """One kernel of a compiled GPU program."""
 
     kind: str  # cublas, cublaslt, cublaslt_fp8, triton_gemm, xla_dot, cudnn_attention, cudnn_attention_backward,
-    #            cudnn_conv; tpu_matmul (a TPU's matrix units: train.inspections.tpu_kernels)
+    #            cudnn_conv; tpu_matmul (a TPU's matrix units), tpu_flash_attention(_backward) (Pallas kernels: both
+    #            train.inspections.tpu_kernels)
     operands: tuple[str, ...]  # HLO element types of the operands it computes on (a GEMM: lhs, rhs)
     result: str  # HLO element type of its (first) result
     module: str  # module path of the op it came from ("" if unknown)

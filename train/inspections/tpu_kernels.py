@@ -7,7 +7,11 @@ program has library calls to read (:mod:`train.inspections.gpu_kernels`), a TPU
 program has ``convolution`` and ``dot`` instructions, in fusions or alone: each
 is one :class:`~train.inspections.gpu_kernels.Kernel` of kind ``tpu_matmul``
 with its operand dtypes (those the MXU reads: a ``convert`` fused before it is
-part of the op) and the module path of the op it came from.
+part of the op) and the module path of the op it came from. A Pallas kernel is a
+``tpu_custom_call``: the fused attention autocast puts in a TPU program
+(:mod:`precision.autocast.tpu_attention`) is one of kind ``tpu_flash_attention``
+forward and two of ``tpu_flash_attention_backward`` (its ``dq`` and ``dk, dv``
+kernels), with their query, key and value dtypes.
 
 The arithmetic of a float32 matmul on a TPU (:func:`tpu_f32_algorithm`) is not a
 GPU's: at XLA's default precision the MXU multiplies float32 operands rounded to
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import re
 
+from precision.autocast.tpu_flash import BACKWARD_SCOPE, FORWARD_SCOPE
 from train.inspections.gpu_kernels import Kernel, attribute, computations, module_of
 
 __all__ = ["read_tpu_kernels", "tpu_f32_algorithm"]
@@ -28,16 +33,23 @@ _PRECISION_PASSES = {0: "bf16", 1: "bf16_3x", 2: "bf16_6x"}
 _RANK = {"default": 0, "high": 1, "highest": 2}
 
 
+
 def read_tpu_kernels(text: str) -> list[Kernel]:
-    """Every matmul and convolution of an optimized TPU HLO module's text, once each (a
-    loop body's once, however many times it runs), in program order."""
+    """Every matmul and convolution of an optimized TPU HLO module's text, and every Pallas
+    flash attention kernel, once each (a loop body's once, however many times it runs), in
+    program order."""
     kernels = []
     for comp in computations(text).values():  # fused computations too: a TPU matmul is one op wherever it sits
         for instr in comp["instrs"]:
+            op_name = attribute(instr.rest, "op_name")
+            if instr.op == "custom-call" and f"/{FORWARD_SCOPE}" in op_name:
+                kind = "tpu_flash_attention_backward" if f"/{BACKWARD_SCOPE}/" in op_name else "tpu_flash_attention"
+                operands = tuple(comp["types"].get(o, "") for o in instr.operands[:3])
+                module = module_of(op_name).replace(f"/{BACKWARD_SCOPE}", "").replace(f"/{FORWARD_SCOPE}", "")
+                kernels.append(Kernel(kind, operands, instr.dtype, module, op_name))
             if instr.op not in _MATMUL_OPS:
                 continue
             operands = tuple(comp["types"].get(o, "") for o in instr.operands[:2])
-            op_name = attribute(instr.rest, "op_name")
             kernels.append(Kernel("tpu_matmul", operands, instr.dtype, module_of(op_name), op_name,
                                   algorithm=tpu_f32_algorithm(operands, instr.rest)))
     return kernels

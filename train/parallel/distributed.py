@@ -19,6 +19,8 @@ scale.
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 from typing import Any
 
@@ -135,6 +137,14 @@ class Layout:
         with jax.named_scope(GATHER_SCOPE):
             return jax.tree_util.tree_map(lambda x, dtype: _gather(x, np.dtype(dtype), self.replicated()),
                                           tree, dtypes)
+
+    def computing(self) -> Any:
+        """Context for tracing the model: the mesh as JAX's abstract mesh, so a kernel that runs
+        per device (the fused attention on a TPU, :mod:`precision.autocast.tpu_flash`) splits the
+        batch over it as the data is split. One device: nothing."""
+        if self.mesh.devices.size == 1:
+            return contextlib.nullcontext()
+        return jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh)
 
     def constrain_batch(self, tree: Any) -> Any:
         """Inside ``jit``: pins a batch's leading dimension to the data axes."""

@@ -10,6 +10,8 @@ buffers are donated.
 
 from __future__ import annotations
 
+import contextlib
+
 import functools
 from typing import Any, Callable
 
@@ -103,7 +105,8 @@ def _loss_fn(layout: Layout | None, task: Task, train_kwarg: str | None) -> Call
         if layout is not None:
             params = layout.gather(params, gather_dtypes)
         forward = blockwise(forward_and_loss(state, task, train_kwarg, list(model_state)), state, layout)
-        loss, task_metrics, new_model_state = forward(params, fp8_state, model_state, batch, rng)
+        with layout.computing() if layout is not None else contextlib.nullcontext():
+            loss, task_metrics, new_model_state = forward(params, fp8_state, model_state, batch, rng)
         return loss_scale.scale(loss), (loss, task_metrics, new_model_state)
 
     return loss_fn
@@ -321,7 +324,8 @@ def make_eval_step(*, train_kwarg: str | None = "auto", layout: Layout | None = 
         if lay is not None:
             batch = lay.constrain_batch(batch)
             params = lay.gather(params, _gather_dtypes(forward, params, lay))
-        sums = blockwise(lambda p, b: task.eval_sums(forward(p), b), state, lay)(params, batch)
+        with lay.computing() if lay is not None else contextlib.nullcontext():
+            sums = blockwise(lambda p, b: task.eval_sums(forward(p), b), state, lay)(params, batch)
         return sums if lay is None else jax.lax.with_sharding_constraint(sums, lay.replicated())
 
     return _LaidOutStep(jax.jit(eval_step), layout, "make_eval_step")

@@ -1,0 +1,218 @@
+"""JAX's Pallas flash attention for TPU, on one chip or each chip of a mesh.
+
+A Pallas (Mosaic) kernel is one custom call that XLA cannot split over devices:
+in a program sharded over a TPU slice it fails to lower unless each device is
+given its own part. So :func:`flash` runs the kernel
+
+- under a mesh in context (``jax.sharding.use_abstract_mesh`` or ``jax.set_mesh``,
+  as ``train``'s step sets it), inside ``jax.shard_map``: each device on its own
+  batch rows (the batch split over every axis of the mesh), all heads and
+  positions (the causal mask needs them whole);
+- otherwise as it is, where the program is lowered for one device. Whether it is
+  is known only when it is lowered: a primitive (:data:`one_device_p`) lowers
+  the kernel for one device and XLA's attention (which XLA can split) for more,
+  so no program fails to lower for a slice, and the numbers are the same up to
+  rounding either way.
+
+The forward and backward passes are the kernel's own: the functions
+``flash_attention``'s ``custom_vjp`` is made of (private to JAX: a JAX without
+them leaves the attention unfused, and ``explain`` says so).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+from jax.sharding import PartitionSpec
+
+__all__ = ["check", "flash", "one_device_p", "FORWARD_SCOPE", "BACKWARD_SCOPE"]
+
+#: The scopes the kernel's passes are named in (what :mod:`train.inspections.tpu_kernels` reads).
+FORWARD_SCOPE = "pallas_flash_attention"
+BACKWARD_SCOPE = "pallas_flash_attention_bwd"
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # the kernel's own fill for masked logits
+
+
+def flash(q: jax.Array, k: jax.Array, v: jax.Array, ab: jax.Array | None, causal: bool, scale: float) -> jax.Array:
+    """``flash_attention(q, k, v, ab, causal=causal, sm_scale=scale)`` over ``(batch, heads,
+    length, head size)`` operands (``ab``: ``(batch, heads, T, S)`` float32, or None),
+    differentiable; per device under a mesh in context."""
+    attention = _attention(causal, scale, ab is not None)
+    args = (q, k, v) if ab is None else (q, k, v, ab)
+    axes = _batch_axes(q.shape[0])
+    if not axes:
+        return attention(*args)
+    spec = PartitionSpec(axes)
+    return jax.shard_map(attention, mesh=jax.sharding.get_abstract_mesh(), in_specs=(spec,) * len(args),
+                         out_specs=spec, check_vma=False)(*args)
+
+
+def check(q: Any, k: Any, v: Any, ab: Any, causal: bool, scale: float) -> None:
+    """Builds the kernel's forward and backward passes for these shapes (abstractly, on one
+    device's part where a mesh is in context); raises what Pallas raises where it cannot."""
+    axes = _batch_axes(q.shape[0])
+    parts = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes) if axes else 1
+    local = [jax.ShapeDtypeStruct((x.shape[0] // parts, *x.shape[1:]), x.dtype) for x in (q, k, v)]
+    args = (*local, jax.ShapeDtypeStruct((q.shape[0] // parts, *ab.shape[1:]), ab.dtype)) if ab is not None else local
+    out, l, m = jax.eval_shape(functools.partial(_kernel_fwd, causal, scale, ab is not None), *args)
+    jax.eval_shape(functools.partial(_kernel_bwd, causal, scale, ab is not None), *args, out, l, m, out)
+
+
+def _batch_axes(batch: int) -> tuple[str, ...]:
+    """The context mesh's axes to split the batch over (all that are not manual already), or
+    none: no mesh, one device, or a batch they do not divide."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return ()
+    manual = set(getattr(mesh, "manual_axes", ()))
+    axes = tuple(name for name in mesh.axis_names if name not in manual)
+    size = math.prod(mesh.shape[name] for name in axes)
+    return axes if size > 1 and batch % size == 0 else ()
+
+
+@functools.lru_cache(maxsize=None)
+def _attention(causal: bool, scale: float, biased: bool) -> Callable:
+    forward = functools.partial(_kernel_fwd, causal, scale, biased)
+    backward = functools.partial(_kernel_bwd, causal, scale, biased)
+    forward_xla = functools.partial(_xla_fwd, causal, scale, biased)
+    backward_xla = functools.partial(_xla_bwd, causal, scale, biased)
+
+    def run_forward(*args):
+        with jax.named_scope(FORWARD_SCOPE):
+            return choose(*args, kernel=forward, fallback=forward_xla)
+
+    @jax.custom_vjp
+    def attention(*args):
+        return run_forward(*args)[0]
+
+    def fwd(*args):
+        out, l, m = run_forward(*args)
+        return out, (*args, out, l, m)
+
+    def bwd(residuals, do):
+        with jax.named_scope(BACKWARD_SCOPE):
+            return tuple(choose(*residuals, do, kernel=backward, fallback=backward_xla))
+
+    attention.defvjp(fwd, bwd)
+    return attention
+
+
+# ----------------------------------------------------------------------------- the two passes, two ways
+
+
+def _kernel_fwd(causal: bool, scale: float, biased: bool, q, k, v, ab=None):
+    from jax.experimental.pallas.ops.tpu import flash_attention as pallas
+
+    sizes = pallas.BlockSizes.get_default(*q.shape[:3], k.shape[2], q.shape[3])
+    out, (*_, l, m) = pallas._flash_attention_fwd(q, k, v, ab if biased else None, None, False, causal, scale,
+                                                   sizes, False)
+    return out, l, m
+
+
+def _kernel_bwd(causal: bool, scale: float, biased: bool, q, k, v, *rest):
+    from jax.experimental.pallas.ops.tpu import flash_attention as pallas
+
+    ab, (out, l, m, do) = (rest[0], rest[1:]) if biased else (None, rest)
+    sizes = pallas.BlockSizes.get_default(*q.shape[:3], k.shape[2], q.shape[3])
+    dq, dk, dv, dab, _ = pallas._flash_attention_bwd(False, causal, scale, sizes, False,
+                                                     (q, k, v, ab, None, out, l, m), do)
+    return (dq, dk, dv, dab) if biased else (dq, dk, dv)
+
+
+def _logits(causal: bool, scale: float, q, k, ab=None):
+    """The kernel's float32 logits: ``(q.k + ab) * scale``, masked with its fill."""
+    s = jnp.einsum("bnth,bnsh->bnts", q, k, preferred_element_type=jnp.float32)
+    if ab is not None:
+        s = s + ab.astype(jnp.float32)
+    s = s * scale
+    if causal:
+        t, length = s.shape[-2:]
+        s = s + jnp.where(jnp.tril(jnp.ones((t, length), bool)), 0.0, _MASK_VALUE)
+    return s
+
+
+def _xla_fwd(causal: bool, scale: float, biased: bool, q, k, v, ab=None):
+    """What the kernel's forward pass computes, as XLA ops (for a program on several devices)."""
+    s = _logits(causal, scale, q, k, ab if biased else None)
+    m = jnp.max(s, axis=-1)
+    p = jnp.exp(s - m[..., None])
+    l = jnp.sum(p, axis=-1)
+    out = jnp.einsum("bnts,bnsh->bnth", (p / l[..., None]).astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.astype(q.dtype), l, m
+
+
+def _xla_bwd(causal: bool, scale: float, biased: bool, q, k, v, *rest):
+    """The kernel's backward pass as XLA ops, with its dtypes: products of half operands
+    accumulated in float32, the softmax's derivative in float32."""
+    ab, (out, l, m, do) = (rest[0], rest[1:]) if biased else (None, rest)
+    p = jnp.exp(_logits(causal, scale, q, k, ab) - m[..., None]) / l[..., None]
+    dv = jnp.einsum("bnts,bnth->bnsh", p.astype(do.dtype), do, preferred_element_type=jnp.float32)
+    dp = jnp.einsum("bnth,bnsh->bnts", do, v, preferred_element_type=jnp.float32)
+    di = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
+    dab = p * (dp - di[..., None]) * scale  # the gradient of q.k + ab
+    half = dab.astype(q.dtype)
+    dq = jnp.einsum("bnts,bnsh->bnth", half, k, preferred_element_type=jnp.float32)
+    dk = jnp.einsum("bnts,bnth->bnsh", half, q, preferred_element_type=jnp.float32)
+    grads = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
+    return (*grads, dab.astype(ab.dtype)) if biased else grads
+
+
+# ----------------------------------------------------------------------------- one device or more
+
+
+one_device_p = Primitive("precision_tpu_flash_attention")
+one_device_p.multiple_results = True
+
+
+@one_device_p.def_impl
+def _impl(*args, kernel, fallback):
+    """Outside ``jit``: compiled for the one device it runs on."""
+    return jax.jit(lambda *a: one_device_p.bind(*a, kernel=kernel, fallback=fallback))(*args)
+
+
+@one_device_p.def_abstract_eval
+def _abstract(*avals, kernel, fallback):
+    del kernel
+    return [jax.core.ShapedArray(s.shape, s.dtype) for s in jax.eval_shape(fallback, *avals)]
+
+
+def _devices(ctx: Any) -> int:
+    """How many devices the program being lowered is split over (axes manual under
+    ``shard_map`` excluded); unknown counts as more than one."""
+    from jax._src import sharding_impls
+
+    context = ctx.module_context.axis_context
+    if isinstance(context, sharding_impls.ShardingContext):
+        return context.num_devices
+    if isinstance(context, sharding_impls.SPMDAxisContext):
+        manual = set(context.manual_axes)
+        return math.prod(size for name, size in context.mesh.shape.items() if name not in manual)
+    return 2
+
+
+def _lower(ctx: Any, *args: Any, kernel: Callable, fallback: Callable) -> Any:
+    chosen = kernel if _devices(ctx) == 1 else fallback
+    return mlir.lower_fun(lambda *a: tuple(chosen(*a)), multiple_results=True)(ctx, *args)
+
+
+def _batched(args: Any, dims: Any, *, kernel: Callable, fallback: Callable) -> Any:
+    """vmap: the mapped dimension folded into the batch (every operand and result leads with it)."""
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    front = [jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
+             for a, d in zip(args, dims)]
+    outs = one_device_p.bind(*[a.reshape((-1, *a.shape[2:])) for a in front], kernel=kernel, fallback=fallback)
+    return [o.reshape((size, -1, *o.shape[1:])) for o in outs], [0] * len(outs)
+
+
+mlir.register_lowering(one_device_p, _lower)
+batching.primitive_batchers[one_device_p] = _batched
+
+#: How a pass is chosen (a name tests replace: Pallas's interpret mode, which runs the kernel on a
+#: CPU, calls back into Python, an effect this primitive does not carry).
+choose = one_device_p.bind

@@ -1,0 +1,186 @@
+"""Fused attention for a TPU: the Pallas flash attention in the TPU branch of every attention
+autocast fuses, where it computes what the model computes.
+
+The kernel runs here, on the CPU, in Pallas's TPU interpret mode, with the lowering made to take
+the TPU branch; libtpu is stood in for (it is needed to compile for a TPU, not to trace the
+kernel). The TPU programs themselves are checked in test_tpu_compile.
+"""
+
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+import precision
+from helpers import ROOT
+from precision.autocast import attention_fusion, higher_order, tpu_attention, tpu_flash
+
+sys.path.insert(0, str(ROOT / "examples" / "user_models"))
+import hf_style  # noqa: E402
+import linen_gpt  # noqa: E402
+
+VOCAB, T, WIDTH, HEADS = 32, 128, 32, 2  # the kernel's blocks are 128 long; few, for interpret mode's sake
+
+
+@pytest.fixture
+def libtpu(monkeypatch):
+    """The TPU kernel described, as where libtpu is installed."""
+    monkeypatch.setattr(tpu_attention, "available", lambda: True)
+
+
+def _on(platform):
+    def choose(*operands, default, **branches):
+        return branches[platform](*operands) if platform in branches else default(*operands)
+    return choose
+
+
+def _tokens(seed=0, batch=1):
+    return jax.random.randint(jax.random.key(seed), (batch, T), 0, VOCAB)
+
+
+def _inputs():
+    return jax.random.normal(jax.random.key(0), (1, T, WIDTH))
+
+
+class NNAttention(nn.Module):
+    """``jax.nn.dot_product_attention`` called by a model, causal or with a learned bias."""
+
+    causal: bool = True
+    with_bias: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        q, k, v = (nn.DenseGeneral((HEADS, WIDTH // HEADS), name=n)(x) for n in ("q", "k", "v"))
+        bias = self.param("bias", nn.initializers.normal(0.5), (1, HEADS, T, T)) if self.with_bias else None
+        out = jax.nn.dot_product_attention(q, k, v, bias=bias, is_causal=self.causal)
+        return nn.DenseGeneral(WIDTH, axis=(-2, -1), name="out")(out)
+
+
+def _padding():
+    return jnp.ones((2, T), jnp.int32).at[1, 100:].set(0)  # two rows: one padded
+
+
+MODELS = {
+    "Flax SelfAttention GPT (causal)": (lambda: linen_gpt.GPT(VOCAB, T, WIDTH, HEADS, 1), lambda: (_tokens(),)),
+    "HF-style GPT-2, padding as a bias": (lambda: hf_style.GPT2(VOCAB, T, WIDTH, HEADS, 1),
+                                          lambda: (_tokens(batch=2), _padding())),
+    "HF-style Llama, grouped kv heads": (lambda: hf_style.Llama(VOCAB, T, WIDTH, HEADS, 1, 1), lambda: (_tokens(),)),
+    "jax.nn.dot_product_attention, causal": (lambda: NNAttention(), lambda: (_inputs(),)),
+    "jax.nn.dot_product_attention, a learned bias": (lambda: NNAttention(causal=False, with_bias=True),
+                                                     lambda: (_inputs(),)),
+}
+
+
+def _outputs_and_grads(model, variables, args, platform, devices=1):
+    wrapped = precision.with_policy(model, "mixed_bf16")
+
+    def loss(params):
+        out = wrapped.apply({**variables, "params": params}, *args)
+        return jnp.mean(out.astype(jnp.float32) ** 2), out
+
+    with pytest.MonkeyPatch.context() as m, pltpu.force_tpu_interpret_mode():
+        for module in (attention_fusion, higher_order):
+            m.setattr(module, "platform_dependent", _on(platform))
+        # One device: the kernel, in interpret mode; more: XLA's ops the primitive lowers for them.
+        m.setattr(tpu_flash, "choose", lambda *a, kernel, fallback: (kernel if devices == 1 else fallback)(*a))
+        (_, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(variables["params"])
+    return np.asarray(out, np.float32), _flat(grads)
+
+
+def _flat(tree):
+    return np.concatenate([np.ravel(np.asarray(x, np.float32)) for x in jax.tree_util.tree_leaves(tree)])
+
+
+#: Every model on one chip (the kernel, in interpret mode); two on a slice (XLA's ops instead).
+CASES = [(name, 1) for name in MODELS] + [("HF-style Llama, grouped kv heads", 8),
+                                          ("jax.nn.dot_product_attention, a learned bias", 8)]
+
+
+@pytest.mark.parametrize("name,devices", CASES, ids=[f"{n}-{'one chip: the kernel' if d == 1 else 'a slice: XLA'}"
+                                                     for n, d in CASES])
+def test_lowered_for_a_tpu_attention_runs_the_pallas_kernel_with_the_unfused_numbers(libtpu, name, devices):
+    make, inputs = MODELS[name]
+    model, args = make(), inputs()
+    variables = model.init(jax.random.key(1), *args)
+    explanation = precision.explain(model, *args, policy="mixed_bf16")
+    assert explanation.fused_attention and all("Pallas flash attention" in how for _, how in explanation.attention)
+
+    fused, fused_grads = _outputs_and_grads(model, variables, args, "tpu", devices)
+    unfused, unfused_grads = _outputs_and_grads(model, variables, args, "cpu")
+    reference = np.asarray(jax.jit(model.apply)(variables, *args), np.float32)
+    exact = _flat(jax.jit(jax.grad(lambda p: jnp.mean(model.apply({**variables, "params": p}, *args) ** 2)))(
+        variables["params"]))
+    # Within half precision of the unfused half attention, and no further from float32 than it.
+    np.testing.assert_allclose(fused, unfused, atol=0.06, rtol=0.06)
+    assert np.abs(fused - reference).max() <= 1.5 * np.abs(unfused - reference).max() + 1e-3
+    assert np.linalg.norm(fused_grads - unfused_grads) <= 0.05 * np.linalg.norm(unfused_grads)
+    assert np.linalg.norm(fused_grads - exact) <= 1.5 * np.linalg.norm(unfused_grads - exact) + 1e-6
+
+
+def test_the_tpu_branch_holds_the_kernel_and_every_other_platform_what_it_had(libtpu):
+    """The Pallas kernel is in the program lowered for a TPU only: the CPU's numbers are those
+    of fusion off, bit for bit."""
+    model = linen_gpt.GPT(VOCAB, T, WIDTH, HEADS, 1)
+    variables = model.init(jax.random.key(1), _tokens())
+    wrapped = precision.with_policy(model, "mixed_bf16")
+    text = jax.jit(wrapped.apply).lower(variables, _tokens()).as_text(dialect="hlo")
+    assert "tpu_custom_call" not in text
+    off = precision.with_policy(model, "mixed_bf16", ops=precision.op_lists(fuse_attention=False))
+    assert np.array_equal(wrapped.apply(variables, _tokens()), off.apply(variables, _tokens()))
+    traced = str(jax.make_jaxpr(lambda v: wrapped.apply(v, _tokens()))(variables))
+    assert "precision_tpu_flash_attention" in traced
+
+
+def test_what_the_tpu_kernel_would_compute_otherwise_stays_with_why(libtpu):
+    short = precision.explain(linen_gpt.GPT(VOCAB, 16, WIDTH, HEADS, 1), _tokens()[:, :16], policy="mixed_bf16")
+    assert all(how.count("Pallas") == 1 for _, how in short.attention)
+    assert all("not by Pallas flash attention for TPU: the TPU kernel cannot take its shapes" in how
+               for _, how in short.attention)
+
+    def call(**options):
+        x = jnp.ones((2, T, HEADS, 8), jnp.bfloat16)
+        return tpu_attention.flash_function(("query", "key", "value", *options.pop("names", ())),
+                                            options, [x, x, x, *options.pop("arrays", ())])
+
+    mask = jnp.ones((2, 1, T, T), bool)
+    assert call(names=("mask",), arrays=(mask,))[1].startswith("its mask is not causal")
+    assert call(local_window_size=(8, 0))[1].startswith("a local window")
+    assert call(implementation="xla")[1] == "the model asked for implementation='xla'"
+    kernel, why = call(is_causal=True, scale=0.5)
+    assert kernel is not None and why == ""
+
+
+def test_without_libtpu_nothing_of_the_tpu_kernel_is_traced_or_said(monkeypatch):
+    monkeypatch.setattr(tpu_attention, "available", lambda: False)
+    model = linen_gpt.GPT(VOCAB, T, WIDTH, HEADS, 1)
+    explanation = precision.explain(model, _tokens(), policy="mixed_bf16")
+    assert not any("Pallas" in how or "TPU" in how for _, how in explanation.attention)
+    wrapped = precision.with_policy(model, "mixed_bf16")
+    traced = str(jax.make_jaxpr(lambda v: wrapped.apply(v, _tokens()))(model.init(jax.random.key(1), _tokens())))
+    assert "precision_tpu_flash_attention" not in traced
+
+
+def test_the_primitive_lowers_xla_ops_for_a_program_on_several_devices_eagerly_and_under_vmap(monkeypatch):
+    """Where the lowering is for more than one device (here pretended), the pass is XLA's ops:
+    the same numbers as the kernel's computation written out, eagerly, under jit and vmap."""
+    monkeypatch.setattr(tpu_flash, "_devices", lambda ctx: 2)
+    q, k, v = (jax.random.normal(jax.random.key(i), (3, 2, HEADS, T, 8), jnp.bfloat16) for i in range(3))
+
+    def reference(q, k, v):
+        return jax.nn.dot_product_attention(*(jnp.swapaxes(x, 1, 2) for x in (q, k, v)), is_causal=True,
+                                            scale=0.5).swapaxes(1, 2)
+
+    def flash(q, k, v):
+        return tpu_flash.flash(q, k, v, None, causal=True, scale=0.5)
+
+    want = jax.vmap(reference)(q, k, v).astype(jnp.float32)
+    for got in (jax.vmap(flash)(q, k, v), jax.jit(jax.vmap(flash))(q, k, v), flash(q[0], k[0], v[0])[None]):
+        np.testing.assert_allclose(np.asarray(got, np.float32), want[:len(got)], atol=0.02)
+    grads = jax.grad(lambda *a: jnp.sum(flash(*a).astype(jnp.float32) ** 2), (0, 1, 2))(q[0], k[0], v[0])
+    expected = jax.grad(lambda *a: jnp.sum(reference(*a).astype(jnp.float32) ** 2), (0, 1, 2))(q[0], k[0], v[0])
+    for g, e in zip(grads, expected):
+        assert np.linalg.norm(np.float32(g) - np.float32(e)) <= 0.02 * np.linalg.norm(np.float32(e))
