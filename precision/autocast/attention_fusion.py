@@ -160,11 +160,7 @@ def _fusion(graph: Graph, att: Attention, dtype: np.dtype) -> tuple[Fusion | Non
         held = dtype if role in fused_attention.QKV or role == "bias" else var.aval.dtype
         specs[role] = jax.eval_shape(make, jax.ShapeDtypeStruct(var.aval.shape, held))
     static = {"scale": att.scale, "is_causal": att.is_causal}
-    kernels = {"cuda": fused_attention.cudnn_function(tuple(specs), static, list(specs.values()))}
-    tpu_why = ""
-    if tpu_attention.available():
-        kernels["tpu"], tpu_why = tpu_attention.flash_function(tuple(specs), static, list(specs.values()))
-    kernels = {p: k for p, k in kernels.items() if k is not None}
+    kernels, tpu_why = fused_attention.fused_kernels(tuple(specs), static, list(specs.values()))
     return (Fusion(att, dtype, kernels, reads) if kernels else None), _how(att, kernels, tpu_why)
 
 

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["MARK", "QKV", "argument_names", "call_static", "cudnn_call", "cudnn_function", "is_marked", "marking",
-           "wants_cudnn", "wants_fused", "where_fused"]
+           "wants_cudnn", "wants_fused", "where_fused", "fused_kernels"]
 
 #: The arguments autocast casts to the compute dtype; the rest (bias, mask, lengths) stay as traced.
 QKV = ("query", "key", "value")
@@ -203,6 +203,20 @@ def cudnn_function(names: tuple[str, ...], static: dict, arrays: list) -> Callab
     except (NotImplementedError, RuntimeError, ValueError, TypeError):
         return None
     return attend
+
+
+def fused_kernels(names: tuple[str, ...], static: dict, arrays: list, cudnn: bool = True) -> tuple[dict, str]:
+    """The fused kernels that can compute ``jax.nn.dot_product_attention(**dict(zip(names,
+    arrays)), **static)``, by platform (``cuda``: cuDNN's, unless ``cudnn`` is False; ``tpu``:
+    the Pallas flash attention, where libtpu is installed), and why the TPU's cannot ("" if it
+    can or is not considered)."""
+    from precision.autocast import tpu_attention
+
+    kernels = {"cuda": cudnn_function(names, static, arrays) if cudnn else None}
+    tpu_why = ""
+    if tpu_attention.available():
+        kernels["tpu"], tpu_why = tpu_attention.flash_function(names, static, arrays)
+    return {p: k for p, k in kernels.items() if k is not None}, tpu_why
 
 
 def where_fused(kernels: Any) -> str:

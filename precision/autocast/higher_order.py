@@ -23,7 +23,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 from jax.extend import linear_util as lu
 
-from precision.autocast import fused_attention, tpu_attention
+from precision.autocast import fused_attention
 from precision.autocast.interpreter import Context, Rule, Site, bind, evaluate, log, outputs
 from precision.autocast.regions import module_path, region_dtype, region_fp8, region_matmul
 from precision.autocast.tracing import evaluate_call
@@ -144,7 +144,8 @@ def _fused_attention(site: Site, ins: list[Val], ctx: Context) -> list[Val] | No
     if "bias" in names:  # cuDNN takes a bias in the operands' dtype; a -1e9 mask bias saturates, never inf
         i = names.index("bias")
         arrays[i] = cast(arrays[i], site.region, saturate=True)
-    kernels = _attention_kernels(site, names, arrays)
+    kernels, _ = fused_attention.fused_kernels(names, fused_attention.call_static(site.eqn), arrays,
+                                               cudnn=fused_attention.wants_cudnn(site.eqn, site.region))
     if not kernels:
         return None
     jaxpr, consts = _closed_parts(site.eqn.params["jaxpr"])
@@ -161,21 +162,6 @@ def _fused_attention(site: Site, ins: list[Val], ctx: Context) -> list[Val] | No
     results = platform_dependent(arrays, [v.array for v in ins], default=elsewhere, **branches)
     log(ctx, site, site.region, f"fused attention ({fused_attention.where_fused(kernels)})")
     return outputs(site, results, Kind.HALF)
-
-
-def _attention_kernels(site: Site, names: tuple[str, ...], arrays: list) -> dict[str, Any]:
-    """The fused kernels that can compute the marked call ``site.eqn`` on ``arrays``, by
-    platform: cuDNN's for ``cuda``, the Pallas flash attention for ``tpu``."""
-    kernels = {}
-    if fused_attention.wants_cudnn(site.eqn, site.region):
-        cudnn = fused_attention.cudnn_call(site.eqn, arrays)
-        if cudnn is not None:
-            kernels["cuda"] = cudnn
-    if tpu_attention.available():
-        flash, _ = tpu_attention.flash_function(names, fused_attention.call_static(site.eqn), arrays)
-        if flash is not None:
-            kernels["tpu"] = flash
-    return kernels
 
 
 def _inline(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
