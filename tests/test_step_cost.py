@@ -7,7 +7,9 @@ dtype with cuDNN attention, float32 loss, ``jax.grad``, AdamW, and jmp's dynamic
 under float16. The limits are today's figures with a little room (``python -m
 benchmarks.step_cost`` prints them): bfloat16 adds the one-pass finiteness check the
 hand-written step does not make, and XLA's split-K GEMM reductions it then keeps apart; under
-float16 the hand-written step's per-leaf ``jmp.all_finite`` costs more than our check.
+float16 the hand-written step's per-leaf ``jmp.all_finite`` costs more than our check. Both
+are below the hand-written step since each LayerNorm's backward is computed in closed form
+(``precision.autocast.norm_fusion``: four kernels where Flax's op-by-op backward takes six).
 """
 
 import pytest
@@ -24,7 +26,7 @@ def _needs_plugin():
 
 
 @gpu_compile
-@pytest.mark.parametrize("policy,kernels,bytes_moved", [("mixed_bf16", 1.06, 0.9), ("mixed_f16", 0.85, 0.9)])
+@pytest.mark.parametrize("policy,kernels,bytes_moved", [("mixed_bf16", 0.97, 0.9), ("mixed_f16", 0.77, 0.9)])
 def test_our_gpt2_small_step_launches_and_moves_no_more_than_the_hand_written_one(policy, kernels, bytes_moved):
     from benchmarks.step_cost import compare, models
 

@@ -43,7 +43,7 @@ from precision.autocast.op_lists import OpClass, OpLists
 from precision.autocast.program import binders
 from precision.autocast.fp8_matmul import E4M3
 from precision.autocast.fp8_sites import NOT_FP8_REGION, Fp8Run, fp8_dot, skip_reason
-from precision.autocast import attention_fusion, matmul_precision, reductions
+from precision.autocast import attention_fusion, matmul_precision, norm_fusion, reductions
 from precision.autocast.regions import module_path, region_dtype, region_fp8, region_matmul, scope_names, within
 from precision.autocast.values import (AS_TRACED, DENIED, F32, FOLLOWS_F32, REGION, STATISTICS, UPCAST, Kind, Record,
                                        Val, is_policy_float, literal_val)
@@ -106,9 +106,13 @@ def evaluate(jaxpr: Any, consts: Sequence[Val], args: Sequence[Val], ctx: Contex
     known = {var: val.array for var, val in zip(jaxpr.constvars, consts) if val.const}
     fusions = attention_fusion.plan(jaxpr, known, ctx)
     fused = {i for f in fusions.values() for i in f.attention.eqns}
+    norms = {i: n for i, n in norm_fusion.plan(jaxpr, known, ctx).items() if not n.eqns & fused}
+    fused |= {i for n in norms.values() for i in n.eqns}
     for i, eqn in enumerate(jaxpr.eqns):
         if i in fusions:
             _fuse(jaxpr, fusions[i], env, demanded, ctx)
+        elif i in norms:
+            _fuse_norm(jaxpr, norms[i], env, demanded, ctx)
         elif i not in fused:
             _run(eqn, env, demanded, ctx)
     return [_read(env, v, module_path(ctx.prefix)) for v in jaxpr.outvars]
@@ -160,6 +164,26 @@ def _fuse(jaxpr: Any, fusion: Any, env: dict, demanded: set, ctx: Context) -> No
     name_stack = source_info_util.current_name_stack() + last.source_info.name_stack
     with source_info_util.user_context(last.source_info.traceback, name_stack=name_stack):
         env[att.out] = attention_fusion.emit(fusion, lambda var: _read(env, var, path), op_by_op, path)
+
+
+def _fuse_norm(jaxpr: Any, norm: Any, env: dict, demanded: set, ctx: Context) -> None:
+    """Makes a layer or RMS norm's result with its backward in closed form (:mod:`.norm_fusion`):
+    its forward is its equations rewritten one by one, their decisions logged once."""
+    last = jaxpr.eqns[norm.last]
+    path = module_path(ctx.prefix + scope_names(last.source_info.name_stack))
+    logged: list[bool] = []
+
+    def op_by_op(given: dict) -> dict:
+        local = {**env, **given}
+        here = ctx if not logged else ctx.at(ctx.prefix, None)  # traced again for the gradient: logged once
+        logged.append(True)
+        for i in sorted(norm.eqns):
+            _run(jaxpr.eqns[i], local, demanded, here)
+        return local
+
+    name_stack = source_info_util.current_name_stack() + last.source_info.name_stack
+    with source_info_util.user_context(last.source_info.traceback, name_stack=name_stack):
+        env[norm.out] = norm_fusion.emit(norm, lambda var: env[var], op_by_op)
 
 
 def log(ctx: Context, site: Site, dtype: np.dtype, reason: str) -> None:

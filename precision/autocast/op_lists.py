@@ -102,6 +102,8 @@ class OpLists:
     ``follow`` names primitives taken out of the default allow/deny lists;
     ``fuse_attention``: softmax attention written out in a half-precision region
     becomes one fused attention call (cuDNN's where lowered for CUDA);
+    ``fuse_norms``: layer and RMS norms written out get their backward in closed form
+    (:mod:`precision.autocast.norm_fusion`: fewer, larger kernels; the same forward);
     ``blockwise_loss``: whether a train step computes a loss from large logits a block of
     rows at a time (:func:`precision.blockwise_loss`): ``"auto"`` from logits of
     :data:`precision.blockwise.AUTO_MIN_LOGITS_BYTES` (8 GiB in float32), ``"on"`` from
@@ -114,6 +116,7 @@ class OpLists:
     follow: frozenset[str] = frozenset()
     fuse_attention: bool = True
     blockwise_loss: str = "auto"
+    fuse_norms: bool = True
 
     def classify(self, name: str) -> OpClass:
         """The class of primitive ``name`` under these lists."""
@@ -149,7 +152,8 @@ def _names(arg: Iterable[str] | str | None, what: str) -> frozenset[str]:
 
 def op_lists(allow: Iterable[str] | str | None = None, deny: Iterable[str] | str | None = None,
              follow: Iterable[str] | str | None = None, *, fuse_attention: bool | None = None,
-             blockwise_loss: bool | str | None = None, base: OpLists | None = None) -> OpLists:
+             blockwise_loss: bool | str | None = None, fuse_norms: bool | None = None,
+             base: OpLists | None = None) -> OpLists:
     """The default lists (or ``base``) with primitives moved between classes.
 
     Args:
@@ -165,6 +169,9 @@ def op_lists(allow: Iterable[str] | str | None = None, deny: Iterable[str] | str
         ``"auto"`` (``None``: ``base``'s, else ``"auto"``) from 8 GiB of float32 logits,
         where their memory limits the batch; ``True`` / ``"on"`` from 256 MiB
         (less memory, one more pass of the head's matmul); ``False`` / ``"off"`` never.
+      fuse_norms: ``False`` leaves layer and RMS norms written out differentiated op by op;
+        by default (``None``: ``base``'s, else ``True``) their backward is computed in
+        closed form, in fewer kernels (the forward is unchanged).
 
     A name may appear in only one argument. Names are JAX primitive names
     (``jax.make_jaxpr`` shows them); an unknown name raises :class:`PolicyError`.
@@ -180,7 +187,8 @@ def op_lists(allow: Iterable[str] | str | None = None, deny: Iterable[str] | str
                    deny=(base.deny - allow_set - follow_set) | deny_set,
                    follow=(base.follow - allow_set - deny_set) | follow_set,
                    fuse_attention=base.fuse_attention if fuse_attention is None else bool(fuse_attention),
-                   blockwise_loss=base.blockwise_loss if blockwise_loss is None else _blockwise_mode(blockwise_loss))
+                   blockwise_loss=base.blockwise_loss if blockwise_loss is None else _blockwise_mode(blockwise_loss),
+                   fuse_norms=base.fuse_norms if fuse_norms is None else bool(fuse_norms))
 
 
 def _blockwise_mode(value: bool | str) -> str:

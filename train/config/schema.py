@@ -170,6 +170,9 @@ class PrecisionConfig(_Schema):
                                                    "dot_product_attention, einsum-softmax-einsum) computed as one "
                                                    "fused attention call under a half policy (cuDNN's on a GPU) "
                                                    "where that is the same computation")
+    fuse_norms: bool = Field(True, description="layer and RMS norms a model writes out (Flax's LayerNorm, "
+                                               "RMSNorm, hand-written ones) differentiated in closed form: the "
+                                               "same forward, a backward in fewer kernels")
     blockwise_loss: Annotated[Literal["auto"] | bool, BeforeValidator(_blockwise_mode)] = Field(
         "auto", description="a loss from large logits (a language model's) computed a block of rows at a time, the "
                             "logits never whole in either pass, where that is the same computation: auto from 8 GiB "
@@ -315,11 +318,11 @@ LoraConfig.dotted_key = "finetune.lora"
 
 def build_op_lists(p: PrecisionConfig) -> precision.OpLists | None:
     """The autocast op lists the precision section describes (None: the defaults)."""
-    if not (p.allow or p.deny or p.follow) and p.fuse_attention and p.blockwise_loss == "auto":
+    if not (p.allow or p.deny or p.follow) and p.fuse_attention and p.fuse_norms and p.blockwise_loss == "auto":
         return None
     try:
         return precision.op_lists(allow=p.allow, deny=p.deny, follow=p.follow, fuse_attention=p.fuse_attention,
-                                  blockwise_loss=p.blockwise_loss)
+                                  fuse_norms=p.fuse_norms, blockwise_loss=p.blockwise_loss)
     except (TypeError, precision.PolicyError) as e:
         raise ConfigError(f"precision.allow/deny/follow: {e}") from None
 
