@@ -34,10 +34,15 @@ def _gemma_rms(x, w):
     return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * (1 + w)
 
 
-def _stats_read_outside(x, g, b):  # the mean leaves the norm: not the same computation
+def _stats_read_outside(x, g, b):  # its statistics leave it too (as a BatchNorm's running averages do)
     m = x.mean(-1, keepdims=True)
     v = ((x - m) ** 2).mean(-1, keepdims=True)
-    return (x - m) * jax.lax.rsqrt(v + 1e-5) * g + b + m
+    return (x - m) * jax.lax.rsqrt(v + 1e-5) * g + b + m * jnp.sin(v)
+
+
+def _centred_read_outside(x, g, b):  # its centred values leave it: not the same computation
+    c = x - x.mean(-1, keepdims=True)
+    return c * jax.lax.rsqrt((c ** 2).mean(-1, keepdims=True) + 1e-5) * g + b + c
 
 
 def _scale_from_x(x, g):  # a "scale" computed from x stays outside: the norm is x * rstd alone
@@ -52,9 +57,20 @@ def _found(fn, *args):
 
 def _linen(module):
     variables = module.init(jax.random.key(0), X)
-    return lambda x: module.apply(variables, x)
+    mutable = ["batch_stats"] if "batch_stats" in variables else False
+    return lambda x: module.apply(variables, x, mutable=mutable)
 
 
+def _nnx_training(module):
+    graphdef, state = nnx.split(module)
+
+    def run(state, x):
+        model = nnx.merge(graphdef, state)
+        return model(x), nnx.state(model)
+    return run, state
+
+
+_NNX_BATCH_NORM, _NNX_BATCH_STATS = _nnx_training(nnx.BatchNorm(32, use_running_average=False, rngs=nnx.Rngs(0)))
 W = jnp.linspace(0.5, 1.5, 32)
 
 
@@ -72,12 +88,15 @@ W = jnp.linspace(0.5, 1.5, 32)
     (_two_pass, (X, W, W), "layer norm over axis -1 with scale and offset"),
     (_gemma_rms, (X, W), "RMS norm over axis -1 with scale"),
     (_scale_from_x, (X, W), "RMS norm over axis -1"),
+    (_stats_read_outside, (X, W, W), "layer norm over axis -1 with scale and offset"),
+    (_linen(nn.BatchNorm(use_running_average=False)), (X,), "batch norm over axis -3, -2 with scale and offset"),
+    (_NNX_BATCH_NORM, (_NNX_BATCH_STATS, X), "batch norm over axis -3, -2 with scale and offset"),
 ])
 def test_norms_are_found_as_people_write_them(fn, args, expected):
     assert _found(fn, *args) == [expected]
 
 
-@pytest.mark.parametrize("fn,args", [(_stats_read_outside, (X, W, W)),
+@pytest.mark.parametrize("fn,args", [(_centred_read_outside, (X, W, W)),
                                      (_linen(nn.BatchNorm(use_running_average=True)), (X,)),
                                      (lambda x: jax.nn.softmax(x), (X,))])
 def test_what_is_not_the_same_computation_is_left_alone(fn, args):
@@ -195,6 +214,57 @@ def test_a_model_trains_to_the_same_loss():
         losses[fuse] = history
     assert losses[True][-1] < 0.5 * losses[True][0]
     np.testing.assert_allclose(losses[True], losses[False], rtol=2e-2)
+
+
+class ConvNet(nn.Module):
+    """A ResNet's stem: convolution, BatchNorm in training (its running averages updated), ReLU."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.BatchNorm(use_running_average=False)(nn.Conv(8, (3, 3))(x)))
+        return nn.Dense(3)(nn.BatchNorm(use_running_average=False, use_bias=False)(x).mean((1, 2)))
+
+
+IMAGES = jax.random.normal(jax.random.key(2), (4, 6, 6, 3)) * 2 + 1
+
+
+@pytest.mark.parametrize("policy", ["params=f32,compute=f32", "mixed_bf16"])
+def test_batch_norm_in_training_keeps_its_running_averages_and_gets_the_op_by_op_gradients(policy):
+    results = {}
+    for fuse in (True, False):
+        model = precision.with_policy(ConvNet(), policy, ops=precision.op_lists(fuse_norms=fuse))
+        variables = model.init(jax.random.key(0), IMAGES)
+
+        def loss(p):
+            out, state = model.apply({"params": p, "batch_stats": variables["batch_stats"]}, IMAGES,
+                                     mutable=["batch_stats"])
+            return jnp.sum(jnp.sin(out.astype(jnp.float32))), state
+
+        (value, state), grads = jax.value_and_grad(loss, has_aux=True)(variables["params"])
+        results[fuse] = value, state, grads, str(jax.make_jaxpr(loss)(variables["params"])).count("custom_vjp_call")
+    (value, state, grads, calls), (value_off, state_off, grads_off, calls_off) = results[True], results[False]
+    assert (calls, calls_off) == (2, 0)
+    assert value == value_off
+    chex_equal = jax.tree_util.tree_map(lambda a, b: bool(jnp.all(a == b)), state, state_off)
+    assert all(jax.tree_util.tree_leaves(chex_equal))  # the running averages, to the bit
+    largest = max(float(jnp.max(jnp.abs(g))) for g in jax.tree_util.tree_leaves(grads_off))
+    for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(grads_off)):
+        assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * largest
+
+
+def test_gradients_through_the_statistics_given_out_are_counted():
+    """A loss that reads a norm's statistics too (its running averages differentiated)."""
+    module = nn.BatchNorm(use_running_average=False)
+    variables = module.init(jax.random.key(0), IMAGES)
+
+    def loss(x, fuse):
+        run = precision.autocast(lambda x: module.apply(variables, x, mutable=["batch_stats"]),
+                                 "params=f32,compute=f32", ops=precision.op_lists(fuse_norms=fuse))
+        out, state = run(x)
+        stats = state["batch_stats"]
+        return jnp.sum(jnp.sin(out)) + 10 * jnp.sum(jnp.cos(stats["mean"])) + 10 * jnp.sum(stats["var"] ** 2)
+
+    assert _max_rel(jax.grad(loss)(IMAGES, True), jax.grad(loss)(IMAGES, False)) <= 1e-5
 
 
 def test_fuse_norms_false_in_a_config_leaves_them_op_by_op():

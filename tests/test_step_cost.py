@@ -38,15 +38,16 @@ def test_our_gpt2_small_step_launches_and_moves_no_more_than_the_hand_written_on
 
 
 @gpu_compile
-def test_the_resnet_checks_every_convolution_kernel_in_one_reduction():
+def test_the_resnet_step_launches_and_moves_less_than_the_hand_written_one():
     """The ResNet's check reads all its convolution kernels' gradients in one reduction (each
-    had its own, which XLA split in two: 381 kernels against 354 now)."""
+    had its own, which XLA split in two: 381 kernels, 354 after), and its BatchNorms'
+    backward is computed in closed form, one reduction a norm for the input's, the scale's
+    and the offset's sums (296 kernels against the hand-written step's 325)."""
     from benchmarks.step_cost import compare, models
 
     row = compare(models()["resnet"], "mixed_bf16", get_target("h100"), _device())
-    assert row["ours"]["kernels"] - row["hand_written"]["kernels"] <= 31, (row["ours"]["kernels"],
-                                                                           row["hand_written"]["kernels"])
-    assert row["bytes_ratio"] <= 1.035, row["bytes_ratio"]
+    assert row["kernels_ratio"] <= 0.93, (row["ours"]["kernels"], row["hand_written"]["kernels"])
+    assert row["bytes_ratio"] <= 1.0, row["bytes_ratio"]
 
 
 @gpu_compile

@@ -106,13 +106,15 @@ def evaluate(jaxpr: Any, consts: Sequence[Val], args: Sequence[Val], ctx: Contex
     known = {var: val.array for var, val in zip(jaxpr.constvars, consts) if val.const}
     fusions = attention_fusion.plan(jaxpr, known, ctx)
     fused = {i for f in fusions.values() for i in f.attention.eqns}
-    norms = {i: n for i, n in norm_fusion.plan(jaxpr, known, ctx).items() if not n.eqns & fused}
-    fused |= {i for n in norms.values() for i in n.eqns}
+    norms, later = norm_fusion.schedule(jaxpr, norm_fusion.plan(jaxpr, known, ctx), fused)
+    fused |= {i for n in norms.values() for i in n.eqns} | {j for js in later.values() for j in js}
     for i, eqn in enumerate(jaxpr.eqns):
         if i in fusions:
             _fuse(jaxpr, fusions[i], env, demanded, ctx)
         elif i in norms:
             _fuse_norm(jaxpr, norms[i], env, demanded, ctx)
+            for j in later[i]:
+                _run(jaxpr.eqns[j], env, demanded, ctx)
         elif i not in fused:
             _run(eqn, env, demanded, ctx)
     return [_read(env, v, module_path(ctx.prefix)) for v in jaxpr.outvars]
@@ -167,10 +169,9 @@ def _fuse(jaxpr: Any, fusion: Any, env: dict, demanded: set, ctx: Context) -> No
 
 
 def _fuse_norm(jaxpr: Any, norm: Any, env: dict, demanded: set, ctx: Context) -> None:
-    """Makes a layer or RMS norm's result with its backward in closed form (:mod:`.norm_fusion`):
+    """Makes a norm's result (layer, RMS, batch) with its backward in closed form (:mod:`.norm_fusion`):
     its forward is its equations rewritten one by one, their decisions logged once."""
     last = jaxpr.eqns[norm.last]
-    path = module_path(ctx.prefix + scope_names(last.source_info.name_stack))
     logged: list[bool] = []
 
     def op_by_op(given: dict) -> dict:
@@ -183,7 +184,7 @@ def _fuse_norm(jaxpr: Any, norm: Any, env: dict, demanded: set, ctx: Context) ->
 
     name_stack = source_info_util.current_name_stack() + last.source_info.name_stack
     with source_info_util.user_context(last.source_info.traceback, name_stack=name_stack):
-        env[norm.out] = norm_fusion.emit(norm, lambda var: env[var], op_by_op)
+        env.update(norm_fusion.emit(norm, lambda var: env[var], op_by_op))
 
 
 def log(ctx: Context, site: Site, dtype: np.dtype, reason: str) -> None:

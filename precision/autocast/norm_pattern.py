@@ -1,6 +1,6 @@
-"""Layer and RMS normalization written out, found in a traced program.
+"""Layer, RMS and batch normalization written out, found in a traced program.
 
-Flax's ``LayerNorm`` and ``RMSNorm`` (Linen and NNX), Hugging Face-style and
+Flax's ``LayerNorm``, ``RMSNorm`` and ``BatchNorm`` (Linen and NNX), Hugging Face-style and
 hand-written norms all trace to a few dozen elementwise ops around two row
 reductions. :func:`find_norms` recognises them, whatever the layout:
 
@@ -13,8 +13,10 @@ reductions. :func:`find_norms` recognises them, whatever the layout:
                                                     scale and offset optional)
 
 and describes it as one :class:`Norm`. It is the same computation only where
-nothing else reads its inside (the statistics, the centred values...), and
-where ``scale`` and ``offset`` are not computed from ``x``.
+nothing else reads its inside (the centred values, the normalised ones...) but its
+statistics, which a BatchNorm in training also averages into its running ones
+(``stats_out``: given out beside the result), and where ``scale`` and ``offset``
+are not computed from ``x``.
 """
 
 from __future__ import annotations
@@ -46,11 +48,14 @@ class Norm:
     scale: Any  # the var multiplied in, or None
     offset: Any  # the var added, or None
     out: Any
+    variance: Any = None  # the var of the variance (before eps)
+    stats_out: tuple[Any, ...] = ()  # the mean and/or variance vars read outside it (BatchNorm's running averages)
 
 
 def describe(norm: Norm) -> str:
     """A norm's kind and axes, as explain says it."""
-    kind = "layer norm" if norm.mean is not None else "RMS norm"
+    last = len(norm.x.aval.shape) - 1
+    kind = "RMS norm" if norm.mean is None else "layer norm" if last in norm.axes else "batch norm"
     axes = ", ".join(str(a - len(norm.x.aval.shape)) for a in norm.axes)
     parts = [p for p, v in (("scale", norm.scale), ("offset", norm.offset)) if v is not None]
     return f"{kind} over axis {axes}" + (f" with {' and '.join(parts)}" if parts else "")
@@ -76,6 +81,7 @@ def _match_at(graph: Graph, rsqrt: int) -> Norm | None:
     if stats is None:
         return None
     x, axes, mean = stats
+    variance = var
     rstd = graph.jaxpr.eqns[rsqrt].outvars[0]
     forward = _normalized(graph, x, mean, rstd, group)
     if forward is None:
@@ -84,15 +90,18 @@ def _match_at(graph: Graph, rsqrt: int) -> Norm | None:
     if out.aval.shape != x.aval.shape:
         return None
     inputs = {x, scale, offset} - {None}
-    for i in group:
+    stats_out = []
+    for i in sorted(group):
         eqn = graph.jaxpr.eqns[i]
         for v in eqn.outvars:
             if v is not out and not graph.only_used_by(v, group):
-                return None
+                if not any(v is s for s in (mean, variance)):
+                    return None
+                stats_out.append(v)
         for v in eqn.invars:
             if not (isinstance(v, Literal) or v in inputs or graph.producer.get(v) in group or _concrete(graph, v)):
                 return None
-    return Norm(frozenset(group), max(group), x, axes, mean, rstd, scale, offset, out)
+    return Norm(frozenset(group), max(group), x, axes, mean, rstd, scale, offset, out, variance, tuple(stats_out))
 
 
 def _concrete(graph: Graph, var: Any) -> bool:

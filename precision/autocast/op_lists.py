@@ -102,7 +102,7 @@ class OpLists:
     ``follow`` names primitives taken out of the default allow/deny lists;
     ``fuse_attention``: softmax attention written out in a half-precision region
     becomes one fused attention call (cuDNN's where lowered for CUDA);
-    ``fuse_norms``: layer and RMS norms written out get their backward in closed form
+    ``fuse_norms``: layer, RMS and batch norms written out get their backward in closed form
     (:mod:`precision.autocast.norm_fusion`: fewer, larger kernels; the same forward);
     ``blockwise_loss``: whether a train step computes a loss from large logits a block of
     rows at a time (:func:`precision.blockwise_loss`): ``"auto"`` from logits of
@@ -169,7 +169,7 @@ def op_lists(allow: Iterable[str] | str | None = None, deny: Iterable[str] | str
         ``"auto"`` (``None``: ``base``'s, else ``"auto"``) from 8 GiB of float32 logits,
         where their memory limits the batch; ``True`` / ``"on"`` from 256 MiB
         (less memory, one more pass of the head's matmul); ``False`` / ``"off"`` never.
-      fuse_norms: ``False`` leaves layer and RMS norms written out differentiated op by op;
+      fuse_norms: ``False`` leaves layer, RMS and batch norms written out differentiated op by op;
         by default (``None``: ``base``'s, else ``True``) their backward is computed in
         closed form, in fewer kernels (the forward is unchanged).
 

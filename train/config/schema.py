@@ -170,8 +170,8 @@ class PrecisionConfig(_Schema):
                                                    "dot_product_attention, einsum-softmax-einsum) computed as one "
                                                    "fused attention call under a half policy (cuDNN's on a GPU) "
                                                    "where that is the same computation")
-    fuse_norms: bool = Field(True, description="layer and RMS norms a model writes out (Flax's LayerNorm, "
-                                               "RMSNorm, hand-written ones) differentiated in closed form: the "
+    fuse_norms: bool = Field(True, description="layer, RMS and batch norms a model writes out (Flax's "
+                                               "LayerNorm, RMSNorm, BatchNorm, hand-written ones) differentiated in closed form: the "
                                                "same forward, a backward in fewer kernels")
     blockwise_loss: Annotated[Literal["auto"] | bool, BeforeValidator(_blockwise_mode)] = Field(
         "auto", description="a loss from large logits (a language model's) computed a block of rows at a time, the "
