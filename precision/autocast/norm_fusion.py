@@ -123,34 +123,46 @@ def emit(norm: Norm, read: Callable[[Any], Val], op_by_op: Callable[[dict], dict
     return {var: Val(val.kind, a, val.path) for var, val, a in zip(results, made, arrays)}
 
 
+def _f32(a: Any) -> Any:
+    return jnp.asarray(a).astype(jnp.float32)
+
+
+def _unpacked(norm: Norm, arrays: tuple) -> tuple[Any, Any, Any]:
+    """(x, scale, offset) from the norm's operands (or their tangents), None where it has none."""
+    rest = list(arrays[1:])
+    return (arrays[0], rest.pop(0) if norm.scale is not None else None,
+            rest.pop(0) if norm.offset is not None else None)
+
+
+def _standardized(norm: Norm, x: Any, mean: Any, rstd: Any) -> tuple:
+    """(keepdims shape, n, rstd, x - mean, xhat), in float32, shaped to broadcast against x."""
+    keep = _keep(norm, x.shape)
+    r = _f32(rstd).reshape(keep)
+    centred = _f32(x) - _f32(mean).reshape(keep) if mean is not None else _f32(x)
+    return keep, math.prod(x.shape[a] for a in norm.axes), r, centred, centred * r
+
+
 def tangent(norm: Norm, arrays: tuple, mean: Any, rstd: Any, tangents: tuple, outs: tuple) -> tuple:
     """The tangents of the norm's result and statistics from its operands' (linear in them;
     their transpose is the closed-form backward), computed in float32."""
-    x, rest = arrays[0], list(arrays[1:])
-    tx, trest = tangents[0], list(tangents[1:])
-    scale, tscale = (rest.pop(0), trest.pop(0)) if norm.scale is not None else (None, None)
-    offset, toffset = (rest.pop(0), trest.pop(0)) if norm.offset is not None else (None, None)
-    keep = _keep(norm, x.shape)
-    f32 = lambda a: jnp.asarray(a).astype(jnp.float32)  # noqa: E731
-    r = f32(rstd).reshape(keep)
-    centred = f32(x) - f32(mean).reshape(keep) if mean is not None else f32(x)
-    xhat = centred * r
-    t = f32(tx)
-    n = math.prod(x.shape[a] for a in norm.axes)
+    x, scale, offset = _unpacked(norm, arrays)
+    tx, tscale, toffset = _unpacked(norm, tangents)
+    keep, n, r, centred, xhat = _standardized(norm, x, mean, rstd)
+    t = _f32(tx)
     mean_of = lambda a: jnp.sum(a, norm.axes, keepdims=True) / n  # noqa: E731
     inner = t - xhat * mean_of(t * xhat)
     if mean is not None:
         inner = inner - mean_of(t)
-    tout = r * inner * (f32(scale) if scale is not None else 1.0)
+    tout = r * inner * (_f32(scale) if scale is not None else 1.0)
     if scale is not None and offset is not None and jnp.shape(scale) == jnp.shape(offset):
         rank = (1,) * (x.ndim - jnp.ndim(scale)) + jnp.shape(scale)
-        both = jnp.stack([f32(tscale).reshape(rank), f32(toffset).reshape(rank)])  # transposed: one reduction
+        both = jnp.stack([_f32(tscale).reshape(rank), _f32(toffset).reshape(rank)])  # transposed: one reduction
         tout = tout + jnp.sum(both * jnp.stack([xhat, jnp.ones_like(xhat)]), 0)
     else:
         if scale is not None:
-            tout = tout + xhat * f32(tscale)
+            tout = tout + xhat * _f32(tscale)
         if offset is not None:
-            tout = tout + f32(toffset)
+            tout = tout + _f32(toffset)
     results = [tout.astype(outs[0].dtype)]
     for var, out in zip(norm.stats_out, outs[1:]):
         moment = t if var is norm.mean else 2.0 * centred * t
@@ -163,25 +175,18 @@ def backward(norm: Norm, arrays: tuple, mean: Any, rstd: Any, dy: Any, dstats: d
     them) from its output's gradient ``dy`` and its statistics' (``dstats`` by var), in closed
     form, in float32: the scale's and the offset's gradients are the very sums the input's
     needs, so one reduction gives all of them."""
-    x, rest = arrays[0], list(arrays[1:])
-    scale = rest.pop(0) if norm.scale is not None else None
-    offset = rest.pop(0) if norm.offset is not None else None
-    keep = _keep(norm, x.shape)
-    f32 = lambda a: jnp.asarray(a).astype(jnp.float32)  # noqa: E731
-    r = f32(rstd).reshape(keep)
-    centred = f32(x) - f32(mean).reshape(keep) if mean is not None else f32(x)
-    xhat = centred * r
-    g = f32(dy)
-    n = math.prod(x.shape[a] for a in norm.axes)
+    x, scale, offset = _unpacked(norm, arrays)
+    keep, n, r, centred, xhat = _standardized(norm, x, mean, rstd)
+    g = _f32(dy)
     terms = [g * xhat] + ([g] if mean is not None or offset is not None else [])
     sums = jnp.sum(jnp.stack(terms), tuple(a + 1 for a in norm.axes), keepdims=True)
-    gain = f32(scale).reshape(keep) if scale is not None else 1.0
+    gain = _f32(scale).reshape(keep) if scale is not None else 1.0
     inner = g * gain - xhat * (gain * sums[0] / n)
     if mean is not None:
         inner = inner - gain * sums[1] / n
     dx = r * inner
     for var, d in dstats.items():  # d mean / dx = 1/n; d variance / dx = 2 (x - mean) / n
-        d = f32(d).reshape(keep)
+        d = _f32(d).reshape(keep)
         dx = dx + (d / n if var is norm.mean else d * (2.0 / n) * centred)
     grads = [dx.astype(x.dtype)]
     if scale is not None:
