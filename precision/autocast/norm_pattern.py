@@ -62,7 +62,7 @@ def describe(norm: Norm) -> str:
 
 
 def find_norms(jaxpr: Any, consts: dict | None = None) -> list[Norm]:
-    """Every layer or RMS normalization of ``jaxpr`` (its own equations, not sub-programs)."""
+    """Every layer, RMS or batch normalization of ``jaxpr`` (its own equations, not sub-programs)."""
     graph = Graph(jaxpr, consts)
     found, taken = [], set()
     for i, eqn in enumerate(jaxpr.eqns):
