@@ -158,6 +158,39 @@ def test_the_forward_is_unchanged_and_the_gradients_are_the_op_by_op_ones(policy
         assert _max_rel(a, b) <= tol, (jax.tree_util.keystr(path), _max_rel(a, b))
 
 
+class PinnedBlock(nn.Module):
+    """Layers that pin their dtypes, as a careful user writes them (float32 norms, bfloat16 matmuls)."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.LayerNorm(dtype=jnp.float32, param_dtype=jnp.float32)(x)
+        x = x + nn.Dense(32, dtype=jnp.bfloat16)(h).astype(jnp.float32)
+        return nn.Dense(8, dtype=jnp.float32)(nn.RMSNorm(dtype=jnp.float32)(x))
+
+
+def test_pinned_dtypes_and_numpy_inputs_keep_half_matmuls_and_float32_norms():
+    """Under mixed_bf16 the pinned model's matmuls still run in bfloat16, its norms in float32,
+    fused, with the op-by-op gradients; numpy inputs as well as jax arrays."""
+    images = np.asarray(X)
+    model = precision.with_policy(PinnedBlock(), "mixed_bf16")
+    off = precision.with_policy(PinnedBlock(), "mixed_bf16", ops=precision.op_lists(fuse_norms=False))
+    params = model.init(jax.random.key(0), images)["params"]
+
+    def loss(m, p):
+        return jnp.sum(jnp.sin(m.apply({"params": p}, images).astype(jnp.float32)))
+
+    program = jax.make_jaxpr(lambda p: loss(model, p))(params)
+    assert _fused(program) - _fused(jax.make_jaxpr(lambda p: loss(off, p))(params)) == 2
+    dots = [e for e in program.jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert dots and all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
+    norms = [e for e in jax.make_jaxpr(lambda p: model.apply({"params": p}, images))(params).eqns
+             if "custom" in e.primitive.name]
+    assert len(norms) == 2 and all(v.aval.dtype == jnp.float32 for e in norms for v in e.outvars)
+    for a, b in zip(jax.tree_util.tree_leaves(jax.grad(lambda p: loss(model, p))(params)),
+                    jax.tree_util.tree_leaves(jax.grad(lambda p: loss(off, p))(params))):
+        assert _max_rel(a, b) <= 8e-3
+
+
 def test_forward_mode_and_hessian_vector_products_work_through_layer_and_rms_norms():
     model = precision.with_policy(Block(), "params=f32,compute=f32")
     off = precision.with_policy(Block(), "params=f32,compute=f32", ops=precision.op_lists(fuse_norms=False))

@@ -66,7 +66,7 @@ def schedule(jaxpr: Any, found: dict, taken: set) -> tuple[dict, dict]:
     norms, later, claimed = {}, {}, set(taken)
     for last, norm in found.items():
         tainted, after = set(norm.stats_out), []
-        for i in range(min(norm.eqns), last):
+        for i in range(min(norm.eqns), last) if tainted else ():
             eqn = jaxpr.eqns[i]
             if i not in norm.eqns and any(v in tainted for v in eqn.invars if not isinstance(v, Literal)):
                 tainted.update(eqn.outvars)

@@ -22,10 +22,10 @@ are not computed from ``x``.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from typing import Any
 
-import numpy as np
 from jax.extend.core import Literal
 
 from precision.autocast.attention_masks import Graph, constant, prim
@@ -118,9 +118,24 @@ def _strip(graph: Graph, var: Any, group: set[int]) -> Any:
         var = eqn.invars[0]
 
 
+def _filled(graph: Graph, var: Any) -> tuple[float | None, set[int]]:
+    """The one value ``var`` holds where it is a literal (or a concrete constant) of size 1
+    broadcast, reshaped or cast, and the equations doing that; (None, ...) otherwise. Walks
+    only that chain: folding whatever computed a var would walk the whole program."""
+    made: set[int] = set()
+    while not isinstance(var, Literal) and var in graph.producer:
+        eqn = graph.eqn(var)
+        if prim(eqn) not in _KEEPDIMS + ("convert_element_type",):
+            return None, made
+        made.add(graph.producer[var])
+        var = eqn.invars[0]
+    value = constant(graph, var) if isinstance(var, Literal) or var in graph.consts else None
+    return (float(value.reshape(())) if value is not None and value.size == 1 else None), made
+
+
 def _scalar(graph: Graph, var: Any) -> float | None:
-    value = constant(graph, var)
-    return None if value is None or value.size != 1 else float(value.reshape(()))
+    """The value of a size-1 literal or constant (maybe reshaped or cast); None otherwise."""
+    return _filled(graph, var)[0] if math.prod(getattr(var.aval, "shape", ())) == 1 else None
 
 
 def _added_eps(graph: Graph, var: Any, group: set[int]) -> Any:
@@ -228,7 +243,10 @@ def _normalized(graph: Graph, x: Any, mean: Any, rstd: Any, group: set[int]) -> 
         forms[x] = "C"
     made = set()
     start = min(group)
-    for i in range(start, len(graph.jaxpr.eqns)):
+    todo = sorted({i for v in (x, rstd) for i in graph.uses.get(v, []) if i >= start})  # readers, in order
+    seen = set(todo)
+    while todo:
+        i = heapq.heappop(todo)
         eqn = graph.jaxpr.eqns[i]
         ins = [forms.get(v) if not isinstance(v, Literal) else None for v in eqn.invars]
         if i in group or (all(f is None for f in ins) and prim(eqn) != "sub"):
@@ -239,6 +257,10 @@ def _normalized(graph: Graph, x: Any, mean: Any, rstd: Any, group: set[int]) -> 
         forms[eqn.outvars[0]] = form
         group.add(i)
         made.add(eqn.outvars[0])
+        for j in graph.uses.get(eqn.outvars[0], []):
+            if j not in seen:
+                seen.add(j)
+                heapq.heappush(todo, j)
     outs = [v for v in made if isinstance(forms[v], tuple) and forms[v][0] == "Y" and not graph.only_used_by(v, group)]
     if len(outs) != 1:
         return None
@@ -289,18 +311,9 @@ def _is(form: Any, kind: str) -> bool:
 
 
 def _zeros(graph: Graph, var: Any, group: set[int]) -> bool:
-    """Whether ``var`` is zeros made from literals (an RMS norm's mean); its equations join ``group``."""
-    value = constant(graph, var)
-    if value is None or np.any(value != 0):
+    """Whether ``var`` is zeros made from a literal (an RMS norm's mean); its equations join ``group``."""
+    value, made = _filled(graph, var)
+    if value != 0.0:
         return False
-    made, todo = set(), [var]
-    while todo:
-        v = todo.pop()
-        if isinstance(v, Literal):
-            continue
-        if v not in graph.producer:
-            return v in graph.consts
-        made.add(graph.producer[v])
-        todo.extend(graph.jaxpr.eqns[graph.producer[v]].invars)
     group |= made
     return True
