@@ -33,6 +33,7 @@ from train.config.fields import (CLASS_REFERENCE, FUNCTION_REFERENCE, INFERENCE_
 from train.config.tracker import TrackerConfig
 from train.config.finetune import FinetuneConfig, LoraConfig
 from train.data import DATASETS
+from train.data.model_inputs import INPUTS_AS
 from train.models import MODELS
 from train.references import is_reference
 
@@ -86,6 +87,10 @@ class ModelConfig(_Schema):
         return self
 
 
+def _lower(value: Any) -> Any:
+    return value.strip().lower() if isinstance(value, str) else value
+
+
 class DataConfig(_Schema):
     name: DataName = Field("digits", description=f"dataset: {', '.join(DATASETS)}, or a function reference "
                                                  f"{FUNCTION_REFERENCE[1]}")
@@ -103,6 +108,9 @@ class DataConfig(_Schema):
     input_shape: list[Count] = Field([32], description="shape of one input (synthetic)")
     num_classes: Count = Field(10, description="classes, or vocabulary size for synthetic_text (synthetic datasets)")
     prefetch: NonNegative = Field(2, description="batches kept in flight to the device (0: none)")
+    inputs_as: Annotated[Literal[INPUTS_AS], BeforeValidator(_lower)] = Field(
+        "auto", description="a dict of inputs: kwargs (model(**inputs)), dict (model(inputs)), or auto: kwargs "
+                            "where its keys are parameters of the model's __call__, dict where it takes one input")
 
     @model_validator(mode="after")
     def _options_for_functions(self) -> "DataConfig":
@@ -110,10 +118,6 @@ class DataConfig(_Schema):
             raise invalid(f"data.options: only a user data function (data.name: module:function) takes options; "
                            f"the built-in dataset {self.name!r} reads the data.* keys")
         return self
-
-
-def _lower(value: Any) -> Any:
-    return value.strip().lower() if isinstance(value, str) else value
 
 
 class Fp8Config(_Schema):

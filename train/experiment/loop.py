@@ -243,7 +243,8 @@ def _fp8_coverage(config: ExperimentConfig, state: TrainState, data: Any) -> lis
     nothing in FP8 says so, instead of training as bf16 without a word)."""
     if not state.policy.fp8:
         return []
-    explanation = explain_model(state.model, data.sample_input(config.data.batch_size), train=True, backward=True)
+    explanation = explain_model(state.model, data.sample_input(config.data.batch_size), train=True, backward=True,
+                                inputs_as=state.inputs_as)
     return [explanation.fp8_coverage]
 
 

@@ -81,7 +81,7 @@ class Outputs:
         if self.wandb is None or not self.wandb.active:
             return
         try:
-            explanation = explain_model(state.model, sample_input, train=True, backward=True)
+            explanation = explain_model(state.model, sample_input, train=True, backward=True, inputs_as=state.inputs_as)
         except Exception:  # the report is for reading; the run does not depend on it
             logging.getLogger("train").warning("precision.explain failed for the W&B report", exc_info=True)
             explanation = None
