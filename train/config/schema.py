@@ -96,7 +96,8 @@ class DataConfig(_Schema):
                                                  f"{FUNCTION_REFERENCE[1]}")
     options: dict[str, Any] = Field({}, description="keyword arguments of a user data function "
                                                     "(data.name: module:function)")
-    path: str | None = Field(None, description="your own files: Fashion-MNIST IDX directory or a text file")
+    path: str | None = Field(None, min_length=1, description="your own files: Fashion-MNIST IDX directory or a text "
+                                                            "file")
     batch_size: Count = Field(128, description="examples per micro-batch; a step sees batch_size * accum_steps")
     eval_batch_size: Count = Field(512, description="examples per eval batch")
     eval_batches: int | None = Field(None, ge=1, description="evaluate on at most this many batches (null: all)")
@@ -285,7 +286,7 @@ class ExperimentConfig(_Schema):
     inference_dtypes: list[InferenceDtype] = Field(list(INFERENCE_DTYPES), description=(
         "half dtypes whose inference accuracy is compared with float32 at the end ([] to skip)"))
     progress: bool = Field(True, description="show a progress bar")
-    compile_cache: str | None = Field("auto", description="persistent compilation cache directory, so a rerun or "
+    compile_cache: str | None = Field("auto", min_length=1, description="persistent compilation cache directory, so a rerun or "
                                                           "resumption compiles nothing (auto: $MP_COMPILE_CACHE_DIR, "
                                                           "$JAX_COMPILATION_CACHE_DIR or ~/.cache/flax-mixed-precision"
                                                           "/jax; null: off)")
