@@ -67,7 +67,8 @@ def _swallowed_interrupts_redelivered() -> Iterator[None]:
     try:
         yield
     finally:
-        sys.unraisablehook = previous
+        if sys.unraisablehook is hook:  # not one set since, for good: the run's log until exit (library_log)
+            sys.unraisablehook = previous
 
 
 @contextlib.contextmanager
