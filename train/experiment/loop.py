@@ -188,10 +188,7 @@ def _start_tracking(config: ExperimentConfig, state: TrainState, start: int, dat
     """The progress bar and the host-side bookkeeping; announces the run."""
     notes = _fp8_coverage(config, state, data)
     header = [*_data_notes(data), *notes, *tpu_notes(config), state_note(state, config.accum_steps)]
-    if (tuned := finetune_note(state.params, state.frozen)) is not None:
-        header.append(tuned)
-    if (random_base := random_base_warning(config)) is not None:
-        header.append(random_base)
+    header += [line for line in (finetune_note(state.params, state.frozen), random_base_warning(config)) if line]
     run = TrackedRun(config.model.name, config.precision.policy, config.steps, config.log_every,
                      config.max_nonfinite_steps, config.data.batch_size * config.accum_steps)
     primary = jax.process_index() == 0
