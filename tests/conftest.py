@@ -83,3 +83,16 @@ def doctor_off(monkeypatch):
     from train.training.diagnose import RunDoctor
 
     monkeypatch.setattr(RunDoctor, "diagnose", lambda self, state, step, reason: "(doctor off in this test)")
+
+
+@pytest.fixture
+def ctrl_c_raises():
+    """Ctrl-C (SIGINT) raising ``KeyboardInterrupt``, as Python sets it up in a terminal, for a
+    test that presses it: the test runner may have been started with SIGINT ignored (a
+    background job, ``nohup`` under some shells), which Python then keeps. Restored after."""
+    import signal
+
+    previous = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)

@@ -3,6 +3,7 @@
 import functools
 import gzip
 import os
+import sys
 from pathlib import Path
 
 import jax
@@ -20,6 +21,17 @@ def subprocess_env(**overrides: str) -> dict:
         env["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} {overrides['XLA_FLAGS']}"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     return env
+
+
+def interruptible(module: str, *args: str) -> list[str]:
+    """The command line of ``python -m module args`` in which Ctrl-C (SIGINT) raises
+    ``KeyboardInterrupt`` whatever this process inherited (a test runner started as a
+    background job or under ``nohup`` has it ignored, and a child would keep it ignored):
+    the child sets Python's own handler before the module runs (not a ``preexec_fn``,
+    unsafe in a process with threads, as JAX's)."""
+    code = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
+    return [sys.executable, "-c", code, *args]
 
 
 def saved_state(workdir, step=None):

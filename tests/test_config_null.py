@@ -80,3 +80,42 @@ def test_null_inside_a_value_and_a_required_key_are_refused_in_one_line():
         Required.model_validate({"width": None})
     assert error_message(info.value.errors()[0], Required, ("demo",)) == (
         "demo.width is required and cannot be null (unset); it must be an integer")
+
+
+def _keys(schema=None, prefix=""):
+    """Every key of the config schema, dotted (``workdir``, ``precision.fp8.scaling``...)."""
+    from pydantic import BaseModel
+
+    from train.config import ExperimentConfig
+
+    for name, field in (schema or ExperimentConfig).model_fields.items():
+        kind = field.annotation
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            yield from _keys(kind, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}"
+
+
+def test_an_empty_value_on_the_command_line_is_refused_for_every_key_naming_it_and_the_empty_variable():
+    """``workdir=`` (``workdir=$RUN`` with RUN unset) ran in runs/default, resuming whatever was there."""
+    keys = list(_keys()) + ["model.hidden"]
+    assert len(keys) > 60 and "workdir" in keys and "precision.fp8.scaling" in keys
+    for key in keys:
+        with pytest.raises(ConfigError) as info:
+            load_config(DEFAULT, [f"{key}=", "workdir=elsewhere"] if key != "workdir" else ["workdir= "])
+        message = str(info.value)
+        assert f"{key} has an empty value (an empty shell variable, as in {key}=$RUN?)" in message, message
+        assert f"{key}=null to unset it" in message and "\n" not in message
+    assert load_config(DEFAULT, ["workdir=null"]).workdir == "runs/default"  # null still unsets
+
+
+def test_the_cli_refuses_an_empty_workdir_in_one_line_before_touching_runs_default(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main([str(DEFAULT), "workdir=", "steps=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("error: the command line (workdir=): workdir has an empty value (an empty shell variable, as in "
+                   "workdir=$RUN?): give it a value, or workdir=null to unset it")
+    assert not (tmp_path / "runs").exists()
+    for key in ("data.path", "compile_cache"):  # a path written empty on purpose: refused too
+        with pytest.raises(ConfigError, match=f"{key} must not be empty"):
+            load_config(DEFAULT, [f'{key}=""'])

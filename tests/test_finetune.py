@@ -12,17 +12,22 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import yaml
 from flax import nnx
 
 import precision
 import train
 from helpers import all_eqns, assert_bitwise_equal, saved_leaves
 from train.config import ConfigError, from_dict, load_config
+from train.config.finetune import random_base_warning
 from train.finetune import FineTune, FreezeError, LoRA, merge, param_leaves, param_paths
 from train.models import GPT, MODELS
 
 TOKENS = jnp.zeros((2, 16), jnp.int32)
 QUICK = {"progress": False, "inference_dtypes": [], "log_every": 5, "checkpoint_every": 0}
+RANDOM_BASE = ("warning: finetune.lora without model.init_from: the frozen base is this run's fresh init (random "
+               "weights), not a trained model; give model.init_from (a run's workdir or a Hugging Face Flax "
+               "directory)")
 
 
 def _gpt(d_model=32):
@@ -197,6 +202,7 @@ def test_the_default_experiment_fine_tuned_with_lora_keeps_its_accuracy_in_under
     assert per_param <= 3.0, header
     assert "fine-tuning: LoRA adapters on 3 modules (Dense_0, Dense_1, Dense_2)" in header
     assert "frozen arrays in bfloat16 with no gradient, master or optimizer state" in header
+    assert "warning: finetune.lora without model.init_from" not in header  # its base is a trained run
     assert tuned["accuracy"] >= default_base[1]["accuracy"] - 0.01, (tuned, default_base[1])
 
 
@@ -243,10 +249,26 @@ def test_a_lora_run_resumes_exactly(tmp_path, base):
                           "precision": {"policy": "mixed_f16"},
                           "finetune": {"lora": {"rank": 2}, "base": base}})
 
-    train.run(config(tmp_path / "straight", 20), out=io.StringIO())
+    out = io.StringIO()
+    train.run(config(tmp_path / "straight", 20), out=out)
+    assert RANDOM_BASE in out.getvalue().splitlines()[:5], out.getvalue()  # adapters on a fresh init: said first
     train.run(config(tmp_path / "resumed", 10), out=io.StringIO())
     train.run(config(tmp_path / "resumed", 20), out=io.StringIO())
     assert_bitwise_equal(saved_leaves(tmp_path / "straight", 20)[1], saved_leaves(tmp_path / "resumed", 20)[1])
+
+
+def test_lora_on_a_fresh_init_is_said_in_one_warning_line_by_check(tmp_path, capsys):
+    """``finetune.lora.rank=4`` without ``model.init_from`` trained adapters on a random base, saying nothing
+    (the run's first lines: :func:`test_a_lora_run_resumes_exactly`)."""
+    config = {"model": {"name": "mlp", "hidden": [16]}, "finetune": {"lora": {"rank": 2}},
+              "data": {"name": "synthetic", "input_shape": [8], "num_classes": 2}, "workdir": str(tmp_path)}
+    (tmp_path / "lora.yaml").write_text(yaml.safe_dump(config))
+    from train.cli import main
+
+    assert main([str(tmp_path / "lora.yaml"), "--check"]) == 0
+    assert capsys.readouterr().out.splitlines()[1:] == [RANDOM_BASE]
+    for other in ("finetune.lora.rank=null", f"model.init_from={tmp_path}/base"):  # no adapters; a trained base
+        assert random_base_warning(load_config(tmp_path / "lora.yaml", [other])) is None
 
 
 def test_bad_finetune_keys_fail_in_one_line_naming_the_key(tmp_path):

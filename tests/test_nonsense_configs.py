@@ -4,6 +4,7 @@ before any compute in one line with exit status 2, or stopped in one line with e
 and the same experiment made sane still runs."""
 
 import gzip
+import json
 from pathlib import Path
 
 import numpy as np
@@ -136,6 +137,40 @@ def test_a_loss_that_is_nan_every_step_of_a_short_run_stops_it_with_exit_1(user_
     assert code == 1 and len(err) == 1, err
     assert err[0].startswith("error: training stopped at step 3: the loss itself was non-finite, while its gradients "
                              "were finite, for all 3 steps of this run (since step 1; max_nonfinite_steps=100)")
+
+
+NAN_MODEL = '''
+import flax.linen as nn
+import jax.numpy as jnp
+
+
+class NaNOut(nn.Module):  # its output NaN at every step, in float32 too: no loss scale can help
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(10)(x.reshape(x.shape[0], -1)) * jnp.nan
+'''
+
+
+def test_a_model_whose_output_is_nan_every_step_stops_with_exit_1_and_the_doctors_verdict(tmp_path, capsys):
+    """Under the default config's mixed_f16: 20 of 20 steps skipped, the loss scale driven from 32768
+    to 1, 'final train loss nan', exit 0 (the streak rule counts steps at the minimum scale: 5 of 20)."""
+    (tmp_path / "nan_model.py").write_text(NAN_MODEL)
+    workdir = tmp_path / "run"
+    code = main([str(ROOT / "configs" / "default.yaml"), f"model.name={tmp_path}/nan_model.py:NaNOut", "steps=20",
+                 "log_every=5", "eval_every=0", "checkpoint_every=0", "progress=false", "inference_dtypes=[]",
+                 f"workdir={workdir}"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 1 and len(err) == 1, err
+    assert err[0].startswith("error: training stopped at step 20: none of the 20 steps of this run was applied: "
+                             "each was skipped for a non-finite loss or gradients (at loss scales from 32768 down "
+                             "to 1), so the run trained nothing. At step 1, the first non-finite gradient was in "
+                             "params/"), err[0]
+    assert "The doctor, on step 1's batch: " in err[0]
+    assert "is non-finite in float32 too: the model's math, not precision" in err[0]  # the verdict: not precision
+    assert f"checkpointed at step 20 in {workdir}/checkpoints" in err[0]  # nothing lost
+    assert (workdir / "checkpoints" / "20").is_dir() and (workdir / "diagnosis.json").exists()
+    kinds = [json.loads(line)["kind"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert kinds.count("train") == 4 and "error" in kinds and "diagnosis" in kinds
 
 
 SANE = [

@@ -223,9 +223,9 @@ def _interrupt_cli(args, wait_for):
     import sys
     import time
 
-    from helpers import ROOT, subprocess_env
+    from helpers import ROOT, interruptible, subprocess_env
 
-    proc = subprocess.Popen([sys.executable, "-m", "train", *args], cwd=ROOT, env=subprocess_env(),
+    proc = subprocess.Popen(interruptible("train", *args), cwd=ROOT, env=subprocess_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines = []
     while not any(wait_for in line for line in lines):
@@ -261,7 +261,7 @@ def test_a_huge_model_says_so_before_tracing_and_ctrl_c_stops_it_at_once(tmp_pat
     assert code == 130 and seconds < 10 and err.strip() == "interrupted" and "Traceback" not in err
 
 
-def test_an_error_that_follows_a_ctrl_c_is_the_interruption_not_a_config_error(monkeypatch, capsys):
+def test_an_error_that_follows_a_ctrl_c_is_the_interruption_not_a_config_error(monkeypatch, capsys, ctrl_c_raises):
     """CI, 2026-11-28: a press that landed inside the model's trace came out as the model check's
     error (exit 2, 'error: model ... raised'); after a press, whatever a check says is the press."""
     import os
@@ -293,7 +293,7 @@ def test_an_error_that_follows_a_ctrl_c_is_the_interruption_not_a_config_error(m
     assert capsys.readouterr().err == "error: configs/default.yaml: model 'mlp' has no parameters\n"
 
 
-def test_a_ctrl_c_while_training_is_noted_and_raised_between_device_calls():
+def test_a_ctrl_c_while_training_is_noted_and_raised_between_device_calls(ctrl_c_raises):
     """Raised wherever Python happened to be, a Ctrl-C that lands in JAX's garbage-collection
     callback is 'exception ignored' and the run trains on (seen: 1 in 7 presses on a loaded
     machine); the loop takes it between device calls instead. A second press raises at once."""
@@ -355,7 +355,7 @@ def _drop_an_object_with_a_press_in_its_weakref_callback():
     [_collect_with_a_press_in_a_gc_callback, _drop_an_object_with_a_press_in_its_weakref_callback],
     ids=["gc callback", "weakref callback"],
 )
-def test_a_ctrl_c_landing_where_python_swallows_exceptions_is_delivered_after_it(swallowing_place):
+def test_a_ctrl_c_landing_where_python_swallows_exceptions_is_delivered_after_it(swallowing_place, ctrl_c_raises):
     """Python swallows an exception raised in a gc or weakref callback ("exception ignored"),
     so a Ctrl-C handled there was lost and tracing or training went on. It is raised again."""
     import time
@@ -365,3 +365,27 @@ def test_a_ctrl_c_landing_where_python_swallows_exceptions_is_delivered_after_it
     with reliable_interrupts(), pytest.raises(KeyboardInterrupt):
         swallowing_place()
         time.sleep(2)  # delivered again here
+
+
+def test_a_run_started_with_ctrl_c_ignored_keeps_it_ignored_and_restores_what_it_found():
+    """A background job of a script, or a supervisor, starts the run with SIGINT ignored: a
+    Ctrl-C meant for the terminal's foreground command must not stop it (it did: the CLI put
+    its own handler in), and the handlers must leave SIGINT as they found it."""
+    import os
+    import signal
+    import time
+
+    from train.experiment.interrupts import interrupts_between_calls, reliable_interrupts
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with reliable_interrupts() as pressed, interrupts_between_calls() as interrupted:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            interrupted()  # not noted: nothing raised
+            assert not pressed()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    except KeyboardInterrupt:
+        pytest.fail("a Ctrl-C the process was started ignoring stopped it")
+    finally:
+        signal.signal(signal.SIGINT, previous)

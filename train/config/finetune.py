@@ -2,7 +2,7 @@
 (:mod:`train.finetune`, docs/fine-tuning.md)."""
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -10,7 +10,7 @@ from train.config.errors import invalid
 from train.config.fields import Fraction, Number
 from train.config.section import Section
 
-__all__ = ["FinetuneConfig", "LoraConfig"]
+__all__ = ["FinetuneConfig", "LoraConfig", "random_base_warning"]
 
 
 def _regular_expressions(key: str, patterns: list[str] | None) -> list[str] | None:
@@ -62,3 +62,13 @@ class FinetuneConfig(Section):
     def active(self) -> bool:
         """Whether this run fine-tunes (adapters or frozen params)."""
         return self.lora.rank is not None or bool(self.freeze) or self.base is not None
+
+
+def random_base_warning(config: Any) -> str | None:
+    """A warning line for an experiment ``config`` that trains LoRA adapters without
+    ``model.init_from``: the frozen base is then the run's own fresh init, random weights the
+    adapters cannot make a fine-tuning of (a run's first lines and ``--check`` say so)."""
+    if config.finetune.lora.rank is None or config.model.init_from is not None:
+        return None
+    return ("warning: finetune.lora without model.init_from: the frozen base is this run's fresh init (random "
+            "weights), not a trained model; give model.init_from (a run's workdir or a Hugging Face Flax directory)")

@@ -1,4 +1,5 @@
-"""``key=value`` overrides of a config: dotted keys, YAML values.
+"""``key=value`` overrides of a config: dotted keys, YAML values; ``key=null`` unsets a key,
+an empty value (``workdir=``, most often an empty shell variable) is refused.
 
 A ``model.name`` naming another model than the file's replaces the file's model:
 the file's other ``model.*`` keys were written for its model and are dropped
@@ -41,8 +42,11 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         key = key.strip()
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not of the form key=value (e.g. optimizer.lr=3e-4)")
+        if not text.strip():  # not an unset (key=null is): a value that went missing
+            raise ConfigError(f"override {item!r}: {key} has an empty value (an empty shell variable, as in "
+                              f"{key}=$RUN?): give it a value, or {key}=null to unset it")
         try:
-            value = yaml.safe_load(text) if text.strip() else None
+            value = yaml.safe_load(text)
         except yaml.YAMLError as e:
             raise ConfigError(f"override {item!r}: value is not valid YAML ({e.problem})") from None
         top = key.split(".")[0]

@@ -33,6 +33,7 @@ from train.config.fields import (CLASS_REFERENCE, FUNCTION_REFERENCE, INFERENCE_
 from train.config.tracker import TrackerConfig
 from train.config.finetune import FinetuneConfig, LoraConfig
 from train.data import DATASETS
+from train.data.model_inputs import INPUTS_AS
 from train.models import MODELS
 from train.references import is_reference
 
@@ -86,12 +87,17 @@ class ModelConfig(_Schema):
         return self
 
 
+def _lower(value: Any) -> Any:
+    return value.strip().lower() if isinstance(value, str) else value
+
+
 class DataConfig(_Schema):
     name: DataName = Field("digits", description=f"dataset: {', '.join(DATASETS)}, or a function reference "
                                                  f"{FUNCTION_REFERENCE[1]}")
     options: dict[str, Any] = Field({}, description="keyword arguments of a user data function "
                                                     "(data.name: module:function)")
-    path: str | None = Field(None, description="your own files: Fashion-MNIST IDX directory or a text file")
+    path: str | None = Field(None, min_length=1, description="your own files: Fashion-MNIST IDX directory or a text "
+                                                            "file")
     batch_size: Count = Field(128, description="examples per micro-batch; a step sees batch_size * accum_steps")
     eval_batch_size: Count = Field(512, description="examples per eval batch")
     eval_batches: int | None = Field(None, ge=1, description="evaluate on at most this many batches (null: all)")
@@ -103,6 +109,9 @@ class DataConfig(_Schema):
     input_shape: list[Count] = Field([32], description="shape of one input (synthetic)")
     num_classes: Count = Field(10, description="classes, or vocabulary size for synthetic_text (synthetic datasets)")
     prefetch: NonNegative = Field(2, description="batches kept in flight to the device (0: none)")
+    inputs_as: Annotated[Literal[INPUTS_AS], BeforeValidator(_lower)] = Field(
+        "auto", description="a dict of inputs: kwargs (model(**inputs)), dict (model(inputs)), or auto: kwargs "
+                            "where its keys are parameters of the model's __call__, dict where it takes one input")
 
     @model_validator(mode="after")
     def _options_for_functions(self) -> "DataConfig":
@@ -110,10 +119,6 @@ class DataConfig(_Schema):
             raise invalid(f"data.options: only a user data function (data.name: module:function) takes options; "
                            f"the built-in dataset {self.name!r} reads the data.* keys")
         return self
-
-
-def _lower(value: Any) -> Any:
-    return value.strip().lower() if isinstance(value, str) else value
 
 
 class Fp8Config(_Schema):
@@ -281,7 +286,7 @@ class ExperimentConfig(_Schema):
     inference_dtypes: list[InferenceDtype] = Field(list(INFERENCE_DTYPES), description=(
         "half dtypes whose inference accuracy is compared with float32 at the end ([] to skip)"))
     progress: bool = Field(True, description="show a progress bar")
-    compile_cache: str | None = Field("auto", description="persistent compilation cache directory, so a rerun or "
+    compile_cache: str | None = Field("auto", min_length=1, description="persistent compilation cache directory, so a rerun or "
                                                           "resumption compiles nothing (auto: $MP_COMPILE_CACHE_DIR, "
                                                           "$JAX_COMPILATION_CACHE_DIR or ~/.cache/flax-mixed-precision"
                                                           "/jax; null: off)")

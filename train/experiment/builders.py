@@ -53,7 +53,7 @@ def experiment_from(names: Names, config: Any, memory: tuple[int, str] | None = 
     data = data_from(names.data, config.data, config.seed)
     task = task_from(names.task, data, config.model.output)
     model = model_from(names.model, config.model, data, config.seed)
-    check_model_fits_data(model, data, config.model.name, task, config.model, memory)
+    check_model_fits_data(model, data, config.model.name, task, config.model, memory, config.data.inputs_as)
     return data, task, model
 
 
@@ -238,7 +238,7 @@ def train_state_from(names: Names, config: Any, model: Any, data: Any, layout: A
             ops=config_lib.build_op_lists(config.precision), autocast=config.precision.autocast,
             strict=config.precision.strict, fp8=config.precision.fp8.options(),
             reduce_dtype=config.precision.reduce_dtype, init_from=_init_from(config), memory=have,
-            finetune=finetune_from(config.finetune))
+            finetune=finetune_from(config.finetune), inputs_as=config.data.inputs_as)
     except FreezeError as e:  # its message names the key
         raise ConfigError(str(e)) from None
     except StateTooLarge as e:

@@ -15,9 +15,9 @@ import numpy as np
 
 from train.config import ConfigError
 from train.data.base import host_memory_bytes
-from train.data.model_inputs import call_with, describe_inputs
+from train.data.model_inputs import InputsError, call_with, describe_inputs
 from train.references import UserCodeError, one_line
-from train.training.binding import bind, mode_kwargs
+from train.training.binding import bind, inputs_as_for, mode_kwargs
 from train.training.tasks import Task, builtin_task, describe_outputs
 
 __all__ = ["LARGE_PROGRAM_ARRAYS", "MAX_PROGRAM_ARRAYS", "TRAIN_STATE_MIN_BYTES_PER_PARAM", "check_model_fits_data",
@@ -25,20 +25,28 @@ __all__ = ["LARGE_PROGRAM_ARRAYS", "MAX_PROGRAM_ARRAYS", "TRAIN_STATE_MIN_BYTES_
 
 
 def check_model_fits_data(model: Any, data: Any, name: str = "model", task: Task | None = None,
-                          model_config: Any = None, memory: tuple[int, str] | None = None) -> None:
+                          model_config: Any = None, memory: tuple[int, str] | None = None,
+                          inputs_as: str = "auto") -> None:
     """Raises :class:`ConfigError` unless ``model`` takes the data's inputs and the
     task takes its outputs: one logit per class (per token for language models)
     for the built-in tasks, a scalar loss for a user's. Checked abstractly.
     ``model_config`` (its options, and where each was set) is named in the errors.
-    ``memory``: (bytes, where) the train state must fit in (0: unchecked); default: this machine's."""
+    ``memory``: (bytes, where) the train state must fit in (0: unchecked); default: this machine's.
+    ``inputs_as``: how a dict of inputs is passed (``data.inputs_as``: :func:`train.training.binding.inputs_as_for`)."""
     task = task or builtin_task("auto", data.task)
     batch = data.train_batch(0, 2, 0)
     bound = bind(model, "fp32")
     sample = batch["inputs"]
     try:
+        inputs_as = inputs_as_for(model, sample, inputs_as)
+    except InputsError as e:
+        raise ConfigError(f"model '{name}': {e}") from None
+    try:
         mode = mode_kwargs(bound, False)
-        variables = jax.eval_shape(lambda x: call_with(bound.init, x, jax.random.PRNGKey(0), **mode), sample)
-        outputs = jax.eval_shape(lambda v, x: call_with(bound.apply, x, v, **mode), variables, sample)
+        variables = jax.eval_shape(
+            lambda x: call_with(bound.init, x, jax.random.PRNGKey(0), inputs_as=inputs_as, **mode), sample)
+        outputs = jax.eval_shape(lambda v, x: call_with(bound.apply, x, v, inputs_as=inputs_as, **mode), variables,
+                                 sample)
     except Exception as e:  # noqa: BLE001 - any failure here is a model/data mismatch
         raise ConfigError(f"model '{name}' cannot take {data.name} inputs of {describe_inputs(sample)} "
                           f"({one_line(e)}){with_options(model_config)}") from None

@@ -14,6 +14,10 @@ during training, on a loaded machine). So:
 - :func:`interrupts_between_calls` (the training loop): the first press is only
   noted and the loop raises it between device calls, where the newest state can
   be checkpointed; a second press raises at once.
+
+A process started with SIGINT ignored (a background job of a script, a supervisor
+that asked for it) keeps it ignored: a Ctrl-C meant for the terminal's foreground
+command does not stop it.
 """
 
 from __future__ import annotations
@@ -33,6 +37,21 @@ def _redeliver_soon() -> None:
 
 
 @contextlib.contextmanager
+def _sigint_handled_by(handler: Callable) -> Iterator[bool]:
+    """Within: SIGINT runs ``handler``, unless the process has it ignored (then it stays so);
+    yields whether ``handler`` was installed. After: the handler before, whatever it was."""
+    previous = signal.getsignal(signal.SIGINT)
+    installed = previous is not signal.SIG_IGN
+    if installed:
+        signal.signal(signal.SIGINT, handler)
+    try:
+        yield installed
+    finally:
+        if installed:  # None: a handler installed outside Python, which signal.signal cannot put back
+            signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
+
+
+@contextlib.contextmanager
 def _swallowed_interrupts_redelivered() -> Iterator[None]:
     """Within: a ``KeyboardInterrupt`` Python could not raise (it reports it to
     ``sys.unraisablehook``) is raised again a moment later, where it can be."""
@@ -48,7 +67,8 @@ def _swallowed_interrupts_redelivered() -> Iterator[None]:
     try:
         yield
     finally:
-        sys.unraisablehook = previous
+        if sys.unraisablehook is hook:  # not one set since, for good: the run's log until exit (library_log)
+            sys.unraisablehook = previous
 
 
 @contextlib.contextmanager
@@ -61,18 +81,13 @@ def reliable_interrupts() -> Iterator[Callable[[], bool]]:
         yield lambda: False
         return
     pressed = [False]
-    previous = signal.getsignal(signal.SIGINT)
 
     def press(signum, frame):
         pressed[0] = True
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGINT, press)
-    try:
-        with _swallowed_interrupts_redelivered():
-            yield lambda: pressed[0]
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    with _sigint_handled_by(press), _swallowed_interrupts_redelivered():
+        yield lambda: pressed[0]
 
 
 @contextlib.contextmanager
@@ -83,7 +98,6 @@ def interrupts_between_calls() -> Iterator[Callable[[], None]]:
         yield lambda: None
         return
     pressed = [0]
-    previous = signal.getsignal(signal.SIGINT)
 
     def note(signum, frame):
         pressed[0] += 1
@@ -94,9 +108,5 @@ def interrupts_between_calls() -> Iterator[Callable[[], None]]:
         if pressed[0]:
             raise KeyboardInterrupt
 
-    signal.signal(signal.SIGINT, note)
-    try:
-        with _swallowed_interrupts_redelivered():
-            yield check
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    with _sigint_handled_by(note), _swallowed_interrupts_redelivered():
+        yield check

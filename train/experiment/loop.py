@@ -45,6 +45,7 @@ from train.training.step import evaluate, make_eval_step, make_multi_step, make_
 from train.experiment.interrupts import interrupts_between_calls
 from train.finetune import finetune_note
 from train.config.tpu_policy import tpu_config_problem
+from train.config.finetune import random_base_warning
 from train.tracking.tracker import NonFiniteError, TrackedRun, Tracker, format_summary, model_label
 from train.tracking.wandb_logger import check_wandb
 from train.experiment.workdir import RESUMABLE_CHANGES, check_same_experiment, check_writable, resolved_config  # noqa: F401
@@ -101,7 +102,8 @@ def check_experiment(config: ExperimentConfig) -> str:
     workdir (and a named compile cache) writable, the mesh fitting the devices, the
     data, task and model fitting each other, the train state buildable under the
     policy (``precision.strict`` included; both abstractly), and the workdir holding
-    no other experiment's checkpoints. Returns a line describing the experiment.
+    no other experiment's checkpoints. Returns a line describing the experiment (and a
+    warning line where the config trains LoRA adapters on a fresh init).
 
     Raises:
       ConfigError, DataError: as :func:`run` would, before any compute.
@@ -117,8 +119,9 @@ def check_experiment(config: ExperimentConfig) -> str:
     # The train state's own checks (policy and rules on this model, strict coverage, reduce_dtype, the loss
     # scale against the optimizer), abstractly: nothing is allocated.
     jax.eval_shape(lambda: train_state_from(names, config, model, data, layout)[0])
-    return (f"{model_label(config.model.name)} on {data.describe()}; policy {config.precision.policy}; "
-            f"{config.steps} steps; {_describe_layout(layout)}; workdir {workdir}")
+    described = (f"{model_label(config.model.name)} on {data.describe()}; policy {config.precision.policy}; "
+                 f"{config.steps} steps; {_describe_layout(layout)}; workdir {workdir}")
+    return "\n".join(line for line in (described, random_base_warning(config)) if line)
 
 
 def plan_calls(start: int, end: int, steps_per_call: int, every: tuple[int, ...] = ()) -> Iterator[tuple[int, int]]:
@@ -185,8 +188,7 @@ def _start_tracking(config: ExperimentConfig, state: TrainState, start: int, dat
     """The progress bar and the host-side bookkeeping; announces the run."""
     notes = _fp8_coverage(config, state, data)
     header = [*_data_notes(data), *notes, *tpu_notes(config), state_note(state, config.accum_steps)]
-    if (tuned := finetune_note(state.params, state.frozen)) is not None:
-        header.append(tuned)
+    header += [line for line in (finetune_note(state.params, state.frozen), random_base_warning(config)) if line]
     run = TrackedRun(config.model.name, config.precision.policy, config.steps, config.log_every,
                      config.max_nonfinite_steps, config.data.batch_size * config.accum_steps)
     primary = jax.process_index() == 0
@@ -243,7 +245,8 @@ def _fp8_coverage(config: ExperimentConfig, state: TrainState, data: Any) -> lis
     nothing in FP8 says so, instead of training as bf16 without a word)."""
     if not state.policy.fp8:
         return []
-    explanation = explain_model(state.model, data.sample_input(config.data.batch_size), train=True, backward=True)
+    explanation = explain_model(state.model, data.sample_input(config.data.batch_size), train=True, backward=True,
+                                inputs_as=state.inputs_as)
     return [explanation.fp8_coverage]
 
 

@@ -5,6 +5,7 @@ and what it says on the console."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from typing import Any, Callable, Iterator, TextIO
@@ -38,7 +39,14 @@ class Outputs:
         self.wandb_settings = config.tracker.wandb if primary and config.tracker.wandb.enabled else None
         self.wandb: WandbLogger | None = None  # while tracking()
         self.library_log = os.path.join(self.workdir, "train.log" if primary else f"train.{jax.process_index()}.log")
-        self.checkpoints = Checkpointer(os.path.join(self.workdir, "checkpoints"), config.keep_checkpoints)
+        self.keep_checkpoints = config.keep_checkpoints
+
+    @functools.cached_property
+    def checkpoints(self) -> Checkpointer:
+        """The workdir's checkpoints, opened where first used: inside the run's library log
+        (``library_log``), where what orbax says of a corrupt checkpoint's metadata as it reads
+        them goes, not to the terminal."""
+        return Checkpointer(os.path.join(self.workdir, "checkpoints"), self.keep_checkpoints)
 
     def record(self, record: dict) -> None:
         self.writer.write(record)
@@ -81,7 +89,7 @@ class Outputs:
         if self.wandb is None or not self.wandb.active:
             return
         try:
-            explanation = explain_model(state.model, sample_input, train=True, backward=True)
+            explanation = explain_model(state.model, sample_input, train=True, backward=True, inputs_as=state.inputs_as)
         except Exception:  # the report is for reading; the run does not depend on it
             logging.getLogger("train").warning("precision.explain failed for the W&B report", exc_info=True)
             explanation = None

@@ -40,13 +40,14 @@ def base_dtype(finetune: FineTune | None) -> Any:
     return stored if isinstance(stored, str) else np.dtype(stored)
 
 
-def finetune_model(model: Any, finetune: FineTune | None, sample_input: Any) -> Any:
-    """``model`` with the fine-tuning's adapters, if it has any (:func:`train.finetune.lora.with_lora`)."""
+def finetune_model(model: Any, finetune: FineTune | None, sample_input: Any, inputs_as: str = "kwargs") -> Any:
+    """``model`` with the fine-tuning's adapters, if it has any (:func:`train.finetune.lora.with_lora`),
+    traced on ``sample_input`` (a dict of inputs passed as ``inputs_as`` says: :mod:`train.data.model_inputs`)."""
     if finetune is None or finetune.lora is None:
         return model
     from train.data.model_inputs import call_arguments
 
-    args, kwargs = call_arguments(sample_input)
+    args, kwargs = call_arguments(sample_input, inputs_as)
     return with_lora(model, finetune.lora, *args, **kwargs)
 
 

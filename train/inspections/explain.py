@@ -15,7 +15,7 @@ import jax
 import precision
 from train import config as config_lib
 from train.config import ExperimentConfig
-from train.training.binding import bind
+from train.training.binding import bind, inputs_as_for
 from train.experiment.builders import build_train_state, finetune_from
 from train.parallel.communication import CommunicationReport, explain_communication
 from train.experiment.loop import accumulation_dtype, build_experiment, layout_of, state_note
@@ -36,11 +36,12 @@ def explain_experiment(config: ExperimentConfig, experiment: tuple | None = None
     training micro-batch, under its policy, rules and op lists."""
     data, _, model = experiment or build_experiment(config)
     sample = data.sample_input(config.data.batch_size)
-    model = finetune_model(model, finetune_from(config.finetune), sample)  # its adapters explained too
+    inputs_as = inputs_as_for(model, sample, config.data.inputs_as)
+    model = finetune_model(model, finetune_from(config.finetune), sample, inputs_as)  # its adapters explained too
     wrapped = bind(model, config.precision.policy, config.precision.rules,
                    ops=config_lib.build_op_lists(config.precision), autocast=config.precision.autocast,
                    fp8=config.precision.fp8.options())
-    return explain_model(wrapped, sample, train=True, backward=True)
+    return explain_model(wrapped, sample, train=True, backward=True, inputs_as=inputs_as)
 
 
 def explain_experiment_communication(config: ExperimentConfig, experiment: tuple | None = None

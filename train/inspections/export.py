@@ -31,7 +31,7 @@ from train.data.model_inputs import call_with
 from train.experiment.builders import build_experiment
 from train.experiment.fits import format_bytes
 from train.finetune import FineTune, LoRA, finetune_model
-from train.training.binding import bind, cast_variables, mode_kwargs, rebind
+from train.training.binding import bind, cast_variables, inputs_as_for, mode_kwargs, rebind
 from train.training.diagnose import diagnose_inference, summary_line, write_diagnosis
 from train.training.inference import inference_report
 from train.training.state import create_train_state
@@ -66,13 +66,14 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
     except (ConfigError, DataError, PretrainedError) as e:
         raise ExportError(f"{run_dir}: {e}") from None
     inputs = data.train_batch(0, 2, config.seed)["inputs"]
-    shapes = _param_shapes(bind(model, "fp32"), inputs)
+    inputs_as = inputs_as_for(model, inputs, config.data.inputs_as)
+    shapes = _param_shapes(bind(model, "fp32"), inputs, inputs_as)
     state = {k: v for k, v in variables.items() if k != "params"}
     params = dequantized_base(traverse_util.flatten_dict(variables["params"]), shapes)
-    params, merged, match = _merge_lora(config, model, inputs, params, state)
+    params, merged, match = _merge_lora(config, model, (inputs, inputs_as), params, state)
     _check_fits(params, shapes, run_dir)
     rules = _export_rules(config.precision, name)
-    exported, kept = _cast(model, inputs, params, name, rules, _rules_origin(config.precision))
+    exported, kept = _cast(model, (inputs, inputs_as), params, name, rules, _rules_origin(config.precision))
     served = _served(config, data, model, params, state, rules) if check_accuracy or diagnose else None
     accuracy = _accuracy(config, data, task, served, name) if check_accuracy else None
     diagnosis = _diagnosis(config, data, served, name, rules) if diagnose else None
@@ -126,21 +127,24 @@ def _free_out(out_dir: str | os.PathLike) -> str:
     return out
 
 
-def _param_shapes(bound: Any, inputs: Any) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """The model's params and their shapes, from its init traced abstractly."""
+def _param_shapes(bound: Any, inputs: Any, inputs_as: str) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """The model's params and their shapes, from its init traced abstractly on ``inputs``
+    (a dict of them passed as ``inputs_as`` says)."""
     key = jax.random.key(0)
     keys = {"params": key, "dropout": key}
     mode = mode_kwargs(bound, False)
-    variables = jax.eval_shape(lambda k: call_with(bound.init, inputs, k, **mode), keys)
+    variables = jax.eval_shape(lambda k: call_with(bound.init, inputs, k, inputs_as=inputs_as, **mode), keys)
     return {p: tuple(x.shape) for p, x in traverse_util.flatten_dict(variables["params"]).items()}
 
 
-def _apply(bound: Any, inputs: Any, state: dict) -> Any:
-    """``params -> the model's floating outputs`` (a list), in eval mode."""
+def _apply(bound: Any, sample: tuple[Any, str], state: dict) -> Any:
+    """``params -> the model's floating outputs`` (a list), in eval mode, on ``sample``:
+    ``(inputs, inputs_as)``."""
     mode = mode_kwargs(bound, False)
+    inputs, inputs_as = sample
 
     def apply(params):
-        out = call_with(bound.apply, inputs, {"params": params, **state}, **mode)
+        out = call_with(bound.apply, inputs, {"params": params, **state}, inputs_as=inputs_as, **mode)
         return [x.astype(jnp.float32) for x in jax.tree_util.tree_leaves(out) if jnp.issubdtype(x.dtype, jnp.floating)]
 
     return jax.jit(apply)
@@ -154,10 +158,11 @@ def _gradients(apply: Any, params: dict) -> Flat:
     return {k: np.asarray(v) for k, v in traverse_util.flatten_dict(grads).items()}
 
 
-def _merge_lora(config: Any, model: Any, inputs: Any, params: Flat, state: dict
+def _merge_lora(config: Any, model: Any, sample: tuple[Any, str], params: Flat, state: dict
                 ) -> tuple[Flat, tuple[str, ...], float | None]:
     """``params`` with each adapter pair merged into its weight and dropped, the merged
-    weights' paths, and how far the merged model's outputs are from the LoRA model's."""
+    weights' paths, and how far the merged model's outputs are from the LoRA model's on
+    ``sample``: ``(inputs, inputs_as)``."""
     pairs = adapter_pairs(params)
     if not pairs:
         return params, (), None
@@ -167,8 +172,9 @@ def _merge_lora(config: Any, model: Any, inputs: Any, params: Flat, state: dict
                           "alpha): they cannot be merged")
     spec = LoRA(rank=lora.rank, alpha=lora.alpha, targets=tuple(lora.targets), dropout=0.0).checked()
     scale = spec.alpha / spec.rank
-    adapted = finetune_model(nnx.clone(model) if isinstance(model, nnx.Module) else model, FineTune(lora=spec), inputs)
-    with_adapters = _apply(bind(adapted, "fp32"), inputs, state)
+    adapted = finetune_model(nnx.clone(model) if isinstance(model, nnx.Module) else model, FineTune(lora=spec),
+                             *sample)
+    with_adapters = _apply(bind(adapted, "fp32"), sample, state)
     tree = traverse_util.unflatten_dict({k: jnp.asarray(v) for k, v in params.items()})
     grads = _gradients(with_adapters, tree)
     merged = {k: v for k, v in params.items() if not any(k in pair for pair in pairs.values())}
@@ -182,7 +188,7 @@ def _merge_lora(config: Any, model: Any, inputs: Any, params: Flat, state: dict
             raise ExportError(f"{'/'.join(weight)}: its LoRA adapters cannot be merged: the weight is read by "
                               f"more than the adapted matmul (a tied embedding?), or by none")
         merged[weight] = w + scale * lora_delta(layout, w.shape, a_value, b_value)
-    match = _match(with_adapters, _apply(bind(model, "fp32"), inputs, state), tree, params, merged, pairs)
+    match = _match(with_adapters, _apply(bind(model, "fp32"), sample, state), tree, params, merged, pairs)
     return merged, tuple("/".join(k) for k in pairs), match
 
 
@@ -226,12 +232,12 @@ def _export_rules(section: Any, dtype: str) -> tuple[Rule, ...]:
                  for r in _run_rules(section))
 
 
-def _cast(model: Any, inputs: Any, params: Flat, dtype: str, rules: tuple[Rule, ...], origin: str
+def _cast(model: Any, sample: tuple[Any, str], params: Flat, dtype: str, rules: tuple[Rule, ...], origin: str
           ) -> tuple[Flat, dict[str, str]]:
     """``params`` cast as the framework casts them under ``params=dtype`` and ``rules``, and the
     params kept in float32 with the rule that keeps each."""
     bound = bind(model, precision.Policy(dtype, dtype, "float32"), rules)
-    _param_shapes(bound, inputs)  # records the module structure (class names), abstractly
+    _param_shapes(bound, *sample)  # records the module structure (class names), abstractly
     abstract = traverse_util.unflatten_dict({k: jax.ShapeDtypeStruct(np.shape(v), np.float32)
                                              for k, v in params.items()})
 
@@ -264,7 +270,7 @@ def _served(config: Any, data: Any, model: Any, params: Flat, state: dict, rules
     """A float32 state of the merged weights under the export's rules, to serve as the export casts."""
     variables = {"params": traverse_util.unflatten_dict({k: jnp.asarray(v) for k, v in params.items()}), **state}
     return create_train_state(model, _FULL, optax.identity(), jax.random.key(config.seed), data.sample_input(1),
-                              rules=rules, variables=variables)
+                              rules=rules, variables=variables, inputs_as=config.data.inputs_as)
 
 
 def _accuracy(config: Any, data: Any, task: Any, served: Any, dtype: str) -> dict[str, dict[str, float]]:

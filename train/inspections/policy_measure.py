@@ -87,7 +87,7 @@ def measure_candidate(experiment: Experiment, candidate: precision.Candidate, re
         state, schedule = build_train_state(config, experiment.model, experiment.data, experiment.layout)
         if state.policy.fp8:
             coverage = explain_model(state.model, experiment.data.sample_input(config.data.batch_size), train=True,
-                                     backward=True)
+                                     backward=True, inputs_as=state.inputs_as)
             if coverage.fp8_share == 0:
                 return _measured(candidate, base, numerics="dropped",
                                  numerics_note=f"no matmul would run in FP8 ({coverage.fp8_coverage})")

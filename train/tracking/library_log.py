@@ -1,11 +1,19 @@
 """What libraries say while a run trains (orbax's and absl's logs, warnings,
 tracebacks of background threads and of callbacks) goes to a file in the
 workdir, not to the user's terminal: there the run's own lines are the whole
-story, one line for an error. The file keeps every detail for whoever needs it."""
+story, one line for an error. The file keeps every detail for whoever needs it.
+
+That includes what their objects say when they are finalized: garbage in
+reference cycles (an orbax read that failed on a corrupt checkpoint leaves its
+unfinished read coroutines so, each printing a 60-line traceback with a
+TensorStore spec as it is closed) is collected before the file is let go, not
+whenever the garbage collector next runs, which for a run stopping on an error
+is at interpreter exit, on the terminal after the run's error line."""
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import sys
@@ -61,6 +69,7 @@ def to_file(path: str) -> Iterator[None]:
         yield
     finally:
         if saved is not None:
+            gc.collect()  # the run's garbage finalized while its output still goes to the file
             handler, terminal, threading.excepthook, sys.unraisablehook = saved
             logging.captureWarnings(False)
             root = logging.getLogger()
@@ -75,5 +84,5 @@ def to_file_until_exit(workdir: str) -> None:
     """For the command line after a run stopped on an error: what libraries still
     say while the process ends (unfinished writes cleaned up by the garbage
     collector) goes to ``WORKDIR/train.log`` too."""
-    if os.path.isdir(workdir):
-        _install(os.path.join(workdir, "train.log"))
+    if os.path.isdir(workdir) and _install(os.path.join(workdir, "train.log")) is not None:
+        gc.collect()  # now, into the file: not at interpreter exit, when the file is no longer ours

@@ -66,6 +66,8 @@ class Tracker:
         self.streak_start: tuple[int, int] | None = None  # (step, nonfinite_leaf) where the streak began
         self.streak = 0  # consecutive skipped steps no lower loss scale could have saved
         self.streak_loss_only = True  # every step of the streak: the loss non-finite, its gradients finite
+        self.applied_steps = 0  # steps of this run whose update was applied (finite loss and gradients)
+        self.first_skip: tuple[int, int] | None = None  # (step, nonfinite_leaf) of this run's first skipped step
         self.dynamic_scale = hasattr(scale, "min_loss_scale")
         self.at_min_scale_step: int | None = None  # first non-finite step of a dynamic scale at its minimum
         self.scale_in_use = self.initial_scale  # the loss scale of the newest step with finite gradients
@@ -141,11 +143,36 @@ class Tracker:
             self._log(step, m)
 
     def _check_finite(self, step: int, m: dict) -> None:
-        """The stop rule: ``max_nonfinite_steps`` consecutive skipped steps (or every step of
+        """The stop rules (:class:`NonFiniteError`): a streak no lower loss scale could have
+        saved (:meth:`_check_streak`), and a run that reached its last step with none of its
+        steps applied, whatever its loss scale did: it trained nothing."""
+        skipped = not m["grads_finite"]
+        if not skipped:
+            self.applied_steps += 1
+        elif self.first_skip is None:
+            self.first_skip = (step, int(m["nonfinite_leaf"]))
+        self._check_streak(step, m, skipped)
+        if skipped and not self.applied_steps and step >= self.run.steps:
+            self._stop_with_nothing_applied(step, m)
+
+    def _stop_with_nothing_applied(self, step: int, m: dict) -> None:
+        """Raises :class:`NonFiniteError`: every step of this run, up to its last, was skipped."""
+        first_step, leaf = self.first_skip
+        count = step - self.run_start
+        scales = (f"at loss scale {m['loss_scale']:g}" if m["loss_scale"] == self.initial_scale
+                  else f"at loss scales from {self.initial_scale:g} down to {m['loss_scale']:g}")
+        message = (f"none of the {count} steps of this run was applied: each was skipped for a non-finite loss or "
+                   f"gradients ({scales}), so the run trained nothing. At step {first_step}, {self._culprit(leaf)}.")
+        self._log(step, m)
+        self.record({"kind": "error", "step": step, "message": message, "param": self._leaf_path(leaf),
+                     "first_nonfinite_step": first_step})
+        raise NonFiniteError(message, first_step)
+
+    def _check_streak(self, step: int, m: dict, skipped: bool) -> None:
+        """The streak rule: ``max_nonfinite_steps`` consecutive skipped steps (or every step of
         a shorter run) that no lower loss scale could have saved: each used the lowest scale
         there is, or its loss itself was non-finite while its gradients were finite (a scale
         cannot fix that)."""
-        skipped = not m["grads_finite"]
         loss_only = skipped and int(m["nonfinite_leaf"]) == -1
         if not skipped or not (m["at_min_scale"] or loss_only):
             self.streak_start, self.streak, self.streak_loss_only = None, 0, True

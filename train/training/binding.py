@@ -14,7 +14,9 @@ bit-exact checkpoints as Linen ones, through the same code. :func:`rebind`
 Models signal training in different ways (``train=True``,
 ``deterministic=False``, ``training=True``, none at all, or NNX's
 ``model.train()`` / ``model.eval()`` modes): :func:`mode_kwargs` reads it from
-the model's signature, so no model has to be edited to fit the framework.
+the model's signature, so no model has to be edited to fit the framework; so does
+:func:`inputs_as_for`, whether a dict of inputs is the call's keyword arguments or
+its one input.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import copy
 
 import inspect
+import types
 from typing import Any
 
 import jax
@@ -29,8 +32,10 @@ import flax.linen as nn
 from flax import nnx
 
 import precision
+from train.data.model_inputs import inputs_as
 
-__all__ = ["NNXModel", "bind", "rebind", "cast_variables", "mode_kwargs", "call_mode_kwargs", "TRAIN_KEYWORDS"]
+__all__ = ["NNXModel", "bind", "rebind", "cast_variables", "mode_kwargs", "call_mode_kwargs", "call_signature",
+           "inputs_as_for", "TRAIN_KEYWORDS"]
 
 #: Call keywords by which models learn that they are training, and their value when training.
 TRAIN_KEYWORDS = {"train": True, "training": True, "is_training": True, "deterministic": False}
@@ -56,6 +61,37 @@ def mode_kwargs(model: Any, train: bool) -> dict[str, bool]:
         return {"train": train}
     module = getattr(model, "module", model)
     return call_mode_kwargs(type(module).__call__, train)
+
+
+def call_signature(model: Any) -> inspect.Signature | None:
+    """The signature of ``model``'s call as the framework makes it, ``self`` left out (None where
+    it cannot be read): a Linen or NNX module, wrapped by :func:`precision.with_policy` or
+    :func:`bind` or not; its ``__call__`` a method, a decorated one, a ``functools.partialmethod``."""
+    cls = _module_class(model)
+    call = inspect.getattr_static(cls, "__call__", None)
+    try:
+        if hasattr(call, "__get__") and not isinstance(call, (staticmethod, classmethod)):  # a method: bound to self
+            return inspect.signature(types.MethodType(cls.__call__, object()))
+        return inspect.signature(cls.__call__)
+    except (TypeError, ValueError):
+        return None
+
+
+def inputs_as_for(model: Any, inputs: Any, choice: str = "auto") -> str:
+    """``"kwargs"`` or ``"dict"``: how ``model`` takes ``inputs`` (a dict of arrays, or
+    anything else), decided from its signature unless ``choice`` says
+    (:func:`train.data.model_inputs.inputs_as`)."""
+    return inputs_as(call_signature(model) if choice == "auto" else None, inputs, choice,
+                     _module_class(model).__name__)
+
+
+def _module_class(model: Any) -> type:
+    """The class of the module ``model`` is or wraps."""
+    if isinstance(model, NNXModel):
+        return model.module_type
+    if isinstance(model, (precision.LinenWithPolicy, precision.NNXWithPolicy)):
+        return type(model.module)
+    return type(model)
 
 
 def bind(model: Any, policy: "str | precision.Policy | None", rules: Any = None, *,

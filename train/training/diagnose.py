@@ -46,7 +46,7 @@ def diagnose_state(state: TrainState, batch: dict, task: Any, *, verify: bool = 
 
     target, variables, kwargs = _subject(state.model, params, state.model_state, train=True)
     scale = jax.device_get(state.loss_scale) if loss_scale is None else loss_scale
-    args, inputs = call_arguments(batch["inputs"])  # one input, or several (train.data.model_inputs)
+    args, inputs = call_arguments(batch["inputs"], state.inputs_as)  # one input, or several (model_inputs)
     return precision.diagnose(target, *args, variables=variables, loss_fn=loss_fn, loss_scale=scale,
                               verify=verify, **inputs, **kwargs)
 
@@ -62,7 +62,7 @@ def diagnose_inference(state: TrainState, batch: dict, dtype: Any, *, rules: Any
     served = cast_for_inference(state, dtype, rules).model
     params = full_precision_params(state)  # the float32 params served (cast by the doctor, as served)
     target, variables, kwargs = _subject(served, params, state.model_state, train=False)
-    args, inputs = call_arguments(_arrays(batch)["inputs"])
+    args, inputs = call_arguments(_arrays(batch)["inputs"], state.inputs_as)
     return precision.diagnose(target, *args, variables=variables, verify=verify, **inputs, **kwargs)
 
 

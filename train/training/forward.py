@@ -37,7 +37,7 @@ def forward_and_loss(state: TrainState, task: Task, train_kwarg: str | None, mut
 
     def forward_and_loss(params, fp8_state, model_state, batch, rng):
         fp8 = {} if fp8_state is None else {precision.FP8_COLLECTION: fp8_state}
-        args, kwargs = call_arguments(batch["inputs"])
+        args, kwargs = call_arguments(batch["inputs"], state.inputs_as)
         out = state.model.apply({"params": params, **model_state, **fp8}, *args, rngs={"dropout": rng},
                                 mutable=mutable or False, **kwargs, **mode(state.model, True, train_kwarg))
         outputs, new_model_state = out if mutable else (out, model_state)

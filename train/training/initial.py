@@ -21,43 +21,47 @@ __all__ = ["initial_variables", "sharded_jit"]
 
 
 def initial_variables(wrapped: Any, keys: dict, sample_input: Any, variables: Any,
-                      init_from: str | os.PathLike | None, layout: Layout | None) -> dict:
+                      init_from: str | os.PathLike | None, layout: Layout | None, inputs_as: str = "kwargs") -> dict:
     """The variables a state of the bound model ``wrapped`` starts from: ``init_from``'s
-    weights, else ``variables`` (checked, cast to the policy), else its init with ``keys``."""
+    weights, else ``variables`` (checked, cast to the policy), else its init with ``keys``;
+    a dict of inputs passed as ``inputs_as`` says (:mod:`train.data.model_inputs`)."""
     mode = mode_kwargs(wrapped, False)
+    init = _init(wrapped, mode, inputs_as)
     if init_from is not None:
-        variables = _pretrained(wrapped, keys, sample_input, mode, init_from, variables)
+        variables = _pretrained(init, keys, sample_input, init_from, variables)
     if variables is None:
-        return sharded_jit(_init(wrapped, mode), layout)(keys, sample_input)
-    return _given_variables(wrapped, keys, sample_input, mode, variables)
+        return sharded_jit(init, layout)(keys, sample_input)
+    return _given_variables(wrapped, init, keys, sample_input, mode, variables, inputs_as)
 
 
-def _given_variables(wrapped: Any, keys: dict, sample_input: Any, mode: dict, variables: Any) -> dict:
+def _given_variables(wrapped: Any, init: Any, keys: dict, sample_input: Any, mode: dict, variables: Any,
+                     inputs_as: str) -> dict:
     """``variables`` checked against the model's and cast to its policy (fp8 histories started empty)."""
-    expected = jax.eval_shape(_init(wrapped, mode), keys, sample_input)
+    expected = jax.eval_shape(init, keys, sample_input)
     if precision.FP8_COLLECTION in expected and precision.FP8_COLLECTION not in variables:  # start them empty
         zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), expected[precision.FP8_COLLECTION])
         variables = {**variables, precision.FP8_COLLECTION: zeros}
     _check_variables(variables, expected)
     given = {id(x) for x in jax.tree_util.tree_leaves(variables)}
-    args, kwargs = call_arguments(sample_input)
+    args, kwargs = call_arguments(sample_input, inputs_as)
     cast = cast_variables(wrapped, dict(variables), *args, **kwargs, **mode)
     # the state owns its buffers: the train step donates them, and the caller's (two policies
     # compared from one init) must outlive it
     return jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True) if id(x) in given else x, cast)
 
 
-def _init(wrapped: Any, mode: dict) -> Any:
+def _init(wrapped: Any, mode: dict, inputs_as: str) -> Any:
     """``init(keys, inputs)`` of the bound model, the inputs one array or several
     (:mod:`train.data.model_inputs`)."""
-    return lambda keys, inputs: call_with(wrapped.init, inputs, keys, **mode)
+    return lambda keys, inputs: call_with(wrapped.init, inputs, keys, inputs_as=inputs_as, **mode)
 
 
-def _pretrained(wrapped: Any, keys: dict, sample_input: Any, mode: dict, init_from: Any, variables: Any) -> dict:
-    """The variables ``init_from`` holds for ``wrapped``, with its fresh init where it has none."""
+def _pretrained(init: Any, keys: dict, sample_input: Any, init_from: Any, variables: Any) -> dict:
+    """The variables ``init_from`` holds for the model whose ``init`` is given, with its fresh
+    init where it has none."""
     if variables is not None:
         raise ValueError("create_train_state: give `variables` or `init_from`, not both")
-    init = jax.jit(_init(wrapped, mode))
+    init = jax.jit(init)
     return pretrained_variables(init_from, jax.eval_shape(init, keys, sample_input), lambda: init(keys, sample_input))
 
 

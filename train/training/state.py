@@ -13,7 +13,7 @@ from flax import struct
 import precision
 from precision.loss_scale import LossScale
 from train.parallel.distributed import Layout
-from train.training.binding import NNXModel, bind, call_mode_kwargs, mode_kwargs
+from train.training.binding import NNXModel, bind, call_mode_kwargs, inputs_as_for, mode_kwargs
 from train.training.initial import initial_variables, sharded_jit
 from train.data.model_inputs import call_arguments, describe_inputs
 from train.references import one_line
@@ -43,6 +43,8 @@ class TrainState(struct.PyTreeNode):
     layout: Layout | None = struct.field(pytree_node=False, default=None)  # the mesh it was created on
     #: Paths of the params that are not trained (:mod:`train.finetune`): no gradient, master or optimizer state.
     frozen: frozenset = struct.field(pytree_node=False, default=frozenset())
+    #: How the model takes a dict of inputs: ``"kwargs"`` (``model(**inputs)``) or ``"dict"`` (``model(inputs)``).
+    inputs_as: str = struct.field(pytree_node=False, default="kwargs")
 
     @property
     def policy(self) -> precision.Policy:
@@ -178,7 +180,7 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
                        ops: precision.OpLists | None = None, autocast: bool = True, strict: bool = False,
                        fp8: "precision.Fp8Options | dict | None" = None, reduce_dtype: Any = "auto",
                        init_from: str | os.PathLike | None = None, memory: int | None = None,
-                       finetune: FineTune | None = None) -> TrainState:
+                       finetune: FineTune | None = None, inputs_as: str = "auto") -> TrainState:
     """Initialises a model under ``policy`` and a mixed-precision optimizer around ``optimizer``.
 
     Args:
@@ -228,19 +230,19 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
         frozen (no gradient, master or optimizer state; stored in ``finetune.base``); see
         ``docs/fine-tuning.md``. :class:`train.finetune.FreezeError` for a setting that does
         not apply to the model.
+      inputs_as: a dict of inputs passed as ``"kwargs"`` (``model(**inputs)``), ``"dict"``
+        (``model(inputs)``) or ``"auto"``: as its ``__call__`` takes them; ``state.inputs_as``.
     """
-    model = finetune_model(model, finetune, sample_input)
+    inputs_as = inputs_as_for(model, sample_input, inputs_as)
+    model = finetune_model(model, finetune, sample_input, inputs_as)
     try:
         wrapped = bind(model, policy, rules, ops=ops, autocast=autocast, fp8=fp8,
                        reduce_dtype=_reduce_dtype(reduce_dtype, layout, model, autocast))
     except (TypeError, ValueError) as e:
         raise type(e)(f"create_train_state: {e}") from None
-    _check_coverage(wrapped, sample_input, strict)
-    if jax.dtypes.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key):
-        rng = jax.random.key_data(rng)
-    rng, params_key, dropout_key = jax.random.split(rng, 3)
-    keys = {"params": params_key, "dropout": dropout_key}
-    variables = initial_variables(wrapped, keys, sample_input, variables, init_from, layout)
+    _check_coverage(wrapped, sample_input, strict, inputs_as)
+    rng, keys = _init_keys(rng)
+    variables = initial_variables(wrapped, keys, sample_input, variables, init_from, layout, inputs_as)
     frozen = finetune_frozen(variables["params"], finetune)
     params = stored_frozen(variables["params"], frozen, base_dtype(finetune))
     trained = trainable(params, frozen)
@@ -248,8 +250,17 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
     tx = _mixed_precision_optimizer(optimizer, trained, wrapped.policy, loss_scale, max_grad_norm, skip_with)
     _check_state(wrapped, params, trained, jax.eval_shape(tx.init, trained), memory)
     state = TrainState(step=jnp.zeros([], jnp.int32), params=params, opt_state=sharded_jit(tx.init, layout)(trained),
-                       model_state=model_state, rng=rng, model=wrapped, tx=tx, layout=layout, frozen=frozen)
+                       model_state=model_state, rng=rng, model=wrapped, tx=tx, layout=layout, frozen=frozen,
+                       inputs_as=inputs_as)
     return state if layout is None else layout.put_state(state)
+
+
+def _init_keys(rng: jax.Array) -> tuple[jax.Array, dict]:
+    """The state's key (raw ``uint32`` data, as checkpoints store it) and the init's keys, from ``rng``."""
+    if jax.dtypes.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key):
+        rng = jax.random.key_data(rng)
+    rng, params_key, dropout_key = jax.random.split(rng, 3)
+    return rng, {"params": params_key, "dropout": dropout_key}
 
 
 def _reduce_dtype(reduce_dtype: Any, layout: Layout | None, model: Any, autocast: bool) -> Any:
@@ -275,12 +286,12 @@ def _check_reduce_dtype(wrapped: Any, scale: LossScale) -> None:
             "or reduce_dtype='bf16' or 'f32'")
 
 
-def _check_coverage(wrapped: Any, sample_input: Any, strict: bool) -> None:
+def _check_coverage(wrapped: Any, sample_input: Any, strict: bool, inputs_as: str) -> None:
     """Warns (raises if ``strict``) when the policy leaves the model's matmuls in float32."""
     if wrapped.policy.compute_dtype == jnp.float32:
         return
     try:
-        explanation = explain_model(wrapped, sample_input, train=False, backward=False)
+        explanation = explain_model(wrapped, sample_input, train=False, backward=False, inputs_as=inputs_as)
     except (precision.PolicyError, MemoryError, KeyboardInterrupt):
         raise
     except Exception as e:  # noqa: BLE001 - the user's model raised: say so in one line, not its traceback
@@ -338,9 +349,11 @@ def _mixed_precision_optimizer(optimizer, params, policy, loss_scale, max_grad_n
                                      state_dtype=policy.state_dtype)
 
 
-def explain_model(wrapped: Any, sample_input: Any, *, train: bool, backward: bool) -> precision.Explanation:
-    """:func:`precision.explain` of a bound model (Linen or NNX) in train or eval mode."""
-    args, kwargs = call_arguments(sample_input)
+def explain_model(wrapped: Any, sample_input: Any, *, train: bool, backward: bool,
+                  inputs_as: str = "auto") -> precision.Explanation:
+    """:func:`precision.explain` of a bound model (Linen or NNX) in train or eval mode, a dict of
+    inputs passed as ``inputs_as`` says (a state's ``inputs_as``; ``"auto"``: :func:`inputs_as_for`)."""
+    args, kwargs = call_arguments(sample_input, inputs_as_for(wrapped, sample_input, inputs_as))
     if isinstance(wrapped, NNXModel):
         return precision.explain(wrapped.merge(wrapped.init(), train=train), *args, backward=backward, **kwargs,
                                  **call_mode_kwargs(wrapped.module_type.__call__, train))

@@ -317,7 +317,7 @@ def make_eval_step(*, train_kwarg: str | None = "auto", layout: Layout | None = 
         lay = step_layout(layout, state, "make_eval_step")
 
         def forward(params):
-            args, kwargs = call_arguments(batch["inputs"])
+            args, kwargs = call_arguments(batch["inputs"], state.inputs_as)
             return state.model.apply({"params": params, **state.model_state}, *args, **kwargs, **eval_mode)
 
         params = _evaluated(state)
