@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from precision.autocast import transform
-from precision.autocast.fp8_sites import Fp8Run
+from precision.autocast.scaled.fp8_sites import Fp8Run
 from precision.autocast.op_lists import OpLists
 from precision.autocast.program import MATMUL_PRIMITIVES, MatmulOp, matmul_ops
 from precision.autocast.values import REGION

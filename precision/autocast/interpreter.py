@@ -41,8 +41,8 @@ from precision.autocast.derivatives import HALF_WITH_FLOAT32_DERIVATIVE
 from precision.autocast.islands import demanded_vars
 from precision.autocast.op_lists import OpClass, OpLists
 from precision.autocast.program import binders
-from precision.autocast.fp8_matmul import E4M3
-from precision.autocast.fp8_sites import NOT_FP8_REGION, Fp8Run, fp8_dot, skip_reason
+from precision.autocast.scaled.fp8_matmul import E4M3
+from precision.autocast.scaled.fp8_sites import NOT_FP8_REGION, Fp8Run, fp8_dot, skip_reason
 from precision.autocast import attention_fusion, matmul_precision, norm_fusion, reductions
 from precision.autocast.regions import module_path, region_dtype, region_fp8, region_matmul, scope_names, within
 from precision.autocast.values import (AS_TRACED, DENIED, F32, FOLLOWS_F32, REGION, STATISTICS, UPCAST, Kind, Record,

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from precision.autocast.fp8_sites import Fp8Run
+from precision.autocast.scaled.fp8_sites import Fp8Run
 from precision.autocast.higher_order import RULES
 from precision.autocast.interpreter import Context
 from precision.autocast.op_lists import OpLists

@@ -11,7 +11,7 @@ import flax.linen as nn
 import jax
 
 from precision.autocast import fused_attention, transform as autocast_lib
-from precision.autocast.fp8_sites import Fp8Run
+from precision.autocast.scaled.fp8_sites import Fp8Run
 from precision.autocast.op_lists import OpLists
 from precision.autocast.reductions import reduce_dtype_of
 from precision.fp8 import FP8_COLLECTION, Fp8Options, init_fp8_state

@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 
 from precision.autocast import transform as autocast_lib
-from precision.autocast.fp8_sites import Fp8Run
+from precision.autocast.scaled.fp8_sites import Fp8Run
 from precision.autocast.op_lists import OpLists
 from precision.autocast.reductions import reduce_dtype_of
 from precision.fp8 import Fp8Options, init_fp8_state

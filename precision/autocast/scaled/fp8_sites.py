@@ -2,7 +2,7 @@
 
 An allow-listed ``dot_general`` in an FP8 region (the policy's compute is
 ``f8``, or a rule or :func:`precision.compute_in` says so) becomes
-:func:`~precision.autocast.fp8_matmul.scaled_dot` when each of its M, K, N is
+:func:`~precision.autocast.scaled.fp8_matmul.scaled_dot` when each of its M, K, N is
 at least ``min_size`` (and, unless ``attention`` is asked, it is not a batched
 product of two activations). Under delayed scaling, each such matmul of the
 program's top level is a *site* named ``dot_general_<i>`` (the i-th in its
@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from precision.autocast.fp8_matmul import Histories, matmul_sizes, rowwise_dot, scaled_dot
+from precision.autocast.scaled.fp8_matmul import Histories, matmul_sizes, rowwise_dot, scaled_dot
 from precision.autocast.values import Kind
 from precision.fp8 import Fp8Options
 

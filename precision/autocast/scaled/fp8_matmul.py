@@ -48,7 +48,7 @@ import jax
 import numpy as np
 from jax import lax
 
-from precision.autocast.fp8_quantize import (E4M3, E5M2, F32, Histories, amax, e4m3_read, quantized,
+from precision.autocast.scaled.fp8_quantize import (E4M3, E5M2, F32, Histories, amax, e4m3_read, quantized,
                                              quantized_along, roll_history, scale_for)
 
 __all__ = ["E4M3", "E5M2", "Histories", "amax", "scale_for", "scaled_dot", "rowwise_dot", "roll_history",
