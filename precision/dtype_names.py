@@ -128,6 +128,13 @@ def _is_fp8_name(token: str) -> bool:
 
 #: Spellings of 8-bit optimizer state (block-wise quantized moments, precision.quantized).
 _INT8_NAMES = ("int8", "i8", "8bit")
+#: Spellings of the int8 compute dtype (matmuls with int8 operands, the rest in a fallback dtype).
+_INT8_COMPUTE_NAMES = ("int8", "i8")
+
+
+def _is_int8_compute(token: str) -> bool:
+    """``int8``, ``i8``, alone or with a ``/fallback``: the int8 compute spelling."""
+    return token.strip().partition("/")[0].strip().lower() in _INT8_COMPUTE_NAMES
 
 
 def _is_int8(dtype: Any) -> bool:

@@ -178,7 +178,8 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
                        ops: precision.OpLists | None = None, autocast: bool = True, strict: bool = False,
                        fp8: "precision.Fp8Options | dict | None" = None, reduce_dtype: Any = "auto",
                        init_from: str | os.PathLike | None = None, memory: int | None = None,
-                       finetune: FineTune | None = None) -> TrainState:
+                       finetune: FineTune | None = None, int8: "precision.Int8Options | dict | None" = None
+                       ) -> TrainState:
     """Initialises a model under ``policy`` and a mixed-precision optimizer around ``optimizer``.
 
     Args:
@@ -214,6 +215,8 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
       fp8: :func:`precision.fp8_options` for a policy whose compute is ``f8``.
         Under delayed scaling the amax histories are model state (the ``"fp8"``
         collection): checkpointed, replicated, updated by the train step.
+      int8: :func:`precision.int8_options` for a policy whose compute is ``int8``
+        (``mixed_int8``): no state (int8 scales are current).
       reduce_dtype: the dtype the gradients of params read in half precision
         are produced in, so the dtype a data-parallel step reduces them across
         devices in: ``"f32"``, ``"bf16"`` or ``"f16"`` (which needs a loss
@@ -232,7 +235,7 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
     model = finetune_model(model, finetune, sample_input)
     try:
         wrapped = bind(model, policy, rules, ops=ops, autocast=autocast, fp8=fp8,
-                       reduce_dtype=_reduce_dtype(reduce_dtype, layout, model, autocast))
+                       reduce_dtype=_reduce_dtype(reduce_dtype, layout, model, autocast), int8=int8)
     except (TypeError, ValueError) as e:
         raise type(e)(f"create_train_state: {e}") from None
     _check_coverage(wrapped, sample_input, strict)

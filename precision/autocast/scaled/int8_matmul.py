@@ -1,0 +1,114 @@
+"""An int8 matmul: ``dot_general`` on int8 operands into int32, scaled per row and column,
+with a backward of its own.
+
+The product of AQT, SwitchBack and torchao's row-wise int8 training: each
+operand quantized along the axes the product contracts (a row of the
+activation, a column of the weight; :mod:`.int8_quantize`), multiplied by the
+matrix unit into int32 (exact: 127² x K stays far inside int32 for any K
+below 133,000), and dequantized with the outer product of the two operands'
+scales into the output dtype::
+
+    q_x, s_x = int8(x / (absmax_row(x) / 127)), q_w, s_w = int8(w / (absmax_col(w) / 127))
+    y = float(dot_general(q_x, q_w, preferred_element_type=int32)) * s_x * s_w
+
+Backward, each product contracts other axes, so each quantizes again along its
+own, from the operands saved as they came (16 or 32 bits): ``dx`` = ``g`` per
+row x ``w`` per row (over N), ``dw`` = ``x`` per column x ``g`` per column (over
+M). ``backward="bf16"`` makes both in the fallback dtype instead. The output
+gradient may round stochastically (:func:`.int8_quantize.stochastic_noise`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax import lax
+
+from precision.autocast.scaled.int8_quantize import F32, INT32, quantized_along, stochastic_noise
+from precision.autocast.scaled.products import Product, in_output_layout, transpose_lhs, transpose_rhs
+
+__all__ = ["Backward", "int8_dot", "int8_product", "fallback_product"]
+
+
+class Backward(NamedTuple):
+    """How an int8 product's backward runs (static): both products in int8 (else in
+    ``fallback``), the output gradient rounded stochastically (``salt``: which matmul)."""
+
+    int8: bool = True
+    stochastic: bool = False
+    fallback: np.dtype = np.dtype(np.float32)
+    salt: int = 0
+
+
+def int8_product(out_dtype: Any, noise_salt: int | None = None) -> Product:
+    """A ``dot_general(a, b, dims)`` of two operands each quantized to int8 along its own
+    contracted axes, accumulated in int32 and dequantized into ``out_dtype``; the first
+    operand rounded stochastically when ``noise_salt`` is given (the gradient's)."""
+
+    def product(a: jax.Array, b: jax.Array, dims: Any) -> jax.Array:
+        (a_contract, b_contract), (a_batch, b_batch) = dims
+        noise = None if noise_salt is None else stochastic_noise(a, noise_salt)
+        q_a, s_a = quantized_along(a, a_contract, noise)
+        q_b, s_b = quantized_along(b, b_contract)
+        acc = lax.dot_general(q_a, q_b, dims, preferred_element_type=INT32)
+        a_free = a.ndim - len(a_contract) - len(a_batch)
+        b_free = b.ndim - len(b_contract) - len(b_batch)
+        scales = (in_output_layout(s_a, a_contract, a_batch, 0, b_free)
+                  * in_output_layout(s_b, b_contract, b_batch, a_free, 0))
+        return (acc.astype(F32) * scales).astype(out_dtype)
+
+    return product
+
+
+def fallback_product(compute: Any, out_dtype: Any) -> Product:
+    """A ``dot_general`` with both operands in ``compute`` (the policy's fallback dtype), into ``out_dtype``."""
+    return lambda a, b, dims: lax.dot_general(a.astype(compute), b.astype(compute), dims,
+                                              preferred_element_type=out_dtype)
+
+
+def _as_dims(dims: Any) -> tuple:
+    (lc, rc), (lb, rb) = dims
+    return (tuple(lc), tuple(rc)), (tuple(lb), tuple(rb))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _int8_dot(lhs, rhs, dims, out_dtype, in_dtypes, backward):
+    return int8_product(out_dtype)(lhs, rhs, dims)
+
+
+def _int8_dot_fwd(lhs, rhs, dims, out_dtype, in_dtypes, backward):
+    return _int8_dot(lhs, rhs, dims, out_dtype, in_dtypes, backward), (lhs, rhs)
+
+
+def _backward_product(backward: Backward, out_dtype: np.dtype, salt: int) -> Product:
+    if not backward.int8:
+        return fallback_product(backward.fallback, out_dtype)
+    return int8_product(out_dtype, salt if backward.stochastic else None)
+
+
+def _int8_dot_bwd(dims, out_dtype, in_dtypes, backward, residuals, g):
+    lhs, rhs = residuals
+    (lhs_dtype, rhs_dtype), (lhs_grad, rhs_grad) = in_dtypes
+    salt = 2 * backward.salt
+    d_lhs = transpose_lhs(g, rhs, dims, lhs.ndim, product=_backward_product(backward, lhs_grad, salt))
+    d_rhs = transpose_rhs(g, lhs, dims, rhs.ndim, product=_backward_product(backward, rhs_grad, salt + 1))
+    return d_lhs.astype(lhs_dtype), d_rhs.astype(rhs_dtype)
+
+
+_int8_dot.defvjp(_int8_dot_fwd, _int8_dot_bwd)
+
+
+def int8_dot(lhs: jax.Array, rhs: jax.Array, dims: Any, out_dtype: Any, backward: Backward = Backward(),
+             grad_dtypes: tuple[Any, Any] | None = None) -> jax.Array:
+    """``dot_general(lhs, rhs, dims)`` with int8 operands and int32 accumulation, the result
+    in ``out_dtype``: each operand scaled along the axes it contracts (a row of the
+    activation, a column of the weight). Backward as ``backward`` says (both products in
+    int8 by default). ``grad_dtypes``: the dtypes the two gradients' products are made in
+    (default: the operands'), each then cast to its operand's dtype (a param's gradient
+    made in ``reduce_dtype`` is what a data-parallel step reduces across devices)."""
+    own = (np.dtype(lhs.dtype), np.dtype(rhs.dtype))
+    grads = own if grad_dtypes is None else tuple(np.dtype(d) for d in grad_dtypes)
+    return _int8_dot(lhs, rhs, _as_dims(dims), np.dtype(out_dtype), (own, grads), backward)
