@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--diagnose-steps", type=int, default=1, metavar="N",
                         help="with --diagnose: how many steps to diagnose (default 1)")
     parser.add_argument("--compile-for", metavar="TARGET",
-                        help="compile one train step for a GPU or TPU this machine need not have (h100, h200, a "
+                        help="compile one train step for a GPU or TPU this machine need not have (h100, h200, a100, a "
                              "GpuTargetConfigProto text file: needs JAX's CUDA plugin, pip install '.[gpu-compile]'; "
                              "v5e, v5p, v6e or a slice such as v5p:2x2x2: needs libtpu, pip install "
                              "'.[tpu-compile]'), building the state abstractly, and report whether it fits the "

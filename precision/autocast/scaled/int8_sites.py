@@ -79,16 +79,25 @@ def skip_reason(primitive: str, ins: list, eqn: Any, options: Int8Options) -> st
     return None
 
 
+def _operand(v: Any, target: np.dtype) -> Any:
+    """An operand as the int8 product reads it (see :func:`int8_op`)."""
+    if v.kind is Kind.NEUTRAL or (not v.leaf and np.dtype(v.dtype).itemsize > np.dtype(target).itemsize):
+        return v.as_dtype(target)
+    return v.array
+
+
 def int8_op(site: Any, ins: list, run: Int8Run, target: np.dtype, out_dtype: np.dtype,
             reduce_dtype: np.dtype | None = None) -> tuple[Any, str]:
     """The site's matmul or convolution in int8: (result in ``out_dtype``, the reason to log).
 
-    Operands are quantized from the dtype they are held in (a float32 master
-    weight straight from float32); constants take the region's dtype first. The
-    backward's products run in int8 or in ``target`` (the fallback), as the options
-    say; a param's gradient is made in ``reduce_dtype`` (when given).
+    A param (a float32 master weight) is quantized straight from the dtype it is
+    held in; an activation held wider than ``target`` (the fallback: a float32
+    island's result) and a constant take ``target`` first, so the backward saves
+    activations in 16 bits, as the fallback's matmul would. The backward's
+    products run in int8 or in ``target``, as the options say; a param's
+    gradient is made in ``reduce_dtype`` (when given).
     """
-    lhs, rhs = (v.as_dtype(target) if v.kind is Kind.NEUTRAL else v.array for v in ins)
+    lhs, rhs = (_operand(v, target) for v in ins)
     grads = tuple(reduce_dtype if reduce_dtype is not None and v.leaf else np.dtype(x.dtype)
                   for v, x in zip(ins, (lhs, rhs)))
     options = run.options
