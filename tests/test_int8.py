@@ -196,3 +196,39 @@ def test_config_keys_reach_the_options_and_bad_values_say_so():
     assert config.precision.int8.options() == precision.Int8Options("bf16", True, 0, False)
     with pytest.raises(ConfigError, match="precision.int8.backward"):
         from_dict({"precision": {"policy": "mixed_int8", "int8": {"backward": "fp8"}}})
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def test_a_small_lm_trains_under_int8_to_the_loss_of_bf16_and_keeps_the_state_as_it_was():
+    import optax
+
+    from train import create_train_state, make_train_step
+    from train.models import GPT
+
+    tokens = np.tile(np.arange(16), (16, 3))[:, :17]  # a learnable sequence: next token = token + 1
+    batch = {"inputs": jnp.asarray(tokens[:, :-1]), "labels": jnp.asarray(tokens[:, 1:])}
+    losses, states = {}, {}
+    for name, policy, options in (("bf16", "mixed_bf16", None), ("int8", "mixed_int8", EVERY)):
+        model = GPT(vocab_size=16, block_size=16, num_layers=1, num_heads=2, d_model=32)
+        state = create_train_state(model, policy, optax.adamw(3e-3), jax.random.PRNGKey(0), batch["inputs"][:1],
+                                   int8=options)
+        step = make_train_step(task="language_model")
+        for _ in range(120):
+            state, metrics = step(state, batch)
+        losses[name], states[name] = float(metrics["loss"]), state
+    assert losses["bf16"] < 0.1 and losses["int8"] < 0.1, losses
+    assert abs(losses["int8"] - losses["bf16"]) < 0.05, losses
+    same = lambda a, b: jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)  # noqa: E731
+    assert same(states["int8"].model_state, states["bf16"].model_state)  # nothing kept: checkpoints as bf16's
+
+
+def test_stochastic_rounding_steps_are_deterministic():
+    k = jax.random.split(jax.random.PRNGKey(3), 2)
+    w, x = 0.05 * jax.random.normal(k[0], (64, 32)), jax.random.normal(k[1], (16, 64))
+    fn = precision.autocast(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2), "mixed_int8",
+                            int8={"min_size": 0, "stochastic_rounding": True})
+    grad = jax.jit(jax.grad(fn))
+    nearest = jax.grad(precision.autocast(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2), "mixed_int8", int8=EVERY))(w)
+    assert jnp.array_equal(grad(w), grad(w)) and not jnp.array_equal(grad(w), nearest)

@@ -73,8 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--candidates", action="append", metavar="'POLICY[ key=value...];...'",
                         help="with --pick-policy: the candidates, ';' between them, each a policy or preset "
                              "optionally followed by precision settings, e.g. 'fp32;mixed_bf16;mixed_f16 "
-                             "rules=[[LayerNorm, f32]]' (default: fp32, mixed_bf16, mixed_f16, mixed_fp8, lean_bf16, "
-                             "lean_int8)")
+                             "rules=[[LayerNorm, f32]]' (default: fp32, mixed_bf16, mixed_f16, mixed_fp8, "
+                             "mixed_int8, lean_bf16, lean_int8)")
     parser.add_argument("--steps", type=int, metavar="N",
                         help="with --pick-policy: train steps per candidate (default 30, at most the config's steps)")
     parser.add_argument("--tolerance", type=float, metavar="X",
