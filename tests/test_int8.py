@@ -232,3 +232,25 @@ def test_stochastic_rounding_steps_are_deterministic():
     grad = jax.jit(jax.grad(fn))
     nearest = jax.grad(precision.autocast(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2), "mixed_int8", int8=EVERY))(w)
     assert jnp.array_equal(grad(w), grad(w)) and not jnp.array_equal(grad(w), nearest)
+
+
+# ----------------------------------------------------------------------------- the doctor
+
+
+def test_the_doctor_names_a_module_whose_int8_inputs_round_to_zero_and_verifies_a_bf16_rule():
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(32, name="out")(nn.relu(nn.Dense(32, name="inner")(x)))
+
+    x = jax.random.normal(jax.random.PRNGKey(0), (16, 32)).at[:, 3].mul(1e3)  # one outlier feature per row
+    d = precision.diagnose(MLP(), x, policy="mixed_int8", loss_fn=lambda y: jnp.mean(y ** 2), int8=EVERY)
+    (problem,) = [p for p in d.findings.problems if p.kind == "int8"]
+    assert problem.path == "inner" and problem.pass_ == "forward" and problem.share > 0.5
+    assert "round to zero in int8" in problem.detail
+    (fix,) = d.recommendations
+    assert fix.problem == problem and "[inner, p=f32,c=bf16,o=f32]" in fix.summary
+    plain = jax.random.normal(jax.random.PRNGKey(0), (16, 32))
+    healthy = precision.diagnose(MLP(), plain, policy="mixed_int8", loss_fn=lambda y: jnp.mean(y ** 2), verify=False,
+                                 int8=EVERY)
+    assert not [p for p in healthy.findings.problems if p.kind == "int8"]

@@ -29,7 +29,7 @@ from jax import lax
 from jax.extend.core import DropVar, Literal
 
 from precision.autocast.scaled.int8_matmul import Backward
-from precision.autocast.scaled.int8_quantize import F32, INT32, quantized_along, stochastic_noise
+from precision.autocast.scaled.int8_quantize import F32, INT32, quantized_along, record, stochastic_noise
 
 __all__ = ["int8_conv", "conv_int8_problem"]
 
@@ -41,9 +41,13 @@ def conv_int8_problem(params: dict) -> str | None:
     return None
 
 
-def _per(x: jax.Array, axis: int, noise: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """``x`` in int8 with one scale per index of ``axis`` (over every other axis); the scales flat."""
+def _per(x: jax.Array, axis: int, noise: jax.Array | None = None, recorded: tuple = ()
+         ) -> tuple[jax.Array, jax.Array]:
+    """``x`` in int8 with one scale per index of ``axis`` (over every other axis); the scales flat.
+    ``recorded``: (module, pass, operand) for the doctor's recording."""
     q, scale = quantized_along(x, [d for d in range(x.ndim) if d != axis], noise)
+    if recorded:
+        record(*recorded, x, scale)
     return q, scale.reshape(-1)
 
 
@@ -111,8 +115,8 @@ def _frozen(params: dict) -> tuple:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def _int8_conv(lhs, rhs, params, out_dtype, in_dtypes, backward):
     spec = dict(params)["dimension_numbers"]
-    q_x, s_x = _per(lhs, spec.lhs_spec[0])
-    q_w, s_w = _per(rhs, spec.rhs_spec[0])
+    q_x, s_x = _per(lhs, spec.lhs_spec[0], recorded=(backward.where, "forward", "input"))
+    q_w, s_w = _per(rhs, spec.rhs_spec[0], recorded=(backward.where, "forward", "weight"))
     acc = _int_conv(dict(params))(q_x, q_w)
     scales = _along(s_x, spec.out_spec[0], acc.ndim) * _along(s_w, spec.out_spec[1], acc.ndim)
     return (acc.astype(F32) * scales).astype(out_dtype)
@@ -134,7 +138,7 @@ def _int8_conv_bwd(params, out_dtype, in_dtypes, backward, residuals, g):
     spec = dict(params)["dimension_numbers"]
     shapes = (lhs.shape, rhs.shape, g.shape)
     noise = stochastic_noise(g, 2 * backward.salt) if backward.stochastic else None
-    q_g, s_g = _per(g, spec.out_spec[0], noise)  # per example: the input's gradient contracts pixels, channels
+    q_g, s_g = _per(g, spec.out_spec[0], noise, (backward.where, "backward", "gradient"))  # per example
     q_w, s_w = _per(rhs, spec.rhs_spec[1])  # per input channel
     closed = _transpose(params, 0, shapes)
     d_lhs = _on_ints(closed.jaxpr, [q_w, q_g]).astype(F32)

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from jax import lax
 
-from precision.autocast.scaled.int8_quantize import F32, INT32, quantized_along, stochastic_noise
+from precision.autocast.scaled.int8_quantize import F32, INT32, quantized_along, record, stochastic_noise
 from precision.autocast.scaled.products import Product, in_output_layout, transpose_lhs, transpose_rhs
 
 __all__ = ["Backward", "int8_dot", "int8_product", "fallback_product"]
@@ -35,24 +35,31 @@ __all__ = ["Backward", "int8_dot", "int8_product", "fallback_product"]
 
 class Backward(NamedTuple):
     """How an int8 product's backward runs (static): both products in int8 (else in
-    ``fallback``), the output gradient rounded stochastically (``salt``: which matmul)."""
+    ``fallback``), the output gradient rounded stochastically (``salt``: which matmul);
+    ``where``: its module, when the doctor records (:func:`.int8_quantize.record`)."""
 
     int8: bool = True
     stochastic: bool = False
     fallback: np.dtype = np.dtype(np.float32)
     salt: int = 0
+    where: str = ""
 
 
-def int8_product(out_dtype: Any, noise_salt: int | None = None) -> Product:
+def int8_product(out_dtype: Any, noise_salt: int | None = None, where: str = "", pass_: str = "forward"
+                 ) -> Product:
     """A ``dot_general(a, b, dims)`` of two operands each quantized to int8 along its own
     contracted axes, accumulated in int32 and dequantized into ``out_dtype``; the first
-    operand rounded stochastically when ``noise_salt`` is given (the gradient's)."""
+    operand rounded stochastically when ``noise_salt`` is given (the gradient's). ``where``,
+    ``pass_``: what the doctor's recording calls it (:func:`.int8_quantize.record`)."""
 
     def product(a: jax.Array, b: jax.Array, dims: Any) -> jax.Array:
         (a_contract, b_contract), (a_batch, b_batch) = dims
         noise = None if noise_salt is None else stochastic_noise(a, noise_salt)
         q_a, s_a = quantized_along(a, a_contract, noise)
         q_b, s_b = quantized_along(b, b_contract)
+        names = ("input", "weight") if pass_ == "forward" else ("gradient", "operand")
+        record(where, pass_, names[0], a, s_a)
+        record(where, pass_, names[1], b, s_b)
         acc = lax.dot_general(q_a, q_b, dims, preferred_element_type=INT32)
         a_free = a.ndim - len(a_contract) - len(a_batch)
         b_free = b.ndim - len(b_contract) - len(b_batch)
@@ -76,7 +83,7 @@ def _as_dims(dims: Any) -> tuple:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def _int8_dot(lhs, rhs, dims, out_dtype, in_dtypes, backward):
-    return int8_product(out_dtype)(lhs, rhs, dims)
+    return int8_product(out_dtype, where=backward.where)(lhs, rhs, dims)
 
 
 def _int8_dot_fwd(lhs, rhs, dims, out_dtype, in_dtypes, backward):
@@ -86,7 +93,7 @@ def _int8_dot_fwd(lhs, rhs, dims, out_dtype, in_dtypes, backward):
 def _backward_product(backward: Backward, out_dtype: np.dtype, salt: int) -> Product:
     if not backward.int8:
         return fallback_product(backward.fallback, out_dtype)
-    return int8_product(out_dtype, salt if backward.stochastic else None)
+    return int8_product(out_dtype, salt if backward.stochastic else None, backward.where, "backward")
 
 
 def _int8_dot_bwd(dims, out_dtype, in_dtypes, backward, residuals, g):

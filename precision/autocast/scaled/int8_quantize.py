@@ -13,6 +13,7 @@ step: the loss-scale machinery skips such a step).
 
 from __future__ import annotations
 
+import contextvars
 from typing import Sequence
 
 import jax
@@ -21,7 +22,7 @@ import numpy as np
 from jax import lax
 
 __all__ = ["INT8", "INT32", "QMAX", "scales_along", "quantize_int8", "quantized_along", "stochastic_noise",
-           "saturated_share", "zero_share"]
+           "saturated_share", "zero_share", "RECORDING", "record"]
 
 INT8 = np.dtype(np.int8)
 INT32 = np.dtype(np.int32)
@@ -77,3 +78,19 @@ def zero_share(x: jax.Array, scale: jax.Array) -> jax.Array:
     nonzero = x != 0
     lost = nonzero & (jnp.abs(x / scale) < 0.5)
     return jnp.sum(lost.astype(F32)) / jnp.maximum(jnp.sum(nonzero.astype(F32)), 1.0)
+
+
+#: While the doctor records (:mod:`precision.doctor.int8_check`), the list each int8 product
+#: traced reports its operands' shares to, at run time: ``(module, pass, operand, zero share,
+#: saturated share)``. None (the default): nothing recorded, nothing added to the program.
+RECORDING: contextvars.ContextVar = contextvars.ContextVar("int8_recording", default=None)
+
+
+def record(where: str, pass_: str, operand: str, x: jax.Array, scale: jax.Array) -> None:
+    """Reports ``x``'s shares rounded to zero and saturated at ``scale`` to the active recording
+    (a ``jax.debug.callback``; nothing when none is active or ``where`` is empty)."""
+    sink = RECORDING.get()
+    if sink is None or not where:
+        return
+    jax.debug.callback(lambda zero, saturated: sink.append((where, pass_, operand, float(zero), float(saturated))),
+                       zero_share(x, scale), saturated_share(x, scale))

@@ -20,7 +20,7 @@ import numpy as np
 
 from precision.autocast.scaled.int8_conv import conv_int8_problem, int8_conv
 from precision.autocast.scaled.int8_matmul import Backward, int8_dot
-from precision.autocast.scaled.int8_quantize import INT8
+from precision.autocast.scaled.int8_quantize import INT8, RECORDING
 from precision.autocast.scaled.products import matmul_sizes
 from precision.autocast.values import Kind
 from precision.int8 import Int8Options
@@ -102,7 +102,8 @@ def int8_op(site: Any, ins: list, run: Int8Run, target: np.dtype, out_dtype: np.
                   for v, x in zip(ins, (lhs, rhs)))
     options = run.options
     backward = Backward(options.int8_backward, options.stochastic_rounding, np.dtype(target),
-                        run.next_salt() if options.stochastic_rounding else 0)
+                        run.next_salt() if options.stochastic_rounding else 0,
+                        "/".join(site.path) if RECORDING.get() is not None else "")
     if site.name == "conv_general_dilated":
         return int8_conv(lhs, rhs, site.eqn.params, out_dtype, backward, grads), INT8_CONV
     return int8_dot(lhs, rhs, site.eqn.params["dimension_numbers"], out_dtype, backward, grads), INT8_MATMUL
