@@ -94,7 +94,57 @@ def collect(runs: pathlib.Path) -> dict[str, Any]:
                          "skipped_steps": s["loss_scale"]["skipped_steps"],
                          "command": "python " + " ".join(command(experiment, variant, runs / experiment / _slug(variant)))})
     return {"goal_loss_vs_bf16": GOAL_LOSS, "goal_accuracy_pp": GOAL_ACCURACY, "rows": rows,
-            "programs": programs(), "environment": environment()}
+            "programs": programs(), "gradients": gradient_errors(), "environment": environment()}
+
+
+#: The recipe's choices whose gradients are compared (int8 options at min_size 0: every matmul but attention's).
+CHOICES = {"mixed_bf16": ("mixed_bf16", None),
+           "int8, backward int8 (default)": ("mixed_int8", {"min_size": 0}),
+           "int8, backward int8, stochastic rounding": ("mixed_int8", {"min_size": 0, "stochastic_rounding": True}),
+           "int8, backward bf16": ("mixed_int8", {"min_size": 0, "backward": "bf16"})}
+
+
+def gradient_errors(batches: int = 4) -> list[dict[str, Any]]:
+    """The Shakespeare GPT's gradient under each choice of the recipe against float32's, at its
+    initial params on ``batches`` training batches: relative L2 error of the weight gradients
+    (all, and the head's) and the cosine of the whole gradient."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import precision
+    from train.config import load_config
+    from train.experiment.loop import build_experiment
+
+    config = load_config(ROOT / "configs/shakespeare_gpt_mixed_bf16.yaml", ["workdir=/tmp/unused"])
+    data, _, model = build_experiment(config)
+    batch_list = [data.train_batch(i, config.data.batch_size, config.seed) for i in range(batches)]
+
+    def grads(policy, int8):
+        wrapped = precision.with_policy(model, policy, int8=int8)
+        params = wrapped.init(jax.random.key(0), batch_list[0]["inputs"][:1])["params"]
+        loss = lambda p, b: optax.softmax_cross_entropy_with_integer_labels(  # noqa: E731
+            wrapped.apply({"params": p}, b["inputs"]).astype(jnp.float32), b["labels"]).mean()
+        step = jax.jit(jax.grad(loss))
+        return [jax.tree_util.tree_map(np.asarray, step(params, b)) for b in batch_list]
+
+    def flat(tree, head=False):
+        leaves = jax.tree_util.tree_leaves_with_path(tree)
+        return np.concatenate([np.ravel(x) for path, x in leaves
+                               if ("head" in jax.tree_util.keystr(path)) or not head])
+
+    reference = grads("fp32", None)
+    out = []
+    for name, (policy, int8) in CHOICES.items():
+        got = grads(policy, int8)
+        errors = [[np.linalg.norm(flat(g, h) - flat(r, h)) / np.linalg.norm(flat(r, h)) for g, r in zip(got, reference)]
+                  for h in (False, True)]
+        cosines = [float(flat(g) @ flat(r) / np.linalg.norm(flat(g)) / np.linalg.norm(flat(r)))
+                   for g, r in zip(got, reference)]
+        out.append({"choice": name, "relative_error": float(np.mean(errors[0])),
+                    "head_relative_error": float(np.mean(errors[1])), "cosine": float(np.mean(cosines))})
+    return out
 
 
 def programs() -> list[dict[str, Any]]:
@@ -145,6 +195,11 @@ def markdown(result: dict[str, Any]) -> str:
     for p in result["programs"]:
         lines.append(f"| {p['variant']} | {100 * p['int8_share']:.1f}% | {p['int8_products']} of {p['products']} | "
                      f"{p['int8_backward']} |")
+    lines += ["", "The recipe's choices: the Shakespeare GPT's gradient at its initial params (4 training batches) "
+              "against float32's:", "", "| choice | relative L2 error | the head's | cosine |", "| --- | ---: | ---: | ---: |"]
+    for g in result["gradients"]:
+        lines.append(f"| {g['choice']} | {100 * g['relative_error']:.2f}% | {100 * g['head_relative_error']:.2f}% | "
+                     f"{g['cosine']:.5f} |")
     env = result["environment"]
     lines += ["", "Commands: " + "; ".join(f"`{r['command']}`" for r in result["rows"]), "",
               f"jax {env.get('jax')}, {env.get('device')}, {env.get('date')}; reproduce: "

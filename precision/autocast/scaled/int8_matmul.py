@@ -71,9 +71,11 @@ def int8_product(out_dtype: Any, noise_salt: int | None = None, where: str = "",
 
 
 def fallback_product(compute: Any, out_dtype: Any) -> Product:
-    """A ``dot_general`` with both operands in ``compute`` (the policy's fallback dtype), into ``out_dtype``."""
+    """A ``dot_general`` with both operands in ``compute`` (the policy's fallback dtype), its result in
+    ``compute`` too (as the fallback policy's own matmul gives it; XLA:CPU has no bf16 x bf16 -> f32
+    dot), then cast to ``out_dtype``."""
     return lambda a, b, dims: lax.dot_general(a.astype(compute), b.astype(compute), dims,
-                                              preferred_element_type=out_dtype)
+                                              preferred_element_type=compute).astype(out_dtype)
 
 
 def _as_dims(dims: Any) -> tuple:
