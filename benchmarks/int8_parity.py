@@ -77,8 +77,9 @@ def train(runs: pathlib.Path) -> None:
             subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
 
 
-def collect(runs: pathlib.Path) -> dict[str, Any]:
-    """Final eval loss and accuracy of every run, and each variant's gap to mixed_bf16."""
+def collect(runs: pathlib.Path, measure: bool = True) -> dict[str, Any]:
+    """Final eval loss and accuracy of every run, and each variant's gap to mixed_bf16; with
+    ``measure``, the programs' int8 shares and the recipe's gradient errors too."""
     rows = []
     for experiment, (_, _, variants) in EXPERIMENTS.items():
         found = {v: runs / experiment / _slug(v) / "summary.json" for v in variants}
@@ -94,7 +95,8 @@ def collect(runs: pathlib.Path) -> dict[str, Any]:
                          "skipped_steps": s["loss_scale"]["skipped_steps"],
                          "command": "python " + " ".join(command(experiment, variant, runs / experiment / _slug(variant)))})
     return {"goal_loss_vs_bf16": GOAL_LOSS, "goal_accuracy_pp": GOAL_ACCURACY, "rows": rows,
-            "programs": programs(), "gradients": gradient_errors(), "environment": environment()}
+            "programs": programs() if measure else [], "gradients": gradient_errors() if measure else [],
+            "environment": environment()}
 
 
 #: The recipe's choices whose gradients are compared (int8 options at min_size 0: every matmul but attention's).

@@ -245,12 +245,29 @@ def test_the_doctor_names_a_module_whose_int8_inputs_round_to_zero_and_verifies_
 
     x = jax.random.normal(jax.random.PRNGKey(0), (16, 32)).at[:, 3].mul(1e3)  # one outlier feature per row
     d = precision.diagnose(MLP(), x, policy="mixed_int8", loss_fn=lambda y: jnp.mean(y ** 2), int8=EVERY)
-    (problem,) = [p for p in d.findings.problems if p.kind == "int8"]
+    problem = [p for p in d.findings.problems if p.kind == "int8"][0]  # the worst first
     assert problem.path == "inner" and problem.pass_ == "forward" and problem.share > 0.5
     assert "round to zero in int8" in problem.detail
-    (fix,) = d.recommendations
-    assert fix.problem == problem and "[inner, p=f32,c=bf16,o=f32]" in fix.summary
+    fix = next(r for r in d.recommendations if r.problem == problem)
+    assert "[inner, p=f32,c=bf16,o=f32]" in fix.summary
     plain = jax.random.normal(jax.random.PRNGKey(0), (16, 32))
     healthy = precision.diagnose(MLP(), plain, policy="mixed_int8", loss_fn=lambda y: jnp.mean(y ** 2), verify=False,
                                  int8=EVERY)
     assert not [p for p in healthy.findings.problems if p.kind == "int8"]
+
+
+def test_int8_parity_tabulates_runs_against_bf16(tmp_path):
+    import json
+
+    from benchmarks import int8_parity
+
+    for variant, loss, accuracy in (("mixed_bf16", 2.0, 0.5), ("mixed_int8", 2.02, 0.49)):
+        workdir = tmp_path / "shakespeare_gpt" / variant
+        workdir.mkdir(parents=True)
+        (workdir / "summary.json").write_text(json.dumps({"steps": 600, "eval": {"loss": loss, "accuracy": accuracy},
+                                                          "loss_scale": {"skipped_steps": 0}}))
+    result = int8_parity.collect(tmp_path, measure=False)
+    (int8,) = [r for r in result["rows"] if r["variant"] == "mixed_int8"]
+    assert abs(int8["vs_bf16"] - 0.01) < 1e-9 and abs(int8["accuracy_vs_bf16"] + 0.01) < 1e-9
+    assert "precision.policy=mixed_int8" in int8["command"]
+    assert "| shakespeare_gpt | mixed_int8 | 600 | 2.0200 | +1.00% |" in int8_parity.markdown(result)

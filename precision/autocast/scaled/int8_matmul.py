@@ -11,11 +11,16 @@ scales into the output dtype::
     q_x, s_x = int8(x / (absmax_row(x) / 127)), q_w, s_w = int8(w / (absmax_col(w) / 127))
     y = float(dot_general(q_x, q_w, preferred_element_type=int32)) * s_x * s_w
 
-Backward, each product contracts other axes, so each quantizes again along its
-own, from the operands saved as they came (16 or 32 bits): ``dx`` = ``g`` per
-row x ``w`` per row (over N), ``dw`` = ``x`` per column x ``g`` per column (over
-M). ``backward="bf16"`` makes both in the fallback dtype instead. The output
-gradient may round stochastically (:func:`.int8_quantize.stochastic_noise`).
+Backward, each product contracts other axes, so each operand is quantized again
+along the axes its product contracts, from the operands saved as they came (16
+or 32 bits). The output gradient ``g`` is quantized once, per row (over N), and
+serves both products: ``dx`` = ``q_g`` x ``w`` per row (over N), scaled by both;
+for ``dw`` = ``xᵀ g``, which contracts the rows (M), ``g``'s row scales are moved
+onto ``x`` (``x'[m, k] = x[m, k] s_g[m]``, exact algebra), which is then quantized
+per column (over M): one pass over ``g`` and one int8 copy of it instead of two
+(the largest tensor of a language model's head). ``backward="bf16"`` makes both
+products in the fallback dtype instead. The output gradient may round
+stochastically (:func:`.int8_quantize.stochastic_noise`).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import numpy as np
 from jax import lax
 
 from precision.autocast.scaled.int8_quantize import F32, INT32, quantized_along, record, stochastic_noise
-from precision.autocast.scaled.products import Product, in_output_layout, transpose_lhs, transpose_rhs
+from precision.autocast.scaled.products import Product, in_output_layout, remaining, transpose_lhs, transpose_rhs
 
 __all__ = ["Backward", "int8_dot", "int8_product", "fallback_product"]
 
@@ -70,6 +75,35 @@ def int8_product(out_dtype: Any, noise_salt: int | None = None, where: str = "",
     return product
 
 
+def _given_first(scale_a: jax.Array | None, out_dtype: Any, where: str) -> Product:
+    """A ``dot_general`` whose first operand arrives in int8 (its scales ``scale_a``, None: already
+    moved onto the second), the second quantized along its contracted axes; into ``out_dtype``."""
+
+    def product(q_a: jax.Array, b: jax.Array, dims: Any) -> jax.Array:
+        (a_contract, b_contract), (a_batch, b_batch) = dims
+        q_b, s_b = quantized_along(b, b_contract)
+        record(where, "backward", "operand", b, s_b)
+        acc = lax.dot_general(q_a, q_b, dims, preferred_element_type=INT32)
+        a_free = q_a.ndim - len(a_contract) - len(a_batch)
+        b_free = b.ndim - len(b_contract) - len(b_batch)
+        scales = in_output_layout(s_b, b_contract, b_batch, a_free, 0)
+        if scale_a is not None:
+            scales = scales * in_output_layout(scale_a, a_contract, a_batch, 0, b_free)
+        return (acc.astype(F32) * scales).astype(out_dtype)
+
+    return product
+
+
+def _row_scales_on_lhs(s_g: jax.Array, lhs: jax.Array, dims: Any) -> jax.Array:
+    """``g``'s scales (its shape, its rhs-free axes of size 1) laid out on ``lhs``'s axes (its
+    batch and free axes; its contracted ones of size 1), to multiply ``lhs`` by."""
+    (lhs_contract, _), (lhs_batch, _) = dims
+    free = remaining(lhs.ndim, lhs_contract, lhs_batch)
+    kept = s_g.reshape(s_g.shape[:len(lhs_batch) + len(free)] + (1,) * len(lhs_contract))
+    order = [*lhs_batch, *free, *lhs_contract]  # kept's axis j is lhs's axis order[j]
+    return lax.transpose(kept, tuple(int(i) for i in np.argsort(order)))
+
+
 def fallback_product(compute: Any, out_dtype: Any) -> Product:
     """A ``dot_general`` with both operands in ``compute`` (the policy's fallback dtype), its result in
     ``compute`` too (as the fallback policy's own matmul gives it; XLA:CPU has no bf16 x bf16 -> f32
@@ -92,18 +126,22 @@ def _int8_dot_fwd(lhs, rhs, dims, out_dtype, in_dtypes, backward):
     return _int8_dot(lhs, rhs, dims, out_dtype, in_dtypes, backward), (lhs, rhs)
 
 
-def _backward_product(backward: Backward, out_dtype: np.dtype, salt: int) -> Product:
-    if not backward.int8:
-        return fallback_product(backward.fallback, out_dtype)
-    return int8_product(out_dtype, salt if backward.stochastic else None, backward.where, "backward")
-
-
 def _int8_dot_bwd(dims, out_dtype, in_dtypes, backward, residuals, g):
     lhs, rhs = residuals
     (lhs_dtype, rhs_dtype), (lhs_grad, rhs_grad) = in_dtypes
-    salt = 2 * backward.salt
-    d_lhs = transpose_lhs(g, rhs, dims, lhs.ndim, product=_backward_product(backward, lhs_grad, salt))
-    d_rhs = transpose_rhs(g, lhs, dims, rhs.ndim, product=_backward_product(backward, rhs_grad, salt + 1))
+    if not backward.int8:
+        d_lhs = transpose_lhs(g, rhs, dims, lhs.ndim, product=fallback_product(backward.fallback, lhs_grad))
+        d_rhs = transpose_rhs(g, lhs, dims, rhs.ndim, product=fallback_product(backward.fallback, rhs_grad))
+        return d_lhs.astype(lhs_dtype), d_rhs.astype(rhs_dtype)
+    (_, rhs_contract), (lhs_batch, rhs_batch) = dims
+    n_lhs_free = lhs.ndim - len(dims[0][0]) - len(lhs_batch)
+    rows = tuple(range(len(lhs_batch) + n_lhs_free, g.ndim))  # g's rhs-free axes: what dx contracts
+    noise = stochastic_noise(g, 2 * backward.salt) if backward.stochastic else None
+    q_g, s_g = quantized_along(g, rows, noise)
+    record(backward.where, "backward", "gradient", g, s_g)
+    d_lhs = transpose_lhs(q_g, rhs, dims, lhs.ndim, product=_given_first(s_g, lhs_grad, backward.where))
+    moved = (lhs.astype(F32) * _row_scales_on_lhs(s_g, lhs, dims)).astype(lhs.dtype)
+    d_rhs = transpose_rhs(q_g, moved, dims, rhs.ndim, product=_given_first(None, rhs_grad, backward.where))
     return d_lhs.astype(lhs_dtype), d_rhs.astype(rhs_dtype)
 
 
