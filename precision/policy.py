@@ -15,18 +15,17 @@ TF32 that GPUs run them in by default (docs/matmul-precision.md).
 from __future__ import annotations
 
 import dataclasses
-import difflib
-from typing import Any, Mapping, TypeVar
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from precision.dtype_names import (_DTYPE_NAMES, _FP8_FALLBACK, _FP8_NAMES, _KEYS, _NAME_TO_DTYPE, _QUOTED,
+from precision.dtype_names import (_DTYPE_NAMES, _FP8_FALLBACK, _FP8_NAMES, _KEYS, _NAME_TO_DTYPE,
                                     _ROUNDING_NAMES, _ROUNDING_SHORT, _VALID_DTYPE_NAMES, PolicyError, _is_int8,
-                                    _is_int8_compute,
-                                    _bare_with_matmul, _is_fp8_name, _nearest_dtype, _short, dtype_to_names,
-                                    half_dtype, matmul_precision_name)
+                                    _is_int8_compute, _bare_with_matmul, _is_fp8_name, _short, check_storable,
+                                    dtype_to_names, half_dtype, matmul_precision_name)
+from precision.presets import _PRESET_LOOKUP, _STORED_PRESETS, PRESETS, _error
 
 T = TypeVar("T")
 
@@ -124,7 +123,7 @@ class Policy:
                  master_dtype: Any = None, master_rounding: str | None = None, state_dtype: Any = None,
                  accum_dtype: Any = None, matmul_precision: Any = "default", int8: bool = False):
         for name, value in (("params", param_dtype), ("output", output_dtype)):
-            _check_storable(name, value)
+            check_storable(name, value)
         if isinstance(compute_dtype, str) and _is_fp8_name(compute_dtype):
             compute, fp8 = parse_compute(compute_dtype), True
         elif isinstance(compute_dtype, str) and _is_int8_compute(compute_dtype):
@@ -226,56 +225,6 @@ class Policy:
 
     def __repr__(self) -> str:
         return f"Policy({str(self)!r})"
-
-
-_F32, _BF16, _F16 = "f32", "bf16", "f16"
-
-#: Named presets: name -> (params, compute, output, description).
-PRESETS: Mapping[str, tuple[str, str, str, str]] = {
-    "fp32": (_F32, _F32, _F32, "full precision everywhere (Apex/Paddle O0)"),
-    "mixed_bf16": (_F32, _BF16, _F32, "f32 params, bf16 math, f32 outputs"),
-    "mixed_bfloat16": (_F32, _BF16, _F32, "alias of mixed_bf16"),
-    "mixed_f16": (_F32, _F16, _F32, "f32 params, f16 math, f32 outputs; use loss scaling"),
-    "mixed_float16": (_F32, _F16, _F32, "alias of mixed_f16"),
-    "mixed_fp8": (_F32, "f8/bf16", _F32, "f32 params, FP8 matmuls (E4M3/E5M2), the rest bf16, f32 outputs"),
-    "mixed_int8": (_F32, "int8/bf16", _F32, "f32 params, int8 matmuls and convolutions (int32 accumulation, scales "
-                   "per row and column), the rest bf16, f32 outputs"),
-    "pure_bf16": (_BF16, _BF16, _BF16, "bf16 params, math and outputs"),
-    "pure_f16": (_F16, _F16, _F16, "f16 params, math and outputs; use loss scaling"),
-    "O1": (_F32, _F16, _F32, "Apex/Paddle O1: f16 math, f32 params; norms, softmax, losses in f32"),
-    "O2": (_F16, _F16, _F32, "Apex/Paddle O2: f16 params with f32 master weights, f32 norms"),
-    "O3": (_F16, _F16, _F16, "Apex O3: pure f16, no f32 rules"),
-    "lean_bf16": (_BF16, _BF16, _F32, "bf16 params as their own masters (stochastic rounding), bf16 math, bf16 "
-                  "optimizer state, f32 outputs: 6 bytes per param with Adam"),
-    "lean_int8": (_BF16, _BF16, _F32, "lean_bf16 with 8-bit block-wise optimizer state: about 4 bytes per param "
-                  "with Adam"),
-}
-#: Presets that also store masters and optimizer state below float32: name -> (master, rounding, state).
-_STORED_PRESETS = {"lean_bf16": (_BF16, "sr", _BF16), "lean_int8": (_BF16, "sr", "int8")}
-_PRESET_LOOKUP = {name.lower(): name for name in PRESETS}
-
-
-def _suggest(token: str, choices, dtype: bool = False) -> str:
-    close = ([_nearest_dtype(token)] if dtype and _nearest_dtype(token) else []) \
-        or difflib.get_close_matches(token, list(choices), n=1, cutoff=0.5)
-    return f" Did you mean {close[0]!r}?" if close else ""
-
-
-def _error(spec: str, token: str, position: int, what: str, choices=(), *,
-           bad_dtype: bool = False) -> PolicyError:
-    where = f" at position {position}" if position >= 0 else ""
-    dtypes, keys = ", ".join(_VALID_DTYPE_NAMES), "p|params, c|compute, o|output, m|master, s|state|opt, matmul"
-    # jmp says "Unknown dtype" for a bad dtype: code matching that phrase keeps working.
-    fp8 = (f"and for compute only {', '.join(_FP8_NAMES)} (FP8 matmuls, e.g. compute=fp8 or fp8/f16) or int8 (int8 "
-           "matmuls, e.g. compute=int8 or int8/bf16)")
-    valid = (f"Unknown dtype: the valid ones are {dtypes}, {fp8}; valid keys: {keys};" if bad_dtype
-             else f"Valid keys: {keys}; valid dtypes: {dtypes}, {fp8};")
-    shown = repr(_short(spec, position)) + (f" ({len(spec)} characters)" if len(spec) > _QUOTED else "")
-    msg = (f"Invalid precision policy {shown}: {what} {_short(token)!r}{where}."
-           + _suggest(token.lower()[:_QUOTED], choices, dtype=bad_dtype)
-           + f" {valid} presets: {', '.join(PRESETS)}."
-           " Example: 'params=f32,compute=f16,output=f32'.")
-    return PolicyError(msg, spec=spec, token=token, position=position)
 
 
 def parse_dtype(name: str) -> np.dtype:
@@ -409,16 +358,6 @@ def parse_compute(spec: str) -> np.dtype:
         raise PolicyError(f"{spec!r} is not an FP8 or int8 compute spec; write f8, fp8, float8 or int8, optionally "
                           "/bf16, /f16 or /f32 for the dtype of the other ops")
     return parse_dtype(fallback) if fallback.strip() else _FP8_FALLBACK
-
-
-def _check_storable(name: str, value: Any) -> None:
-    """Params and outputs are stored floats: FP8 and int8 are compute dtypes of matmuls only."""
-    if isinstance(value, str) and _is_fp8_name(value):
-        raise PolicyError(f"{name}={value.strip()}: FP8 is a compute dtype for matmuls only; params and "
-                          "outputs are f32, bf16 or f16 (e.g. 'params=f32,compute=f8,output=f32')")
-    if (isinstance(value, str) and _is_int8_compute(value)) or (not isinstance(value, str) and _is_int8(value)):
-        raise PolicyError(f"{name}=int8: int8 is a compute dtype for matmuls only; params and outputs are f32, "
-                          "bf16 or f16 (e.g. 'params=f32,compute=int8,output=f32', or the preset mixed_int8)")
 
 
 def _looks_like_jmp_policy(obj: Any) -> bool:

@@ -41,9 +41,8 @@ from precision.autocast.derivatives import HALF_WITH_FLOAT32_DERIVATIVE
 from precision.autocast.islands import demanded_vars
 from precision.autocast.op_lists import OpClass, OpLists
 from precision.autocast.program import binders
-from precision.autocast.scaled.fp8_matmul import E4M3
-from precision.autocast.scaled.fp8_sites import NOT_FP8_REGION, Fp8Run, fp8_dot, skip_reason
-from precision.autocast.scaled import int8_sites
+from precision.autocast.scaled.dispatch import not_scaled, scaled_product
+from precision.autocast.scaled.fp8_sites import Fp8Run
 from precision.autocast.scaled.int8_sites import Int8Run
 from precision.autocast import attention_fusion, matmul_precision, norm_fusion, reductions
 from precision.autocast.regions import (module_path, region_dtype, region_fp8, region_int8, region_matmul,
@@ -350,34 +349,19 @@ def _allowed(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
     keep_wide = (preferred is not None and np.dtype(preferred) == F32 and traced_in
                  and all(d != F32 for d in traced_in))  # the model asked for a float32 result of half operands
     kind = Kind.FULL if keep_wide and target != F32 else Kind.HALF
-    not_fp8 = skip_reason(site.name, ins, site.eqn, ctx.fp8.options) if site.fp8 else None
-    if site.fp8 and not_fp8 is None:
-        result, reason = fp8_dot(site, ins, ctx.fp8, target, F32 if keep_wide else target, ctx.reduce)
-        log(ctx, site, E4M3, reason)
-        return outputs(site, result, kind)
-    not_int8 = int8_sites.skip_reason(site.name, ins, site.eqn, ctx.int8.options) if site.int8 else None
-    if site.int8 and not_int8 is None:
-        result, reason = int8_sites.int8_op(site, ins, ctx.int8, target, F32 if keep_wide else target, ctx.reduce)
-        log(ctx, site, int8_sites.INT8, reason)
+    result, dtype, why = scaled_product(site, ins, ctx, F32 if keep_wide else target)
+    if result is not None:  # FP8 or int8
+        log(ctx, site, dtype, why)
         return outputs(site, result, kind)
     if site.region == F32 and (ctx.root != F32 or ctx.root_fp8 or ctx.root_int8) and not (site.fp8 or site.int8):
         log(ctx, site, F32, REGION)
     else:
-        log(ctx, site, target, not_fp8 or not_int8 or _not_scaled(ctx, site))
+        log(ctx, site, target, why or not_scaled(ctx, site))
     args = [v.as_dtype(target) if v.managed else v.array for v in ins]
     updates = {}
     if "preferred_element_type" in params and preferred is not None:
         updates["preferred_element_type"] = F32 if keep_wide else target
     return outputs(site, bind_reducing(site, ins, args, ctx.reduce, **updates), kind)
-
-
-def _not_scaled(ctx: Context, site: Site) -> str:
-    """Why a matmul of an FP8 or int8 policy is not: a rule (or region) keeps it out."""
-    if ctx.root_fp8 and not site.fp8:
-        return NOT_FP8_REGION
-    if ctx.root_int8 and not site.int8:
-        return int8_sites.NOT_INT8_REGION
-    return "allow-listed op"
 
 
 def _convert(site: Site, v: Val, ctx: Context) -> Val:

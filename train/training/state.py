@@ -212,11 +212,9 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
       strict: raise :class:`precision.CoverageError`, instead of warning, when a
         half-compute policy leaves more than 5% of the model's matmul/conv FLOPs
         in float32 for a reason other than a rule (see :func:`precision.explain`).
-      fp8: :func:`precision.fp8_options` for a policy whose compute is ``f8``.
-        Under delayed scaling the amax histories are model state (the ``"fp8"``
-        collection): checkpointed, replicated, updated by the train step.
-      int8: :func:`precision.int8_options` for a policy whose compute is ``int8``
-        (``mixed_int8``): no state (int8 scales are current).
+      fp8, int8: :func:`precision.fp8_options` (:func:`precision.int8_options`) for a policy whose compute
+        is ``f8`` (``int8``). Under delayed FP8 scaling the amax histories are model state (the ``"fp8"``
+        collection): checkpointed, replicated, updated by the train step; int8 keeps none.
       reduce_dtype: the dtype the gradients of params read in half precision
         are produced in, so the dtype a data-parallel step reduces them across
         devices in: ``"f32"``, ``"bf16"`` or ``"f16"`` (which needs a loss
