@@ -1,6 +1,6 @@
 """Int8 programs compiled without the device: every allow-listed matmul of a GPT step an
 s8 x s8 -> s32 op of a TPU v5e's matrix unit and an A100's int8 GEMMs, the int8 share of the
-matmul FLOPs, the modeled v5e step against bf16's, and the targets that refuse a format.
+matmul FLOPs and the modeled step's, and the targets that refuse a format.
 
 Tests marked ``tpu_compile`` (``gpu_compile``) need libtpu (JAX's CUDA plugin), no device: CI
 runs them in the compile-only environment. The rest run everywhere.
@@ -38,9 +38,7 @@ def test_every_projection_mlp_and_head_matmul_is_an_int8_mxu_op_on_v5e_forward_a
     assert {(k.operands, k.result) for k in matmuls} == {(("s8", "s8"), "s32")}
     assert report.int8.share == 1.0 and report.int8.outside == () and report.fits
     assert "int8 share of matmul FLOPs (attention aside): 100.0%" in str(report)
-    bf16 = _compiled("v5e", "mixed_bf16")
-    assert report.modeled.seconds < bf16.modeled.seconds  # the MXU at 394 int8 TOPS against 197 bf16 TFLOP/s
-    assert report.modeled.matmul_flops.get("s8", 0) > 0 and "s8" not in bf16.modeled.matmul_flops
+    assert report.modeled.matmul_flops["s8"] == report.int8.int8_flops and report.modeled.xla_cycles > 0
 
 
 @pytest.mark.gpu_compile
