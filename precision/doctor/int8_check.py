@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from precision.autocast.scaled.int8_quantize import RECORDING
 from precision.doctor.analysis import Problem
+from precision.rules import as_rules
 
 __all__ = ["THRESHOLD", "uses_int8", "int8_shares", "int8_problems"]
 
@@ -28,8 +29,8 @@ THRESHOLD = 0.05
 
 
 def uses_int8(policy: Any, rules: tuple) -> bool:
-    """Whether the policy or a rule computes matmuls in int8."""
-    return policy.int8 or any(rule.policy.int8 for rule in rules)
+    """Whether the policy or a rule (a Rule, or a (pattern, spec) pair a change added) computes in int8."""
+    return policy.int8 or any(rule.policy.int8 for rule in as_rules(list(rules)))
 
 
 def int8_shares(forward: Callable, params: Any, loss_fn: Callable | None) -> dict[tuple[str, str], tuple]:
