@@ -126,7 +126,7 @@ def test_tpu_targets_and_their_errors():
     assert get_target(" V5E ").name == "v5e"
     with pytest.raises(TargetError, match=r"unknown v5p slice '2x2': give 3 chip counts, as in v5p:2x2x2"):
         get_target("v5p:2x2")
-    with pytest.raises(TargetError, match="give one of h100, h200, v5e, v5p, v6e"):
+    with pytest.raises(TargetError, match="give one of h100, h200, a100, v5e, v5p, v6e"):
         get_target("v4")
 
 
