@@ -77,6 +77,11 @@ def train(runs: pathlib.Path) -> None:
             subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
 
 
+def _shown(path: pathlib.Path) -> pathlib.Path:
+    """``path`` relative to the repository where it lies inside it (as a command is typed there)."""
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+
+
 def collect(runs: pathlib.Path, measure: bool = True) -> dict[str, Any]:
     """Final eval loss and accuracy of every run, and each variant's gap to mixed_bf16; with
     ``measure``, the programs' int8 shares and the recipe's gradient errors too."""
@@ -93,7 +98,7 @@ def collect(runs: pathlib.Path, measure: bool = True) -> dict[str, Any]:
                          "vs_bf16": s["eval"]["loss"] / bf16["loss"] - 1,
                          "accuracy_vs_bf16": (s["eval"].get("accuracy") or 0) - (bf16.get("accuracy") or 0),
                          "skipped_steps": s["loss_scale"]["skipped_steps"],
-                         "command": "python " + " ".join(command(experiment, variant, runs / experiment / _slug(variant)))})
+                         "command": "python " + " ".join(command(experiment, variant, _shown(runs / experiment / _slug(variant))))})
     return {"goal_loss_vs_bf16": GOAL_LOSS, "goal_accuracy_pp": GOAL_ACCURACY, "rows": rows,
             "programs": programs() if measure else [], "gradients": gradient_errors() if measure else [],
             "environment": environment()}
