@@ -48,8 +48,8 @@ import jax
 import numpy as np
 from jax import lax
 
-from precision.autocast.scaled.products import (Product, in_output_layout, matmul_sizes, transpose_lhs,
-                                                 transpose_rhs)
+from precision.autocast.scaled.products import (Product, in_output_layout, matmul_sizes, operand_dtypes,
+                                                 transpose_lhs, transpose_rhs)
 from precision.autocast.scaled.fp8_quantize import (E4M3, E5M2, F32, Histories, amax, e4m3_read, quantized,
                                                     quantized_along, roll_history, scale_for)
 
@@ -175,12 +175,7 @@ def scaled_dot(lhs: jax.Array, rhs: jax.Array, dims: Any, out_dtype: Any,
     ``reduce_dtype`` is what a data-parallel step reduces across devices.
     """
     return _scaled_dot(lhs, rhs, histories if histories is not None else (), _as_dims(dims), np.dtype(out_dtype),
-                       _dtypes(lhs, rhs, grad_dtypes))
-
-
-def _dtypes(lhs: jax.Array, rhs: jax.Array, grad_dtypes: tuple[Any, Any] | None) -> tuple:
-    own = (np.dtype(lhs.dtype), np.dtype(rhs.dtype))
-    return own, own if grad_dtypes is None else tuple(np.dtype(d) for d in grad_dtypes)
+                       operand_dtypes(lhs, rhs, grad_dtypes))
 
 
 # ----------------------------------------------------------------------------- rowwise
@@ -215,4 +210,4 @@ def rowwise_dot(lhs: jax.Array, rhs: jax.Array, dims: Any, out_dtype: Any,
     the float32 product divided by the outer product of the scales. Backward, the
     E5M2 gradient and the E4M3 operand are quantized again along the axes each
     transposed product contracts. ``grad_dtypes``: as :func:`scaled_dot`'s."""
-    return _rowwise(lhs, rhs, _as_dims(dims), np.dtype(out_dtype), _dtypes(lhs, rhs, grad_dtypes))
+    return _rowwise(lhs, rhs, _as_dims(dims), np.dtype(out_dtype), operand_dtypes(lhs, rhs, grad_dtypes))

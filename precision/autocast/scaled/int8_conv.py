@@ -30,6 +30,7 @@ from jax.extend.core import DropVar, Literal
 
 from precision.autocast.scaled.int8_matmul import Backward
 from precision.autocast.scaled.int8_quantize import F32, INT32, quantized_along, record, stochastic_noise
+from precision.autocast.scaled.products import operand_dtypes
 
 __all__ = ["int8_conv", "conv_int8_problem"]
 
@@ -160,6 +161,5 @@ def int8_conv(lhs: jax.Array, rhs: jax.Array, params: dict, out_dtype: Any, back
     accumulation, the result in ``out_dtype``: the input scaled per example, the kernel
     per output channel; backward as ``backward`` says (in int8 by default).
     ``grad_dtypes``: as :func:`.int8_matmul.int8_dot`'s."""
-    own = (np.dtype(lhs.dtype), np.dtype(rhs.dtype))
-    grads = own if grad_dtypes is None else tuple(np.dtype(d) for d in grad_dtypes)
-    return _int8_conv(lhs, rhs, _frozen(params), np.dtype(out_dtype), (own, grads), backward)
+    return _int8_conv(lhs, rhs, _frozen(params), np.dtype(out_dtype), operand_dtypes(lhs, rhs, grad_dtypes),
+                      backward)

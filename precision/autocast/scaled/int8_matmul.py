@@ -33,7 +33,8 @@ import numpy as np
 from jax import lax
 
 from precision.autocast.scaled.int8_quantize import F32, INT32, quantized_along, record, stochastic_noise
-from precision.autocast.scaled.products import Product, in_output_layout, remaining, transpose_lhs, transpose_rhs
+from precision.autocast.scaled.products import (Product, in_output_layout, operand_dtypes, remaining,
+                                                 transpose_lhs, transpose_rhs)
 
 __all__ = ["Backward", "int8_dot", "int8_product", "fallback_product"]
 
@@ -156,6 +157,5 @@ def int8_dot(lhs: jax.Array, rhs: jax.Array, dims: Any, out_dtype: Any, backward
     int8 by default). ``grad_dtypes``: the dtypes the two gradients' products are made in
     (default: the operands'), each then cast to its operand's dtype (a param's gradient
     made in ``reduce_dtype`` is what a data-parallel step reduces across devices)."""
-    own = (np.dtype(lhs.dtype), np.dtype(rhs.dtype))
-    grads = own if grad_dtypes is None else tuple(np.dtype(d) for d in grad_dtypes)
-    return _int8_dot(lhs, rhs, _as_dims(dims), np.dtype(out_dtype), (own, grads), backward)
+    return _int8_dot(lhs, rhs, _as_dims(dims), np.dtype(out_dtype), operand_dtypes(lhs, rhs, grad_dtypes),
+                     backward)

@@ -21,7 +21,7 @@ import numpy as np
 from precision.autocast.scaled.int8_conv import conv_int8_problem, int8_conv
 from precision.autocast.scaled.int8_matmul import Backward, int8_dot
 from precision.autocast.scaled.int8_quantize import INT8, RECORDING
-from precision.autocast.scaled.products import matmul_sizes
+from precision.autocast.scaled.products import attention_or_size
 from precision.autocast.values import Kind
 from precision.int8 import Int8Options
 
@@ -68,15 +68,8 @@ def skip_reason(primitive: str, ins: list, eqn: Any, options: Int8Options) -> st
         problem = conv_int8_problem(eqn.params)
         if problem:
             return problem
-        m, k, n = conv_sizes(eqn)
-    else:
-        dims = eqn.params["dimension_numbers"]
-        if not options.attention and dims[1][0] and not any(v.leaf for v in ins):
-            return f"{ATTENTION} (a batched product of two activations; int8 attention=true takes it)"
-        m, k, n = matmul_sizes(eqn.invars[0].aval.shape, eqn.invars[1].aval.shape, dims)
-    if min(m, k, n) < options.min_size:
-        return f"{BELOW_MIN_SIZE} {options.min_size} (M x K x N = {m}x{k}x{n})"
-    return None
+        return attention_or_size(eqn, ins, options.attention, options.min_size, "int8", conv_sizes(eqn))
+    return attention_or_size(eqn, ins, options.attention, options.min_size, "int8")
 
 
 def _operand(v: Any, target: np.dtype) -> Any:

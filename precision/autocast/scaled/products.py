@@ -10,7 +10,8 @@ import jax
 import numpy as np
 from jax import lax
 
-__all__ = ["Product", "transpose_lhs", "transpose_rhs", "matmul_sizes", "in_output_layout", "remaining"]
+__all__ = ["Product", "transpose_lhs", "transpose_rhs", "matmul_sizes", "in_output_layout", "remaining",
+           "attention_or_size", "operand_dtypes"]
 
 Product = Callable[[jax.Array, jax.Array, Any], jax.Array]  # (a, b, dims) -> dot_general(a, b, dims), however made
 
@@ -81,3 +82,27 @@ def in_output_layout(scale: jax.Array, contract: Sequence[int], batch: Sequence[
     kept = moved.reshape(moved.shape[:len(batch) + len(free)])
     nb = len(batch)
     return kept.reshape((*kept.shape[:nb], *([1] * leading), *kept.shape[nb:], *([1] * trailing)))
+
+
+def attention_or_size(eqn: Any, ins: list, attention: bool, min_size: int, name: str,
+                      sizes: tuple[int, int, int] | None = None) -> str | None:
+    """Why a matmul stays out of an 8-bit format ``name`` (``"fp8"``, ``"int8"``): attention's
+    batched product of two activations (unless ``attention``), or one of its M, K, N (``sizes``,
+    default a ``dot_general``'s) below ``min_size``; None where neither keeps it out."""
+    if sizes is None:
+        dims = eqn.params["dimension_numbers"]
+        if not attention and dims[1][0] and not any(v.leaf for v in ins):
+            return (f"attention stays out of {name} (a batched product of two activations; {name} attention=true "
+                    "takes it)")
+        sizes = matmul_sizes(eqn.invars[0].aval.shape, eqn.invars[1].aval.shape, dims)
+    m, k, n = sizes
+    if min(m, k, n) < min_size:
+        return f"below {name} min_size {min_size} (M x K x N = {m}x{k}x{n})"
+    return None
+
+
+def operand_dtypes(lhs: jax.Array, rhs: jax.Array, grad_dtypes: tuple[Any, Any] | None) -> tuple:
+    """((lhs dtype, rhs dtype), (the dtypes their gradients' products are made in: ``grad_dtypes``,
+    default the operands')): a scaled product's static ``in_dtypes``."""
+    own = (np.dtype(lhs.dtype), np.dtype(rhs.dtype))
+    return own, own if grad_dtypes is None else tuple(np.dtype(d) for d in grad_dtypes)
