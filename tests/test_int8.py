@@ -91,7 +91,8 @@ def test_int8_product_forward_and_backward_track_float32():
 def test_stochastic_rounding_is_unbiased_and_deterministic():
     x = jnp.full((4096,), 0.3) * jnp.array([1.0] + [0.0] * 4095)[::-1] + 0.3  # scale 0.6/127: 0.3 -> 63.5
     noise = q.stochastic_noise(x, salt=1)
-    assert jnp.array_equal(noise, q.stochastic_noise(x, salt=1)) and not jnp.array_equal(noise, q.stochastic_noise(x, 2))
+    assert jnp.array_equal(noise, q.stochastic_noise(x, salt=1))
+    assert not jnp.array_equal(noise, q.stochastic_noise(x, 2))
     scale = q.scales_along(x[None], [1])[0]
     rounded = q.quantize_int8(x, scale, noise).astype(jnp.float32) * scale
     assert abs(float(jnp.mean(rounded[:-1])) - 0.3) < 0.002  # nearest would be biased by half a step (0.0024)

@@ -84,12 +84,14 @@ def test_the_int8_share_counts_flops_by_launch_and_names_what_stays_out():
     from train.inspections.int8_share import int8_share
     from train.inspections.tpu_time import xla_estimated_cycles
 
-    kernels = [HloKernel("a", "gemm", 12, 1.0, 90.0, "s8", "layers/mlp"), HloKernel("b", "conv", 1, 1.0, 80.0, "bf16", "head"),
+    kernels = [HloKernel("a", "gemm", 12, 1.0, 90.0, "s8", "layers/mlp"),
+               HloKernel("b", "conv", 1, 1.0, 80.0, "bf16", "head"),
                HloKernel("c", "attention", 1, 1.0, 500.0, "bf16", "attn"), HloKernel("d", "fusion", 1, 5.0, 0.0, "f32", "")]
     share = int8_share(kernels)
     assert share.share == 1080 / 1160 and share.outside == (("head", "bf16", 80.0),)
     assert "not int8: head (bf16, 6.90% of the FLOPs)" in "\n".join(share.lines())
-    text = ('%fused_computation.1 (p: f32[4]) -> f32[4] {\n  %x = f32[4] add(%p, %p), backend_config={"estimated_cycles":"7"}\n}\n'
-            'ENTRY %main (a: f32[4]) -> f32[4] {\n  %f = f32[4] fusion(%a), backend_config={"estimated_cycles":"100"}\n'
-            '  ROOT %g = f32[4] fusion(%f), backend_config={"estimated_cycles":"23"}\n}\n')
+    cycles = 'backend_config={{"estimated_cycles":"{}"}}'.format
+    text = (f'%fused_computation.1 (p: f32[4]) -> f32[4] {{\n  %x = f32[4] add(%p, %p), {cycles(7)}\n}}\n'
+            f'ENTRY %main (a: f32[4]) -> f32[4] {{\n  %f = f32[4] fusion(%a), {cycles(100)}\n'
+            f'  ROOT %g = f32[4] fusion(%f), {cycles(23)}\n}}\n')
     assert xla_estimated_cycles(text) == 123  # a fused computation's ops are its fusion's
