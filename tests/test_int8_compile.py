@@ -86,7 +86,8 @@ def test_the_int8_share_counts_flops_by_launch_and_names_what_stays_out():
 
     kernels = [HloKernel("a", "gemm", 12, 1.0, 90.0, "s8", "layers/mlp"),
                HloKernel("b", "conv", 1, 1.0, 80.0, "bf16", "head"),
-               HloKernel("c", "attention", 1, 1.0, 500.0, "bf16", "attn"), HloKernel("d", "fusion", 1, 5.0, 0.0, "f32", "")]
+               HloKernel("c", "attention", 1, 1.0, 500.0, "bf16", "attn"),
+               HloKernel("d", "fusion", 1, 5.0, 0.0, "f32", "")]
     share = int8_share(kernels)
     assert share.share == 1080 / 1160 and share.outside == (("head", "bf16", 80.0),)
     assert "not int8: head (bf16, 6.90% of the FLOPs)" in "\n".join(share.lines())
