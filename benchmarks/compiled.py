@@ -133,7 +133,7 @@ _TPU_NOTE = ("What it proves: the program XLA's TPU compiler makes for one chip:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.compiled", description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", default="h100", help="h100, h200, a GpuTargetConfigProto text file, v5e, v5p or v6e")
+    p.add_argument("--target", default="h100", help="h100, h200, a100, a GpuTargetConfigProto text file, v5e, v5p or v6e")
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     p.add_argument("--policies", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     p.add_argument("--out", default=str(RESULTS), help="directory for <target>-compiled.{json,md}")

@@ -5,7 +5,8 @@ applied to unmodified Flax modules with per-module rules; loss scales whose
 state lives in the train state; an optax wrapper that unscales, skips
 non-finite steps, keeps float32 master weights and adjusts the loss scale;
 a numerics doctor (``diagnose``) that names where half precision fails and
-verifies the fix; FP8 matmuls (``mixed_fp8``, :func:`fp8_options`) on any model.
+verifies the fix; FP8 matmuls (``mixed_fp8``, :func:`fp8_options`) and int8 ones
+(``mixed_int8``, :func:`int8_options`) on any model.
 The jmp API is a subset: ``import precision as jmp`` runs jmp code.
 """
 
@@ -39,6 +40,7 @@ from precision.rules import (
     norm_rules,
 )
 from precision.fp8 import FP8_COLLECTION, Fp8Options, combine_fp8_states, fp8_options, init_fp8_state
+from precision.int8 import Int8Options, int8_options
 from precision.autocast import ALLOW, DENY, OpLists, autocast, compute_in, op_lists, reduce_dtype_of
 from precision.modules import LinenWithPolicy, NNXWithPolicy, with_policy
 from precision.reads import read_dtypes
@@ -69,6 +71,7 @@ __all__ = (
     "all_finite", "get_loss_scale", "select_tree",
     "NORM_CLASSES", "SOFTMAX_PATTERNS", "Rule", "default_rules", "get_rules", "norm_rules",
     "FP8_COLLECTION", "Fp8Options", "combine_fp8_states", "fp8_options", "init_fp8_state",
+    "Int8Options", "int8_options",
     "ALLOW", "DENY", "OpLists", "op_lists", "compute_in", "autocast", "reduce_dtype_of",
     "LinenWithPolicy", "NNXWithPolicy", "with_policy",
     "CoverageError", "Explanation", "PrecisionWarning", "check_coverage", "explain", "read_dtypes",

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["PolicyError", "half_dtype", "dtype_to_names", "MATMUL_PRECISIONS", "matmul_precision_name"]
+__all__ = ["PolicyError", "half_dtype", "dtype_to_names", "MATMUL_PRECISIONS", "matmul_precision_name",
+           "check_storable"]
 
 class PolicyError(ValueError):
     """A precision policy spec that cannot be parsed.
@@ -128,6 +129,13 @@ def _is_fp8_name(token: str) -> bool:
 
 #: Spellings of 8-bit optimizer state (block-wise quantized moments, precision.quantized).
 _INT8_NAMES = ("int8", "i8", "8bit")
+#: Spellings of the int8 compute dtype (matmuls with int8 operands, the rest in a fallback dtype).
+_INT8_COMPUTE_NAMES = ("int8", "i8")
+
+
+def _is_int8_compute(token: str) -> bool:
+    """``int8``, ``i8``, alone or with a ``/fallback``: the int8 compute spelling."""
+    return token.strip().partition("/")[0].strip().lower() in _INT8_COMPUTE_NAMES
 
 
 def _is_int8(dtype: Any) -> bool:
@@ -135,7 +143,7 @@ def _is_int8(dtype: Any) -> bool:
         return dtype.strip().lower() in _INT8_NAMES
     try:
         return np.dtype(dtype) == np.dtype(np.int8)
-    except TypeError:
+    except (TypeError, ValueError, RecursionError):  # not a dtype (a mock's .dtype...): the caller says why
         return False
 
 
@@ -170,3 +178,13 @@ def _short(text: str, at: int = 0) -> str:
         return text
     start = max(0, min(at - _QUOTED // 2, len(text) - _QUOTED))
     return ("..." if start else "") + text[start:start + _QUOTED] + ("..." if start + _QUOTED < len(text) else "")
+
+
+def check_storable(name: str, value: Any) -> None:
+    """Params and outputs are stored floats: FP8 and int8 are compute dtypes of matmuls only."""
+    if isinstance(value, str) and _is_fp8_name(value):
+        raise PolicyError(f"{name}={value.strip()}: FP8 is a compute dtype for matmuls only; params and "
+                          "outputs are f32, bf16 or f16 (e.g. 'params=f32,compute=f8,output=f32')")
+    if (isinstance(value, str) and _is_int8_compute(value)) or (not isinstance(value, str) and _is_int8(value)):
+        raise PolicyError(f"{name}=int8: int8 is a compute dtype for matmuls only; params and outputs are f32, "
+                          "bf16 or f16 (e.g. 'params=f32,compute=int8,output=f32', or the preset mixed_int8)")

@@ -10,9 +10,9 @@ computed), and reads the program that results, forward and backward:
 - matmul/conv FLOPs in float32 for any other reason, by module: a policy that
   does not reach them (``autocast=False`` with pinned layer dtypes, an opaque
   primitive). :func:`check_coverage` warns, or raises, when they exceed 5%.
-- under an FP8 policy, the share of matmul FLOPs in FP8, in 16-bit and in
-  float32 per module, and why a matmul is not FP8 (below ``min_size``, a
-  rule, a convolution);
+- under an FP8 (int8) policy, the share of matmul FLOPs in FP8 (int8), in
+  16-bit and in float32 per module, and why a matmul is not 8-bit (below
+  ``min_size``, a rule, attention, a convolution under FP8);
 - the precision of each module's float32 matmuls, where a policy or rule asks for
   one other than XLA's default (``matmul=highest``: true float32, not TF32).
 """
@@ -22,7 +22,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import warnings
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -30,8 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from precision.autocast import transform
-from precision.autocast.fp8_sites import Fp8Run
 from precision.autocast.op_lists import OpLists
 from precision.autocast.program import MATMUL_PRIMITIVES, MatmulOp, matmul_ops
 from precision.autocast.values import REGION
@@ -39,6 +37,8 @@ from precision.explain_table import (NOT_FUSED, Island, attention_lines, attenti
                                     f32_precision, flops_by_precision, fp8_rows, half_flops as _flops, islands,
                                     precision_column, precision_line, share_text, short_dtype as _short)
 from precision.fp8 import Fp8Options, as_fp8_options
+from precision.int8 import Int8Options, as_int8_options
+from precision.explain_trace import Traced, trace_function, trace_linen, trace_nnx
 from precision.modules import LinenWithPolicy, NNXWithPolicy, with_policy
 from precision.policy import Policy, PolicyError, get_policy
 
@@ -68,9 +68,10 @@ class ModuleReport(NamedTuple):
     total_flops: float
     f32_reason: str  # why its float32 matmul FLOPs are float32 ("" if none)
     fp8_flops: float = 0.0  # forward and backward, fp8 operands
-    not_fp8_reason: str = ""  # under an FP8 policy: why some of its matmuls are not fp8
-    fp8_recipe: str = ""  # how its fp8 matmuls are scaled ("current scaling", "rowwise scaling"...)
+    not_fp8_reason: str = ""  # under an FP8 (int8) policy: why some of its matmuls are not fp8 (int8)
+    fp8_recipe: str = ""  # how its fp8 (int8) matmuls are scaled ("current scaling", "row and column scales"...)
     f32_precision: str = ""  # of its float32 matmuls ("highest"...) where not all at XLA's default
+    int8_flops: float = 0.0  # forward and backward, int8 operands
 
     @property
     def half_share(self) -> float:
@@ -79,6 +80,10 @@ class ModuleReport(NamedTuple):
     @property
     def fp8_share(self) -> float:
         return self.fp8_flops / self.total_flops if self.total_flops else float("nan")
+
+    @property
+    def int8_share(self) -> float:
+        return self.int8_flops / self.total_flops if self.total_flops else float("nan")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +100,7 @@ class Explanation:
     fp8: tuple[float, float] = (0.0, 0.0)  # fp8 FLOPs (forward, backward)
     attention: tuple[tuple[str, str], ...] = ()  # (module, fused how or why not), per softmax attention
     f32_flops_by_precision: tuple[tuple[str, float], ...] = ()  # float32 matmul FLOPs (fwd + bwd) per precision
+    int8: tuple[float, float] = (0.0, 0.0)  # int8 FLOPs (forward, backward)
 
     @property
     def fused_attention(self) -> tuple[str, ...]:
@@ -107,6 +113,12 @@ class Explanation:
         """Share of matmul/conv FLOPs (forward and backward) with fp8 operands."""
         total = self.forward[1] + (self.backward[1] if self.backward else 0.0)
         return sum(self.fp8) / total if total else float("nan")
+
+    @property
+    def int8_share(self) -> float:
+        """Share of matmul/conv FLOPs (forward and backward) with int8 operands."""
+        total = self.forward[1] + (self.backward[1] if self.backward else 0.0)
+        return sum(self.int8) / total if total else float("nan")
 
     @property
     def half_share(self) -> float:
@@ -136,9 +148,21 @@ class Explanation:
                                               if m.total_flops > m.fp8_flops and m.not_fp8_reason])
 
     @property
+    def int8_coverage(self) -> str:
+        """``"int8 covers 97% of matmul FLOPs (the rest: attention stays out of int8)"``: the int8
+        share, and why the rest is not int8 (each reason once, without its sizes)."""
+        return coverage_text(self.int8_share, [m.not_fp8_reason for m in self.modules
+                                               if m.total_flops > m.int8_flops and m.not_fp8_reason], "int8")
+
+    @property
     def shows_fp8(self) -> bool:
         """The policy, a rule or a region put matmuls in FP8: the table shows FP8 shares."""
         return self.policy.fp8 or sum(self.fp8) > 0
+
+    @property
+    def shows_int8(self) -> bool:
+        """The policy, a rule or a region put matmuls in int8: the table shows int8 shares."""
+        return self.policy.int8 or sum(self.int8) > 0
 
     def table(self) -> str:
         """The explanation as a text table."""
@@ -147,12 +171,13 @@ class Explanation:
                  "matmul/conv FLOPs with half-precision operands: " + share_text("forward", self.forward)
                  + ("; " + share_text("backward", self.backward) if self.backward else "")]
         lines += precision_line(dict(self.f32_flops_by_precision))
-        if self.shows_fp8:
-            lines.append("matmul/conv FLOPs with fp8 operands: "
-                         + share_text("forward", (self.fp8[0], self.forward[1]))
-                         + ("; " + share_text("backward", (self.fp8[1], self.backward[1])) if self.backward else ""))
-            lines.append(self.fp8_coverage)
-            lines += columns(precision_column(fp8_rows(self.modules), self.modules))
+        if self.shows_fp8 or self.shows_int8:
+            name, flops = ("int8", self.int8) if self.shows_int8 and not self.shows_fp8 else ("fp8", self.fp8)
+            lines.append(f"matmul/conv FLOPs with {name} operands: "
+                         + share_text("forward", (flops[0], self.forward[1]))
+                         + ("; " + share_text("backward", (flops[1], self.backward[1])) if self.backward else ""))
+            lines.append(self.int8_coverage if name == "int8" else self.fp8_coverage)
+            lines += columns(precision_column(fp8_rows(self.modules, name), self.modules))
         else:
             rows = [("module", "params", "matmul/conv", "half", "float32 because")]
             for m in self.modules:
@@ -174,119 +199,22 @@ class Explanation:
         return self.table()
 
 
-# ----------------------------------------------------------------------------- tracing
-
-
-class _Traced(NamedTuple):
-    forward: Any  # jaxpr of the forward pass
-    backward: Any  # jaxpr of forward + backward (or None)
-    log: list
-    params: dict[str, tuple[str, ...]]  # module path -> stored param dtypes
-    root: str  # the leading scope name to drop (Linen's root module class)
-    name: str
-    wrapped: Any
-
-
-def _cotangents(out: Any) -> Any:
-    def one(x):
-        if jnp.issubdtype(x.dtype, jnp.inexact):
-            return jnp.ones(x.shape, x.dtype)
-        return np.zeros(x.shape, jax.dtypes.float0)
-    return jax.tree_util.tree_map(one, out)
-
-
-def _trace(fn: Callable, diff: Any, rest: Any, backward: bool, log: list) -> tuple[Any, Any]:
-    """Jaxprs of ``fn(diff, rest)`` and of its VJP with respect to ``diff``."""
-    forward = jax.make_jaxpr(lambda d, r: fn(d, r, log))(diff, rest)
-    if not backward:
-        return forward, None
-
-    def vjp(d, r):  # through the rest too: NNX state must enter the traced function as an argument
-        out, pullback = jax.vjp(lambda d_, r_: fn(d_, r_, None), d, r)
-        return pullback(_cotangents(out))[0]
-
-    return forward, jax.make_jaxpr(vjp)(diff, rest)
-
-
-def _param_dtypes(params: Any) -> dict[str, tuple[str, ...]]:
-    """Stored dtypes of the params of each module path (Linen dicts or NNX state)."""
-    by_module: dict[str, set] = collections.defaultdict(set)
-    leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    for path, leaf in leaves:
-        names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
-        dtype = leaf.get_value().dtype if isinstance(leaf, nnx.Variable) else leaf.dtype
-        by_module["/".join(names[:-1])].add(np.dtype(dtype).name)
-    return {k: tuple(sorted(_short(d) for d in v)) for k, v in by_module.items()}
-
-
-def _trace_linen(wrapped: LinenWithPolicy, args: tuple, kwargs: dict, backward: bool) -> _Traced:
-    kwargs = dict(kwargs)
-    rngs = kwargs.pop("rngs", None) or {"dropout": jax.random.key(0)}
-    variables = jax.eval_shape(lambda: wrapped.init(jax.random.key(0), *args, **kwargs))
-    state = {k: v for k, v in variables.items() if k != "params"}
-    mutable = list(state) or False
-
-    def fn(params, state, log):
-        out = wrapped.apply_logged({**state, "params": params}, *args, mutable=mutable, rngs=rngs, log=log,
-                                   **kwargs)
-        return out[0] if mutable else out
-
-    log: list = []
-    fwd, bwd = _trace(fn, variables.get("params", {}), state, backward, log)
-    name = type(wrapped.module).__name__
-    return _Traced(fwd, bwd, log, _param_dtypes(variables.get("params", {})), "", name, wrapped)
-
-
-def _trace_nnx(wrapped: NNXWithPolicy, args: tuple, kwargs: dict, backward: bool) -> _Traced:
-    graphdef, params, rest = nnx.split(wrapped, nnx.Param, ...)
-
-    def fn(params, rest, log):
-        return nnx.merge(graphdef, params, rest).call_logged(log, *args, **kwargs)
-
-    log: list = []
-    fwd, bwd = _trace(fn, params, rest, backward, log)
-    module_params = nnx.state(wrapped.module, nnx.Param)
-    name = type(wrapped.module).__name__
-    return _Traced(fwd, bwd, log, _param_dtypes(module_params), "", name, wrapped)
-
-
-def _trace_function(fn: Callable, policy: Policy, ops: OpLists, args: tuple, kwargs: dict,
-                    backward: bool, fp8: Fp8Options) -> _Traced:
-    floats = [i for i, a in enumerate(args) if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.inexact)]
-
-    def run(diff, rest, log):
-        full = list(rest)
-        for i, a in zip(floats, diff):
-            full[i] = a
-        return transform.call(fn, tuple(full), kwargs, compute_dtype=policy.compute_dtype, ops=ops, log=log,
-                              fp8=policy.fp8, fp8_run=Fp8Run(fp8), matmul_precision=policy.matmul_precision)
-
-    rest = [None if i in floats else a for i, a in enumerate(args)]
-    log: list = []
-    fwd = jax.make_jaxpr(lambda d: run(d, rest, log))([args[i] for i in floats])
-    bwd = None
-    if backward and floats:
-        def vjp(d):
-            out, pullback = jax.vjp(lambda d_: run(d_, rest, None), d)
-            return pullback(_cotangents(out))
-        bwd = jax.make_jaxpr(vjp)([args[i] for i in floats])
-    return _Traced(fwd, bwd, log, {}, "", getattr(fn, "__name__", "function"), None)
-
-
-def _wrap(target: Any, policy: Any, rules: Any, ops: OpLists | None, autocast: bool, fp8: Any) -> Any:
+def _wrap(target: Any, policy: Any, rules: Any, ops: OpLists | None, autocast: bool, fp8: Any, int8: Any) -> Any:
     if isinstance(target, (LinenWithPolicy, NNXWithPolicy)):
         if policy is not None and get_policy(policy) != target.policy:
             raise ValueError(f"explain: policy {policy!r} differs from the wrapped model's {target.policy}; "
                              "pass policy=None or the unwrapped module")
         if fp8 is not None and as_fp8_options(fp8) != target.fp8:
             raise ValueError(f"explain: fp8={fp8!r} differs from the wrapped model's {target.fp8}; pass fp8=None")
+        if int8 is not None and as_int8_options(int8) != target.int8:
+            raise ValueError(f"explain: int8={int8!r} differs from the wrapped model's {target.int8}; pass int8=None")
         return target
     if policy is None:
         raise TypeError("explain: pass policy=... (a spec or preset) for an unwrapped model or function")
     if isinstance(target, nn.Module):
-        return with_policy(target, policy, rules, autocast=autocast, ops=ops, fp8=fp8)
+        return with_policy(target, policy, rules, autocast=autocast, ops=ops, fp8=fp8, int8=int8)
     if isinstance(target, nnx.Module):
-        return with_policy(nnx.clone(target), policy, rules, autocast=autocast, ops=ops, fp8=fp8)
+        return with_policy(nnx.clone(target), policy, rules, autocast=autocast, ops=ops, fp8=fp8, int8=int8)
     if callable(target):
         return target
     raise TypeError(f"explain expects a Flax Linen or NNX module, a with_policy wrapper or a function, "
@@ -295,7 +223,8 @@ def _wrap(target: Any, policy: Any, rules: Any, ops: OpLists | None, autocast: b
 
 def explain(target: Any, *args: Any, policy: "str | Policy | None" = None, rules: Any = None,
             ops: OpLists | None = None, autocast: bool = True, backward: bool = True,
-            fp8: "Fp8Options | dict | None" = None, **kwargs: Any) -> Explanation:
+            fp8: "Fp8Options | dict | None" = None, int8: "Int8Options | dict | None" = None,
+            **kwargs: Any) -> Explanation:
     """Explains what ``policy`` does to ``target`` called on ``args`` (traced, not run).
 
     Args:
@@ -309,23 +238,25 @@ def explain(target: Any, *args: Any, policy: "str | Policy | None" = None, rules
         params, or the floating arguments of a function).
       fp8: :func:`precision.fp8_options` for an FP8 policy (as
         :func:`precision.with_policy` takes them).
+      int8: :func:`precision.int8_options` for an int8 policy (likewise).
 
     Returns an :class:`Explanation`: ``print`` it for the table, or read
     ``half_share``, ``modules``, ``islands`` and ``uncovered``.
     """
-    wrapped = _wrap(target, policy, rules, ops, autocast, fp8)
+    wrapped = _wrap(target, policy, rules, ops, autocast, fp8, int8)
     # NumPy inputs as JAX arrays, as a jitted step passes them (a model may accept only those)
     args, kwargs = jax.tree_util.tree_map(lambda x: jnp.asarray(x) if isinstance(x, np.ndarray) else x,
                                           (args, kwargs))
     if isinstance(wrapped, LinenWithPolicy):
-        traced = _trace_linen(wrapped, args, kwargs, backward)
+        traced = trace_linen(wrapped, args, kwargs, backward)
         policy_, on = wrapped.policy, wrapped.autocast
     elif isinstance(wrapped, NNXWithPolicy):
-        traced = _trace_nnx(wrapped, args, kwargs, backward)
+        traced = trace_nnx(wrapped, args, kwargs, backward)
         policy_, on = wrapped.policy, wrapped.autocast
     else:
         policy_, on = get_policy(policy), True
-        traced = _trace_function(wrapped, policy_, ops or OpLists(), args, kwargs, backward, as_fp8_options(fp8))
+        traced = trace_function(wrapped, policy_, ops or OpLists(), args, kwargs, backward, as_fp8_options(fp8),
+                                 as_int8_options(int8))
     return _summarize(traced, policy_, on)
 
 
@@ -335,7 +266,7 @@ def _path(path: tuple[str, ...], root: str) -> str:
     return "/".join(path)
 
 
-def _summarize(traced: _Traced, policy: Policy, autocast: bool) -> Explanation:
+def _summarize(traced: Traced, policy: Policy, autocast: bool) -> Explanation:
     forward = matmul_ops(traced.forward)
     backward = [m for m in matmul_ops(traced.backward) if m.backward] if traced.backward is not None else None
     reasons = {(_path(r.path, traced.root), r.primitive): r.reason for r in traced.log
@@ -345,8 +276,9 @@ def _summarize(traced: _Traced, policy: Policy, autocast: bool) -> Explanation:
     for r in (r for r in traced.log if r.primitive in MATMUL_PRIMITIVES):
         if r.dtype.itemsize > 1:
             not_fp8.setdefault(_path(r.path, traced.root), r.reason)
-        else:  # an fp8 matmul logs "fp8 matmul (<its recipe>)"
-            recipes.setdefault(_path(r.path, traced.root), r.reason.removeprefix("fp8 matmul (").removesuffix(")"))
+        else:  # an fp8 (int8) matmul logs "fp8 matmul (<its recipe>)" ("int8 matmul (...)")
+            recipe = r.reason.partition(" matmul (")[2].removesuffix(")")
+            recipes.setdefault(_path(r.path, traced.root), recipe)
     by_path: dict[str, list[MatmulOp]] = collections.defaultdict(list)
     for m in forward + (backward or []):
         by_path[_path(m.path, traced.root)].append(m)
@@ -363,15 +295,17 @@ def _summarize(traced: _Traced, policy: Policy, autocast: bool) -> Explanation:
             reason = (RULE if REGION in logged else AUTOCAST_OFF if not autocast
                       else next((r for r in logged if r), NOT_REACHED))
         dtypes = tuple(dict.fromkeys(_short(m.dtype.name) for m in ops if not m.backward))
-        fp8 = sum(m.flops for m in ops if m.fp8)
-        modules.append(ModuleReport(path, traced.params.get(path, ()), dtypes, half, total, reason, fp8,
-                                    not_fp8.get(path, "") if total > fp8 else "", recipes.get(path, "") if fp8 else "",
-                                    f32_precision(ops)))
+        eight = sum(m.flops for m in ops if m.fp8 or m.int8)
+        modules.append(ModuleReport(path, traced.params.get(path, ()), dtypes, half, total, reason,
+                                    sum(m.flops for m in ops if m.fp8), not_fp8.get(path, "") if total > eight else "",
+                                    recipes.get(path, "") if eight else "", f32_precision(ops),
+                                    sum(m.flops for m in ops if m.int8)))
     fp8_flops = (sum(m.flops for m in forward if m.fp8), sum(m.flops for m in backward or [] if m.fp8))
+    int8_flops = (sum(m.flops for m in forward if m.int8), sum(m.flops for m in backward or [] if m.int8))
     return Explanation(traced.name, policy, autocast, tuple(modules), islands(traced.log, lambda p: _path(p, traced.root)),
                        _flops(forward), _flops(backward) if backward is not None else None, fp8_flops,
                        attention_reports(traced.log, lambda p: _path(p, traced.root)),
-                       flops_by_precision(forward + (backward or [])))
+                       flops_by_precision(forward + (backward or [])), int8_flops)
 
 
 def check_coverage(explanation: Explanation, *, threshold: float = 0.05, strict: bool = False,

@@ -37,7 +37,7 @@ def half_flops(ops: Any) -> tuple[float, float]:
 def short_dtype(dtype: str) -> str:
     """A dtype's name as the table prints it: ``f32``, ``bf16``, ``e4m3``..."""
     return {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64", "float8_e4m3fn": "e4m3",
-            "float8_e5m2": "e5m2"}.get(dtype, dtype)
+            "float8_e5m2": "e5m2", "int8": "int8"}.get(dtype, dtype)
 
 
 def _human(flops: float) -> str:
@@ -53,15 +53,17 @@ def columns(rows: list[tuple[str, ...]]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
-def fp8_rows(modules: Any) -> list[tuple[str, ...]]:
-    """The FP8 table's rows: per module its fp8, 16-bit and float32 shares and why a matmul is not fp8."""
-    rows = [("module", "params", "matmul/conv", "fp8", "16-bit", "f32", "fp8 recipe", "not fp8 because")]
+def fp8_rows(modules: Any, name: str = "fp8") -> list[tuple[str, ...]]:
+    """The FP8 (``name="int8"``: int8) table's rows: per module its 8-bit, 16-bit and float32
+    shares and why a matmul is not 8-bit."""
+    rows = [("module", "params", "matmul/conv", name, "16-bit", "f32", f"{name} recipe", f"not {name} because")]
     pct = lambda part, m: "" if not m.total_flops else f"{100 * part / m.total_flops:.0f}%"  # noqa: E731
     for m in modules:
         why = m.not_fp8_reason or m.f32_reason
-        rows.append((m.path or "(top)", ",".join(m.param_dtypes), ",".join(m.matmul_dtypes), pct(m.fp8_flops, m),
-                     pct(m.half_flops - m.fp8_flops, m), pct(m.total_flops - m.half_flops, m), m.fp8_recipe,
-                     why if m.total_flops > m.fp8_flops else ""))
+        eight = m.int8_flops if name == "int8" else m.fp8_flops
+        rows.append((m.path or "(top)", ",".join(m.param_dtypes), ",".join(m.matmul_dtypes), pct(eight, m),
+                     pct(m.half_flops - eight, m), pct(m.total_flops - m.half_flops, m), m.fp8_recipe,
+                     why if m.total_flops > eight else ""))
     return rows
 
 
@@ -101,13 +103,13 @@ def precision_line(flops: dict[str, float]) -> list[str]:
     return [f"float32 matmul/conv FLOPs by precision: {shares} of {_human(total)}{tf32}"]
 
 
-def coverage_text(share: float, reasons: list[str]) -> str:
-    """The FP8 share of matmul FLOPs in words, with the reasons (sizes dropped, each once)
-    the rest is not FP8."""
+def coverage_text(share: float, reasons: list[str], name: str = "fp8") -> str:
+    """The FP8 (``name="int8"``: int8) share of matmul FLOPs in words, with the reasons
+    (sizes dropped, each once) the rest is not 8-bit."""
     if share != share:  # nan: no matmul at all
-        return "fp8 covers no matmul FLOPs (the model has no matmul or convolution)"
+        return f"{name} covers no matmul FLOPs (the model has no matmul or convolution)"
     why = list(dict.fromkeys(reason.split(" (")[0] for reason in reasons))
-    text = f"fp8 covers {100 * share:.0f}% of matmul FLOPs"
+    text = f"{name} covers {100 * share:.0f}% of matmul FLOPs"
     if share >= 1.0 or not why:
         return text
     if share == 0:

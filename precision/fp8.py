@@ -2,7 +2,7 @@
 
 A policy with compute ``f8`` (preset ``mixed_fp8``) runs every allow-listed
 ``dot_general`` at or above ``min_size`` in FP8 (see
-:mod:`precision.autocast.fp8_matmul` for the arithmetic) and every other op in
+:mod:`precision.autocast.scaled.fp8_matmul` for the arithmetic) and every other op in
 the fallback dtype (bf16 unless ``compute=f8/f16``). Options:
 
 - ``scaling="current"`` (default): each tensor is scaled from its own amax in

@@ -37,8 +37,9 @@ from precision.rules import as_rules
 __all__ = ["DEFAULT_CANDIDATES", "PREFERENCES", "Candidate", "Measurement", "PolicyPick", "check_choice",
            "parse_candidates", "pick_policy"]
 
-#: What is tried when the user names nothing: float32 (the reference), the mixed policies, the lean ones.
-DEFAULT_CANDIDATES = ("fp32", "mixed_bf16", "mixed_f16", "mixed_fp8", "lean_bf16", "lean_int8")
+#: What is tried when the user names nothing: float32 (the reference), the mixed policies (FP8 and int8
+#: matmuls among them: each dropped where no matmul would take its format), the lean ones.
+DEFAULT_CANDIDATES = ("fp32", "mixed_bf16", "mixed_f16", "mixed_fp8", "mixed_int8", "lean_bf16", "lean_int8")
 PREFERENCES = ("speed", "memory")
 _FP32 = get_policy("fp32")
 # Whitespace before the next key=value setting (a policy string's own keys, ``compute=f16``, are not settings).

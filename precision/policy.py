@@ -6,24 +6,26 @@ gives the same three dtypes here. Beyond jmp we accept whitespace around tokens,
 ``fp16``/``fp32`` spellings, case-insensitive names and named presets, and
 the FP8 compute dtype ``f8`` (``compute=f8``, or ``compute=f8/f16`` for another
 16-bit fallback): allow-listed matmuls in FP8 (see :mod:`precision.fp8`),
-every other op in the fallback; and ``matmul=highest``: true float32 matmuls, not the
+every other op in the fallback; the int8 compute dtype (``compute=int8``, or
+``compute=int8/f16``): allow-listed matmuls and convolutions with int8 operands
+and int32 accumulation (see :mod:`precision.int8`), the rest in the fallback; and ``matmul=highest``: true float32 matmuls, not the
 TF32 that GPUs run them in by default (docs/matmul-precision.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-from typing import Any, Mapping, TypeVar
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from precision.dtype_names import (_DTYPE_NAMES, _FP8_FALLBACK, _FP8_NAMES, _KEYS, _NAME_TO_DTYPE, _QUOTED,
+from precision.dtype_names import (_DTYPE_NAMES, _FP8_FALLBACK, _FP8_NAMES, _KEYS, _NAME_TO_DTYPE,
                                     _ROUNDING_NAMES, _ROUNDING_SHORT, _VALID_DTYPE_NAMES, PolicyError, _is_int8,
-                                    _bare_with_matmul, _is_fp8_name, _nearest_dtype, _short, dtype_to_names,
-                                    half_dtype, matmul_precision_name)
+                                    _is_int8_compute, _bare_with_matmul, _is_fp8_name, _short, check_storable,
+                                    dtype_to_names, half_dtype, matmul_precision_name)
+from precision.presets import _PRESET_LOOKUP, _STORED_PRESETS, PRESETS, _error
 
 T = TypeVar("T")
 
@@ -97,6 +99,10 @@ class Policy:
     ``compute_dtype`` is the dtype of everything else (the fallback). A compute
     spelled ``"f8"`` or ``"f8/f16"`` sets it: ``Policy("f32", "f8", "f32")``.
 
+    ``int8``: allow-listed matmuls and convolutions compute with int8 operands into int32
+    (scales per row and column; see :mod:`precision.int8`), ``compute_dtype`` the rest's:
+    ``Policy("f32", "int8", "f32")`` or ``"int8/f16"``.
+
     ``matmul_precision`` (``matmul=highest`` in a spec): the ``jax.lax.Precision`` autocast gives
     float32 matmuls and convolutions: ``"default"`` (XLA's: TF32 on GPUs that have it), ``"high"``
     or ``"highest"`` (true float32); see :mod:`precision.autocast.matmul_precision`.
@@ -111,22 +117,26 @@ class Policy:
     state_dtype: np.dtype | None = None  # the optimizer state's floating arrays; None: float32
     accum_dtype: np.dtype | None = None  # gradients summed over micro-batches; None: float32
     matmul_precision: str = "default"  # of float32 matmuls/convolutions: default (TF32 on GPUs), high, highest
+    int8: bool = False  # allow-listed matmuls and convolutions with int8 operands, int32 accumulation
 
     def __init__(self, param_dtype: Any, compute_dtype: Any, output_dtype: Any, fp8: bool = False,
                  master_dtype: Any = None, master_rounding: str | None = None, state_dtype: Any = None,
-                 accum_dtype: Any = None, matmul_precision: Any = "default"):
+                 accum_dtype: Any = None, matmul_precision: Any = "default", int8: bool = False):
         for name, value in (("params", param_dtype), ("output", output_dtype)):
-            if isinstance(value, str) and _is_fp8_name(value):
-                raise PolicyError(f"{name}={value.strip()}: FP8 is a compute dtype for matmuls only; params and "
-                                  "outputs are f32, bf16 or f16 (e.g. 'params=f32,compute=f8,output=f32')")
+            check_storable(name, value)
         if isinstance(compute_dtype, str) and _is_fp8_name(compute_dtype):
             compute, fp8 = parse_compute(compute_dtype), True
+        elif isinstance(compute_dtype, str) and _is_int8_compute(compute_dtype):
+            compute, int8 = parse_compute(compute_dtype), True
         else:
             compute = _canonical(compute_dtype)
+        if fp8 and int8:
+            raise PolicyError("a policy's matmuls are FP8 (compute=f8) or int8 (compute=int8), not both")
         object.__setattr__(self, "param_dtype", _canonical(param_dtype))
         object.__setattr__(self, "compute_dtype", compute)
         object.__setattr__(self, "output_dtype", _canonical(output_dtype))
         object.__setattr__(self, "fp8", bool(fp8))
+        object.__setattr__(self, "int8", bool(int8))
         master, state = _stored_dtype(master_dtype, "master"), _stored_dtype(state_dtype, "state")
         if master is None and master_rounding is not None:
             raise PolicyError(f"master rounding {master_rounding!r} is for bfloat16 masters (master=bf16/"
@@ -154,7 +164,7 @@ class Policy:
     def with_stored(self, **fields: Any) -> "Policy":
         """The same dtypes with other stored-state fields (``master_dtype``, ``master_rounding``,
         ``state_dtype``, ``accum_dtype``) or ``matmul_precision``; the rest kept."""
-        return Policy(self.param_dtype, self.compute_name if self.fp8 else self.compute_dtype, self.output_dtype,
+        return Policy(self.param_dtype, self.compute_name if self.scaled else self.compute_dtype, self.output_dtype,
                       **{**self._kept, **fields})
 
     def cast_to_param(self, tree: T) -> T:
@@ -172,10 +182,11 @@ class Policy:
     def with_output_dtype(self, output_dtype: Any) -> "Policy":
         """The same policy with another output dtype."""
         return Policy(
-            self.param_dtype, self.compute_name if self.fp8 else self.compute_dtype, output_dtype, **self._kept)
+            self.param_dtype, self.compute_name if self.scaled else self.compute_dtype, output_dtype, **self._kept)
 
     def with_compute_dtype(self, compute_dtype: Any) -> "Policy":
-        """The same policy with another compute dtype (``"f8"`` or ``"f8/f16"`` for FP8 matmuls)."""
+        """The same policy with another compute dtype (``"f8"`` or ``"f8/f16"`` for FP8 matmuls,
+        ``"int8"`` or ``"int8/f16"`` for int8 ones)."""
         return Policy(self.param_dtype, compute_dtype, self.output_dtype, **self._kept)
 
     def with_matmul_precision(self, matmul_precision: Any) -> "Policy":
@@ -183,16 +194,21 @@ class Policy:
         return self.with_stored(matmul_precision=matmul_precision)
 
     @property
+    def scaled(self) -> str | None:
+        """The 8-bit format its allow-listed matmuls compute in: ``"f8"``, ``"int8"`` or None."""
+        return "f8" if self.fp8 else "int8" if self.int8 else None
+
+    @property
     def is_mixed(self) -> bool:
-        """True when any of the three dtypes is not float32, or matmuls compute in FP8."""
+        """True when any of the three dtypes is not float32, or matmuls compute in FP8 or int8."""
         f32 = np.dtype(jnp.float32)
-        return self.fp8 or any(d != f32 for d in (self.param_dtype, self.compute_dtype, self.output_dtype))
+        return bool(self.scaled) or any(d != f32 for d in (self.param_dtype, self.compute_dtype, self.output_dtype))
 
     @property
     def compute_name(self) -> str:
-        """The compute dtype as a spec writes it: ``bf16``, or ``f8/bf16`` for FP8 matmuls."""
+        """The compute dtype as a spec writes it: ``bf16``, ``f8/bf16`` for FP8 matmuls, ``int8/bf16`` for int8."""
         name = _DTYPE_NAMES[self.compute_dtype][0]
-        return f"f8/{name}" if self.fp8 else name
+        return f"{self.scaled}/{name}" if self.scaled else name
 
     def __str__(self) -> str:
         n = lambda d: _DTYPE_NAMES[d][0]
@@ -209,53 +225,6 @@ class Policy:
 
     def __repr__(self) -> str:
         return f"Policy({str(self)!r})"
-
-
-_F32, _BF16, _F16 = "f32", "bf16", "f16"
-
-#: Named presets: name -> (params, compute, output, description).
-PRESETS: Mapping[str, tuple[str, str, str, str]] = {
-    "fp32": (_F32, _F32, _F32, "full precision everywhere (Apex/Paddle O0)"),
-    "mixed_bf16": (_F32, _BF16, _F32, "f32 params, bf16 math, f32 outputs"),
-    "mixed_bfloat16": (_F32, _BF16, _F32, "alias of mixed_bf16"),
-    "mixed_f16": (_F32, _F16, _F32, "f32 params, f16 math, f32 outputs; use loss scaling"),
-    "mixed_float16": (_F32, _F16, _F32, "alias of mixed_f16"),
-    "mixed_fp8": (_F32, "f8/bf16", _F32, "f32 params, FP8 matmuls (E4M3/E5M2), the rest bf16, f32 outputs"),
-    "pure_bf16": (_BF16, _BF16, _BF16, "bf16 params, math and outputs"),
-    "pure_f16": (_F16, _F16, _F16, "f16 params, math and outputs; use loss scaling"),
-    "O1": (_F32, _F16, _F32, "Apex/Paddle O1: f16 math, f32 params; norms, softmax, losses in f32"),
-    "O2": (_F16, _F16, _F32, "Apex/Paddle O2: f16 params with f32 master weights, f32 norms"),
-    "O3": (_F16, _F16, _F16, "Apex O3: pure f16, no f32 rules"),
-    "lean_bf16": (_BF16, _BF16, _F32, "bf16 params as their own masters (stochastic rounding), bf16 math, bf16 "
-                  "optimizer state, f32 outputs: 6 bytes per param with Adam"),
-    "lean_int8": (_BF16, _BF16, _F32, "lean_bf16 with 8-bit block-wise optimizer state: about 4 bytes per param "
-                  "with Adam"),
-}
-#: Presets that also store masters and optimizer state below float32: name -> (master, rounding, state).
-_STORED_PRESETS = {"lean_bf16": (_BF16, "sr", _BF16), "lean_int8": (_BF16, "sr", "int8")}
-_PRESET_LOOKUP = {name.lower(): name for name in PRESETS}
-
-
-def _suggest(token: str, choices, dtype: bool = False) -> str:
-    close = ([_nearest_dtype(token)] if dtype and _nearest_dtype(token) else []) \
-        or difflib.get_close_matches(token, list(choices), n=1, cutoff=0.5)
-    return f" Did you mean {close[0]!r}?" if close else ""
-
-
-def _error(spec: str, token: str, position: int, what: str, choices=(), *,
-           bad_dtype: bool = False) -> PolicyError:
-    where = f" at position {position}" if position >= 0 else ""
-    dtypes, keys = ", ".join(_VALID_DTYPE_NAMES), "p|params, c|compute, o|output, m|master, s|state|opt, matmul"
-    # jmp says "Unknown dtype" for a bad dtype: code matching that phrase keeps working.
-    fp8 = f"and for compute only {', '.join(_FP8_NAMES)} (FP8 matmuls, e.g. compute=fp8 or fp8/f16)"
-    valid = (f"Unknown dtype: the valid ones are {dtypes}, {fp8}; valid keys: {keys};" if bad_dtype
-             else f"Valid keys: {keys}; valid dtypes: {dtypes}, {fp8};")
-    shown = repr(_short(spec, position)) + (f" ({len(spec)} characters)" if len(spec) > _QUOTED else "")
-    msg = (f"Invalid precision policy {shown}: {what} {_short(token)!r}{where}."
-           + _suggest(token.lower()[:_QUOTED], choices, dtype=bad_dtype)
-           + f" {valid} presets: {', '.join(PRESETS)}."
-           " Example: 'params=f32,compute=f16,output=f32'.")
-    return PolicyError(msg, spec=spec, token=token, position=position)
 
 
 def parse_dtype(name: str) -> np.dtype:
@@ -302,7 +271,8 @@ def get_policy(spec: "str | Policy | Any") -> Policy:
         name = _PRESET_LOOKUP[stripped.lower()]
         p, c, o, _ = PRESETS[name]
         master, rounding, state = _STORED_PRESETS.get(name, (None, None, None))
-        return Policy(_NAME_TO_DTYPE[p], c if _is_fp8_name(c) else _NAME_TO_DTYPE[c], _NAME_TO_DTYPE[o],
+        return Policy(_NAME_TO_DTYPE[p], c if _is_fp8_name(c) or _is_int8_compute(c) else _NAME_TO_DTYPE[c],
+                      _NAME_TO_DTYPE[o],
                       master_dtype=master, master_rounding=rounding, state_dtype=state)
     if "=" not in spec and "," not in spec:
         start = spec.index(stripped)
@@ -310,6 +280,9 @@ def get_policy(spec: "str | Policy | Any") -> Policy:
         if _is_fp8_name(low):
             raise _error(spec, stripped, start, "FP8 is a compute dtype for matmuls only, not a dtype for params "
                          "and outputs: write 'mixed_fp8' or 'compute=f8' instead of", (), bad_dtype=True)
+        if _is_int8_compute(low):
+            raise _error(spec, stripped, start, "int8 is a compute dtype for matmuls only, not a dtype for params "
+                         "and outputs: write 'mixed_int8' or 'compute=int8' instead of", (), bad_dtype=True)
         if low != "half" and low not in _NAME_TO_DTYPE:
             raise _error(spec, stripped, start, "unknown dtype or preset",
                          _VALID_DTYPE_NAMES + tuple(_PRESET_LOOKUP), bad_dtype=True)
@@ -351,14 +324,18 @@ def _parse_assignments(spec: str) -> Policy:
         if field == "state" and _is_int8(value):
             found[field] = value
             continue
-        if _is_fp8_name(value):
+        if _is_int8_compute(value) and field != "compute":
+            raise _error(spec, value, value_pos, f"int8 is a compute dtype for matmuls only; {field} must be "
+                         "f32, bf16 or f16 (e.g. 'params=f32,compute=int8,output=f32'), not", ())
+        if _is_fp8_name(value) or _is_int8_compute(value):
+            scaled = "int8" if _is_int8_compute(value) else "fp8"
             if field != "compute":
                 raise _error(spec, value, value_pos, f"FP8 is a compute dtype for matmuls only; {field} must be "
                              "f32, bf16 or f16, not", ())
-            found["fp8"] = True
+            found[scaled] = True
             head, slash, fallback = value.partition("/")
             if slash and not fallback.strip():
-                raise _error(spec, value, value_pos, "FP8 compute needs a fallback dtype after '/' (bf16, f16 "
+                raise _error(spec, value, value_pos, f"{scaled} compute needs a fallback dtype after '/' (bf16, f16 "
                              "or f32) in", ())
             if not fallback.strip():
                 found[field] = _FP8_FALLBACK
@@ -371,15 +348,15 @@ def _parse_assignments(spec: str) -> Policy:
     output = found.get("output", compute)
     return Policy(param, compute, output, fp8=bool(found.get("fp8")), master_dtype=found.get("master"),
                   master_rounding=found.get("master_rounding"), state_dtype=found.get("state"),
-                  accum_dtype=found.get("accum"), matmul_precision=found.get("matmul"))
+                  accum_dtype=found.get("accum"), matmul_precision=found.get("matmul"), int8=bool(found.get("int8")))
 
 
 def parse_compute(spec: str) -> np.dtype:
-    """The fallback dtype of an FP8 compute spec: ``"f8"`` -> bfloat16, ``"f8/f16"`` -> float16."""
+    """The fallback dtype of an FP8 or int8 compute spec: ``"f8"`` -> bfloat16, ``"int8/f16"`` -> float16."""
     head, _, fallback = spec.strip().partition("/")
-    if head.strip().lower() not in _FP8_NAMES:
-        raise PolicyError(f"{spec!r} is not an FP8 compute spec; write f8, fp8 or float8, optionally /bf16, /f16 "
-                          "or /f32 for the dtype of the other ops")
+    if head.strip().lower() not in _FP8_NAMES and not _is_int8_compute(head):
+        raise PolicyError(f"{spec!r} is not an FP8 or int8 compute spec; write f8, fp8, float8 or int8, optionally "
+                          "/bf16, /f16 or /f32 for the dtype of the other ops")
     return parse_dtype(fallback) if fallback.strip() else _FP8_FALLBACK
 
 

@@ -15,7 +15,7 @@ program, a ``while`` loop) reads it in its own dtype. Casting such an
 argument to ``h`` early changes nothing the program computes.
 
 An argument whose every path ends in an FP8 matmul's per-tensor, currently
-scaled quantization (:data:`~precision.autocast.fp8_quantize.FP8_READ`) is
+scaled quantization (:data:`~precision.autocast.scaled.fp8_quantize.FP8_READ`) is
 read in E4M3: quantized early with the same scale (from the whole array's
 amax) and handed over as its dequantized values, the matmul quantizes it to
 the same FP8 values (at most doubled, exactly: the products do not change).
@@ -28,7 +28,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from precision.autocast.fp8_quantize import E4M3, FP8_READ
+from precision.autocast.scaled.fp8_quantize import E4M3, FP8_READ
 from precision.autocast.program import HALF_DTYPES, MOVES
 
 __all__ = ["read_dtypes"]

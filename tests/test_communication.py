@@ -14,7 +14,7 @@ import precision
 from train import create_train_state, explain_communication, make_train_step
 from train.parallel.communication import Collective, hlo_collectives
 from train.data import load_synthetic
-from precision.autocast.fp8_matmul import rowwise_dot, scaled_dot
+from precision.autocast.scaled.fp8_matmul import rowwise_dot, scaled_dot
 from train.parallel.distributed import Layout, make_mesh, to_host
 from helpers import assert_bitwise_equal
 from train.models import MLP

@@ -276,7 +276,7 @@ def test_without_the_cuda_plugin_compile_for_names_what_to_install(tmp_path):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--compile-for", "a100"], "unknown compile target 'a100': give one of h100, h200"),
+    (["--compile-for", "b200"], "unknown compile target 'b200': give one of h100, h200, a100"),
     (["--devices", "2"], "--devices goes with --compile-for"),
     (["--mesh", "dat=2", "--compile-for", "h100"], "--mesh 'dat=2': give data=D,fsdp=F"),
 ])

@@ -50,6 +50,10 @@ RUN_BY_TESTS = {
     # libtpu: CI's compile-only environment runs these (pytest -m tpu_compile), on the config made small
     "python -m train configs/gpu/gpt2_small_mixed_bf16.yaml --compile-for v5e":
         "tests/test_tpu_compile.py::test_the_gpt_compiles_for_one_v5e_chip_with_every_matmul_in_bfloat16",
+    "python -m train configs/gpu/gpt2_small_mixed_bf16.yaml precision.policy=mixed_int8 --compile-for v5e":
+        "tests/test_int8_compile.py::test_every_projection_mlp_and_head_matmul_is_an_int8_mxu_op_on_v5e_forward_and_backward",
+    "python -m train configs/gpu/gpt2_small_mixed_bf16.yaml precision.policy=mixed_int8 --compile-for a100":
+        "tests/test_int8_compile.py::test_the_a100_program_has_int8_gemms_with_int32_results_and_no_xla_loop",
     "python -m train configs/gpu/gpt2_small_mixed_bf16.yaml --compile-for v5p":
         "tests/test_tpu_compile.py::test_a_v5p_slice_of_eight_chips_gathers_fsdp_params_in_bfloat16",
 }
@@ -79,7 +83,8 @@ SMALL_BENCHMARKS = {
 }
 #: Benchmarks too long for CI (hours of training): their documented arguments are parsed, their parts tested.
 PARSED_ONLY = {"benchmarks.parity": "tests/test_benchmarks.py::test_parity_compares_against_fp32_with_the_goals",
-               "benchmarks.fp8_parity": "tests/test_fp8.py::test_fp8_parity_reports_the_gap_to_bf16"}
+               "benchmarks.fp8_parity": "tests/test_fp8.py::test_fp8_parity_reports_the_gap_to_bf16",
+               "benchmarks.int8_parity": "tests/test_int8.py::test_int8_parity_tabulates_runs_against_bf16"}
 
 
 # ----------------------------------------------------------------------------- links

@@ -106,7 +106,8 @@ def test_the_lean_preset_also_stores_masters_and_optimizer_state_in_bf16():
 
 def test_every_documented_preset_is_tested():
     assert set(precision.PRESETS) == {"fp32", "mixed_bf16", "mixed_bfloat16", "mixed_f16", "mixed_float16",
-                                      "pure_bf16", "pure_f16", "O1", "O2", "O3", "mixed_fp8", "lean_bf16", "lean_int8"}
+                                      "pure_bf16", "pure_f16", "O1", "O2", "O3", "mixed_fp8", "lean_bf16", "lean_int8",
+                                      "mixed_int8"}
 
 
 def test_policy_is_immutable_hashable_and_a_static_jit_argument():

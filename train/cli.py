@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--diagnose-steps", type=int, default=1, metavar="N",
                         help="with --diagnose: how many steps to diagnose (default 1)")
     parser.add_argument("--compile-for", metavar="TARGET",
-                        help="compile one train step for a GPU or TPU this machine need not have (h100, h200, a "
+                        help="compile one train step for a GPU or TPU this machine need not have (h100, h200, a100, a "
                              "GpuTargetConfigProto text file: needs JAX's CUDA plugin, pip install '.[gpu-compile]'; "
                              "v5e, v5p, v6e or a slice such as v5p:2x2x2: needs libtpu, pip install "
                              "'.[tpu-compile]'), building the state abstractly, and report whether it fits the "
@@ -73,8 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--candidates", action="append", metavar="'POLICY[ key=value...];...'",
                         help="with --pick-policy: the candidates, ';' between them, each a policy or preset "
                              "optionally followed by precision settings, e.g. 'fp32;mixed_bf16;mixed_f16 "
-                             "rules=[[LayerNorm, f32]]' (default: fp32, mixed_bf16, mixed_f16, mixed_fp8, lean_bf16, "
-                             "lean_int8)")
+                             "rules=[[LayerNorm, f32]]' (default: fp32, mixed_bf16, mixed_f16, mixed_fp8, "
+                             "mixed_int8, lean_bf16, lean_int8)")
     parser.add_argument("--steps", type=int, metavar="N",
                         help="with --pick-policy: train steps per candidate (default 30, at most the config's steps)")
     parser.add_argument("--tolerance", type=float, metavar="X",

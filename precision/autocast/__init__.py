@@ -36,3 +36,13 @@ from precision.autocast.transform import autocast, call, call_vals
 
 __all__ = ["ALLOW", "DENY", "OpClass", "OpLists", "autocast", "call", "call_vals", "compute_in", "op_lists",
            "reduce_dtype_of"]
+
+# The FP8 modules moved into .scaled (FP8 and int8 side by side): their old import paths
+# (``from precision.autocast import fp8_matmul``) name the same modules.
+import sys as _sys  # noqa: E402
+
+from precision.autocast.scaled import fp8_matmul, fp8_quantize, fp8_sites  # noqa: E402,F401
+
+for _name in ("fp8_matmul", "fp8_quantize", "fp8_sites"):
+    _sys.modules.setdefault(f"{__name__}.{_name}", _sys.modules[f"{__name__}.scaled.{_name}"])
+del _sys, _name

@@ -25,7 +25,7 @@ from jax.extend import linear_util as lu
 
 from precision.autocast import fused_attention
 from precision.autocast.interpreter import Context, Rule, Site, bind, evaluate, log, outputs
-from precision.autocast.regions import module_path, region_dtype, region_fp8, region_matmul
+from precision.autocast.regions import module_path, region_dtype, region_fp8, region_int8, region_matmul
 from precision.autocast.tracing import evaluate_call
 from precision.autocast.values import Kind, Val, cast, const_val
 
@@ -319,11 +319,11 @@ def _custom_vjp(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
         return closed.jaxpr, closed.consts
 
     region, region_fp8_ = region_dtype(site.scope, ctx.root), region_fp8(site.scope, ctx.root_fp8)
-    matmul = region_matmul(site.scope, ctx.root_matmul)
+    matmul, int8 = region_matmul(site.scope, ctx.root_matmul), region_int8(site.scope, ctx.root_int8)
 
     def new_bwd(*args):  # the user's backward, itself under autocast (its decisions not logged)
         vals, _, flat = evaluate_call(bwd.call_wrapped, args, {}, dataclasses.replace(
-            ctx.nested((), None), root=region, root_fp8=region_fp8_, root_matmul=matmul))
+            ctx.nested((), None), root=region, root_fp8=region_fp8_, root_matmul=matmul, root_int8=int8))
         out = flat.unflatten(vals)
         with_logs = isinstance(out, tuple)  # JAX >= 0.11: (cts, logs), logs possibly None
         cts, logs = out if with_logs else (out, None)

@@ -41,10 +41,12 @@ from precision.autocast.derivatives import HALF_WITH_FLOAT32_DERIVATIVE
 from precision.autocast.islands import demanded_vars
 from precision.autocast.op_lists import OpClass, OpLists
 from precision.autocast.program import binders
-from precision.autocast.fp8_matmul import E4M3
-from precision.autocast.fp8_sites import NOT_FP8_REGION, Fp8Run, fp8_dot, skip_reason
+from precision.autocast.scaled.dispatch import not_scaled, scaled_product
+from precision.autocast.scaled.fp8_sites import Fp8Run
+from precision.autocast.scaled.int8_sites import Int8Run
 from precision.autocast import attention_fusion, matmul_precision, norm_fusion, reductions
-from precision.autocast.regions import module_path, region_dtype, region_fp8, region_matmul, scope_names, within
+from precision.autocast.regions import (module_path, region_dtype, region_fp8, region_int8, region_matmul,
+                                        scope_names, within)
 from precision.autocast.values import (AS_TRACED, DENIED, F32, FOLLOWS_F32, REGION, STATISTICS, UPCAST, Kind, Record,
                                        Val, is_policy_float, literal_val)
 
@@ -66,6 +68,8 @@ class Context:
     fp8: Fp8Run = dataclasses.field(default_factory=Fp8Run)
     reduce: np.dtype | None = None  # the dtype half ops' gradients are produced in (see .reductions)
     root_matmul: str = "default"  # the precision of float32 matmuls outside any region saying otherwise
+    root_int8: bool = False  # the root's matmuls and convolutions in int8 (compute=int8)
+    int8: Int8Run = dataclasses.field(default_factory=Int8Run)
 
     def at(self, prefix: tuple[str, ...], log: Any = ...) -> "Context":
         """The context of a part of this program at scope ``prefix`` (``log``: where its decisions go)."""
@@ -87,6 +91,7 @@ class Site:
     demanded: bool  # its floating outputs only feed float32 ops
     fp8: bool = False  # in an FP8 region: its allow-listed matmul may be FP8
     matmul: str = "default"  # the least precision of a float32 matmul here (see .matmul_precision)
+    int8: bool = False  # in an int8 region: its allow-listed matmul or convolution may be int8
 
     @property
     def name(self) -> str:
@@ -135,7 +140,7 @@ def _run(eqn: Any, env: dict, demanded: set, ctx: Context) -> None:
     path = module_path(scope)
     site = Site(eqn, scope, path, region_dtype(scope, ctx.root),
                 any(v in demanded for v in eqn.outvars if not isinstance(v, DropVar)),
-                region_fp8(scope, ctx.root_fp8), region_matmul(scope, ctx.root_matmul))
+                region_fp8(scope, ctx.root_fp8), region_matmul(scope, ctx.root_matmul), region_int8(scope, ctx.root_int8))
     ins = [_read(env, v, path) for v in eqn.invars]
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
     with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
@@ -344,15 +349,14 @@ def _allowed(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
     keep_wide = (preferred is not None and np.dtype(preferred) == F32 and traced_in
                  and all(d != F32 for d in traced_in))  # the model asked for a float32 result of half operands
     kind = Kind.FULL if keep_wide and target != F32 else Kind.HALF
-    not_fp8 = skip_reason(site.name, ins, site.eqn, ctx.fp8.options) if site.fp8 else None
-    if site.fp8 and not_fp8 is None:
-        result, reason = fp8_dot(site, ins, ctx.fp8, target, F32 if keep_wide else target, ctx.reduce)
-        log(ctx, site, E4M3, reason)
+    result, dtype, why = scaled_product(site, ins, ctx, F32 if keep_wide else target)
+    if result is not None:  # FP8 or int8
+        log(ctx, site, dtype, why)
         return outputs(site, result, kind)
-    if site.region == F32 and (ctx.root != F32 or ctx.root_fp8) and not site.fp8:
+    if site.region == F32 and (ctx.root != F32 or ctx.root_fp8 or ctx.root_int8) and not (site.fp8 or site.int8):
         log(ctx, site, F32, REGION)
     else:
-        log(ctx, site, target, not_fp8 or (NOT_FP8_REGION if ctx.root_fp8 and not site.fp8 else "allow-listed op"))
+        log(ctx, site, target, why or not_scaled(ctx, site))
     args = [v.as_dtype(target) if v.managed else v.array for v in ins]
     updates = {}
     if "preferred_element_type" in params and preferred is not None:

@@ -141,8 +141,13 @@ class MatmulOp(NamedTuple):
 
     @property
     def half(self) -> bool:
-        """Operands below 32 bits (float16, bfloat16, fp8)."""
-        return bool(jnp.issubdtype(self.dtype, jnp.floating)) and self.dtype.itemsize < 4
+        """Operands below 32 bits (float16, bfloat16, fp8, int8)."""
+        return (bool(jnp.issubdtype(self.dtype, jnp.floating)) or self.int8) and self.dtype.itemsize < 4
+
+    @property
+    def int8(self) -> bool:
+        """Int8 operands (an int8 matmul or convolution, accumulating in int32)."""
+        return self.dtype == np.dtype(np.int8)
 
     @property
     def fp8(self) -> bool:

@@ -28,39 +28,46 @@ import jax
 import numpy as np
 
 from precision.dtype_names import matmul_precision_name
+from precision.dtype_names import _is_int8_compute
 from precision.policy import _canonical, _is_fp8_name, parse_compute
 
 __all__ = ["compute_in", "TAG_PREFIX", "MODULE_PREFIX", "tag", "module_tag", "in_module", "scope_names", "region_dtype",
-           "region_fp8", "region_matmul", "module_path", "within"]
+           "region_fp8", "region_int8", "region_matmul", "module_path", "within"]
 
 TAG_PREFIX = "precision:"
 MODULE_PREFIX = "precision.module="
 _FP8_MARK = "fp8+"  # precision:fp8+bfloat16: FP8 matmuls, the rest in bfloat16
+_INT8_MARK = "int8+"  # precision:int8+bfloat16: int8 matmuls and convolutions, the rest in bfloat16
 _MATMUL_MARK = "@"  # precision:float32@highest: float32 matmuls at precision HIGHEST
 
 
-def tag(dtype: Any, fp8: bool = False, matmul: str | None = None) -> str:
-    """The scope name marking a region that computes in ``dtype`` (matmuls in FP8 if ``fp8``;
-    float32 matmuls at precision ``matmul``, None: the enclosing region's)."""
+def tag(dtype: Any, fp8: bool = False, matmul: str | None = None, int8: bool = False) -> str:
+    """The scope name marking a region that computes in ``dtype`` (matmuls in FP8 if ``fp8``,
+    in int8 if ``int8``; float32 matmuls at precision ``matmul``, None: the enclosing region's)."""
     mark = "" if matmul is None else _MATMUL_MARK + matmul_precision_name(matmul)
-    return TAG_PREFIX + (_FP8_MARK if fp8 else "") + np.dtype(dtype).name + mark
+    scaled = _FP8_MARK if fp8 else _INT8_MARK if int8 else ""
+    return TAG_PREFIX + scaled + np.dtype(dtype).name + mark
 
 
 @contextlib.contextmanager
-def compute_in(dtype: Any, *, fp8: bool | None = None, matmul: str | None = None) -> Iterator[None]:
+def compute_in(dtype: Any, *, fp8: bool | None = None, matmul: str | None = None,
+               int8: bool | None = None) -> Iterator[None]:
     """Ops traced inside compute in ``dtype`` under autocast (a region).
 
     ``with precision.compute_in("f32"): y = my_norm(x)`` keeps ``my_norm``'s
     matmuls and arithmetic in float32 under a half policy; its results return
     to the enclosing compute dtype where they leave the region. ``"f8"`` (or
     ``"f8/f16"``) runs the region's matmuls in FP8, the rest in bf16 (f16);
-    any other dtype turns FP8 off inside. ``matmul``: the precision of its
+    ``"int8"`` (``"int8/f16"``) its matmuls and convolutions in int8; any
+    other dtype turns FP8 and int8 off inside. ``matmul``: the precision of its
     float32 matmuls and convolutions (``"default"``, ``"high"``, ``"highest"``;
     None: the enclosing region's or policy's). Outside autocast it only names a scope.
     """
     if isinstance(dtype, str) and _is_fp8_name(dtype):
         dtype, fp8 = parse_compute(dtype), True
-    with jax.named_scope(tag(_canonical(dtype), bool(fp8), matmul)):
+    elif isinstance(dtype, str) and _is_int8_compute(dtype):
+        dtype, int8 = parse_compute(dtype), True
+    with jax.named_scope(tag(_canonical(dtype), bool(fp8), matmul, bool(int8))):
         yield
 
 
@@ -86,7 +93,8 @@ def region_dtype(scope: tuple[str, ...], default: np.dtype) -> np.dtype:
     """The compute dtype of the innermost region tag in ``scope`` (else ``default``)."""
     for name in reversed(scope):
         if name.startswith(TAG_PREFIX):
-            return np.dtype(name[len(TAG_PREFIX):].removeprefix(_FP8_MARK).partition(_MATMUL_MARK)[0])
+            body = name[len(TAG_PREFIX):].removeprefix(_FP8_MARK).removeprefix(_INT8_MARK)
+            return np.dtype(body.partition(_MATMUL_MARK)[0])
     return default
 
 
@@ -95,6 +103,14 @@ def region_fp8(scope: tuple[str, ...], default: bool) -> bool:
     for name in reversed(scope):
         if name.startswith(TAG_PREFIX):
             return name[len(TAG_PREFIX):].startswith(_FP8_MARK)
+    return default
+
+
+def region_int8(scope: tuple[str, ...], default: bool) -> bool:
+    """Whether the innermost region tag in ``scope`` runs matmuls in int8 (else ``default``)."""
+    for name in reversed(scope):
+        if name.startswith(TAG_PREFIX):
+            return name[len(TAG_PREFIX):].startswith(_INT8_MARK)
     return default
 
 

@@ -14,7 +14,8 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from precision.autocast.fp8_sites import Fp8Run
+from precision.autocast.scaled.fp8_sites import Fp8Run
+from precision.autocast.scaled.int8_sites import Int8Run
 from precision.autocast.higher_order import RULES
 from precision.autocast.interpreter import Context
 from precision.autocast.op_lists import OpLists
@@ -22,26 +23,30 @@ from precision.autocast.reductions import reduce_dtype_of
 from precision.autocast.tracing import evaluate_call, flatten_call
 from precision.autocast.values import F32, is_policy_float
 from precision.fp8 import Fp8Options, as_fp8_options, init_fp8_state as init_fp8_state_of
+from precision.int8 import Int8Options, as_int8_options
 from precision.dtype_names import matmul_precision_name
+from precision.dtype_names import _is_int8_compute
 from precision.policy import Policy, _canonical, _is_fp8_name, get_policy, parse_compute
 
 __all__ = ["autocast", "call", "call_vals", "context", "flatten_call"]
 
 
 def context(compute_dtype: Any, ops: OpLists | None = None, log: list | None = None, fp8: bool = False,
-            fp8_run: Fp8Run | None = None, reduce_dtype: Any = None, matmul_precision: Any = "default") -> Context:
+            fp8_run: Fp8Run | None = None, reduce_dtype: Any = None, matmul_precision: Any = "default",
+            int8: bool = False, int8_run: Int8Run | None = None) -> Context:
     """The interpreter's context for a program computing in ``compute_dtype``
-    (its matmuls in FP8 if ``fp8``, with ``fp8_run``'s options and state; the
-    gradients of its half ops in ``reduce_dtype`` when given; its float32
-    matmuls at least at ``matmul_precision``)."""
+    (its matmuls in FP8 if ``fp8``, with ``fp8_run``'s options and state; in int8
+    if ``int8``, with ``int8_run``'s options; the gradients of its half ops in
+    ``reduce_dtype`` when given; its float32 matmuls at least at ``matmul_precision``)."""
     return Context(root=np.dtype(compute_dtype), ops=ops or OpLists(), rules=RULES, log=log, root_fp8=fp8,
                    fp8=fp8_run or Fp8Run(), reduce=None if reduce_dtype is None else np.dtype(reduce_dtype),
-                   root_matmul=matmul_precision_name(matmul_precision))
+                   root_matmul=matmul_precision_name(matmul_precision), root_int8=int8, int8=int8_run or Int8Run())
 
 
 def call_vals(fn: Callable, args: tuple, kwargs: dict, *, compute_dtype: Any, ops: OpLists | None = None,
               log: list | None = None, fp8: bool = False, fp8_run: Fp8Run | None = None,
-              reduce_dtype: Any = None, matmul_precision: Any = "default") -> Any:
+              reduce_dtype: Any = None, matmul_precision: Any = "default", int8: bool = False,
+              int8_run: Int8Run | None = None) -> Any:
     """Runs ``fn(*args, **kwargs)`` under autocast; returns its output pytree with
     :class:`~precision.autocast.values.Val` leaves (each knows its kind and gives
     its array in any dtype).
@@ -51,6 +56,8 @@ def call_vals(fn: Callable, args: tuple, kwargs: dict, *, compute_dtype: Any, op
     ``log`` collects :class:`~precision.autocast.values.Record`\\ s of the decisions taken.
     ``fp8``: matmuls in FP8 outside any region saying otherwise; ``fp8_run``:
     their options, the amax histories read and the sites collected.
+    ``int8``: matmuls and convolutions in int8 outside any region saying
+    otherwise; ``int8_run``: their options (:func:`precision.int8_options`).
     ``reduce_dtype``: the dtype the gradients of half matmuls, broadcasts and
     gathers are produced in, hence reduced in across devices (see
     :mod:`precision.autocast.reductions`); ``None``: their own dtype.
@@ -58,16 +65,16 @@ def call_vals(fn: Callable, args: tuple, kwargs: dict, *, compute_dtype: Any, op
     convolutions (:mod:`precision.autocast.matmul_precision`).
     """
     vals, _, flat = evaluate_call(fn, args, kwargs, context(compute_dtype, ops, log, fp8, fp8_run, reduce_dtype,
-                                                            matmul_precision))
+                                                            matmul_precision, int8, int8_run))
     return flat.unflatten(vals)
 
 
 def call(fn: Callable, args: tuple, kwargs: dict, *, compute_dtype: Any, ops: OpLists | None = None,
          log: list | None = None, fp8: bool = False, fp8_run: Fp8Run | None = None, reduce_dtype: Any = None,
-         matmul_precision: Any = "default") -> Any:
+         matmul_precision: Any = "default", int8: bool = False, int8_run: Int8Run | None = None) -> Any:
     """Runs ``fn`` under autocast, every output in the dtype ``fn`` itself gives it."""
     vals, shapes, flat = evaluate_call(fn, args, kwargs, context(compute_dtype, ops, log, fp8, fp8_run, reduce_dtype,
-                                                                 matmul_precision))
+                                                                 matmul_precision, int8, int8_run))
     if any(is_policy_float(x.dtype) and np.dtype(x.dtype) != F32 for x in flat.arrays):
         shapes = jax.eval_shape(flat.fn, *flat.arrays)  # the dtypes fn gives to its half inputs
     results = [val.as_dtype(shape.dtype) if val.managed and is_policy_float(shape.dtype) else val.array
@@ -76,7 +83,8 @@ def call(fn: Callable, args: tuple, kwargs: dict, *, compute_dtype: Any, ops: Op
 
 
 def autocast(fn: Callable, policy: "str | Policy | Any" = "mixed_bf16", *, ops: OpLists | None = None,
-             fp8: "Fp8Options | dict | None" = None, reduce_dtype: Any = None) -> Callable:
+             fp8: "Fp8Options | dict | None" = None, reduce_dtype: Any = None,
+             int8: "Int8Options | dict | None" = None) -> Callable:
     """``fn`` transformed to compute in ``policy``'s compute dtype, whatever dtypes it pins.
 
     Matmuls and convolutions run in the compute dtype; deny-listed ops and what
@@ -97,6 +105,8 @@ def autocast(fn: Callable, policy: "str | Policy | Any" = "mixed_bf16", *, ops: 
         function takes the amax histories as keyword ``fp8_state=`` (from
         ``autocast_fn.init_fp8_state(*args)``; the gradient with respect to
         them is their new value); without it each matmul is scaled currently.
+      int8: :func:`precision.int8_options` for a policy whose compute is ``int8``
+        (``"mixed_int8"``): the backward's products, stochastic rounding, ``min_size``.
       reduce_dtype: the dtype the gradients of half-precision matmuls,
         broadcasts and gathers are produced in (``None``: their compute dtype).
         Under data parallelism XLA reduces a weight gradient across devices
@@ -105,13 +115,14 @@ def autocast(fn: Callable, policy: "str | Policy | Any" = "mixed_bf16", *, ops: 
     """
     if not callable(fn):
         raise TypeError(f"autocast expects a callable, got {type(fn).__name__} {fn!r}")
-    compute, on, matmul = _compute(policy)
-    options = as_fp8_options(fp8)
+    compute, on, matmul, int8_on = _compute(policy)
+    options, int8_options = as_fp8_options(fp8), as_int8_options(int8)
     reduce_dtype = reduce_dtype_of(reduce_dtype)
 
     def autocast_fn(*args: Any, fp8_state: dict | None = None, **kwargs: Any) -> Any:
         return call(fn, args, kwargs, compute_dtype=compute, ops=ops, fp8=on,
-                    fp8_run=Fp8Run(options, state=fp8_state), reduce_dtype=reduce_dtype, matmul_precision=matmul)
+                    fp8_run=Fp8Run(options, state=fp8_state), reduce_dtype=reduce_dtype, matmul_precision=matmul,
+                    int8=int8_on, int8_run=Int8Run(int8_options))
 
     def init_fp8_state(*args: Any, **kwargs: Any) -> dict:
         """Zero amax histories for every FP8 matmul ``fn(*args, **kwargs)`` makes (delayed scaling)."""
@@ -125,14 +136,17 @@ def autocast(fn: Callable, policy: "str | Policy | Any" = "mixed_bf16", *, ops: 
     return autocast_fn
 
 
-def _compute(policy: Any) -> tuple[np.dtype, bool, str]:
-    """(compute dtype, FP8 matmuls, float32 matmul precision) of a policy, spec, preset or bare dtype name."""
+def _compute(policy: Any) -> tuple[np.dtype, bool, str, bool]:
+    """(compute dtype, FP8 matmuls, float32 matmul precision, int8 matmuls) of a policy, spec,
+    preset or bare dtype name."""
     if isinstance(policy, str) and "=" not in policy and "," not in policy:
         if _is_fp8_name(policy):
-            return parse_compute(policy), True, "default"
+            return parse_compute(policy), True, "default", False
+        if _is_int8_compute(policy):
+            return parse_compute(policy), False, "default", True
         try:
-            return _canonical(policy), False, "default"
+            return _canonical(policy), False, "default", False
         except Exception:
             pass
     resolved = get_policy(policy)
-    return resolved.compute_dtype, resolved.fp8, resolved.matmul_precision
+    return resolved.compute_dtype, resolved.fp8, resolved.matmul_precision, resolved.int8

@@ -45,7 +45,7 @@ class ModuleStats(NamedTuple):
 class Problem:
     """Something the policy's numerics got wrong, and where."""
 
-    kind: str  # overflow | nonfinite | underflow | rounding
+    kind: str  # overflow | nonfinite | underflow | rounding | int8 (values an int8 product rounds to zero)
     pass_: str  # forward | backward | update
     path: str  # module path (a param path for rounding)
     op: str  # primitive ("" for a module-wide share)
@@ -355,7 +355,7 @@ def _sorted(findings: Findings, probes: list[Probe], loss_scale: float) -> Findi
     forward_failed = (not findings.outputs_finite and first is not None
                       and first["pass"] == "forward")  # no gradient to read then
     scale_range, underflow_at = (None, None) if forward_failed else _scale_analysis(probes, loss_scale)
-    order = {"nonfinite": 0, "overflow": 1, "underflow": 2, "rounding": 3}
+    order = {"nonfinite": 0, "overflow": 1, "underflow": 2, "rounding": 3, "int8": 4}
     problems = tuple(sorted(findings.problems, key=lambda p: (order[p.kind], p.pass_ != "forward", -p.share)))
     return dataclasses.replace(findings, problems=problems, scale_range=scale_range, underflow_at=underflow_at)
 

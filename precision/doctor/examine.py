@@ -25,6 +25,7 @@ import optax
 from precision.autocast import ALLOW, OpLists, op_lists
 from precision.doctor import probe
 from precision.doctor.config_text import config_text
+from precision.doctor.int8_check import THRESHOLD as INT8_THRESHOLD, int8_problems, uses_int8
 from precision.doctor.analysis import (
     THRESHOLDS,
     Findings,
@@ -72,6 +73,15 @@ def _examine(subject: Subject, s: _Setting, loss_fn: Callable | None, optimizer:
     """One probed run under setting ``s`` (``reference``: a cache of float32 runs' gradients;
     ``segments``: of compiled probe segments, shared by a diagnosis's runs)."""
     forward, params = subject.program(s.policy, s.rules, s.ops)
+    found = _probed(subject, s, loss_fn, optimizer, forward, params, reference, segments)
+    if not uses_int8(s.policy, s.rules):
+        return found
+    return dataclasses.replace(found, problems=found.problems + int8_problems(forward, params, loss_fn))
+
+
+def _probed(subject: Subject, s: _Setting, loss_fn: Callable | None, optimizer: Any, forward: Callable, params: Any,
+            reference: dict | None, segments: dict | None) -> Findings:
+    """The probed run of :func:`_examine`: every op's results against float32."""
     if loss_fn is None:
         outputs, probes, seconds = probe.run(forward, (params,), compiled=segments)
         return analyze(probes, math.nan, 1.0, None, {}, seconds, _all_finite(outputs))
@@ -140,6 +150,20 @@ def _rule_change(problem: Problem, s: _Setting, path: str | None = None) -> _Cha
                                    f"still apply (the diagnosis's override keeps them after it)")
     return _Change(f"keep {path} in float32 (a rule)", yaml_text, python, dataclasses.replace(s, rules=rules),
                    overrides, f"add the rule [{path}, f32] to precision.rules{kept}")
+
+
+def _fallback_rule_change(problem: Problem, s: _Setting) -> _Change | None:
+    """A rule keeping the problem's module out of int8: its matmuls in the policy's fallback dtype."""
+    if problem.path in ("", "(top)"):
+        return None
+    fallback = Policy(s.policy.param_dtype, s.policy.compute_dtype, s.policy.output_dtype)
+    name = str(fallback)
+    rules = ((problem.path, name), *s.rules)
+    shown = [[problem.path, name], *([r.pattern, _policy_name(r.policy)] for r in s.rules)]
+    yaml_text, overrides = config_text(rules=shown)
+    return _Change(f"keep {problem.path} out of int8 (a rule: its matmuls in {_policy_name(fallback)})", yaml_text,
+                   f"rules=[({problem.path!r}, {name!r}), ...]", dataclasses.replace(s, rules=rules), overrides,
+                   f"add the rule [{problem.path}, {name}] to precision.rules")
 
 
 def _rule_changes(problem: Problem, s: _Setting) -> list[_Change | None]:
@@ -232,7 +256,9 @@ def _with_python(config: tuple[str, tuple[str, ...]], python: str, setting: _Set
 
 
 def _changes(problem: Problem, s: _Setting, findings: Findings) -> list[_Change]:
-    if problem.kind == "rounding":
+    if problem.kind == "int8":
+        tries = [_fallback_rule_change(problem, s)]
+    elif problem.kind == "rounding":
         tries = [_rounding_change(problem, s, "stochastic"), _rounding_change(problem, s, "kahan"),
                  _masters_change(problem, s)]
     elif problem.kind == "underflow":
@@ -251,6 +277,8 @@ def _fixed(problem: Problem, after: Findings, every_layer: bool = False) -> bool
         return False
     if problem.kind in ("overflow", "nonfinite"):
         return after.outputs_finite and after.first_nonfinite is None and after.metric(problem) == 0
+    if problem.kind == "int8":
+        return after.metric(problem) <= INT8_THRESHOLD and after.outputs_finite
     limit = THRESHOLDS["rounding" if problem.kind == "rounding" else
                       "underflow_backward" if problem.pass_ == "backward" else "underflow_forward"]
     return after.metric(problem) <= limit and after.outputs_finite and after.first_nonfinite is None
@@ -258,7 +286,7 @@ def _fixed(problem: Problem, after: Findings, every_layer: bool = False) -> bool
 
 def _name(problem: Problem) -> str:
     return {"overflow": "overflow", "nonfinite": "non-finite", "underflow": "underflow",
-            "rounding": "updates rounding away"}[problem.kind]
+            "rounding": "updates rounding away", "int8": "int8 rounding to zero"}[problem.kind]
 
 
 # ----------------------------------------------------------------------------- the doctor
@@ -266,7 +294,8 @@ def _name(problem: Problem) -> str:
 
 def diagnose(target: Any, *args: Any, policy: Any = None, variables: Any = None, loss_fn: Callable | None = None,
              loss_scale: Any = None, rules: Any = None, ops: OpLists | None = None, optimizer: Any = None,
-             learning_rate: float | None = None, verify: bool = True, most: int = 3, **kwargs: Any) -> Diagnosis:
+             learning_rate: float | None = None, verify: bool = True, most: int = 3, int8: Any = None,
+             **kwargs: Any) -> Diagnosis:
     """Runs ``target`` on ``args`` once in ``policy``'s dtypes with every op probed, and says where its
     numerics fail and what verified change fixes them.
 
@@ -281,8 +310,11 @@ def diagnose(target: Any, *args: Any, policy: Any = None, variables: Any = None,
         updates that would round away if applied to the params in their storage dtype.
       verify: try the changes that could fix each problem (the ``most`` worst), and recommend those that
         did; ``False`` only diagnoses.
+      int8: :func:`precision.int8_options` of an int8 policy's matmuls (a wrapper's own by default). Under
+        int8 the diagnosis also names the modules whose int8 operands round values to zero
+        (:mod:`precision.doctor.int8_check`), with a rule keeping them in the fallback dtype, verified.
     """
-    subject = subject_of(target, args, kwargs, policy, rules, ops, variables)
+    subject = subject_of(target, args, kwargs, policy, rules, ops, variables, int8)
     scale = float(np.asarray(getattr(loss_scale, "loss_scale", 1.0 if loss_scale is None else loss_scale)))
     if optimizer is None and learning_rate is not None:
         optimizer = optax.sgd(learning_rate)

@@ -33,6 +33,7 @@ class Subject:
     rules: tuple
     ops: OpLists
     build: Callable[[Policy, tuple, OpLists], Program]
+    int8: Any = None  # precision.Int8Options of its int8 matmuls (None: the defaults)
 
     def program(self, policy: Policy | None = None, rules: tuple | None = None, ops: OpLists | None = None) -> Program:
         return self.build(policy or self.policy, self.rules if rules is None else rules, ops or self.ops)
@@ -55,7 +56,8 @@ def _init(wrapped: Any, args: tuple, kwargs: dict) -> Any:
     return jax.jit(init)([leaves[i] for i in traced])
 
 
-def _linen(module: nn.Module, variables: Any, args: tuple, kwargs: dict, use_autocast: bool) -> Callable:
+def _linen(module: nn.Module, variables: Any, args: tuple, kwargs: dict, use_autocast: bool, int8: Any = None
+           ) -> Callable:
     kwargs = dict(kwargs)
     rngs = kwargs.pop("rngs", None) or {"dropout": jax.random.key(0)}
     if variables is None:
@@ -64,7 +66,7 @@ def _linen(module: nn.Module, variables: Any, args: tuple, kwargs: dict, use_aut
                                        else x, dict(variables))
 
     def build(policy: Policy, rules: tuple, ops: OpLists) -> Program:
-        wrapped = with_policy(module, policy, list(rules), ops=ops, autocast=use_autocast)
+        wrapped = with_policy(module, policy, list(rules), ops=ops, autocast=use_autocast, int8=int8)
         mutable = [k for k in variables if k != "params"] or False
         # Traced once (abstractly) to record the module structure the rules match, as the call runs.
         jax.eval_shape(lambda v: wrapped.apply(v, *args, rngs=rngs, mutable=mutable, **kwargs), variables)
@@ -80,9 +82,9 @@ def _linen(module: nn.Module, variables: Any, args: tuple, kwargs: dict, use_aut
     return build
 
 
-def _nnx(module: nnx.Module, args: tuple, kwargs: dict, use_autocast: bool) -> Callable:
+def _nnx(module: nnx.Module, args: tuple, kwargs: dict, use_autocast: bool, int8: Any = None) -> Callable:
     def build(policy: Policy, rules: tuple, ops: OpLists) -> Program:
-        wrapped = with_policy(nnx.clone(module), policy, list(rules), ops=ops, autocast=use_autocast)
+        wrapped = with_policy(nnx.clone(module), policy, list(rules), ops=ops, autocast=use_autocast, int8=int8)
         graphdef, params, rest = nnx.split(wrapped, nnx.Param, ...)
 
         def forward(params):
@@ -94,13 +96,13 @@ def _nnx(module: nnx.Module, args: tuple, kwargs: dict, use_autocast: bool) -> C
     return build
 
 
-def _function(fn: Callable, args: tuple, kwargs: dict) -> Callable:
+def _function(fn: Callable, args: tuple, kwargs: dict, int8: Any = None) -> Callable:
     floats = [i for i, a in enumerate(args) if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.inexact)]
 
     def build(policy: Policy, rules: tuple, ops: OpLists) -> Program:
         if rules:
             raise PolicyError("diagnose: rules apply to modules; for a function use precision.compute_in regions")
-        rewritten = autocast(fn, policy, ops=ops)
+        rewritten = autocast(fn, policy, ops=ops, int8=int8)
 
         def forward(params):
             full = list(args)
@@ -114,8 +116,9 @@ def _function(fn: Callable, args: tuple, kwargs: dict) -> Callable:
 
 
 def subject_of(target: Any, args: tuple, kwargs: dict, policy: Any, rules: Any, ops: OpLists | None,
-               variables: Any) -> Subject:
-    """The subject ``target`` names, under ``policy`` (a wrapper's own by default)."""
+               variables: Any, int8: Any = None) -> Subject:
+    """The subject ``target`` names, under ``policy`` (a wrapper's own by default); ``int8``: the
+    options of its int8 matmuls (a wrapper's own by default)."""
     use_autocast = getattr(target, "autocast", True)
     if isinstance(target, (LinenWithPolicy, NNXWithPolicy)):
         if policy is not None and get_policy(policy) != target.policy:
@@ -124,6 +127,7 @@ def subject_of(target: Any, args: tuple, kwargs: dict, policy: Any, rules: Any, 
         if rules is not None or ops is not None:
             raise ValueError("diagnose: rules and ops apply to an unwrapped module; the wrapper has its own")
         module, policy, rules, ops = target.module, target.policy, target.rules, target.ops
+        int8 = getattr(target, "int8", None) if int8 is None else int8
         target = module
     elif policy is None:
         raise TypeError("diagnose: pass policy=... (a spec or preset) for an unwrapped model or function")
@@ -135,10 +139,10 @@ def subject_of(target: Any, args: tuple, kwargs: dict, policy: Any, rules: Any, 
         rules = get_rules(policy) if isinstance(policy, str) else as_rules(None)
     rules, ops = tuple(as_rules(rules)), ops or OpLists()
     if isinstance(target, nn.Module):
-        return Subject(name, resolved, rules, ops, _linen(target, variables, args, kwargs, use_autocast))
+        return Subject(name, resolved, rules, ops, _linen(target, variables, args, kwargs, use_autocast, int8), int8)
     if isinstance(target, nnx.Module):
-        return Subject(name, resolved, rules, ops, _nnx(target, args, kwargs, use_autocast))
+        return Subject(name, resolved, rules, ops, _nnx(target, args, kwargs, use_autocast, int8), int8)
     if callable(target):
-        return Subject(name, resolved, (), ops, _function(target, args, kwargs))
+        return Subject(name, resolved, (), ops, _function(target, args, kwargs, int8), int8)
     raise TypeError(f"diagnose expects a Flax Linen or NNX module, a with_policy wrapper or a function, got "
                     f"{type(target).__name__}")

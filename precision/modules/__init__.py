@@ -25,6 +25,7 @@ from flax import nnx
 
 from precision.autocast.op_lists import OpLists
 from precision.fp8 import Fp8Options, as_fp8_options
+from precision.int8 import Int8Options, as_int8_options
 from precision.modules.common import resolve
 from precision.modules.linen_wrapper import LinenWithPolicy
 from precision.modules.nnx_wrapper import NNXWithPolicy
@@ -35,7 +36,7 @@ __all__ = ["with_policy", "LinenWithPolicy", "NNXWithPolicy"]
 
 def with_policy(module: Any, policy: "str | Policy", rules: "Iterable[Any] | None" = None, *,
                 autocast: bool = True, ops: OpLists | None = None, fp8: "Fp8Options | dict | None" = None,
-                reduce_dtype: Any = None):
+                reduce_dtype: Any = None, int8: "Int8Options | dict | None" = None):
     """Puts an unmodified Flax module under a precision policy.
 
     Args:
@@ -51,6 +52,9 @@ def with_policy(module: Any, policy: "str | Policy", rules: "Iterable[Any] | Non
       ops: autocast's allow/deny lists (:func:`precision.op_lists`).
       fp8: :func:`precision.fp8_options` (scaling, history, min_size) for the
         FP8 matmuls of a policy or rule whose compute is ``f8``.
+      int8: :func:`precision.int8_options` (backward, stochastic_rounding,
+        min_size, attention) for the int8 matmuls of a policy or rule whose
+        compute is ``int8``.
       reduce_dtype: the dtype the gradients of params read by half-precision
         matmuls, bias adds and embedding lookups are produced in (``"f32"``,
         ``"bf16"``, ``"f16"``; ``None``: the compute dtype). A data-parallel
@@ -63,12 +67,12 @@ def with_policy(module: Any, policy: "str | Policy", rules: "Iterable[Any] | Non
       :class:`NNXWithPolicy` (call it like the module).
     """
     resolved_policy, resolved_rules, ops = resolve(policy, rules, ops)
-    options = as_fp8_options(fp8)
+    options, int8_options = as_fp8_options(fp8), as_int8_options(int8)
     if isinstance(module, nn.Module):
         return LinenWithPolicy(module, resolved_policy, resolved_rules, autocast=bool(autocast), ops=ops, fp8=options,
-                               reduce_dtype=reduce_dtype)
+                               reduce_dtype=reduce_dtype, int8=int8_options)
     if isinstance(module, nnx.Module):
         return NNXWithPolicy(module, resolved_policy, resolved_rules, autocast=bool(autocast), ops=ops, fp8=options,
-                             reduce_dtype=reduce_dtype)
+                             reduce_dtype=reduce_dtype, int8=int8_options)
     raise TypeError(f"with_policy expects a flax.linen.Module or flax.nnx.Module, got "
                     f"{type(module).__name__}")

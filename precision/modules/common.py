@@ -20,17 +20,19 @@ __all__ = ["Compute", "compute_of", "region", "uses_fp8", "check_needs_autocast"
 
 
 class Compute(NamedTuple):
-    """What a module computes in: the dtype of its ops, whether its matmuls are FP8, and
-    the precision of its float32 matmuls (None in a region: the enclosing one's)."""
+    """What a module computes in: the dtype of its ops, whether its matmuls are FP8, the
+    precision of its float32 matmuls (None in a region: the enclosing one's), and whether
+    its matmuls and convolutions are int8."""
 
     dtype: np.dtype
     fp8: bool
     matmul: str | None = "default"
+    int8: bool = False
 
 
 def compute_of(policy: Policy) -> Compute:
     """The compute of a module under ``policy``."""
-    return Compute(policy.compute_dtype, policy.fp8, policy.matmul_precision)
+    return Compute(policy.compute_dtype, policy.fp8, policy.matmul_precision, policy.int8)
 
 
 def region(compute: Compute, caller: Compute) -> Compute | None:
@@ -51,8 +53,8 @@ def check_needs_autocast(policy: Policy, rules: Iterable[Rule], autocast: bool, 
     wrapper that only casts at module boundaries can have none of them."""
     if autocast:
         return
-    if uses_fp8(policy, rules):
-        raise ValueError(f"with_policy: {policy} runs matmuls in FP8, which needs autocast=True "
+    if uses_fp8(policy, rules) or any(p.int8 for p in (policy, *(rule.policy for rule in rules))):
+        raise ValueError(f"with_policy: {policy} runs matmuls in FP8 or int8, which needs autocast=True "
                          "(autocast=False only casts at module boundaries)")
     asked = next((p for p in (policy, *(rule.policy for rule in rules)) if p.matmul_precision != "default"), None)
     if asked is not None:

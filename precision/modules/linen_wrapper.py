@@ -11,10 +11,12 @@ import flax.linen as nn
 import jax
 
 from precision.autocast import fused_attention, transform as autocast_lib
-from precision.autocast.fp8_sites import Fp8Run
+from precision.autocast.scaled.fp8_sites import Fp8Run
+from precision.autocast.scaled.int8_sites import Int8Run
 from precision.autocast.op_lists import OpLists
 from precision.autocast.reductions import reduce_dtype_of
 from precision.fp8 import FP8_COLLECTION, Fp8Options, init_fp8_state
+from precision.int8 import Int8Options
 from precision.autocast.regions import compute_in, in_module
 from precision.modules.common import (Compute, cast_by_path, check_needs_autocast, cast_like, compute_of, map_params,
                                       region, resolve, split_fp8, uses_fp8, vals_in, vals_like)
@@ -36,13 +38,15 @@ class LinenWithPolicy:
     """A Linen module under a policy, with the module's ``init`` / ``apply``."""
 
     def __init__(self, module: nn.Module, policy: Policy, rules: Sequence[Rule], *, autocast: bool = True,
-                 ops: OpLists | None = None, fp8: Fp8Options | None = None, reduce_dtype: Any = None):
+                 ops: OpLists | None = None, fp8: Fp8Options | None = None, reduce_dtype: Any = None,
+                 int8: Int8Options | None = None):
         self.module = module
         self.policy = policy
         self.rules = tuple(rules)
         self.autocast = autocast
         self.ops = ops or OpLists()
         self.fp8 = fp8 or Fp8Options()
+        self.int8 = int8 or Int8Options()
         self.reduce_dtype = reduce_dtype_of(reduce_dtype)
         check_needs_autocast(policy, self.rules, autocast, self.reduce_dtype)
         self._classes: PathClasses | None = None  # module structure, recorded once
@@ -89,7 +93,7 @@ class LinenWithPolicy:
         """The same module under another policy (e.g. float16 for inference), keeping
         the module structure already recorded, so :meth:`cast_params` works at once."""
         other = LinenWithPolicy(self.module, *resolve(policy, rules, self.ops)[:2], autocast=self.autocast,
-                                ops=self.ops, fp8=self.fp8, reduce_dtype=self.reduce_dtype)
+                                ops=self.ops, fp8=self.fp8, reduce_dtype=self.reduce_dtype, int8=self.int8)
         other._classes = self._classes
         return other
 
@@ -141,7 +145,8 @@ class LinenWithPolicy:
         fp8_run = fp8_run or Fp8Run(self.fp8, state=fp8_state)
         vals = autocast_lib.call_vals(run, (variables, rngs, args, kwargs), {}, compute_dtype=root.dtype,
                                       ops=self.ops, log=log, fp8=root.fp8, fp8_run=fp8_run,
-                                      reduce_dtype=self.reduce_dtype, matmul_precision=root.matmul)
+                                      reduce_dtype=self.reduce_dtype, matmul_precision=root.matmul,
+                                      int8=root.int8, int8_run=Int8Run(self.int8))
         if mutable is False:
             return vals_in(vals, self.policy.output_dtype)
         out, updated = vals if module_mutable is not False else (vals, {})
@@ -201,7 +206,7 @@ def _region_interceptor(resolve: Resolver, root: Compute):
         opened = region(compute, caller)
         if opened is None:
             return next_fun(*call_args, **call_kwargs)
-        with compute_in(opened.dtype, fp8=opened.fp8, matmul=opened.matmul):
+        with compute_in(opened.dtype, fp8=opened.fp8, matmul=opened.matmul, int8=opened.int8):
             return next_fun(*call_args, **call_kwargs)
 
     return _module_calls(resolve, root, in_region)

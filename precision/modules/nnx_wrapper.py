@@ -13,10 +13,12 @@ import numpy as np
 from flax import nnx
 
 from precision.autocast import transform as autocast_lib
-from precision.autocast.fp8_sites import Fp8Run
+from precision.autocast.scaled.fp8_sites import Fp8Run
+from precision.autocast.scaled.int8_sites import Int8Run
 from precision.autocast.op_lists import OpLists
 from precision.autocast.reductions import reduce_dtype_of
 from precision.fp8 import Fp8Options, init_fp8_state
+from precision.int8 import Int8Options
 from precision.autocast.regions import compute_in, in_module
 from precision.modules.common import (Compute, cast_by_path, check_needs_autocast, cast_like, compute_of, vals_in,
                                       vals_like)
@@ -82,7 +84,7 @@ def _scoped_class(cls: type, path: tuple[str, ...], region: Compute | None) -> t
             with in_module(path):
                 if region is None:
                     return method(self, *args, **kwargs)
-                with compute_in(region.dtype, fp8=region.fp8, matmul=region.matmul):
+                with compute_in(region.dtype, fp8=region.fp8, matmul=region.matmul, int8=region.int8):
                     return method(self, *args, **kwargs)
         return functools.wraps(method)(call)
 
@@ -101,12 +103,14 @@ class NNXWithPolicy(nnx.Module):
     """
 
     def __init__(self, module: nnx.Module, policy: Policy, rules: Sequence[Rule], *, autocast: bool = True,
-                 ops: OpLists | None = None, fp8: Fp8Options | None = None, reduce_dtype: Any = None):
+                 ops: OpLists | None = None, fp8: Fp8Options | None = None, reduce_dtype: Any = None,
+                 int8: Int8Options | None = None):
         self.policy = policy
         self.rules = tuple(rules)
         self.autocast = autocast
         self.ops = ops or OpLists()
         self.fp8 = fp8 or Fp8Options()
+        self.int8 = int8 or Int8Options()
         self.reduce_dtype = reduce_dtype_of(reduce_dtype)
         check_needs_autocast(policy, self.rules, autocast, self.reduce_dtype)
         self.module = module
@@ -143,7 +147,8 @@ class NNXWithPolicy(nnx.Module):
         root = compute_of(resolve(()))
         out, new_state = autocast_lib.call_vals(run, (state, args, kwargs), {}, compute_dtype=root.dtype, ops=self.ops,
                                                 log=log, fp8=root.fp8, fp8_run=fp8_run or Fp8Run(self.fp8),
-                                                reduce_dtype=self.reduce_dtype, matmul_precision=root.matmul)
+                                                reduce_dtype=self.reduce_dtype, matmul_precision=root.matmul,
+                                                int8=root.int8, int8_run=Int8Run(self.int8))
         nnx.update(self.module, vals_like(new_state, state))
         return vals_in(out, self.policy.output_dtype)
 

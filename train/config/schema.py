@@ -139,6 +139,25 @@ class Fp8Config(_Schema):
         return precision.fp8_options(self.scaling, self.history, self.min_size, self.attention)
 
 
+class Int8Config(_Schema):
+    """Int8 matmuls of a policy whose compute is int8 (``mixed_int8``): see ``precision.int8_options``."""
+
+    backward: Annotated[Literal[precision.int8.BACKWARDS], BeforeValidator(_lower)] = Field(
+        "int8", description="the two backward matmuls (input and weight gradients): int8 (each operand quantized "
+                            "again along the axes it contracts) or bf16 (the fallback dtype)")
+    stochastic_rounding: bool = Field(False, description="round the output gradient to int8 stochastically (noise "
+                                                         "keyed by the gradient's own bits: deterministic, resumable)")
+    min_size: int = Field(precision.int8.DEFAULT_MIN_SIZE, ge=0,
+                          description="a matmul or convolution is int8 only when each of M, K, N is at least this "
+                                      "(0: every one)")
+    attention: bool = Field(False, description="attention's batched products (q.k^T, probabilities.v) in int8 too; "
+                                               "false keeps them in the fallback dtype")
+
+    def options(self) -> precision.Int8Options:
+        """The options as ``precision.int8_options`` builds them."""
+        return precision.int8_options(self.backward, self.stochastic_rounding, self.min_size, self.attention)
+
+
 def _blockwise_mode(value: Any) -> Any:
     """``precision.blockwise_loss``: auto, or true / false (YAML's spellings of them)."""
     if isinstance(value, bool) or value == "auto":
@@ -185,6 +204,8 @@ class PrecisionConfig(_Schema):
     strict: bool = Field(False, description="fail, instead of warning, when the policy leaves more than 5% of the "
                                             "model's matmul/conv FLOPs in float32")
     fp8: Fp8Config = Field(default_factory=Fp8Config, description="fp8 matmuls (policy mixed_fp8 or compute=f8)")
+    int8: Int8Config = Field(default_factory=Int8Config, description="int8 matmuls (policy mixed_int8 or "
+                                                                     "compute=int8)")
     reduce_dtype: str = Field("auto", description="dtype gradients are reduced across devices in: f32, bf16, f16 "
                                                   "(needs a loss scale); auto: f32 on a mesh of more than one "
                                                   "device")
@@ -315,6 +336,7 @@ SECTIONS = {name: f.annotation for name, f in ExperimentConfig.model_fields.item
 for _key, _section in SECTIONS.items():
     _section.dotted_key = _key
 Fp8Config.dotted_key = "precision.fp8"
+Int8Config.dotted_key = "precision.int8"
 LoraConfig.dotted_key = "finetune.lora"
 
 

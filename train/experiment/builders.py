@@ -236,7 +236,7 @@ def train_state_from(names: Names, config: Any, model: Any, data: Any, layout: A
             rules=config.precision.rules, loss_scale=config_lib.build_loss_scale(config.precision),
             max_grad_norm=config.optimizer.max_grad_norm, skip_with=config.precision.skip_with, layout=layout,
             ops=config_lib.build_op_lists(config.precision), autocast=config.precision.autocast,
-            strict=config.precision.strict, fp8=config.precision.fp8.options(),
+            strict=config.precision.strict, fp8=config.precision.fp8.options(), int8=config.precision.int8.options(),
             reduce_dtype=config.precision.reduce_dtype, init_from=_init_from(config), memory=have,
             finetune=finetune_from(config.finetune), inputs_as=config.data.inputs_as)
     except FreezeError as e:  # its message names the key

@@ -241,13 +241,13 @@ def _data_notes(data: Any) -> list[str]:
 
 
 def _fp8_coverage(config: ExperimentConfig, state: TrainState, data: Any) -> list[str]:
-    """Under an FP8 policy, the share of matmul FLOPs FP8 covers (a run that computes
-    nothing in FP8 says so, instead of training as bf16 without a word)."""
-    if not state.policy.fp8:
+    """Under an FP8 (int8) policy, the share of matmul FLOPs FP8 (int8) covers (a run that
+    computes nothing in it says so, instead of training as bf16 without a word)."""
+    if not (state.policy.fp8 or state.policy.int8):
         return []
     explanation = explain_model(state.model, data.sample_input(config.data.batch_size), train=True, backward=True,
                                 inputs_as=state.inputs_as)
-    return [explanation.fp8_coverage]
+    return [explanation.fp8_coverage if state.policy.fp8 else explanation.int8_coverage]
 
 
 class _Evaluator:

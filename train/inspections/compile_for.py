@@ -28,9 +28,12 @@ proves structure, dtypes and memory, not speed.
 
 For a TPU (libtpu's compile-only client, :mod:`train.inspections.targets`) the report
 is the same but for the kernels: a TPU program's are its matrix-unit ops
-(:mod:`train.inspections.tpu_kernels`), and no model of its time exists here. A
-float16 policy is refused for a TPU (its matrix units multiply bfloat16), and
-so is FP8 (none of these generations multiplies it).
+(:mod:`train.inspections.tpu_kernels`), and its modeled time is a roofline of the
+chip's datasheet (:mod:`train.inspections.tpu_time`). A float16 policy is refused
+for a TPU (its matrix units multiply bfloat16), and so is FP8 (none of these
+generations multiplies it), and FP8 for an A100. Under an int8 policy the report
+gives the int8 share of the matmul FLOPs and what stays out
+(:mod:`train.inspections.int8_share`).
 """
 
 from __future__ import annotations
@@ -51,9 +54,12 @@ from train.config import ConfigError, ExperimentConfig
 from train.parallel.distributed import Layout, MeshError, make_mesh
 from train.inspections.gpu_kernels import Kernel, read_kernels
 from train.inspections.gpu_time import ModeledStep, model_step
+from train.inspections.hlo_kernels import read_hlo_kernels
+from train.inspections.int8_share import Int8Share, int8_share, matrix_unit_problem
 from train.inspections.targets import (GpuTarget, Target, TargetError, TpuTarget, get_target, target_devices,
                                        target_slug)
 from train.inspections.tpu_kernels import read_tpu_kernels
+from train.inspections.tpu_time import TpuModeledStep, model_tpu_step, tpu_kernels
 from train.config.tpu_policy import tpu_config_problem
 
 __all__ = ["CompiledStep", "compile_for", "compile_train_step", "write_report", "TargetError", "check_tpu_policy"]
@@ -79,9 +85,10 @@ class CompiledStep:
     communication: CommunicationReport
     seconds: dict[str, float]  # lower, compile
     hlo_text: str = dataclasses.field(default="", repr=False)  # the optimized program (compiled.as_text())
-    modeled: ModeledStep | None = dataclasses.field(default=None, repr=False)  # None: no datasheet for the target
+    modeled: ModeledStep | TpuModeledStep | None = dataclasses.field(default=None, repr=False)  # None: no datasheet
     modeled_error: str = ""  # why there is no model
     blockwise: Any = None  # precision.BlockwisePlan: the loss from large logits, a block of rows at a time
+    int8: Int8Share | None = None  # under an int8 policy: the int8 share of matmul FLOPs, what stays out
 
     @property
     def fits(self) -> bool:
@@ -125,6 +132,7 @@ class CompiledStep:
                 "collectives": self.communication.rows(), "seconds": self.seconds,
                 "modeled": self.modeled.to_json() if self.modeled is not None else {"error": self.modeled_error},
                 "blockwise_loss": self.blockwise._asdict() if self.blockwise is not None else None,
+                "int8": self.int8.to_json() if self.int8 is not None else None,
                 "jax": jax.__version__}
 
     def __str__(self) -> str:
@@ -147,6 +155,8 @@ class CompiledStep:
         fp8 = self.count(fp8=True)
         if fp8 or "f8" in self.experiment:
             lines.append(f"FP8 GEMMs: {fp8} of {self.count()} GEMMs")
+        if self.int8 is not None:
+            lines += self.int8.lines()
         if self.policy_half:
             lines += self._f32_lines()
         if self.devices > 1:
@@ -209,6 +219,9 @@ def compile_for(config: ExperimentConfig, target: str | Target = "h100", devices
     gpu = get_target(target)
     if isinstance(gpu, TpuTarget):
         check_tpu_policy(config, gpu)
+    problem = matrix_unit_problem(config, gpu)
+    if problem:
+        raise TargetError(problem)
     layout = _layout(config, target_devices(gpu, devices or _default_devices(config, gpu)))
     data, task, model = build_experiment(config, memory=(0, ""))  # XLA's plan says what fits, below
     start = time.perf_counter()
@@ -239,6 +252,8 @@ def compile_train_step(state: Any, batch: Any, layout: Layout, target: Target, *
     text, count = compiled.as_text(), layout.mesh.devices.size
     stage = "partitioned" if partitioned is not None else "compiled"
     modeled, why = _modeled(text, target)
+    policy = state.model.policy
+    scaled = policy.int8 or any(rule.policy.int8 for rule in getattr(state.model, "rules", ()))
     return CompiledStep(
         target=target, devices=count, mesh=dict(layout.mesh.shape), experiment=experiment,
         policy_half=np.dtype(state.model.policy.compute_dtype).itemsize < 4, memory=_memory(compiled),
@@ -246,7 +261,8 @@ def compile_train_step(state: Any, batch: Any, layout: Layout, target: Target, *
         communication=CommunicationReport(tuple(hlo_collectives(partitioned or text, count)), stage, target.name),
         seconds={"lower": round(lowered_at - start, 2), "compile": round(done - lowered_at, 2)}, hlo_text=text,
         modeled=modeled, modeled_error=why,
-        blockwise=blockwise_plan(state, batch, task=task, accum_steps=accum_steps, layout=layout))
+        blockwise=blockwise_plan(state, batch, task=task, accum_steps=accum_steps, layout=layout),
+        int8=int8_share(_hlo_kernels(text, target)) if scaled else None)
 
 
 def blocks_hint(plan: Any) -> str:
@@ -257,11 +273,16 @@ def blocks_hint(plan: Any) -> str:
     return " (its loss from the logits in blocks of rows may fit it: precision.blockwise_loss=true)"
 
 
-def _modeled(text: str, target: Target) -> tuple[ModeledStep | None, str]:
+def _hlo_kernels(text: str, target: Target) -> list:
+    """Every op of the program with its bytes and FLOPs (:mod:`train.inspections.hlo_kernels`)."""
+    return tpu_kernels(text) if isinstance(target, TpuTarget) else read_hlo_kernels(text)
+
+
+def _modeled(text: str, target: Target) -> tuple[ModeledStep | TpuModeledStep | None, str]:
     """The modeled step time of ``text`` on ``target``, or None and why (a target whose
-    compute capability has no datasheet peaks here; a TPU)."""
+    compute capability has no datasheet peaks here)."""
     if isinstance(target, TpuTarget):
-        return None, "the model is of a GPU's kernels, calibrated on a GPU's profile; none of a TPU's here"
+        return model_tpu_step(text, target.generation), ""
     try:
         return model_step(text, target), ""
     except ValueError as e:

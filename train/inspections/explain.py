@@ -40,7 +40,7 @@ def explain_experiment(config: ExperimentConfig, experiment: tuple | None = None
     model = finetune_model(model, finetune_from(config.finetune), sample, inputs_as)  # its adapters explained too
     wrapped = bind(model, config.precision.policy, config.precision.rules,
                    ops=config_lib.build_op_lists(config.precision), autocast=config.precision.autocast,
-                   fp8=config.precision.fp8.options())
+                   fp8=config.precision.fp8.options(), int8=config.precision.int8.options())
     return explain_model(wrapped, sample, train=True, backward=True, inputs_as=inputs_as)
 
 

@@ -135,7 +135,7 @@ def module_of(op_name: str) -> str:
 def region_of(op_name: str) -> str:
     """The dtype of the innermost compute region (``precision.compute_in``, a rule) an
     op sits in: ``float32``, ``bfloat16``... (``""``: none)."""
-    tags = re.findall(re.escape(TAG_PREFIX) + r"(?:fp8\+)?([a-z0-9]+)", op_name)
+    tags = re.findall(re.escape(TAG_PREFIX) + r"(?:fp8\+|int8\+)?([a-z0-9]+)", op_name)
     return tags[-1] if tags else ""
 
 

@@ -7,7 +7,7 @@ into a time: each kernel it launches (:mod:`train.inspections.hlo_kernels`) take
     launches x (max(bytes / (HBM bandwidth x e_bw), FLOPs / (peak x e_kind), t_min) + t_gap)
 
 with the bandwidth and dense peaks from the device's datasheet (the peak for
-the operands' dtype: bf16/f16, FP8, TF32 for a float32 GEMM at default
+the operands' dtype: bf16/f16, FP8, int8, TF32 for a float32 GEMM at default
 precision, plain float32 at ``highest``), and four numbers calibrated on a
 profile measured on a GPU (:data:`CALIBRATION`): the share of peak a GEMM and
 cuDNN's attention reach, the share of bandwidth a memory-bound kernel reaches,
@@ -48,6 +48,7 @@ class Datasheet(NamedTuple):
     tf32: float  # dense TF32 FLOP/s (a float32 GEMM at default precision)
     f32: float  # float32 without tensor cores (precision highest)
     link_bandwidth: float  # NVLink bytes/s per direction
+    int8: float = 0.0  # dense int8 OP/s (0: none)
 
     def peak(self, dtype: str, precision: str = "") -> float:
         """The dense peak a GEMM with ``dtype`` operands runs at."""
@@ -55,16 +56,22 @@ class Datasheet(NamedTuple):
             return self.half
         if dtype in _FP8:
             return self.fp8 or self.half
+        if dtype == "s8":
+            return self.int8 or self.half
         if dtype == "f32":
             return self.f32 if precision == "highest" else self.tf32
         return self.f32
 
 
-#: Per SM and clock, by compute capability: (half, fp8, tf32, f32) FLOPs. Hopper's datasheet:
-#: H100 SXM 989.4 / 1978.9 / 494.7 TFLOP/s dense at 132 SMs, 1.83 GHz (tensor), 66.9 at 1.98 GHz.
-_PER_SM_CLOCK = {(9, 0): (4096.0, 8192.0, 2048.0, 256.0), (8, 0): (2048.0, 0.0, 1024.0, 128.0),
-                 (8, 9): (1024.0, 2048.0, 512.0, 256.0), (10, 0): (8192.0, 16384.0, 4096.0, 256.0)}
-_TENSOR_CLOCK_RATIO = 1.83 / 1.98  # the tensor-core datasheet peaks are at the lower sustained clock
+#: Per SM and clock, by compute capability: (half, fp8, tf32, f32, int8) FLOPs. Hopper's datasheet:
+#: H100 SXM 989.4 / 1978.9 / 494.7 TFLOP/s dense, 1978.9 int8 TOPS at 132 SMs, 1.83 GHz (tensor),
+#: 66.9 at 1.98 GHz; A100 SXM 312 / - / 156 TFLOP/s, 624 int8 TOPS, 19.5 at 108 SMs, 1.41 GHz.
+_PER_SM_CLOCK = {(9, 0): (4096.0, 8192.0, 2048.0, 256.0, 8192.0), (8, 0): (2048.0, 0.0, 1024.0, 128.0, 4096.0),
+                 (8, 9): (1024.0, 2048.0, 512.0, 256.0, 2048.0), (10, 0): (8192.0, 16384.0, 4096.0, 256.0, 16384.0)}
+#: The tensor-core datasheet peaks are at a lower sustained clock than the boost clock (Hopper and
+#: later); an A100's are at its boost clock.
+_TENSOR_CLOCK_RATIO = {(8, 0): 1.0}
+_DEFAULT_TENSOR_CLOCK_RATIO = 1.83 / 1.98
 
 
 class Calibration(NamedTuple):
@@ -176,10 +183,11 @@ def datasheet(target: Any) -> Datasheet:
         known = ", ".join(f"{a}.{b}" for a, b in _PER_SM_CLOCK)
         raise ValueError(f"no datasheet peaks for compute capability {key} of {target.name} (known: {known})")
     sms, clock = number("core_count"), number("clock_rate_ghz") * 1e9
-    half, fp8, tf32, f32 = _PER_SM_CLOCK[key]
-    tensor = sms * clock * _TENSOR_CLOCK_RATIO
+    half, fp8, tf32, f32, int8 = _PER_SM_CLOCK[key]
+    tensor = sms * clock * _TENSOR_CLOCK_RATIO.get(key, _DEFAULT_TENSOR_CLOCK_RATIO)
+    link = 300e9 if key == (8, 0) else 450e9  # NVLink 3 (A100) and 4 (Hopper), per direction
     return Datasheet(target.device_kind, number("memory_bandwidth"), half * tensor, fp8 * tensor, tf32 * tensor,
-                     f32 * sms * clock, 450e9)
+                     f32 * sms * clock, link, int8 * tensor)
 
 
 def model_kernels(kernels: list[HloKernel], sheet: Datasheet, calibration: Calibration = CALIBRATION

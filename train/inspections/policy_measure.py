@@ -85,12 +85,14 @@ def measure_candidate(experiment: Experiment, candidate: precision.Candidate, re
     try:
         config = with_precision(experiment.config, base)
         state, schedule = build_train_state(config, experiment.model, experiment.data, experiment.layout)
-        if state.policy.fp8:
+        if state.policy.fp8 or state.policy.int8:
             coverage = explain_model(state.model, experiment.data.sample_input(config.data.batch_size), train=True,
                                      backward=True, inputs_as=state.inputs_as)
-            if coverage.fp8_share == 0:
+            name, share, why = (("FP8", coverage.fp8_share, coverage.fp8_coverage) if state.policy.fp8 else
+                                ("int8", coverage.int8_share, coverage.int8_coverage))
+            if share == 0:
                 return _measured(candidate, base, numerics="dropped",
-                                 numerics_note=f"no matmul would run in FP8 ({coverage.fp8_coverage})")
+                                 numerics_note=f"no matmul would run in {name} ({why})")
         measured = _run(experiment, config, state, schedule, candidate, base)
         symptom = _symptom(measured, reference_loss, tolerance)
         if measured.is_reference:

@@ -8,7 +8,8 @@ the GPU would run, except that no autotuning happens (GEMMs get XLA's default
 kernel configurations): it shows kernels, dtypes, collectives and XLA's memory
 plan, not time.
 
-Shipped targets: ``h100`` (H100 SXM, 80 GB) and ``h200`` (141 GB). A user's
+Shipped targets: ``h100`` (H100 SXM, 80 GB), ``h200`` (141 GB) and ``a100`` (A100 SXM,
+80 GB: no FP8, int8 at twice its bf16 rate). A user's
 target is the path of a ``GpuTargetConfigProto`` text file (XLA's
 ``xla/backends/gpu/target_config/specs/*.txtpb`` are such files; fields this
 XLA does not know must be removed).
@@ -54,6 +55,22 @@ class GpuTarget:
     def describe(self) -> str:
         return f"{self.device_kind} ({self.memory_bytes / 2 ** 30:.1f} GiB)"
 
+    @property
+    def capability(self) -> tuple[int, int] | None:
+        """Its CUDA compute capability, (9, 0) for an H100 (None where its description has none)."""
+        m = re.search(r"cuda_compute_capability\s*\{\s*major:\s*(\d+)\s*minor:\s*(\d+)", self.config_text)
+        return (int(m.group(1)), int(m.group(2))) if m else None
+
+    @property
+    def fp8(self) -> bool:
+        """Tensor cores that multiply FP8 (Ada and Hopper on: compute capability 8.9 or later)."""
+        return self.capability is None or self.capability >= (8, 9)
+
+    @property
+    def int8(self) -> bool:
+        """Tensor cores that multiply int8 (Turing on: compute capability 7.5 or later)."""
+        return self.capability is None or self.capability >= (7, 5)
+
 
 @dataclasses.dataclass(frozen=True)
 class _Spec:
@@ -67,17 +84,20 @@ class _Spec:
     clock_ghz: float
     capability: tuple[int, int]
     cudnn: tuple[int, int, int] = (9, 8, 0)
+    shared_memory_per_core: int = 233472  # bytes (Hopper: 228 KiB)
+    shared_memory_per_block_optin: int = 232448
 
     def config_text(self) -> str:
         major, minor = self.capability
         return "\n".join([
             "gpu_device_info {",
             "  threads_per_block_limit: 1024", "  threads_per_warp: 32", "  shared_memory_per_block: 49152",
-            "  shared_memory_per_core: 233472", "  threads_per_core_limit: 2048", f"  core_count: {self.sms}",
+            f"  shared_memory_per_core: {self.shared_memory_per_core}", "  threads_per_core_limit: 2048",
+            f"  core_count: {self.sms}",
             "  fpus_per_core: 128", "  block_dim_limit_x: 2147483647", "  block_dim_limit_y: 65535",
             "  block_dim_limit_z: 65535", f"  memory_bandwidth: {self.bandwidth}", f"  l2_cache_size: {self.l2_bytes}",
             f"  clock_rate_ghz: {self.clock_ghz}", f"  device_memory_size: {self.memory_bytes}",
-            "  shared_memory_per_block_optin: 232448",
+            f"  shared_memory_per_block_optin: {self.shared_memory_per_block_optin}",
             f"  cuda_compute_capability {{ major: {major} minor: {minor} }}",
             "  registers_per_core_limit: 65536", "  registers_per_block_limit: 65536",
             "}",
@@ -89,10 +109,14 @@ class _Spec:
 
 
 # Public datasheet figures: 132 SMs (SXM), HBM3 3.35 TB/s (H100) and HBM3e 4.8 TB/s (H200),
-# 50 MiB L2, 1.98 GHz boost, compute capability 9.0; memory as the devices report it.
+# 50 MiB L2, 1.98 GHz boost, compute capability 9.0; memory as the devices report it. A100 SXM
+# 80 GB: 108 SMs, HBM2e 2.0 TB/s, 40 MiB L2, 1.41 GHz boost, compute capability 8.0, 164 KiB of
+# shared memory per SM (163 KiB per block); 312 bf16 TFLOP/s, 624 int8 TOPS, no FP8.
 _SPECS = {
     "h100": _Spec("NVIDIA H100 80GB HBM3", 132, 84_942_979_072, 3_352_320_000_000, 52_428_800, 1.98, (9, 0)),
     "h200": _Spec("NVIDIA H200 141GB HBM3e", 132, 151_397_597_184, 4_800_000_000_000, 52_428_800, 1.98, (9, 0)),
+    "a100": _Spec("NVIDIA A100-SXM4-80GB", 108, 85_899_345_920, 2_039_000_000_000, 41_943_040, 1.41, (8, 0),
+                  shared_memory_per_core=167936, shared_memory_per_block_optin=166912),
 }
 GPU_TARGETS = tuple(_SPECS)
 
@@ -109,6 +133,7 @@ class TpuTarget:
     accelerator: str  # TPU_ACCELERATOR_TYPE of one host, so libtpu does not ask a metadata server
     topology: str = ""  # the slice given with the target ("2x2x2"), else chosen from the device count
     fp8: bool = False  # matrix units that multiply FP8
+    int8: bool = True  # matrix units that multiply int8 (v5e, v5p, v6e: at twice their bf16 rate)
 
     def describe(self) -> str:
         return f"{self.device_kind} ({self.memory_bytes / 2 ** 30:.1f} GiB HBM per chip)"

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from precision.autocast.fp8_quantize import E4M3, dequantized, e4m3_read
+from precision.autocast.scaled.fp8_quantize import E4M3, dequantized, e4m3_read
 from train.parallel.processes import MeshError, initialize_distributed  # noqa: F401 - re-exported: the runtime a mesh spans
 
 __all__ = ["DATA_AXES", "GATHER_SCOPE", "Layout", "MeshError", "host_rows", "initialize_distributed", "make_mesh", "to_host"]

@@ -96,7 +96,7 @@ def _module_class(model: Any) -> type:
 
 def bind(model: Any, policy: "str | precision.Policy | None", rules: Any = None, *,
          ops: precision.OpLists | None = None, autocast: bool = True, fp8: Any = None,
-         reduce_dtype: Any = None) -> Any:
+         reduce_dtype: Any = None, int8: Any = None) -> Any:
     """``model`` under ``policy`` with the Linen ``init`` / ``apply`` contract.
 
     Takes a Linen or NNX module, or one already wrapped by
@@ -115,16 +115,19 @@ def bind(model: Any, policy: "str | precision.Policy | None", rules: Any = None,
         if fp8 is not None and precision.fp8.as_fp8_options(fp8) != model.fp8:
             raise ValueError(f"fp8={fp8!r} differs from the wrapped model's {model.fp8}; pass fp8=None or give it "
                              "to precision.with_policy")
+        if int8 is not None and precision.int8.as_int8_options(int8) != model.int8:
+            raise ValueError(f"int8={int8!r} differs from the wrapped model's {model.int8}; pass int8=None or give "
+                             "it to precision.with_policy")
         if reduce_dtype is not None:
             model = _reducing_in(model, reduce_dtype)
         return NNXModel(model) if isinstance(model, precision.NNXWithPolicy) else model
     if isinstance(model, nn.Module):
         return precision.with_policy(model, policy, rules, ops=ops, autocast=autocast, fp8=fp8,
-                                     reduce_dtype=reduce_dtype)
+                                     reduce_dtype=reduce_dtype, int8=int8)
     if isinstance(model, nnx.Module):
         # A copy: the caller's module keeps its params and their dtypes.
         return NNXModel(precision.with_policy(nnx.clone(model), policy, rules, ops=ops, autocast=autocast, fp8=fp8,
-                                              reduce_dtype=reduce_dtype))
+                                              reduce_dtype=reduce_dtype, int8=int8))
     raise TypeError(f"expected a flax.linen.Module or flax.nnx.Module (or one wrapped by precision.with_policy), "
                     f"got {type(model).__name__}")
 
@@ -137,7 +140,7 @@ def _reducing_in(model: Any, reduce_dtype: Any) -> Any:
     precision.modules.common.check_needs_autocast(model.policy, model.rules, model.autocast, dtype)
     if isinstance(model, NNXModel):  # the unwrapped module, bound afresh
         return bind(model.module, model.policy, model.rules, ops=model.ops, autocast=model.autocast, fp8=model.fp8,
-                    reduce_dtype=dtype)
+                    reduce_dtype=dtype, int8=model.int8)
     other = nnx.clone(model) if isinstance(model, precision.NNXWithPolicy) else copy.copy(model)
     other.reduce_dtype = dtype
     return other

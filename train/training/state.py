@@ -180,7 +180,8 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
                        ops: precision.OpLists | None = None, autocast: bool = True, strict: bool = False,
                        fp8: "precision.Fp8Options | dict | None" = None, reduce_dtype: Any = "auto",
                        init_from: str | os.PathLike | None = None, memory: int | None = None,
-                       finetune: FineTune | None = None, inputs_as: str = "auto") -> TrainState:
+                       finetune: FineTune | None = None, inputs_as: str = "auto",
+                       int8: "precision.Int8Options | dict | None" = None) -> TrainState:
     """Initialises a model under ``policy`` and a mixed-precision optimizer around ``optimizer``.
 
     Args:
@@ -213,9 +214,9 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
       strict: raise :class:`precision.CoverageError`, instead of warning, when a
         half-compute policy leaves more than 5% of the model's matmul/conv FLOPs
         in float32 for a reason other than a rule (see :func:`precision.explain`).
-      fp8: :func:`precision.fp8_options` for a policy whose compute is ``f8``.
-        Under delayed scaling the amax histories are model state (the ``"fp8"``
-        collection): checkpointed, replicated, updated by the train step.
+      fp8, int8: :func:`precision.fp8_options` (:func:`precision.int8_options`) for a policy whose compute
+        is ``f8`` (``int8``). Under delayed FP8 scaling the amax histories are model state (the ``"fp8"``
+        collection): checkpointed, replicated, updated by the train step; int8 keeps none.
       reduce_dtype: the dtype the gradients of params read in half precision
         are produced in, so the dtype a data-parallel step reduces them across
         devices in: ``"f32"``, ``"bf16"`` or ``"f16"`` (which needs a loss
@@ -235,11 +236,8 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
     """
     inputs_as = inputs_as_for(model, sample_input, inputs_as)
     model = finetune_model(model, finetune, sample_input, inputs_as)
-    try:
-        wrapped = bind(model, policy, rules, ops=ops, autocast=autocast, fp8=fp8,
-                       reduce_dtype=_reduce_dtype(reduce_dtype, layout, model, autocast))
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"create_train_state: {e}") from None
+    wrapped = _bound(model, policy, rules, ops=ops, autocast=autocast, fp8=fp8, int8=int8,
+                     reduce_dtype=_reduce_dtype(reduce_dtype, layout, model, autocast))
     _check_coverage(wrapped, sample_input, strict, inputs_as)
     rng, keys = _init_keys(rng)
     variables = initial_variables(wrapped, keys, sample_input, variables, init_from, layout, inputs_as)
@@ -253,6 +251,14 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
                        model_state=model_state, rng=rng, model=wrapped, tx=tx, layout=layout, frozen=frozen,
                        inputs_as=inputs_as)
     return state if layout is None else layout.put_state(state)
+
+
+def _bound(model: Any, policy: Any, rules: Any, **options: Any) -> Any:
+    """:func:`bind`, its errors (a bad policy, rule or option) named as ``create_train_state``'s."""
+    try:
+        return bind(model, policy, rules, **options)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"create_train_state: {e}") from None
 
 
 def _init_keys(rng: jax.Array) -> tuple[jax.Array, dict]:

@@ -42,14 +42,16 @@ machinery skips it.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 from jax import lax
 
-from precision.autocast.fp8_quantize import (E4M3, E5M2, F32, Histories, amax, e4m3_read, quantized,
-                                             quantized_along, roll_history, scale_for)
+from precision.autocast.scaled.products import (Product, in_output_layout, matmul_sizes, operand_dtypes,
+                                                 transpose_lhs, transpose_rhs)
+from precision.autocast.scaled.fp8_quantize import (E4M3, E5M2, F32, Histories, amax, e4m3_read, quantized,
+                                                    quantized_along, roll_history, scale_for)
 
 __all__ = ["E4M3", "E5M2", "Histories", "amax", "scale_for", "scaled_dot", "rowwise_dot", "roll_history",
            "matmul_sizes", "transpose_lhs", "transpose_rhs", "f8_dot", "FORWARD_PRECISION",
@@ -60,7 +62,6 @@ FORWARD_PRECISION = (lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM, lax.Pr
 #: (on CUDA, elsewhere) how a backward product accumulates: in full float32.
 BACKWARD_PRECISION = (lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32, lax.Precision.HIGHEST)
 
-Product = Callable[[jax.Array, jax.Array, Any], jax.Array]  # (a, b, dims) -> dot_general(a, b, dims), however made
 
 
 def f8_dot(a: jax.Array, b: jax.Array, dims: Any, out_dtype: Any, precision: tuple) -> jax.Array:
@@ -71,63 +72,6 @@ def f8_dot(a: jax.Array, b: jax.Array, dims: Any, out_dtype: Any, precision: tup
     return lax.platform_dependent(
         a, b, cuda=lambda a, b: lax.dot_general(a, b, dims, precision=on_cuda, preferred_element_type=out_dtype),
         default=lambda a, b: lax.dot_general(a, b, dims, precision=elsewhere, preferred_element_type=out_dtype))
-
-
-# ----------------------------------------------------------------------------- the transposed products
-
-
-def _remaining(n: int, *used: Sequence[int]) -> list[int]:
-    taken = {d for group in used for d in group}
-    return [d for d in range(n) if d not in taken]
-
-
-def _plain(out_dtype: Any) -> Product:
-    return lambda a, b, dims: lax.dot_general(a, b, dims, preferred_element_type=out_dtype)
-
-
-def transpose_lhs(g: jax.Array, rhs: jax.Array, dims: Any, lhs_ndim: int, out_dtype: Any = None,
-                  product: Product | None = None) -> jax.Array:
-    """The gradient with respect to the lhs of ``dot_general(lhs, rhs, dims)`` for output gradient ``g``.
-
-    ``g``'s axes are (batch, lhs free, rhs free); contracting ``g`` with ``rhs``
-    over rhs's free axes (and batch with batch) gives (batch, lhs free, lhs
-    contracting in rhs's order), which is then permuted into lhs's layout.
-    ``product`` makes that contraction (default: a plain ``dot_general`` into ``out_dtype``).
-    """
-    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dims
-    lhs_free = _remaining(lhs_ndim, lhs_contract, lhs_batch)
-    rhs_free = _remaining(rhs.ndim, rhs_contract, rhs_batch)
-    nb, nl = len(lhs_batch), len(lhs_free)
-    g_rhs_free = tuple(range(nb + nl, nb + nl + len(rhs_free)))
-    result = (product or _plain(out_dtype))(g, rhs, ((g_rhs_free, tuple(rhs_free)), (tuple(range(nb)), tuple(rhs_batch))))
-    # result axes: batch, lhs free, then rhs's contracting axes in rhs order = lhs's contracting axes, paired
-    contract_in_rhs_order = [c for _, c in sorted(zip(rhs_contract, lhs_contract))]
-    source = [*lhs_batch, *lhs_free, *contract_in_rhs_order]
-    return lax.transpose(result, tuple(int(i) for i in np.argsort(source)))
-
-
-def transpose_rhs(g: jax.Array, lhs: jax.Array, dims: Any, rhs_ndim: int, out_dtype: Any = None,
-                  product: Product | None = None) -> jax.Array:
-    """The gradient with respect to the rhs of ``dot_general(lhs, rhs, dims)``:
-    :func:`transpose_lhs` of the swapped product (whose output axes are
-    (batch, rhs free, lhs free))."""
-    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dims
-    nb = len(lhs_batch)
-    n_lhs_free = lhs.ndim - len(lhs_contract) - nb
-    n_rhs_free = rhs_ndim - len(rhs_contract) - nb
-    swapped_g = lax.transpose(g, (*range(nb), *range(nb + n_lhs_free, nb + n_lhs_free + n_rhs_free),
-                                  *range(nb, nb + n_lhs_free)))
-    swapped = ((rhs_contract, lhs_contract), (rhs_batch, lhs_batch))
-    return transpose_lhs(swapped_g, lhs, swapped, rhs_ndim, out_dtype, product)
-
-
-def matmul_sizes(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dims: Any) -> tuple[int, int, int]:
-    """(M, K, N) of a ``dot_general``: lhs free, contracting and rhs free sizes (batch axes aside)."""
-    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dims
-    k = int(np.prod([lhs_shape[d] for d in lhs_contract]))
-    m = int(np.prod([lhs_shape[d] for d in _remaining(len(lhs_shape), lhs_contract, lhs_batch)]))
-    n = int(np.prod([rhs_shape[d] for d in _remaining(len(rhs_shape), rhs_contract, rhs_batch)]))
-    return m, k, n
 
 
 # ----------------------------------------------------------------------------- dequantizing
@@ -149,19 +93,6 @@ def _unscaled(product: jax.Array, scale: jax.Array, dtype: np.dtype) -> jax.Arra
     return (product * (1.0 / scale).astype(product.dtype)).astype(dtype)
 
 
-def _in_output_layout(scale: jax.Array, contract: Sequence[int], batch: Sequence[int], leading: int,
-                      trailing: int) -> jax.Array:
-    """An operand's axis-wise scales (its shape, contracted axes of size 1) laid out for a
-    ``dot_general`` output (batch, lhs free, rhs free): batch axes first, its free axes,
-    size-1 axes for the other operand's ``trailing`` free axes (``leading`` of them before
-    its own when it is the rhs)."""
-    free = _remaining(scale.ndim, contract, batch)
-    moved = lax.transpose(scale, (*batch, *free, *contract))
-    kept = moved.reshape(moved.shape[:len(batch) + len(free)])
-    nb = len(batch)
-    return kept.reshape((*kept.shape[:nb], *([1] * leading), *kept.shape[nb:], *([1] * trailing)))
-
-
 def _axiswise_product(formats: tuple[np.dtype, np.dtype], out_dtype: np.dtype, precision: Any) -> Product:
     """A ``dot_general`` of two operands each quantized along its own contracted axes
     (``formats``: lhs's and rhs's FP8 format), dequantized after the GEMM (its output in
@@ -174,8 +105,8 @@ def _axiswise_product(formats: tuple[np.dtype, np.dtype], out_dtype: np.dtype, p
         acc = f8_dot(q_a, q_b, dims, _accumulator(out_dtype), precision)  # 16-bit out: the scales are exact
         a_free = a.ndim - len(a_contract) - len(a_batch)
         b_free = b.ndim - len(b_contract) - len(b_batch)
-        scales = (_in_output_layout(s_a, a_contract, a_batch, 0, b_free)
-                  * _in_output_layout(s_b, b_contract, b_batch, a_free, 0))
+        scales = (in_output_layout(s_a, a_contract, a_batch, 0, b_free)
+                  * in_output_layout(s_b, b_contract, b_batch, a_free, 0))
         return _unscaled(acc, scales, out_dtype)
 
     return product
@@ -244,12 +175,7 @@ def scaled_dot(lhs: jax.Array, rhs: jax.Array, dims: Any, out_dtype: Any,
     ``reduce_dtype`` is what a data-parallel step reduces across devices.
     """
     return _scaled_dot(lhs, rhs, histories if histories is not None else (), _as_dims(dims), np.dtype(out_dtype),
-                       _dtypes(lhs, rhs, grad_dtypes))
-
-
-def _dtypes(lhs: jax.Array, rhs: jax.Array, grad_dtypes: tuple[Any, Any] | None) -> tuple:
-    own = (np.dtype(lhs.dtype), np.dtype(rhs.dtype))
-    return own, own if grad_dtypes is None else tuple(np.dtype(d) for d in grad_dtypes)
+                       operand_dtypes(lhs, rhs, grad_dtypes))
 
 
 # ----------------------------------------------------------------------------- rowwise
@@ -284,4 +210,4 @@ def rowwise_dot(lhs: jax.Array, rhs: jax.Array, dims: Any, out_dtype: Any,
     the float32 product divided by the outer product of the scales. Backward, the
     E5M2 gradient and the E4M3 operand are quantized again along the axes each
     transposed product contracts. ``grad_dtypes``: as :func:`scaled_dot`'s."""
-    return _rowwise(lhs, rhs, _as_dims(dims), np.dtype(out_dtype), _dtypes(lhs, rhs, grad_dtypes))
+    return _rowwise(lhs, rhs, _as_dims(dims), np.dtype(out_dtype), operand_dtypes(lhs, rhs, grad_dtypes))

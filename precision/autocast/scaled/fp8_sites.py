@@ -2,7 +2,7 @@
 
 An allow-listed ``dot_general`` in an FP8 region (the policy's compute is
 ``f8``, or a rule or :func:`precision.compute_in` says so) becomes
-:func:`~precision.autocast.fp8_matmul.scaled_dot` when each of its M, K, N is
+:func:`~precision.autocast.scaled.fp8_matmul.scaled_dot` when each of its M, K, N is
 at least ``min_size`` (and, unless ``attention`` is asked, it is not a batched
 product of two activations). Under delayed scaling, each such matmul of the
 program's top level is a *site* named ``dot_general_<i>`` (the i-th in its
@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from precision.autocast.fp8_matmul import Histories, matmul_sizes, rowwise_dot, scaled_dot
+from precision.autocast.scaled.fp8_matmul import Histories, rowwise_dot, scaled_dot
+from precision.autocast.scaled.products import attention_or_size
 from precision.autocast.values import Kind
 from precision.fp8 import Fp8Options
 
@@ -80,13 +81,7 @@ def skip_reason(primitive: str, ins: list, eqn: Any, options: Fp8Options) -> str
         return NOT_A_DOT
     if not all(v.managed for v in ins):
         return "an operand the policy does not manage (already fp8, or integer)"
-    dims = eqn.params["dimension_numbers"]
-    if not options.attention and dims[1][0] and not any(v.leaf for v in ins):
-        return f"{ATTENTION} (a batched product of two activations; fp8 attention=true takes it)"
-    m, k, n = matmul_sizes(eqn.invars[0].aval.shape, eqn.invars[1].aval.shape, dims)
-    if min(m, k, n) < options.min_size:
-        return f"{BELOW_MIN_SIZE} {options.min_size} (M x K x N = {m}x{k}x{n})"
-    return None
+    return attention_or_size(eqn, ins, options.attention, options.min_size, "fp8")
 
 
 def fp8_dot(site: Any, ins: list, run: Fp8Run, target: np.dtype, out_dtype: np.dtype,

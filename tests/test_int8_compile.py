@@ -1,0 +1,98 @@
+"""Int8 programs compiled without the device: every allow-listed matmul of a GPT step an
+s8 x s8 -> s32 op of a TPU v5e's matrix unit and an A100's int8 GEMMs, the int8 share of the
+matmul FLOPs and the modeled step's, and the targets that refuse a format.
+
+Tests marked ``tpu_compile`` (``gpu_compile``) need libtpu (JAX's CUDA plugin), no device: CI
+runs them in the compile-only environment. The rest run everywhere.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import precision
+from helpers import ROOT, needs_cuda_plugin, needs_libtpu
+from train.config import load_config
+from train.inspections.compile_for import compile_for
+from train.inspections.targets import TargetError, get_target, target_devices
+
+GPT2_SMALL = ROOT / "configs" / "gpu" / "gpt2_small_mixed_bf16.yaml"
+#: The GPT-2-small config made small enough to compile in seconds (the full one: docs/int8.md's commands).
+SMALL = ("model.num_layers=1", "model.d_model=256", "model.num_heads=4", "data.num_classes=4096", "data.seq_len=256",
+         "data.batch_size=8", "data.eval_batch_size=8")
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(target, policy):
+    return compile_for(load_config(GPT2_SMALL, ["workdir=/tmp/unused", *SMALL, f"precision.policy={policy}"]), target)
+
+
+@pytest.mark.tpu_compile
+def test_every_projection_mlp_and_head_matmul_is_an_int8_mxu_op_on_v5e_forward_and_backward():
+    needs_libtpu()
+    report = _compiled("v5e", "mixed_int8")
+    matmuls = [k for k in report.kernels if k.gemm]
+    assert len(matmuls) == 12 + 3  # 4 projections x (forward + 2 backward), the head's 3
+    assert {(k.operands, k.result) for k in matmuls} == {(("s8", "s8"), "s32")}
+    assert report.int8.share == 1.0 and report.int8.outside == () and report.fits
+    assert "int8 share of matmul FLOPs (attention aside): 100.0%" in str(report)
+    assert report.modeled.matmul_flops["s8"] == report.int8.int8_flops and report.modeled.xla_cycles > 0
+
+
+@pytest.mark.gpu_compile
+def test_the_a100_program_has_int8_gemms_with_int32_results_and_no_xla_loop():
+    needs_cuda_plugin()
+    report = _compiled("a100", "mixed_int8")
+    gemms = [k for k in report.kernels if k.gemm]
+    assert {(k.operands, k.result) for k in gemms} == {(("s8", "s8"), "s32")}
+    assert not any(k.kind == "xla_dot" for k in gemms) and report.int8.share == 1.0
+    assert report.modeled is not None and "NVIDIA A100" in report.modeled.device
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.parametrize("k", [768, 766])
+def test_cublaslt_takes_int8_gemms_and_pads_a_k_it_does_not(k):
+    """With XLA's Triton GEMMs off (what a tuned run may pick instead), each int8 product is a
+    cuBLASLt GEMM with an s32 result; a K that is not a multiple of 4 is padded first."""
+    needs_cuda_plugin()
+    from jax.sharding import SingleDeviceSharding
+
+    from train.inspections.gpu_kernels import read_kernels
+
+    device = SingleDeviceSharding(target_devices(get_target("a100"))[0])
+    fn = precision.autocast(lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2), "mixed_int8", int8={"min_size": 0})
+    args = (jax.ShapeDtypeStruct((k, 512), jnp.float32, sharding=device),
+            jax.ShapeDtypeStruct((256, k), jnp.float32, sharding=device))
+    text = jax.jit(jax.grad(fn)).lower(*args).compile(compiler_options={"xla_gpu_enable_triton_gemm": False}).as_text()
+    gemms = [g for g in read_kernels(text) if g.gemm]
+    assert [(g.kind, g.operands, g.result) for g in gemms] == [("cublaslt", ("s8", "s8"), "s32")] * 2
+    assert (" pad(" in text) == (k % 4 != 0)
+
+
+def test_an_fp8_policy_for_an_a100_is_refused_in_one_line_naming_int8():
+    config = load_config(GPT2_SMALL, ["workdir=/tmp/unused", "precision.policy=mixed_fp8"])
+    with pytest.raises(TargetError, match="has no FP8 matrix units; use precision.policy=mixed_int8") as caught:
+        compile_for(config, "a100")
+    assert "\n" not in str(caught.value)
+    assert get_target("a100").int8 and not get_target("a100").fp8 and get_target("h100").fp8
+
+
+def test_the_int8_share_counts_flops_by_launch_and_names_what_stays_out():
+    from train.inspections.hlo_kernels import HloKernel
+    from train.inspections.int8_share import int8_share
+    from train.inspections.tpu_time import xla_estimated_cycles
+
+    kernels = [HloKernel("a", "gemm", 12, 1.0, 90.0, "s8", "layers/mlp"),
+               HloKernel("b", "conv", 1, 1.0, 80.0, "bf16", "head"),
+               HloKernel("c", "attention", 1, 1.0, 500.0, "bf16", "attn"),
+               HloKernel("d", "fusion", 1, 5.0, 0.0, "f32", "")]
+    share = int8_share(kernels)
+    assert share.share == 1080 / 1160 and share.outside == (("head", "bf16", 80.0),)
+    assert "not int8: head (bf16, 6.90% of the FLOPs)" in "\n".join(share.lines())
+    cycles = 'backend_config={{"estimated_cycles":"{}"}}'.format
+    text = (f'%fused_computation.1 (p: f32[4]) -> f32[4] {{\n  %x = f32[4] add(%p, %p), {cycles(7)}\n}}\n'
+            f'ENTRY %main (a: f32[4]) -> f32[4] {{\n  %f = f32[4] fusion(%a), {cycles(100)}\n'
+            f'  ROOT %g = f32[4] fusion(%f), {cycles(23)}\n}}\n')
+    assert xla_estimated_cycles(text) == 123  # a fused computation's ops are its fusion's

@@ -1,0 +1,166 @@
+"""A modeled TPU step time, from the program compiled for the TPU: a model, never a measurement.
+
+As :mod:`train.inspections.gpu_time` does for a GPU, every op of the optimized
+TPU program that touches memory (a fusion, a matmul, a copy, a collective; a
+loop body's once per iteration: :mod:`train.inspections.hlo_kernels` reads
+them) takes
+
+    max(bytes / (HBM bandwidth x e_bw), FLOPs / (matrix-unit peak x e_mxu))
+
+with the peak of the operands' dtype: int8 at twice bf16's on a v5e or v6e,
+bf16, and a float32 matmul at one, three or six bf16 passes (XLA's default,
+``high``, ``highest``). The Pallas flash attention kernels count their
+products (two forward; four and three in the two backward kernels, with the
+recomputed scores; half of them causal) at the bf16 peak. A TPU runs the
+whole step as one program: no kernel launches, no gap between ops.
+
+No TPU profile has calibrated it: ``e_mxu`` and ``e_bw`` are the H200
+profile's shares (:data:`train.inspections.gpu_time.CALIBRATION`), the same for
+both dtypes, so what it says best is how two programs for the same chip
+compare (``mixed_int8`` against ``mixed_bf16``), not the seconds. Beside it, XLA's
+TPU compiler writes its own estimate on every op of the program it made
+(``estimated_cycles``): :func:`xla_estimated_cycles` sums them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, NamedTuple
+
+from precision.autocast.tpu_flash import BACKWARD_SCOPE, FORWARD_SCOPE
+from train.inspections.gpu_kernels import attribute
+from train.inspections.gpu_time import CALIBRATION
+from train.inspections.hlo_kernels import HloKernel, read_hlo_kernels
+
+__all__ = ["TpuDatasheet", "TPU_DATASHEETS", "TpuModeledStep", "model_tpu_step", "tpu_kernels",
+           "xla_estimated_cycles"]
+
+
+class TpuDatasheet(NamedTuple):
+    """What a TPU chip's datasheet says: HBM bandwidth and the matrix units' dense peaks."""
+
+    name: str
+    bandwidth: float  # bytes/s
+    bf16: float  # FLOP/s
+    int8: float  # OP/s
+    clock: float = 0.0  # Hz of its TensorCore (0: unknown), for XLA's estimated cycles
+
+    def peak(self, dtype: str, precision: str = "") -> float:
+        """The dense peak of a matmul with ``dtype`` operands (a float32 one: bf16 passes)."""
+        if dtype in ("s8", "u8"):
+            return self.int8
+        if dtype == "f32":
+            return self.bf16 / {"highest": 6, "high": 3}.get(precision, 1)
+        return self.bf16
+
+
+#: cloud.google.com/tpu/docs: v5e 197 bf16 TFLOP/s, 394 int8 TOPS, 819 GB/s (four 128 x 128 MXUs: a
+#: 1.5 GHz clock); v5p 459 / 918, 2,765 GB/s; v6e 918 / 1,836, 1,640 GB/s.
+TPU_DATASHEETS = {"v5e": TpuDatasheet("TPU v5e", 819e9, 197e12, 394e12, 197e12 / (4 * 128 * 128 * 2)),
+                  "v5p": TpuDatasheet("TPU v5p", 2765e9, 459e12, 918e12),
+                  "v6e": TpuDatasheet("TPU v6e", 1640e9, 918e12, 1836e12)}
+
+
+class TpuModeledStep(NamedTuple):
+    """The modeled time of one step of a TPU program, by the dtype of its matmuls."""
+
+    device: str
+    seconds: float
+    memory_seconds: float  # of ops bound by HBM
+    matmul_seconds: dict[str, float]  # of ops bound by the matrix units, per operand dtype
+    matmul_flops: dict[str, float]  # per operand dtype (attention: "attention")
+    xla_cycles: int = 0  # XLA's own TPU cost model: the estimated cycles of the step's ops
+    clock: float = 0.0  # Hz, for xla_cycles
+
+    @property
+    def xla_seconds(self) -> float:
+        """XLA's estimate of the step in seconds (0 where the chip's clock is not known)."""
+        return self.xla_cycles / self.clock if self.clock else 0.0
+
+    def int8_share(self) -> float:
+        """The share of matmul FLOPs (attention's included) with int8 operands."""
+        total = sum(self.matmul_flops.values())
+        return self.matmul_flops.get("s8", 0.0) / total if total else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"what": "a model of the step time from the compiled TPU program (datasheet roofline per op, "
+                        "efficiencies borrowed from the H200 fit), not a measurement",
+                "device": self.device, "seconds": self.seconds, "memory_seconds": self.memory_seconds,
+                "matmul_seconds": self.matmul_seconds, "matmul_flops": self.matmul_flops,
+                "int8_share": self.int8_share(), "xla_estimated_cycles": self.xla_cycles,
+                "xla_estimated_seconds": self.xla_seconds}
+
+    def lines(self) -> list[str]:
+        """The report's lines (``--compile-for``'s output)."""
+        flops = ", ".join(f"{k} {v / 1e12:.2f}" for k, v in sorted(self.matmul_flops.items()))
+        bound = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in sorted(self.matmul_seconds.items()))
+        return [f"Modeled step time on {self.device} (a model from the compiled program, not a measurement): "
+                f"{self.seconds * 1e3:.2f} ms; memory-bound ops {self.memory_seconds * 1e3:.2f} ms, matrix-bound "
+                f"{bound or 'none'}", f"  matmul TFLOP by operand dtype: {flops or 'none'}",
+                f"  XLA's own TPU cost model: {self.xla_cycles:,} cycles"
+                + (f", {self.xla_seconds * 1e3:.2f} ms at {self.clock / 1e9:.2f} GHz" if self.clock else "")]
+
+
+def _flash_flops(line: str) -> float:
+    """The products of a Pallas flash attention kernel, from its query's (batch, heads, T, D) shape
+    (the first rank-4 operand in its line): two forward; three (dq) or four (dk, dv) backward."""
+    shape = re.search(r"\w+\[(\d+),(\d+),(\d+),(\d+)\]", line.partition("custom-call(")[0] + line)
+    if shape is None:
+        return 0.0
+    b, h, t, d = (int(x) for x in shape.groups())
+    op_name = attribute(line, "op_name")
+    products = 2 if f"/{BACKWARD_SCOPE}" not in op_name else 3 if "dq" in op_name else 4
+    return 2.0 * products * b * h * t * t * d
+
+
+def xla_estimated_cycles(text: str) -> int:
+    """XLA's own TPU cost model: the sum of the ``estimated_cycles`` its compiler writes on each op
+    of the optimized program (its fusions, matmuls and copies; a fused computation's ops are its
+    fusion's)."""
+    total, fused = 0, False
+    for line in text.splitlines():
+        if line and not line.startswith(" "):
+            fused = line.startswith(("%fused", "fused")) or "fused_computation" in line.split("(")[0]
+            continue
+        m = None if fused else re.search(r'"estimated_cycles":"(\d+)"', line)
+        total += int(m.group(1)) if m else 0
+    return total
+
+
+def tpu_kernels(text: str) -> list[HloKernel]:
+    """The ops of an optimized TPU program (:func:`read_hlo_kernels`), the flash attention
+    kernels given their FLOPs (kind ``attention``)."""
+    kernels = read_hlo_kernels(text)
+    if FORWARD_SCOPE not in text:
+        return kernels
+    by_name = {m.group(1): m.group(2) for m in re.finditer(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$", text, re.M)}
+    out = []
+    for k in kernels:
+        line = by_name.get(k.name, "")
+        if "custom-call(" in line and FORWARD_SCOPE in line:
+            k = k._replace(kind="attention", flops=_flash_flops(line), dtype="bf16", causal=True)
+        out.append(k)
+    return out
+
+
+def model_tpu_step(hlo_text: str, chip: str, efficiency: float = CALIBRATION.gemm_efficiency,
+                   bandwidth_efficiency: float = CALIBRATION.bandwidth_efficiency) -> TpuModeledStep:
+    """The modeled time of one step of the optimized TPU program ``hlo_text`` on one chip of
+    generation ``chip`` (``"v5e"``, ``"v5p"``, ``"v6e"``)."""
+    sheet = TPU_DATASHEETS[chip]
+    memory_seconds, matmul_seconds, matmul_flops = 0.0, {}, {}
+    for k in tpu_kernels(hlo_text):
+        memory = k.bytes / (sheet.bandwidth * bandwidth_efficiency)
+        flops = k.flops / 2 if k.causal else k.flops
+        dtype = "attention" if k.kind == "attention" else k.dtype
+        compute = flops / (sheet.peak(k.dtype, k.precision) * efficiency) if flops else 0.0
+        if flops:
+            matmul_flops[dtype] = matmul_flops.get(dtype, 0.0) + flops * k.launches
+        if compute > memory:
+            matmul_seconds[dtype] = matmul_seconds.get(dtype, 0.0) + compute * k.launches
+        else:
+            memory_seconds += memory * k.launches
+    seconds = memory_seconds + sum(matmul_seconds.values())
+    return TpuModeledStep(sheet.name, seconds, memory_seconds, matmul_seconds, matmul_flops,
+                          xla_estimated_cycles(hlo_text), sheet.clock)
+
