@@ -32,12 +32,14 @@ from flax import nnx
 
 from precision.autocast import transform
 from precision.autocast.fp8_sites import Fp8Run
+from precision.autocast.norm_fusion import AS_WRITTEN
 from precision.autocast.op_lists import OpLists
 from precision.autocast.program import MATMUL_PRIMITIVES, MatmulOp, matmul_ops
 from precision.autocast.values import REGION
 from precision.explain_table import (NOT_FUSED, Island, attention_lines, attention_reports, columns, coverage_text,
                                     f32_precision, flops_by_precision, fp8_rows, half_flops as _flops, islands,
-                                    precision_column, precision_line, share_text, short_dtype as _short)
+                                    norm_lines, norm_reports, precision_column, precision_line, share_text,
+                                    short_dtype as _short)
 from precision.fp8 import Fp8Options, as_fp8_options
 from precision.modules import LinenWithPolicy, NNXWithPolicy, with_policy
 from precision.policy import Policy, PolicyError, get_policy
@@ -95,12 +97,19 @@ class Explanation:
     fp8: tuple[float, float] = (0.0, 0.0)  # fp8 FLOPs (forward, backward)
     attention: tuple[tuple[str, str], ...] = ()  # (module, fused how or why not), per softmax attention
     f32_flops_by_precision: tuple[tuple[str, float], ...] = ()  # float32 matmul FLOPs (fwd + bwd) per precision
+    norms: tuple[tuple[str, str], ...] = ()  # (module, its kind and how differentiated, or why as written), per norm
 
     @property
     def fused_attention(self) -> tuple[str, ...]:
         """The modules whose softmax attention runs fused (cuDNN's where lowered for CUDA, the
         Pallas flash attention where lowered for TPU)."""
         return tuple(path for path, how in self.attention if not how.startswith(NOT_FUSED))
+
+    @property
+    def closed_form_norms(self) -> tuple[str, ...]:
+        """The modules whose layer, RMS or batch norm is differentiated in closed form
+        (:mod:`precision.autocast.norm_fusion`)."""
+        return tuple(path for path, how in self.norms if AS_WRITTEN not in how)
 
     @property
     def fp8_share(self) -> float:
@@ -161,6 +170,7 @@ class Explanation:
                              m.f32_reason))
             lines += columns(precision_column(rows, self.modules))
         lines += attention_lines(self.attention)
+        lines += norm_lines(self.norms)
         if self.islands:
             lines.append("float32 islands:")
             for island in self.islands:
@@ -368,10 +378,11 @@ def _summarize(traced: _Traced, policy: Policy, autocast: bool) -> Explanation:
                                     not_fp8.get(path, "") if total > fp8 else "", recipes.get(path, "") if fp8 else "",
                                     f32_precision(ops)))
     fp8_flops = (sum(m.flops for m in forward if m.fp8), sum(m.flops for m in backward or [] if m.fp8))
-    return Explanation(traced.name, policy, autocast, tuple(modules), islands(traced.log, lambda p: _path(p, traced.root)),
+    path_of = lambda p: _path(p, traced.root)  # noqa: E731
+    return Explanation(traced.name, policy, autocast, tuple(modules), islands(traced.log, path_of),
                        _flops(forward), _flops(backward) if backward is not None else None, fp8_flops,
-                       attention_reports(traced.log, lambda p: _path(p, traced.root)),
-                       flops_by_precision(forward + (backward or [])))
+                       attention_reports(traced.log, path_of), flops_by_precision(forward + (backward or [])),
+                       norm_reports(traced.log, path_of))
 
 
 def check_coverage(explanation: Explanation, *, threshold: float = 0.05, strict: bool = False,
