@@ -22,7 +22,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import warnings
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -30,8 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from precision.autocast import transform
-from precision.autocast.fp8_sites import Fp8Run
 from precision.autocast.norm_fusion import AS_WRITTEN
 from precision.autocast.op_lists import OpLists
 from precision.autocast.program import MATMUL_PRIMITIVES, MatmulOp, matmul_ops
@@ -40,6 +38,7 @@ from precision.explain_table import (NOT_FUSED, Island, attention_lines, attenti
                                     f32_precision, flops_by_precision, fp8_rows, half_flops as _flops, islands,
                                     norm_lines, norm_reports, precision_column, precision_line, share_text,
                                     short_dtype as _short)
+from precision.explain_trace import Traced, trace_function, trace_linen, trace_nnx
 from precision.fp8 import Fp8Options, as_fp8_options
 from precision.modules import LinenWithPolicy, NNXWithPolicy, with_policy
 from precision.policy import Policy, PolicyError, get_policy
@@ -184,105 +183,6 @@ class Explanation:
         return self.table()
 
 
-# ----------------------------------------------------------------------------- tracing
-
-
-class _Traced(NamedTuple):
-    forward: Any  # jaxpr of the forward pass
-    backward: Any  # jaxpr of forward + backward (or None)
-    log: list
-    params: dict[str, tuple[str, ...]]  # module path -> stored param dtypes
-    root: str  # the leading scope name to drop (Linen's root module class)
-    name: str
-    wrapped: Any
-
-
-def _cotangents(out: Any) -> Any:
-    def one(x):
-        if jnp.issubdtype(x.dtype, jnp.inexact):
-            return jnp.ones(x.shape, x.dtype)
-        return np.zeros(x.shape, jax.dtypes.float0)
-    return jax.tree_util.tree_map(one, out)
-
-
-def _trace(fn: Callable, diff: Any, rest: Any, backward: bool, log: list) -> tuple[Any, Any]:
-    """Jaxprs of ``fn(diff, rest)`` and of its VJP with respect to ``diff``."""
-    forward = jax.make_jaxpr(lambda d, r: fn(d, r, log))(diff, rest)
-    if not backward:
-        return forward, None
-
-    def vjp(d, r):  # through the rest too: NNX state must enter the traced function as an argument
-        out, pullback = jax.vjp(lambda d_, r_: fn(d_, r_, None), d, r)
-        return pullback(_cotangents(out))[0]
-
-    return forward, jax.make_jaxpr(vjp)(diff, rest)
-
-
-def _param_dtypes(params: Any) -> dict[str, tuple[str, ...]]:
-    """Stored dtypes of the params of each module path (Linen dicts or NNX state)."""
-    by_module: dict[str, set] = collections.defaultdict(set)
-    leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    for path, leaf in leaves:
-        names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
-        dtype = leaf.get_value().dtype if isinstance(leaf, nnx.Variable) else leaf.dtype
-        by_module["/".join(names[:-1])].add(np.dtype(dtype).name)
-    return {k: tuple(sorted(_short(d) for d in v)) for k, v in by_module.items()}
-
-
-def _trace_linen(wrapped: LinenWithPolicy, args: tuple, kwargs: dict, backward: bool) -> _Traced:
-    kwargs = dict(kwargs)
-    rngs = kwargs.pop("rngs", None) or {"dropout": jax.random.key(0)}
-    variables = jax.eval_shape(lambda: wrapped.init(jax.random.key(0), *args, **kwargs))
-    state = {k: v for k, v in variables.items() if k != "params"}
-    mutable = list(state) or False
-
-    def fn(params, state, log):
-        out = wrapped.apply_logged({**state, "params": params}, *args, mutable=mutable, rngs=rngs, log=log,
-                                   **kwargs)
-        return out[0] if mutable else out
-
-    log: list = []
-    fwd, bwd = _trace(fn, variables.get("params", {}), state, backward, log)
-    name = type(wrapped.module).__name__
-    return _Traced(fwd, bwd, log, _param_dtypes(variables.get("params", {})), "", name, wrapped)
-
-
-def _trace_nnx(wrapped: NNXWithPolicy, args: tuple, kwargs: dict, backward: bool) -> _Traced:
-    graphdef, params, rest = nnx.split(wrapped, nnx.Param, ...)
-
-    def fn(params, rest, log):
-        return nnx.merge(graphdef, params, rest).call_logged(log, *args, **kwargs)
-
-    log: list = []
-    fwd, bwd = _trace(fn, params, rest, backward, log)
-    module_params = nnx.state(wrapped.module, nnx.Param)
-    name = type(wrapped.module).__name__
-    return _Traced(fwd, bwd, log, _param_dtypes(module_params), "", name, wrapped)
-
-
-def _trace_function(fn: Callable, policy: Policy, ops: OpLists, args: tuple, kwargs: dict,
-                    backward: bool, fp8: Fp8Options) -> _Traced:
-    floats = [i for i, a in enumerate(args) if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.inexact)]
-
-    def run(diff, rest, log):
-        full = list(rest)
-        for i, a in zip(floats, diff):
-            full[i] = a
-        return transform.call(fn, tuple(full), kwargs, compute_dtype=policy.compute_dtype, ops=ops, log=log,
-                              fp8=policy.fp8, fp8_run=Fp8Run(fp8), matmul_precision=policy.matmul_precision)
-
-    rest = [None if i in floats else a for i, a in enumerate(args)]
-    log: list = []
-    fwd = jax.make_jaxpr(lambda d: run(d, rest, log))([args[i] for i in floats])
-    bwd = None
-    if backward and floats:
-        def vjp(d):
-            out, pullback = jax.vjp(lambda d_: run(d_, rest, None), d)
-            return pullback(_cotangents(out))
-        bwd = jax.make_jaxpr(vjp)([args[i] for i in floats])
-    return _Traced(fwd, bwd, log, {}, "", getattr(fn, "__name__", "function"), None)
-
-
 def _wrap(target: Any, policy: Any, rules: Any, ops: OpLists | None, autocast: bool, fp8: Any) -> Any:
     if isinstance(target, (LinenWithPolicy, NNXWithPolicy)):
         if policy is not None and get_policy(policy) != target.policy:
@@ -328,14 +228,14 @@ def explain(target: Any, *args: Any, policy: "str | Policy | None" = None, rules
     args, kwargs = jax.tree_util.tree_map(lambda x: jnp.asarray(x) if isinstance(x, np.ndarray) else x,
                                           (args, kwargs))
     if isinstance(wrapped, LinenWithPolicy):
-        traced = _trace_linen(wrapped, args, kwargs, backward)
+        traced = trace_linen(wrapped, args, kwargs, backward)
         policy_, on = wrapped.policy, wrapped.autocast
     elif isinstance(wrapped, NNXWithPolicy):
-        traced = _trace_nnx(wrapped, args, kwargs, backward)
+        traced = trace_nnx(wrapped, args, kwargs, backward)
         policy_, on = wrapped.policy, wrapped.autocast
     else:
         policy_, on = get_policy(policy), True
-        traced = _trace_function(wrapped, policy_, ops or OpLists(), args, kwargs, backward, as_fp8_options(fp8))
+        traced = trace_function(wrapped, policy_, ops or OpLists(), args, kwargs, backward, as_fp8_options(fp8))
     return _summarize(traced, policy_, on)
 
 
@@ -345,7 +245,7 @@ def _path(path: tuple[str, ...], root: str) -> str:
     return "/".join(path)
 
 
-def _summarize(traced: _Traced, policy: Policy, autocast: bool) -> Explanation:
+def _summarize(traced: Traced, policy: Policy, autocast: bool) -> Explanation:
     forward = matmul_ops(traced.forward)
     backward = [m for m in matmul_ops(traced.backward) if m.backward] if traced.backward is not None else None
     reasons = {(_path(r.path, traced.root), r.primitive): r.reason for r in traced.log
