@@ -21,14 +21,17 @@ import jax
 
 from benchmarks import report, suite
 from train.experiment import compile_cache
-from benchmarks.workloads import MODELS, POLICY_NAMES, SIZES, workload
+from benchmarks.workloads import LARGE_VOCABULARY, MODELS, POLICY_NAMES, SIZES, default_models, workload
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="small models and short timings (minutes on 2 CPU cores)")
+    p.add_argument("--quick", action="store_true", help="small models and short timings (under 3 minutes on 2 CPU "
+                                                        "cores)")
     p.add_argument("--size", choices=SIZES, help="model sizes (default: full, gpu on a GPU, quick with --quick)")
-    p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    p.add_argument("--models", nargs="+", choices=MODELS,
+                   help=f"default: all; at quick size all but {', '.join(LARGE_VOCABULARY)} (their 50,304-token "
+                        f"vocabulary is a full-size workload)")
     p.add_argument("--policies", nargs="+", choices=POLICY_NAMES, default=list(POLICY_NAMES))
     p.add_argument("--steps", type=int, help="timed steps per median (default 20; at least 20)")
     p.add_argument("--rounds", type=int, help="alternating rounds per ratio (default 10; 20 on a GPU)")
@@ -50,8 +53,9 @@ def main(argv: list[str] | None = None) -> dict:
         args.policies.insert(0, "fp32")  # the baseline every ratio is against
     size = args.size or ("quick" if args.quick else ("gpu" if jax.default_backend() == "gpu" else "full"))
     rounds, per_round = {"quick": (10, 3), "full": (10, 2), "gpu": (20, 5)}[size]
+    models = tuple(args.models) if args.models else default_models(size)
     settings = suite.Settings(size=size, steps=args.steps or 20, rounds=args.rounds or rounds,
-                              steps_per_round=per_round, models=tuple(args.models), policies=tuple(args.policies))
+                              steps_per_round=per_round, models=models, policies=tuple(args.policies))
     print(f"compilation cache: {cache or 'off'}", flush=True)
     start = time.perf_counter()
     results = suite.run(settings, log=lambda line: print(line, flush=True))

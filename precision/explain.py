@@ -30,15 +30,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from precision.autocast.norm_fusion import AS_WRITTEN
 from precision.autocast.op_lists import OpLists
 from precision.autocast.program import MATMUL_PRIMITIVES, MatmulOp, matmul_ops
 from precision.autocast.values import REGION
 from precision.explain_table import (NOT_FUSED, Island, attention_lines, attention_reports, columns, coverage_text,
                                     f32_precision, flops_by_precision, fp8_rows, half_flops as _flops, islands,
-                                    precision_column, precision_line, share_text, short_dtype as _short)
+                                    norm_lines, norm_reports, precision_column, precision_line, share_text,
+                                    short_dtype as _short)
+from precision.explain_trace import Traced, trace_function, trace_linen, trace_nnx
 from precision.fp8 import Fp8Options, as_fp8_options
 from precision.int8 import Int8Options, as_int8_options
-from precision.explain_trace import Traced, trace_function, trace_linen, trace_nnx
 from precision.modules import LinenWithPolicy, NNXWithPolicy, with_policy
 from precision.policy import Policy, PolicyError, get_policy
 
@@ -101,12 +103,19 @@ class Explanation:
     attention: tuple[tuple[str, str], ...] = ()  # (module, fused how or why not), per softmax attention
     f32_flops_by_precision: tuple[tuple[str, float], ...] = ()  # float32 matmul FLOPs (fwd + bwd) per precision
     int8: tuple[float, float] = (0.0, 0.0)  # int8 FLOPs (forward, backward)
+    norms: tuple[tuple[str, str], ...] = ()  # (module, its kind and how differentiated, or why as written), per norm
 
     @property
     def fused_attention(self) -> tuple[str, ...]:
         """The modules whose softmax attention runs fused (cuDNN's where lowered for CUDA, the
         Pallas flash attention where lowered for TPU)."""
         return tuple(path for path, how in self.attention if not how.startswith(NOT_FUSED))
+
+    @property
+    def closed_form_norms(self) -> tuple[str, ...]:
+        """The modules whose layer, RMS or batch norm is differentiated in closed form
+        (:mod:`precision.autocast.norm_fusion`)."""
+        return tuple(path for path, how in self.norms if AS_WRITTEN not in how)
 
     @property
     def fp8_share(self) -> float:
@@ -186,6 +195,7 @@ class Explanation:
                              m.f32_reason))
             lines += columns(precision_column(rows, self.modules))
         lines += attention_lines(self.attention)
+        lines += norm_lines(self.norms)
         if self.islands:
             lines.append("float32 islands:")
             for island in self.islands:
@@ -302,10 +312,11 @@ def _summarize(traced: Traced, policy: Policy, autocast: bool) -> Explanation:
                                     sum(m.flops for m in ops if m.int8)))
     fp8_flops = (sum(m.flops for m in forward if m.fp8), sum(m.flops for m in backward or [] if m.fp8))
     int8_flops = (sum(m.flops for m in forward if m.int8), sum(m.flops for m in backward or [] if m.int8))
-    return Explanation(traced.name, policy, autocast, tuple(modules), islands(traced.log, lambda p: _path(p, traced.root)),
+    path_of = lambda p: _path(p, traced.root)  # noqa: E731
+    return Explanation(traced.name, policy, autocast, tuple(modules), islands(traced.log, path_of),
                        _flops(forward), _flops(backward) if backward is not None else None, fp8_flops,
-                       attention_reports(traced.log, lambda p: _path(p, traced.root)),
-                       flops_by_precision(forward + (backward or [])), int8_flops)
+                       attention_reports(traced.log, path_of), flops_by_precision(forward + (backward or [])),
+                       int8_flops, norm_reports(traced.log, path_of))
 
 
 def check_coverage(explanation: Explanation, *, threshold: float = 0.05, strict: bool = False,

@@ -9,13 +9,17 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from precision.autocast.attention_fusion import ATTENTION
+from precision.autocast.norm_fusion import AS_WRITTEN, CLOSED_FORM, NORM
 from precision.autocast.program import MATMUL_PRIMITIVES
 
-__all__ = ["share_text", "columns", "fp8_rows", "coverage_text", "attention_reports", "attention_lines", "NOT_FUSED", "Island",
+__all__ = ["share_text", "columns", "fp8_rows", "coverage_text", "attention_reports", "attention_lines", "NOT_FUSED",
+           "norm_reports", "norm_lines", "Island",
            "islands", "f32_precision", "flops_by_precision", "precision_column", "precision_line", "half_flops",
            "short_dtype"]
 
 _F32 = np.dtype(np.float32)
+#: Log records reporting a rewrite (an attention fused, a norm's backward), not an op's dtype.
+_REWRITES = (ATTENTION, NORM)
 #: How an attention left as it is is reported (then why).
 NOT_FUSED = "not fused"
 _FUSED = "fused attention"
@@ -146,6 +150,22 @@ def attention_lines(reports: tuple[tuple[str, str], ...]) -> list[str]:
     return [f"attention: {fused} of {len(reports)} fused"] + [f"  {path or '(top)'}: {how}" for path, how in reports]
 
 
+def norm_reports(log: Any, path_of: Callable) -> tuple[tuple[str, str], ...]:
+    """(module, what) for each layer, RMS or batch norm autocast met: its kind, differentiated
+    in closed form or left as written and why (from its log; each module's once)."""
+    return tuple(dict.fromkeys((path_of(r.path), r.reason) for r in log if r.primitive == NORM))
+
+
+def norm_lines(reports: tuple[tuple[str, str], ...]) -> list[str]:
+    """The table's norms section: how many are differentiated in closed form, then one line
+    per module's norm."""
+    if not reports:
+        return []
+    closed = sum(AS_WRITTEN not in how for _, how in reports)
+    return ([f"norms: {closed} of {len(reports)} {CLOSED_FORM}"]
+            + [f"  {path or '(top)'}: {how}" for path, how in reports])
+
+
 class Island(NamedTuple):
     """Ops of one module computed in float32, for one reason."""
 
@@ -158,6 +178,6 @@ def islands(log: Any, path_of: Callable) -> tuple[Island, ...]:
     """The float32 islands autocast logged (not matmuls, not attention), grouped by module and reason."""
     grouped: dict[tuple[str, str], collections.Counter] = collections.defaultdict(collections.Counter)
     for r in log:
-        if r.dtype == np.dtype(np.float32) and r.primitive not in MATMUL_PRIMITIVES and r.primitive != ATTENTION:
+        if r.dtype == _F32 and r.primitive not in MATMUL_PRIMITIVES and r.primitive not in _REWRITES:
             grouped[(path_of(r.path), r.reason)][r.primitive] += 1
     return tuple(Island(path, reason, tuple(counter.items())) for (path, reason), counter in grouped.items())

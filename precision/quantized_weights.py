@@ -95,14 +95,32 @@ def quantize_weight(x: jax.Array, code: str) -> QuantizedWeight:
 
 
 def dequantize_weight(q: QuantizedWeight) -> jax.Array:
-    """The weight ``q`` stores, in its floating dtype."""
+    """The weight ``q`` stores, in its floating dtype. Elementwise from the codes (no gather,
+    no unpacked indices), so XLA computes it inside each op that reads it, as it does a cast:
+    a step never holds a weight's dequantized values, or its unpacked 4-bit indices, whole."""
     if q.code == "int8":
         unit = q.codes.astype(jnp.float32) / 127
     else:
-        index = jnp.stack([q.codes & 15, q.codes >> 4], axis=-1).reshape(q.codes.shape[0], -1)
-        unit = jnp.take(jnp.asarray(NF4_LEVELS), index.astype(jnp.int32))
+        unit = _nf4_levels(_nibbles(q.codes))
     values = (unit * q.scales[:, None]).reshape(-1)[:q.size]
     return values.reshape(q.shape).astype(q.dtype)
+
+
+def _nibbles(codes: jax.Array) -> jax.Array:
+    """``[blocks, BLOCK]`` 4-bit level indices of ``[blocks, BLOCK // 2]`` bytes (low nibble first),
+    each byte read twice with a shift: a broadcast, not a concatenation."""
+    shifts = jnp.array([0, 4], jnp.uint8)
+    return ((codes[..., None] >> shifts) & 15).reshape(codes.shape[0], -1)
+
+
+def _nf4_levels(index: jax.Array) -> jax.Array:
+    """NormalFloat4's level of each index, by a tree of selects on its bits (elementwise, where a
+    lookup in a table of 16 is a gather, which XLA computes into a buffer of its own)."""
+    levels = [jnp.float32(v) for v in NF4_LEVELS]
+    for bit in range(4):  # pairs of candidates narrowed by bit 0, then bit 1...
+        set_ = (index >> bit) & 1 == 1
+        levels = [jnp.where(set_, hi, lo) for lo, hi in zip(levels[0::2], levels[1::2])]
+    return levels[0]
 
 
 def is_quantized(x: Any) -> bool:

@@ -123,6 +123,23 @@ def test_a_quick_run_never_overwrites_the_committed_tables(monkeypatch, tmp_path
     assert report.SCRATCH.resolve() != report.RESULTS.resolve()
 
 
+def test_a_quick_run_leaves_the_large_vocabulary_models_to_the_full_sizes(monkeypatch):
+    """``--quick`` measures every model but GPT-2's 50,304-token vocabulary ones (most of a
+    quick run's time on 2 cores), unless asked for them; full sizes measure all."""
+    from benchmarks.workloads import LARGE_VOCABULARY, MODELS
+
+    measured = []
+    monkeypatch.setattr(suite, "run", lambda settings, log: measured.append(settings.models) or {})
+    monkeypatch.setattr(report, "save", lambda results, directory: (directory, directory))
+    monkeypatch.setattr(report, "table", lambda results: "")
+    monkeypatch.setattr(report, "headline", lambda results: {})
+    for argv in (["--quick"], ["--quick", "--models", "gpt2_small"], ["--size", "full"]):
+        benchmarks_main([*argv, "--no-cache"])
+    quick, asked, full = measured
+    assert set(quick) == set(MODELS) - set(LARGE_VOCABULARY) and "gpt" in quick
+    assert asked == ("gpt2_small",) and full == MODELS
+
+
 def _run(steps, accuracies, losses, scales=(1.0,)):
     records = [{"kind": "train", "step": s, "loss": 1.0 / s, "loss_scale": scales[min(i, len(scales) - 1)]}
                for i, s in enumerate(steps)]

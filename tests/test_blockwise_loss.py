@@ -221,6 +221,51 @@ def test_small_logits_stay_whole_by_default_and_the_plan_says_why():
     assert plan.describe().startswith("Blockwise loss: not applied")
 
 
+def test_logits_a_single_default_block_would_hold_still_go_in_blocks_of_a_quarter_at_most():
+    """From the threshold up, logits go in blocks: by default each holds at most a quarter of
+    the whole float32 logits (and 1 GiB), not one block the size of them all."""
+    tokens, labels = _batch()
+    variables = _LM().init(jax.random.key(0), tokens)
+    fn = _loss_fn(_LM(), "mixed_bf16", _builtin)
+    logits_bytes = ROWS * SEQ * VOCAB * 4
+    plan = precision.plan_blockwise_loss(fn, variables, tokens, labels, min_logits_bytes=logits_bytes)
+    assert plan.found and (plan.blocks, plan.block_rows) == (4, ROWS // 4), plan
+    given = precision.plan_blockwise_loss(fn, variables, tokens, labels, min_logits_bytes=logits_bytes,
+                                          block_bytes=logits_bytes // 2)  # a budget given is the budget
+    assert given.found and given.blocks == 2, given
+    one_row = precision.plan_blockwise_loss(fn, variables, tokens[:1], labels[:1], min_logits_bytes=1)
+    assert not one_row.found and "one row" in one_row.reason, one_row
+
+
+def test_a_hugging_face_gpt2_steps_412_mb_of_logits_go_in_blocks_under_true():
+    """The issue's case: GPT-2's vocabulary (50,257), 16 x 128 tokens (412 MB of float32 logits,
+    above true's 256 MiB, below one 1 GiB block): four blocks of four rows."""
+    import train
+    from helpers import flax_transformers
+    from train.training.tasks import get_task
+    from train.weights.huggingface import TokenIds
+
+    transformers = flax_transformers()
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=128)
+    model = TokenIds(module_class=transformers.FlaxGPT2LMHeadModel.module_class, config=cfg)
+    state = train.create_train_state(model, "mixed_bf16", optax.sgd(0.1), jax.random.key(0),
+                                     jnp.zeros((1, 128), jnp.int32), ops=precision.op_lists(blockwise_loss=True))
+    tokens = jax.ShapeDtypeStruct((16, 128), jnp.int32)
+    plan = train.blockwise_plan(state, {"inputs": tokens, "labels": tokens}, task=get_task("lm", output="logits"))
+    assert plan.found and plan.logits == (16, 128, 50257) and (plan.blocks, plan.block_rows) == (4, 4), plan
+
+
+def test_a_head_whose_gradient_has_a_reduce_dtype_is_still_a_matmul_the_plan_names():
+    """Under FSDP (a reduce dtype: each matmul reading a param is bound in a custom VJP) the
+    plan names the largest matmul, not "no matmul"."""
+    tokens, labels = _batch()
+    variables = _LM().init(jax.random.key(0), tokens)
+    fn = precision.autocast(lambda v, t, y: _optax(_LM().apply(v, t).astype(jnp.float32), y), "mixed_bf16",
+                            reduce_dtype="f32")
+    plan = precision.plan_blockwise_loss(fn, variables, tokens, labels)
+    assert not plan.found and f"the largest matmul result, {[ROWS, SEQ, VOCAB]}" in plan.reason, plan
+
+
 def _gpt_state(blockwise: bool):
     import train
     model = train.models.GPT(vocab_size=VOCAB, block_size=SEQ, num_layers=1, num_heads=2, d_model=WIDTH)

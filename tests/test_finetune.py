@@ -146,6 +146,35 @@ def test_lora_on_an_nnx_model():
     assert losses[-1] < losses[0]
 
 
+class _EinsumHeads(nn.Module):
+    """Attention-style projections written with Linen's ``nn.Einsum`` (as Gemma-style models do)."""
+
+    @nn.compact
+    def __call__(self, x):
+        heads = nn.Einsum((8, 2, 4), "btd,dhk->bthk", name="qkv")(x)
+        heads = nn.relu(heads).reshape(*x.shape[:2], 8)
+        return nn.Einsum((8, 4), "...d,dv->...v", use_bias=False, name="out")(heads)
+
+
+def test_lora_on_linen_einsum_modules_trains_their_adapters():
+    x = jax.random.normal(jax.random.key(1), (2, 5, 8))
+    state = _state("mixed_bf16", FineTune(lora=LoRA(rank=2), base="bf16"), model=_EinsumHeads(), x=x)
+    shapes = {p: v.shape for p, v in _leaves(state.params).items() if p not in state.frozen}
+    assert shapes == {"qkv/kernel_lora_a": (8, 2), "qkv/kernel_lora_b": (2, 2, 4), "out/kernel_lora_a": (8, 2),
+                      "out/kernel_lora_b": (2, 4)}, shapes
+    # the adapted model starts as its base (B is zeros), up to bfloat16's rounding
+    base = {m: {k: v.astype(jnp.float32) for k, v in p.items() if "_lora_" not in k} for m, p in state.params.items()}
+    np.testing.assert_allclose(state.model.apply({"params": state.params}, x), _EinsumHeads().apply({"params": base}, x),
+                               rtol=3e-2, atol=3e-2)
+    step = train.make_train_step(task="classification")
+    batch = {"inputs": x, "labels": jnp.array([[0, 1, 2, 3, 0], [1, 2, 3, 0, 1]])}
+    losses = []
+    for _ in range(6):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0], losses
+
+
 def test_gradients_given_for_a_frozen_param_are_refused_and_trained_ones_apply():
     state = _state()
     grads = jax.tree_util.tree_map(jnp.zeros_like, state.params)

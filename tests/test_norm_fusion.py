@@ -40,6 +40,11 @@ def _stats_read_outside(x, g, b):  # its statistics leave it too (as a BatchNorm
     return (x - m) * jax.lax.rsqrt(v + 1e-5) * g + b + m * jnp.sin(v)
 
 
+def _centred_once(x, g, b):  # a hand-written layer norm naming its centred values once, for both uses
+    c = x - x.mean(-1, keepdims=True)
+    return c * jax.lax.rsqrt((c ** 2).mean(-1, keepdims=True) + 1e-5) * g + b
+
+
 def _centred_read_outside(x, g, b):  # its centred values leave it: not the same computation
     c = x - x.mean(-1, keepdims=True)
     return c * jax.lax.rsqrt((c ** 2).mean(-1, keepdims=True) + 1e-5) * g + b + c
@@ -86,6 +91,7 @@ W = jnp.linspace(0.5, 1.5, 32)
     (nnx.RMSNorm(32, rngs=nnx.Rngs(0)), (X,), "RMS norm over axis -1 with scale"),
     (_llama_rms, (X, W), "RMS norm over axis -1 with scale"),
     (_two_pass, (X, W, W), "layer norm over axis -1 with scale and offset"),
+    (_centred_once, (X, W, W), "layer norm over axis -1 with scale and offset"),
     (_gemma_rms, (X, W), "RMS norm over axis -1 with scale"),
     (_scale_from_x, (X, W), "RMS norm over axis -1"),
     (_stats_read_outside, (X, W, W), "layer norm over axis -1 with scale and offset"),
@@ -329,6 +335,42 @@ def test_a_layer_norms_statistics_read_outside_get_their_gradient_in_both_modes(
     for fn in (lambda fuse: jax.grad(loss, argnums=1)(fuse, X, W, W),
                lambda fuse: jax.jvp(lambda x: loss(fuse, x, W, W), (X,), (jnp.cos(X),))[1]):
         assert _max_rel(fn(True), fn(False)) <= 1e-5
+
+
+def test_a_norm_reading_its_centred_values_once_gets_the_op_by_op_gradients():
+    def loss(fuse, x, g, b):
+        f = precision.autocast(_centred_once, "params=f32,compute=f32", ops=precision.op_lists(fuse_norms=fuse))
+        return jnp.sum(jnp.cos(f(x, g, b)))
+
+    grads = {fuse: jax.grad(loss, argnums=(1, 2, 3))(fuse, X, W, W) for fuse in (True, False)}
+    for a, b in zip(grads[True], grads[False]):
+        assert _max_rel(a, b) <= 1e-5
+    assert _fused(jax.make_jaxpr(lambda x: loss(True, x, W, W))(X)) == 1
+
+
+class _Mixed(nn.Module):
+    """Flax's norms, one written out whose centred values leave it (left as written), under rules."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(32)(nn.LayerNorm()(x)) + nn.RMSNorm()(x)
+        return nn.Dense(8)(_centred_read_outside(x, W, W))
+
+
+def test_explain_lists_each_norm_differentiated_in_closed_form_and_why_others_are_left_as_written():
+    lines = str(precision.explain(_Mixed(), X, policy="mixed_bf16")).splitlines()
+    start = lines.index("norms: 2 of 3 differentiated in closed form")
+    assert lines[start + 1:start + 4] == [
+        "  LayerNorm_0: layer norm over axis -1 with scale and offset",
+        "  RMSNorm_0: RMS norm over axis -1 with scale",
+        "  (top): left as written: its centred or normalized values are read outside it"], lines
+    off = precision.explain(_Mixed(), X, policy="mixed_bf16", ops=precision.op_lists(fuse_norms=False))
+    assert off.closed_form_norms == () and off.norms[0] == (
+        "LayerNorm_0", "layer norm over axis -1 with scale and offset, left as written: closed-form norms are "
+                       "off (fuse_norms=False)")
+    reduced = precision.explain(precision.with_policy(_Mixed(), "mixed_bf16", reduce_dtype="bf16"), X)
+    assert reduced.closed_form_norms == () and "gradients are reduced in bfloat16" in reduced.norms[1][1]
+    assert not any("norm" in island.reason for island in reduced.islands)  # the reports are not islands
 
 
 def test_fuse_norms_false_in_a_config_leaves_them_op_by_op():

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import precision
+from helpers import all_eqns
 from precision.quantized_weights import BLOCK, NF4_LEVELS, dequantize_weight, logical_size, quantizable
 
 
@@ -52,3 +53,17 @@ def test_only_matrices_large_enough_are_quantizable_and_a_bad_code_is_refused():
     assert not quantizable(jnp.ones((64, 64), jnp.int32))
     with pytest.raises(ValueError, match=r"code 'int4'; valid: int8, nf4"):
         precision.quantize_weight(jnp.ones((64, 64)), "int4")
+
+
+def test_nf4_is_read_elementwise_as_its_table_of_levels_says():
+    """Each code's level, as a lookup in the 16 levels gives it, computed by elementwise ops
+    only: no gather and no unpacked indices, which XLA would hold whole for each weight
+    (issue 67: the nf4 base's step peaked above the int8 one's)."""
+    x = jax.random.normal(jax.random.key(0), (96, 70))
+    q = precision.quantize_weight(x, "nf4")
+    codes = np.asarray(q.codes)
+    index = np.stack([codes & 15, codes >> 4], -1).reshape(codes.shape[0], -1)
+    expected = (NF4_LEVELS[index] * np.asarray(q.scales)[:, None]).reshape(-1)[:x.size].reshape(x.shape)
+    np.testing.assert_array_equal(np.asarray(dequantize_weight(q)), expected)
+    primitives = {e.primitive.name for e in all_eqns(jax.make_jaxpr(dequantize_weight)(q).jaxpr)}
+    assert not primitives & {"gather", "concatenate"}, primitives

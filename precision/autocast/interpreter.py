@@ -111,7 +111,7 @@ def evaluate(jaxpr: Any, consts: Sequence[Val], args: Sequence[Val], ctx: Contex
     known = {var: val.array for var, val in zip(jaxpr.constvars, consts) if val.const}
     fusions = attention_fusion.plan(jaxpr, known, ctx)
     fused = {i for f in fusions.values() for i in f.attention.eqns}
-    norms, later = norm_fusion.schedule(jaxpr, norm_fusion.plan(jaxpr, known, ctx), fused)
+    norms, later = norm_fusion.plan(jaxpr, known, ctx, fused)
     fused |= {i for n in norms.values() for i in n.eqns} | {j for js in later.values() for j in js}
     for i, eqn in enumerate(jaxpr.eqns):
         if i in fusions:

@@ -38,25 +38,61 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
 
-from precision.autocast.norm_pattern import Norm, find_norms
-from precision.autocast.values import Val
+from precision.autocast.norm_pattern import Norm, describe, survey
+from precision.autocast.regions import module_path, scope_names
+from precision.autocast.values import Record, Val
 
-__all__ = ["plan", "schedule", "emit", "backward"]
+__all__ = ["plan", "schedule", "emit", "backward", "NORM", "CLOSED_FORM", "AS_WRITTEN"]
 
 
-def plan(jaxpr: Any, consts: dict, ctx: Any) -> dict[int, Norm]:
-    """The norms of ``jaxpr`` to give a closed-form backward, by the index of their last equation.
-    None under a half ``reduce_dtype``: a param's gradient is then summed over the batch in that
-    dtype by the op that reads it (:mod:`.reductions`), which the closed form's float32 sums are not."""
-    if not ctx.ops.fuse_norms or (ctx.reduce is not None and np.dtype(ctx.reduce).itemsize < 4):
-        return {}
+#: The name explain's log gives a norm's report (:func:`plan`), as ``"attention"`` an attention's.
+NORM = "norm"
+#: What the norms given their closed-form backward are (explain's count), and how one left so is reported.
+CLOSED_FORM = "differentiated in closed form"
+AS_WRITTEN = "left as written"
+
+
+def plan(jaxpr: Any, consts: dict, ctx: Any, taken: set) -> tuple[dict[int, Norm], dict[int, list[int]]]:
+    """The norms of ``jaxpr`` to give a closed-form backward, by the index of their last
+    equation, and the equations each must run after it (:func:`schedule`; ``taken``: those
+    of attentions fused). Logs, per module, each norm differentiated in closed form and each
+    left as written, with why (closed-form norms turned off; under a half ``reduce_dtype`` a
+    param's gradient is summed in that dtype by the op that reads it, which the closed form's
+    float32 sums are not; its centred values read elsewhere...)."""
+    off = _why_off(ctx)
+    if off and ctx.log is None:
+        return {}, {}
     try:
-        found = find_norms(jaxpr, consts)
+        found, missed = survey(jaxpr, consts)
     except Exception as e:  # noqa: BLE001 - an optimisation never fails a model: it runs as written
         warnings.warn(f"autocast: looking for norms failed ({type(e).__name__}: {e}); the model's norms "
                       f"are differentiated op by op. Please report this.", RuntimeWarning, stacklevel=2)
-        return {}
-    return {norm.last: norm for norm in found}
+        return {}, {}
+    norms, later = schedule(jaxpr, {} if off else {norm.last: norm for norm in found}, taken)
+    if ctx.log is not None:
+        for norm in found:
+            why = off or "it shares operations with an attention fused"
+            _log(ctx, jaxpr, norm.eqns, describe(norm) + ("" if norm.last in norms else f", {AS_WRITTEN}: {why}"))
+        for index, why in missed:
+            _log(ctx, jaxpr, {index}, f"{AS_WRITTEN}: {why}")
+    return norms, later
+
+
+def _why_off(ctx: Any) -> str:
+    """Why no norm of this program gets the closed form ("" where they may)."""
+    if not ctx.ops.fuse_norms:
+        return "closed-form norms are off (fuse_norms=False)"
+    if ctx.reduce is not None and np.dtype(ctx.reduce).itemsize < 4:
+        return (f"gradients are reduced in {np.dtype(ctx.reduce).name} (reduce_dtype): a param's is summed in it "
+                f"by the op that reads it")
+    return ""
+
+
+def _log(ctx: Any, jaxpr: Any, eqns: Any, how: str) -> None:
+    """A norm's report, under the module of its outermost equation."""
+    first = min((jaxpr.eqns[i] for i in sorted(eqns)), key=lambda e: len(scope_names(e.source_info.name_stack)))
+    ctx.log.append(Record(module_path(ctx.prefix + scope_names(first.source_info.name_stack)), NORM,
+                          np.dtype(np.float32), how))
 
 
 def schedule(jaxpr: Any, found: dict, taken: set) -> tuple[dict, dict]:

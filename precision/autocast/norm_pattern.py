@@ -30,7 +30,7 @@ from jax.extend.core import Literal
 
 from precision.autocast.attention_masks import Graph, constant, prim
 
-__all__ = ["Norm", "find_norms", "describe"]
+__all__ = ["Norm", "find_norms", "survey", "describe"]
 
 _KEEPDIMS = ("broadcast_in_dim", "reshape", "squeeze", "expand_dims")
 
@@ -63,32 +63,49 @@ def describe(norm: Norm) -> str:
 
 def find_norms(jaxpr: Any, consts: dict | None = None) -> list[Norm]:
     """Every layer, RMS or batch normalization of ``jaxpr`` (its own equations, not sub-programs)."""
+    return survey(jaxpr, consts)[0]
+
+
+def survey(jaxpr: Any, consts: dict | None = None) -> tuple[list[Norm], list[tuple[int, str]]]:
+    """The norms of ``jaxpr`` (:func:`find_norms`), and (``rsqrt`` equation index, why) for each
+    normalization whose statistics are there but which is not one to take whole (its centred
+    values read elsewhere...): what explain says was left as written."""
     graph = Graph(jaxpr, consts)
-    found, taken = [], set()
+    found, missed, taken = [], [], set()
     for i, eqn in enumerate(jaxpr.eqns):
         if prim(eqn) == "rsqrt":
             norm = _match_at(graph, i)
-            if norm is not None and not norm.eqns & taken:
+            if isinstance(norm, str):
+                missed.append((i, norm))
+            elif norm is not None and not norm.eqns & taken:
                 found.append(norm)
                 taken |= norm.eqns
-    return found
+    return found, missed
 
 
-def _match_at(graph: Graph, rsqrt: int) -> Norm | None:
+#: Why a normalization (statistics found) is not taken whole, as explain says it.
+READ_INSIDE = "its centred or normalized values are read outside it"
+SHAPE = "its result's shape is not its input's"
+OTHER_INPUT = "it reads a value other than its input, scale, offset and constants"
+
+
+def _match_at(graph: Graph, rsqrt: int) -> Norm | str | None:
+    """The norm whose ``rsqrt`` is equation ``rsqrt``; why not, where its statistics are
+    there but the rest is not a norm to take whole; None where there are no statistics."""
     group: set[int] = {rsqrt}
     var = _added_eps(graph, graph.jaxpr.eqns[rsqrt].invars[0], group)
     stats = _variance(graph, var, group) if var is not None else None
     if stats is None:
         return None
-    x, axes, mean = stats
+    x, axes, mean, centred = stats
     variance = var
     rstd = graph.jaxpr.eqns[rsqrt].outvars[0]
-    forward = _normalized(graph, x, mean, rstd, group)
-    if forward is None:
-        return None
+    forward = _normalized(graph, x, mean, rstd, group, centred)
+    if isinstance(forward, str):
+        return forward
     out, scale, offset = forward
     if out.aval.shape != x.aval.shape:
-        return None
+        return SHAPE
     inputs = {x, scale, offset} - {None}
     stats_out = []
     for i in sorted(group):
@@ -96,11 +113,11 @@ def _match_at(graph: Graph, rsqrt: int) -> Norm | None:
         for v in eqn.outvars:
             if v is not out and not graph.only_used_by(v, group):
                 if not any(v is s for s in (mean, variance)):
-                    return None
+                    return READ_INSIDE
                 stats_out.append(v)
         for v in eqn.invars:
             if not (isinstance(v, Literal) or v in inputs or graph.producer.get(v) in group or _concrete(graph, v)):
-                return None
+                return OTHER_INPUT
     return Norm(frozenset(group), max(group), x, axes, mean, rstd, scale, offset, out, variance, tuple(stats_out))
 
 
@@ -191,8 +208,10 @@ def _square(graph: Graph, var: Any, group: set[int]) -> Any:
     return None
 
 
-def _variance(graph: Graph, var: Any, group: set[int]) -> tuple[Any, tuple[int, ...], Any] | None:
-    """``(x, axes, mean var or None)`` of a variance: E[x²] - E[x]², E[(x - E[x])²] or E[x²]."""
+def _variance(graph: Graph, var: Any, group: set[int]) -> tuple[Any, tuple[int, ...], Any, Any] | None:
+    """``(x, axes, mean var or None, centred var or None)`` of a variance: E[x²] - E[x]²,
+    E[(x - E[x])²] (its ``x - E[x]`` the centred var, which the normalization may read too)
+    or E[x²]."""
     eqn = graph.eqn(var)
     if prim(eqn) == "max" and any(_scalar(graph, v) == 0.0 for v in eqn.invars):
         group.add(graph.producer[var])
@@ -206,7 +225,7 @@ def _variance(graph: Graph, var: Any, group: set[int]) -> tuple[Any, tuple[int, 
         if x is None or m1 is None or m1[0] is not x or m1[1] != m2[1]:
             return None
         group.add(graph.producer[var])
-        return x, m2[1], mean_sq
+        return x, m2[1], mean_sq, None
     moment = _mean(graph, var, group)
     z = _square(graph, moment[0], group) if moment else None
     if z is None:
@@ -218,12 +237,12 @@ def _variance(graph: Graph, var: Any, group: set[int]) -> tuple[Any, tuple[int, 
         m1 = _mean(graph, m, tried)
         if m1 is not None and m1[0] is x and m1[1] == moment[1]:
             group |= tried | {graph.producer[z]}
-            return x, moment[1], m
+            return x, moment[1], m, z
         tried = set()
         if _zeros(graph, _strip(graph, m, tried), tried):  # E[(x - 0)²]: an RMS norm
             group |= tried | {graph.producer[z]}
-            return x, moment[1], None
-    return z, moment[1], None
+            return x, moment[1], None, z
+    return z, moment[1], None, None
 
 
 def _independent(graph: Graph, var: Any, x: Any, depth: int = 0) -> bool:
@@ -234,16 +253,21 @@ def _independent(graph: Graph, var: Any, x: Any, depth: int = 0) -> bool:
     return eqn is None or all(isinstance(v, Literal) or _independent(graph, v, x, depth + 1) for v in eqn.invars)
 
 
-def _normalized(graph: Graph, x: Any, mean: Any, rstd: Any, group: set[int]) -> tuple[Any, Any, Any] | None:
+def _normalized(graph: Graph, x: Any, mean: Any, rstd: Any, group: set[int],
+                centred: Any = None) -> tuple[Any, Any, Any] | str:
     """``(out, scale, offset)``: the value ``(x - mean) * rstd * scale + offset`` is made in,
-    following ``x``'s centred values and ``rstd`` forward through the program."""
+    following ``x``'s centred values (``centred``: those the variance was computed from, where
+    the normalization reads them too) and ``rstd`` forward through the program; why not where
+    there is no one such value."""
     # forms: var -> "C" (x centred), ("F", scales) (rstd times scales), ("Y", scales, offset)
     forms: dict[Any, Any] = {rstd: ("F", ())}
     if mean is None:
         forms[x] = "C"
+    if centred is not None:
+        forms[centred] = "C"
     made = set()
     start = min(group)
-    todo = sorted({i for v in (x, rstd) for i in graph.uses.get(v, []) if i >= start})  # readers, in order
+    todo = sorted({i for v in (x, rstd, centred) if v is not None for i in graph.uses.get(v, []) if i >= start})
     seen = set(todo)
     while todo:
         i = heapq.heappop(todo)
@@ -262,11 +286,13 @@ def _normalized(graph: Graph, x: Any, mean: Any, rstd: Any, group: set[int]) -> 
                 seen.add(j)
                 heapq.heappush(todo, j)
     outs = [v for v in made if isinstance(forms[v], tuple) and forms[v][0] == "Y" and not graph.only_used_by(v, group)]
-    if len(outs) != 1:
-        return None
+    if not outs:
+        return "its normalized values are not made as (x - mean) * rstd * scale + offset"
+    if len(outs) > 1:
+        return READ_INSIDE
     _, scales, offset = forms[outs[0]]
     if len(scales) > 1:
-        return None
+        return "it multiplies its normalized values by more than one scale"
     return outs[0], (scales[0] if scales else None), offset
 
 

@@ -38,8 +38,12 @@ MIN_LOGITS_BYTES = 256 * 2**20
 #: 1024), their memory (and their gradient's) limits the batch; below, the whole logits are the
 #: faster step (the blocks cost one more pass of the head's matmul: docs/blockwise-loss.md).
 AUTO_MIN_LOGITS_BYTES = 8 * 2**30
-#: The float32 bytes of one block's logits the blocks are sized to (at most).
+#: The float32 bytes of one block's logits the blocks are sized to (at most); blocks also hold
+#: at most a quarter of the whole logits (:func:`block_budget`), so that logits from
+#: :data:`MIN_LOGITS_BYTES` up to four times this are computed in blocks too.
 BLOCK_BYTES = 2**30
+#: The fewest blocks the default budget splits the logits into (where the rows allow).
+MIN_BLOCKS = 4
 
 
 class Plan(NamedTuple):
@@ -68,9 +72,10 @@ class Plan(NamedTuple):
 def blockwise_loss(fn: Callable, *, min_logits_bytes: int | None = None, block_bytes: int | None = None,
                    row_multiple: int = 1) -> Callable:
     """``fn`` with the loss it computes from large logits computed a block of rows at a time
-    (the same result; no whole-logits value in either pass). ``min_logits_bytes`` and
-    ``block_bytes`` default to :data:`MIN_LOGITS_BYTES` and :data:`BLOCK_BYTES`;
-    ``row_multiple``: a block's rows are a multiple of it (the devices the rows are split
+    (the same result; no whole-logits value in either pass). ``min_logits_bytes`` defaults
+    to :data:`MIN_LOGITS_BYTES`; ``block_bytes`` (a block's float32 logits, at most) to
+    :func:`block_budget`'s, 1 GiB and a quarter of the whole logits; ``row_multiple``: a
+    block's rows are a multiple of it (the devices the rows are split
     over, so that no block crosses them). A program without such a loss runs as written."""
 
     @functools.wraps(fn)
@@ -83,7 +88,7 @@ def blockwise_loss(fn: Callable, *, min_logits_bytes: int | None = None, block_b
 
         closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*leaves)
         program, region = _program_and_region(closed, _or(min_logits_bytes, MIN_LOGITS_BYTES))
-        k = region and block_rows(region, program, _or(block_bytes, BLOCK_BYTES), row_multiple)
+        k = region and block_rows(region, program, block_budget(region, program, block_bytes), row_multiple)
         if region is None or k >= region.rows:
             return fn(*args, **kwargs)  # as written, traced again: nothing of this analysis stays
         outputs = _evaluate(program, region, leaves, k)
@@ -105,19 +110,39 @@ def _or(value: int | None, default: int) -> int:
 def plan(fn: Callable, *args: Any, min_logits_bytes: int | None = None, block_bytes: int | None = None,
          row_multiple: int = 1, **kwargs: Any) -> Plan:
     """What :func:`blockwise_loss` would do to ``fn(*args, **kwargs)`` (traced abstractly)."""
-    min_logits_bytes, block_bytes = _or(min_logits_bytes, MIN_LOGITS_BYTES), _or(block_bytes, BLOCK_BYTES)
+    min_logits_bytes = _or(min_logits_bytes, MIN_LOGITS_BYTES)
     closed = jax.make_jaxpr(lambda a, k: fn(*a, **k))(args, kwargs)
     program, region = _program_and_region(closed, min_logits_bytes)
     if region is None:
         return Plan(False, why_not(program, min_logits_bytes))
-    k = block_rows(region, program, block_bytes, row_multiple)
+    budget = block_budget(region, program, block_bytes)
+    k = block_rows(region, program, budget, row_multiple)
     head = program.ops[region.head]
     logits = program.avals[head.outs[0]]
     if k >= region.rows:
-        return Plan(False, f"one block of {region.rows} rows already fits {_gib(block_bytes)}")
+        return Plan(False, _one_block(region.rows, budget, row_multiple))
     path = "/".join(module_path(scope_names(head.eqn.source_info.name_stack)))
     return Plan(True, "", path, tuple(logits.shape), np.dtype(logits.dtype).name, region.rows, k,
                 region.rows // k, region.big_bytes, region.big_bytes * k // region.rows)
+
+
+def block_budget(region: Region, program: Program, block_bytes: int | None = None) -> int:
+    """The float32 logits bytes a block may hold: ``block_bytes`` where given, else
+    :data:`BLOCK_BYTES` and at most the whole logits over :data:`MIN_BLOCKS` (logits of
+    256 MiB to 4 GiB, which one 1 GiB block would hold, still go in blocks)."""
+    if block_bytes is not None:
+        return block_bytes
+    logits = program.avals[program.ops[region.head].outs[0]]
+    return min(BLOCK_BYTES, int(np.prod(logits.shape)) * 4 // MIN_BLOCKS)
+
+
+def _one_block(rows: int, budget: int, row_multiple: int) -> str:
+    """Why a region's rows make one block."""
+    if rows == 1:
+        return "the logits have one row (a block is rows of the batch; one sequence is not split)"
+    if not any(rows % k == 0 and k % row_multiple == 0 for k in range(1, rows)):
+        return f"its {rows} rows, split over {row_multiple} devices, make no smaller block"
+    return f"one block of {rows} rows already fits {_gib(budget)}"
 
 
 def block_rows(region: Region, program: Program, block_bytes: int, row_multiple: int = 1) -> int:

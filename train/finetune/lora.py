@@ -12,6 +12,7 @@ masters and optimizer state, and the base is frozen (:mod:`train.finetune.frozen
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, NamedTuple
 
@@ -68,10 +69,34 @@ def with_lora(model: Any, lora: LoRA, *sample_inputs: Any, rngs: Any = None, **s
     lora = lora.checked()
     rules = [qwix.LoraRule(module_path=pattern, op_names=DEFAULT_OPS, rank=lora.rank, alpha=lora.alpha,
                            dropout=lora.dropout) for pattern in lora.targets]
-    provider = qwix.LoraProvider(rules)
+    provider = _linen_einsum_fixed(qwix.LoraProvider)(rules)
     if isinstance(model, nnx.Module):
         return qwix.apply_lora_to_model(model, provider, *sample_inputs, rngs=rngs or nnx.Rngs(0), **sample_kwargs)
     return qwix.apply_lora_to_model(model, provider)
+
+
+@functools.cache
+def _linen_einsum_fixed(provider: type) -> type:
+    """qwix's LoRA provider, able to adapt a Linen ``nn.Einsum`` (any ``jnp.einsum`` reading a
+    param in a Linen module): qwix 0.1.8 records the adapters' einsum on the module with
+    ``setattr`` ("for debugging"), which a Linen module refuses outside ``setup``
+    (``SetAttributeFrozenModuleError``). The module takes that attribute as in ``setup``; the
+    adapters, their params and their product are qwix's own."""
+    import flax.linen as nn
+
+    class LinenEinsumLoraProvider(provider):
+        def einsum(self, einsum_str: str, *operands: Any, **kwargs: Any) -> Any:
+            stack = nn.module._context.module_stack  # the Linen module being called, as qwix finds it
+            module = stack[-1] if stack else None
+            if not isinstance(module, nn.Module) or module._state.in_setup:
+                return super().einsum(einsum_str, *operands, **kwargs)
+            module._state.in_setup = True  # Module.__setattr__ then stores a string as it is
+            try:
+                return super().einsum(einsum_str, *operands, **kwargs)
+            finally:
+                module._state.in_setup = False
+
+    return LinenEinsumLoraProvider
 
 
 def is_adapter(path: str) -> bool:
