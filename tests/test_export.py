@@ -281,8 +281,8 @@ def test_bad_input_is_one_line_exit_2_and_nothing_is_written(lora_run, tmp_path,
         assert main(["export", *args, "--dtype", "bf16"]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
-    assert main(["export", str(lora_run), str(tmp_path / "a"), "--dtype", "int8"]) == 2
-    assert capsys.readouterr().err == "error: --dtype 'int8': give bf16, f16 or f32\n"
+    assert main(["export", str(lora_run), str(tmp_path / "a"), "--dtype", "int4"]) == 2
+    assert capsys.readouterr().err == "error: --dtype 'int4': give bf16, f16, f32 or int8\n"
     assert sorted(os.listdir(tmp_path)) == ["full", "untrained"]  # no OUT, no partial directory
     with pytest.raises(ExportError, match="--dtype"):
         export_run(lora_run, tmp_path / "a", "half")
