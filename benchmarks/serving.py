@@ -10,7 +10,7 @@ its eval split. ``gpt2_small``: a Hugging Face Flax GPT-2 at GPT-2 small's shape
 768 wide, 50,257 tokens, 1,024 positions) with random weights (none can be downloaded here):
 its perplexity means nothing and is not given; the agreement is measured on random tokens.
 Greedy agreement is teacher-forced: at each position of the same windows, whether the largest
-logit is float32's. Writes ``benchmarks/results/serving.{json,md}``.
+logit is float32's. Writes ``benchmarks/results/serving.{json,md}`` (``serving-MODEL`` for one model).
 """
 
 from __future__ import annotations
@@ -43,6 +43,9 @@ class _Ids:
 
     def __init__(self, size: int):
         self.size = size
+
+    def decode(self, ids: Any) -> str:
+        return " ".join(str(int(i)) for i in np.ravel(ids))
 
 
 def _gpt2_small() -> Source:
@@ -173,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += measure(model, source, args.batches if model == "shakespeare" else 2, args.tokens, args.target)
     result = {"command": command("benchmarks.serving", argv), "environment": environment(), "tokens": args.tokens,
               "goals": GOALS, "rows": rows, "verdicts": verdicts(rows)}
-    write_tables(args.out, "serving", result, markdown(result))
+    write_tables(args.out, "serving" if len(models) == len(MODELS) else f"serving-{'-'.join(models)}", result,
+                 markdown(result))
     return 0
 
 
