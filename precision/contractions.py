@@ -34,22 +34,23 @@ _OTHER = "other"
 Axes = tuple  # an array's axes as the original argument's (None: an axis it does not have)
 
 
-def contracted_axes(fn: Callable[[Any], Any], tree: Any) -> Any:
+def contracted_axes(fn: Callable[[Any], Any], tree: Any, lookups: bool = True) -> Any:
     """For each array of ``tree``, the sorted tuple of its axes that the matmuls and
     lookups of ``fn(tree)`` read it over (contract, or take whole per looked-up row), or
     None where it has another use or none. Uses that disagree give the union of their
-    axes. Traces ``fn`` abstractly (nothing is computed)."""
+    axes. ``lookups=False``: a lookup is another use (only matmuls' weights get axes).
+    Traces ``fn`` abstractly (nothing is computed)."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     avals = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves]
     closed = jax.make_jaxpr(lambda *xs: fn(jax.tree_util.tree_unflatten(treedef, list(xs))))(*avals)
     out = []
     for var, leaf in zip(closed.jaxpr.invars, leaves, strict=True):
-        uses = _uses(closed.jaxpr, var, tuple(range(np.ndim(leaf))))
+        uses = _uses(closed.jaxpr, var, tuple(range(np.ndim(leaf))), lookups)
         out.append(None if not uses or _OTHER in uses else tuple(sorted(set().union(*uses))))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _uses(jaxpr: Any, var: Any, axes: Axes) -> list:
+def _uses(jaxpr: Any, var: Any, axes: Axes, lookups: bool) -> list:
     """What each use of ``var`` (whose axes are the argument's ``axes``) reads it over: a set
     of the argument's axes per matmul or lookup, :data:`_OTHER` for any other use."""
     found: list = [_OTHER for v in jaxpr.outvars if v is var]
@@ -59,24 +60,24 @@ def _uses(jaxpr: Any, var: Any, axes: Axes) -> list:
             continue
         name = eqn.primitive.name
         if name in _RETYPES and positions == [0]:
-            found += _uses(jaxpr, eqn.outvars[0], axes)
+            found += _uses(jaxpr, eqn.outvars[0], axes, lookups)
         elif name == "transpose":
-            found += _uses(jaxpr, eqn.outvars[0], tuple(axes[p] for p in eqn.params["permutation"]))
+            found += _uses(jaxpr, eqn.outvars[0], tuple(axes[p] for p in eqn.params["permutation"]), lookups)
         elif name == "dot_general" and len(positions) == 1:
             contracting, _ = eqn.params["dimension_numbers"]
             side = contracting[positions[0]] if positions[0] < 2 else ()
             found.append({axes[a] for a in side} - {None})
-        elif name == "gather" and positions == [0]:
+        elif name == "gather" and positions == [0] and lookups:
             indexed = set(eqn.params["dimension_numbers"].collapsed_slice_dims)
             found.append({a for i, a in enumerate(axes) if i not in indexed} - {None})
         else:
-            found += _inside(jaxpr, eqn, positions, axes)
+            found += _inside(jaxpr, eqn, positions, axes, lookups)
         if _OTHER in found:
             return found
     return found
 
 
-def _inside(jaxpr: Any, eqn: Any, positions: list[int], axes: Axes) -> list:
+def _inside(jaxpr: Any, eqn: Any, positions: list[int], axes: Axes, lookups: bool) -> list:
     """The uses of an operand passed into ``eqn``'s sub-programs, and of what they return
     of it unchanged (a jit's output that is its input, moved)."""
     inner = _inner_binders(eqn, positions)
@@ -84,11 +85,11 @@ def _inside(jaxpr: Any, eqn: Any, positions: list[int], axes: Axes) -> list:
         return [_OTHER]
     found: list = []
     for sub, binder, sliced in inner:
-        uses = _uses(sub, binder, axes[1:] if sliced else axes)
+        uses = _uses(sub, binder, axes[1:] if sliced else axes, lookups)
         exits = [k for k, v in enumerate(sub.outvars) if v is binder]
         found += [u for u in uses if u is not _OTHER] + [_OTHER] * (uses.count(_OTHER) - len(exits))
         if exits and (eqn.primitive.name in ("scan", "while") or len(sub.outvars) != len(eqn.outvars)):
             found.append(_OTHER)
         elif exits:
-            found += [u for k in exits for u in _uses(jaxpr, eqn.outvars[k], axes)]
+            found += [u for k in exits for u in _uses(jaxpr, eqn.outvars[k], axes, lookups)]
     return found

@@ -22,9 +22,9 @@ class _Rules:
     policy, rules = "mixed_bf16", None
 
 
-def gpt_source(scan_layers=False, seed=0, amplify=1.0, block_size=32, **fields):
+def gpt_source(scan_layers=False, seed=0, amplify=1.0, block_size=32, d_model=32, **fields):
     """This project's GPT (random weights), served from memory: the character vocabulary above."""
-    model = GPT(vocab_size=len(VOCAB), block_size=block_size, num_layers=2, num_heads=2, d_model=32,
+    model = GPT(vocab_size=len(VOCAB), block_size=block_size, num_layers=2, num_heads=2, d_model=d_model,
                 scan_layers=scan_layers, **fields)
     params = model.init(jax.random.key(seed), jnp.zeros((1, 8), jnp.int32))["params"]
     params = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), params)

@@ -162,3 +162,17 @@ def test_the_doctor_names_what_overflows_only_when_decoding_in_float16_and_its_v
     assert "doctor, prefill: dot_general in block_0/attn/qkv (forward) first went non-finite; verified fix" in \
         format_diagnosis(found)
     assert all(d.healthy for d in diagnose_decoding(Generator(source, "bf16"), "ROMEO:").values())
+
+
+@pytest.mark.gpu_compile
+def test_the_h100_decode_step_reads_int8_weights_and_cache_as_int8():
+    from helpers import needs_cuda_plugin
+    from train.serving.compiled import compile_decode_step
+
+    needs_cuda_plugin()
+    source = gpt_source(d_model=128)  # its 128 x 384, 128 x 512... kernels in int8
+    half, int8 = (compile_decode_step(Generator(source, dtype, kv)) for dtype, kv in (("bf16", None), ("int8", "int8")))
+    assert int8.weight_bytes < 0.6 * half.weight_bytes and int8.cache_bytes < 0.6 * half.cache_bytes
+    # dequantized into the operands: the step moves fewer bytes, no bfloat16 copy of a weight is written
+    assert int8.modeled.bytes < half.modeled.bytes
+    assert "decode step on h100" in half.line() and half.length == 32 and half.ratio > 1

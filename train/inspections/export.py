@@ -195,7 +195,8 @@ def _gradients(apply: Any, params: dict) -> Flat:
 def _contracted(model: Any, inputs: Any, params: Flat, state: dict) -> Flat:
     """:func:`precision.contracted_axes` of each param in the model's eval forward pass."""
     tree = traverse_util.unflatten_dict({k: jnp.asarray(v) for k, v in params.items()})
-    return traverse_util.flatten_dict(contracted_axes(_apply(bind(model, "fp32"), inputs, state), tree))
+    return traverse_util.flatten_dict(contracted_axes(_apply(bind(model, "fp32"), inputs, state), tree,
+                                                      lookups=False))
 
 
 def _merge_lora(config: Any, model: Any, inputs: Any, params: Flat, state: dict

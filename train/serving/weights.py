@@ -83,7 +83,7 @@ def serve_weights(model: Any, params: Any, rules: Any, dtype: str, inputs: Any, 
     mode = mode_kwargs(bound, False)
     cast = cast_variables(bound, {"params": tree, **state}, inputs, **mode)["params"]
     if stored == "int8":
-        axes = contracted_axes(lambda p: bound.apply({"params": p, **state}, inputs, **mode), tree)
+        axes = contracted_axes(lambda p: bound.apply({"params": p, **state}, inputs, **mode), tree, lookups=False)
         flat = int8_weights(traverse_util.flatten_dict(tree), traverse_util.flatten_dict(cast),
                             traverse_util.flatten_dict(axes))
         cast = traverse_util.unflatten_dict(flat)

@@ -3,9 +3,11 @@
 A weight is stored as :class:`precision.ChannelInt8` (int8 codes, a float32 scale per
 output channel) when the serving casts it to a half dtype (the run's float32 islands,
 norms, stay float32), it is large enough to pay (:func:`precision.quantizable`: a matrix of
-4,096 values or more), and matmuls or row lookups read it (:func:`precision.contracted_axes`
-says over which axes; biases and norms are read otherwise). Everything else keeps the dtype
-the serving casts it to.
+4,096 values or more), and only matmuls read it (:func:`precision.contracted_axes` says over
+which axes; biases and norms are read otherwise). An embedding stays in the half dtype: a
+token reads one row of it, and a tied one (looked up, and multiplied by its transpose) would
+be dequantized whole into a copy for its two readers. Everything else keeps the dtype the
+serving casts it to.
 
 An export (``python -m train export RUN --dtype int8 OUT``) writes each as two arrays beside
 where the weight was, ``<path>/channel_codes`` (int8) and ``<path>/channel_scales``
