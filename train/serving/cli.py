@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     """Parses ``sample``'s command line, generates, prints; returns the exit status."""
     args = _parser().parse_args(argv)
-    from train.serving.generate import Generator  # heavy imports (jax) only past the parser
+    from train.serving.generation import Generator  # heavy imports (jax) only past the parser
     from train.serving.sampling import Sampling
     from train.serving.tokenizer import SampleError
 
