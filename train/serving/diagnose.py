@@ -32,7 +32,7 @@ def diagnose_decoding(generator: Any, prompt: str) -> dict[str, precision.Diagno
     ``generator`` (a :class:`train.serving.Generator`) serves ``prompt`` with, one row; the
     decode step's is None where the served prefill already left non-finite values in the cache."""
     ids = generator.source.tokenizer.encode(prompt)
-    length = generator._length(len(ids), 1, True)
+    length = generator.cache_length(len(ids), 1, True)
     decoder = generator.decoder
     params = jax.tree_util.tree_map(lambda x, full: dequantize_channels(x, jnp.float32) if is_channel_int8(x)
                                     else jnp.asarray(full, jnp.float32), generator.params, generator.source.params,

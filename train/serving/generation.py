@@ -88,12 +88,14 @@ class Generator:
             cache = jax.eval_shape(lambda: self.decoder.init(batch, length))
             args = (self.params, cache, jax.ShapeDtypeStruct((batch, count), jnp.int32),
                     jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((), jnp.uint32))
-            jitted = jax.jit(self._run(sampling), donate_argnums=(1,))
+            jitted = jax.jit(self.run(sampling), donate_argnums=(1,))
             self._programs[key] = jitted.lower(*args).compile()
             self.compile_seconds += time.perf_counter() - start
         return self._programs[key]
 
-    def _run(self, sampling: Sampling) -> Any:
+    def run(self, sampling: Sampling) -> Any:
+        """The pure step ``(params, cache, tokens, index, seed) -> (next tokens, cache)``: the
+        decoder on ``tokens`` at ``index``, then a token sampled from the last logits."""
         forward = self.decoder.forward
 
         def run(params, cache, tokens, index, seed):
@@ -108,7 +110,7 @@ class Generator:
         """``tokens`` new tokens after ``prompt`` (text, or token ids) for ``batch`` rows."""
         ids = self.source.tokenizer.encode(prompt) if isinstance(prompt, str) else np.asarray(prompt, np.int32)
         sampling = sampling.checked(self.source.tokenizer.size)
-        length = self._length(len(ids), tokens, window)
+        length = self.cache_length(len(ids), tokens, window)
         if batch < 1 or tokens < 1:
             raise SampleError(f"--{'batch' if batch < 1 else 'tokens'} {min(batch, tokens)}: give at least 1")
         seed = np.uint32(sampling.seed % 2 ** 32)
@@ -154,7 +156,7 @@ class Generator:
                                                                             jnp.int32(0))[0])
         return np.asarray(self._programs[key](self.params, tokens))
 
-    def _length(self, prompt: int, tokens: int, window: bool) -> int:
+    def cache_length(self, prompt: int, tokens: int, window: bool = True) -> int:
         """The cache's positions for ``prompt`` and ``tokens`` new ones: all of them, or the context."""
         context, where = self.source.context, self.source.context_from
         if prompt < 1:
