@@ -102,6 +102,21 @@ def test_a_lora_run_exports_in_bf16_with_its_adapters_merged_and_its_norms_in_fl
                                rtol=0, atol=1e-5 * scale)
 
 
+def test_an_int8_export_holds_each_matmul_weight_in_codes_with_a_scale_per_output_channel(lora_run, tmp_path):
+    report = export_run(lora_run, tmp_path / "int8", "int8", check_accuracy=True)
+    assert report.dtype == "int8" and report.int8 == ("Dense_0/kernel",)  # 64 x 128; the rest is under 4,096 values
+    flat = _exported(tmp_path / "int8")
+    codes, scales = flat["Dense_0/kernel/channel_codes"], flat["Dense_0/kernel/channel_scales"]
+    assert codes.dtype == np.int8 and scales.shape == (1, 128) and flat["Dense_1/kernel"].dtype == jnp.bfloat16
+    assert flat["LayerNorm_0/scale"].dtype == np.float32
+    merged = _exported(export_run(lora_run, tmp_path / "f32", "f32").out)["Dense_0/kernel"]
+    np.testing.assert_allclose(codes * scales, merged, rtol=0, atol=float(scales.max()) / 2 + 1e-7)  # per column
+    read, _ = train.load_pretrained(tmp_path / "int8")  # model.init_from reads it back as float32
+    np.testing.assert_array_equal(read["params"]["Dense_0"]["kernel"], codes.astype(np.float32) * scales)
+    assert abs(report.accuracy["bfloat16"]["accuracy"] - report.accuracy["float32"]["accuracy"]) <= 0.05
+    assert "int8: 1 weights as int8 codes with a float32 scale per output channel" in format_report(report)
+
+
 def test_the_accuracy_check_serves_exactly_the_exported_weights(lora_run, tmp_path):
     report = export_run(lora_run, tmp_path / "f16", "f16", check_accuracy=True)
     assert set(report.accuracy) == {"float32", "float16"} and "accuracy_delta" in report.accuracy["float16"]
@@ -281,8 +296,8 @@ def test_bad_input_is_one_line_exit_2_and_nothing_is_written(lora_run, tmp_path,
         assert main(["export", *args, "--dtype", "bf16"]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
-    assert main(["export", str(lora_run), str(tmp_path / "a"), "--dtype", "int8"]) == 2
-    assert capsys.readouterr().err == "error: --dtype 'int8': give bf16, f16 or f32\n"
+    assert main(["export", str(lora_run), str(tmp_path / "a"), "--dtype", "int4"]) == 2
+    assert capsys.readouterr().err == "error: --dtype 'int4': give bf16, f16, f32 or int8\n"
     assert sorted(os.listdir(tmp_path)) == ["full", "untrained"]  # no OUT, no partial directory
     with pytest.raises(ExportError, match="--dtype"):
         export_run(lora_run, tmp_path / "a", "half")
@@ -384,3 +399,10 @@ def test_the_doctor_on_the_served_weights_names_what_overflows_only_there_and_it
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: export takes only precision.rules=[...] overrides (the rules that keep modules in "
                    "float32), got 'optimizer.lr=1'"] and not (tmp_path / "bad").exists()
+
+
+def test_sampling_a_run_that_is_not_a_language_model_is_one_line_exit_2(lora_run, capsys):
+    assert main(["sample", str(lora_run), "--prompt", "ROMEO:"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: {lora_run} is not a language model: its task is classification (data synthetic); sample "
+                   f"generates text from a model trained to predict the next token (task language_model)\n")

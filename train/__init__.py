@@ -16,6 +16,8 @@ By feature, one package each (each ``__init__`` says what it holds and may impor
 - :mod:`train.weights`: weights from another run or Hugging Face;
 - :mod:`train.inspections`: an experiment looked at without training it (``--explain``,
   ``--check``, ``--diagnose``, ``--compile-for``, ``--pick-policy``);
+- :mod:`train.serving`: text generation from a trained language model with a KV cache, in
+  half precision and int8 (``python -m train sample``, :func:`train.generate`);
 - :mod:`train.cli`: ``python -m train CONFIG key=value ...``.
 
 The names below are the public API; modules moved from ``train.<module>`` to their
@@ -47,6 +49,7 @@ from train.inspections.policy_pick import pick_policy
 from train.weights.pretrained import PretrainedError, load_pretrained
 from train.finetune import FineTune, FreezeError, LoRA, with_lora
 from train.inspections.export import ExportError, ExportReport, export_run
+from train.serving import Generation, SampleError, generate
 from train.references import UserCodeError
 from train.training.state import ScaledGrads, StateTooLarge, TrainState, create_train_state
 from train.training.forward import blockwise_plan
@@ -56,7 +59,7 @@ from train.training.tasks import Task, cross_entropy, get_task
 from train.tracking.wandb_logger import WandbLogger
 
 __all__ = ["CheckpointError", "Checkpointer", "CommunicationReport", "CompiledStep", "ConfigError", "DataError", "ExperimentConfig", "ExportError", "ExportReport",
-           "FineTune", "FreezeError",
+           "FineTune", "FreezeError", "Generation", "SampleError", "generate",
            "Layout", "LoRA", "MeshError",
            "MetricsWriter", "NNXModel", "NonFiniteError", "ScaledGrads", "StateTooLarge", "Task", "TrainState", "UserCodeError", "UserData", "WandbLogger", "bind",
            "blockwise_plan", "build_data", "build_experiment", "build_model", "build_optimizer", "build_task", "cast_for_inference",

@@ -26,8 +26,12 @@ checkpoint; a larger steps= continues a finished run.
   python -m train export RUN --dtype bf16 OUT
 
 writes a trained run's weights for serving (LoRA adapters merged, float32 kept where the
-run's precision rules keep it; python -m train export --help)."""
-EXPORT_USAGE = ("python -m train export RUN --dtype {bf16,f16,f32} OUT [--check-accuracy] [--diagnose] "
+run's precision rules keep it; python -m train export --help).
+
+  python -m train sample RUN --prompt "ROMEO:" --tokens 200 --dtype bf16
+
+generates text from a trained language model with a KV cache (python -m train sample --help)."""
+EXPORT_USAGE = ("python -m train export RUN --dtype {bf16,f16,f32,int8} OUT [--check-accuracy] [--diagnose] "
                 "['precision.rules=[...]']")
 
 
@@ -137,6 +141,10 @@ def _main(argv: list[str] | None = None, pressed: Callable[[], bool] = lambda: F
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["export"]:  # a subcommand: configs are YAML paths, never this word
         return _export(argv[1:])
+    if argv[:1] == ["sample"]:  # text from a trained language model (train.serving.cli)
+        from train.serving.cli import main as sample
+
+        return sample(argv[1:])
     parser = _parser()
     args = parser.parse_intermixed_args(argv)
     if args.config is None:
@@ -209,7 +217,8 @@ def _export(argv: list[str]) -> int:
                     "params.safetensors; with export.json; model.init_from=OUT reads either (docs/export.md).")
     parser.add_argument("run", metavar="RUN", help="the run's workdir (config.yaml and checkpoints/ inside)")
     parser.add_argument("out", metavar="OUT", help="the directory to write (must not exist, or be empty)")
-    parser.add_argument("--dtype", required=True, metavar="DTYPE", help="bf16, f16 or f32")
+    parser.add_argument("--dtype", required=True, metavar="DTYPE",
+                        help="bf16, f16, f32, or int8 (weight-only, a scale per output channel; the rest bf16)")
     parser.add_argument("--check-accuracy", action="store_true",
                         help="also evaluate the exported weights against float32 on the run's eval split")
     parser.add_argument("--diagnose", action="store_true",

@@ -15,7 +15,7 @@ to a validated :class:`ExperimentConfig`.
 
 from train.config.errors import ConfigError
 from train.config.fields import INFERENCE_DTYPES, OPTIMIZERS, SCHEDULES, model_fields
-from train.config.files import distributed_settings, from_dict, load_config, to_dict
+from train.config.files import distributed_settings, from_dict, load_config, load_run_config, to_dict
 from train.config.help import help_text
 from train.config.overrides import apply_overrides
 from train.config.schema import (SECTIONS, DataConfig, DistributedConfig, ExperimentConfig, MeshConfig, ModelConfig,
@@ -25,4 +25,4 @@ from train.references import is_reference
 __all__ = ["ConfigError", "ExperimentConfig", "ModelConfig", "DataConfig", "OptimizerConfig", "PrecisionConfig",
            "MeshConfig", "DistributedConfig", "SECTIONS", "OPTIMIZERS", "SCHEDULES", "INFERENCE_DTYPES", "load_config",
            "from_dict", "to_dict", "apply_overrides", "distributed_settings", "build_loss_scale", "build_op_lists",
-           "model_fields", "is_reference", "help_text"]
+           "model_fields", "is_reference", "help_text", "load_run_config"]

@@ -130,12 +130,17 @@ Task = Annotated[str, _named("task", "task", TASKS, ("loss function", FUNCTION_R
                  AfterValidator(lambda task: "lm" if task == "language_model" else task)]
 
 
+#: Fields of a built-in model no experiment sets: Linen's own, and generation's (``python -m train
+#: sample`` clones the model with a decode cache, train.models.kv_cache).
+_NOT_CONFIGURED = ("parent", "name", "decode", "kv_store")
+
+
 def model_fields(name: str) -> dict[str, tuple[Any, Any]]:
     """The configurable fields of built-in model ``name``: ``{field: (type, default)}``."""
     cls = MODELS[name]
     hints = typing.get_type_hints(cls)
     return {f.name: (hints.get(f.name, Any), f.default) for f in dataclasses.fields(cls)
-            if f.name not in ("parent", "name") and f.init}
+            if f.name not in _NOT_CONFIGURED and f.init}
 
 
 def _floating_dtype(value: Any) -> Any:

@@ -72,6 +72,26 @@ def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> Experimen
     return config
 
 
+def load_run_config(run_dir: str | os.PathLike, overrides: list[str] = ()) -> ExperimentConfig:
+    """``RUN/config.yaml`` (the resolved config a run wrote: every key, defaults too) read back
+    as :func:`load_config` reads it, with ``overrides``. ``data.num_classes`` is written for
+    every dataset; it is unset for those that do not read it (all but the synthetic ones,
+    :data:`train.data.DATASETS`), whose check would take the default written for a setting."""
+    from train.data import DATASETS
+
+    path = os.path.join(os.fspath(run_dir), "config.yaml")
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        raw = None  # load_config says what is wrong
+    data = raw.get("data") if isinstance(raw, dict) else None
+    name = data.get("name") if isinstance(data, dict) else None
+    reads = name in DATASETS and "num_classes" in DATASETS[name][1]
+    unset = [] if reads or not isinstance(data, dict) or "num_classes" not in data else ["data.num_classes=null"]
+    return load_config(path, [*unset, *overrides])
+
+
 def with_origin(message: str, path: str, overrides: list[str] | tuple[str, ...]) -> str:
     """``message`` (about a config, from loading it or building what it names) after where the key it is about was set: ``the command line
     (key=value)`` for an override, else the config file. The key is the message's

@@ -15,7 +15,7 @@ The pure parts (files, codes, adapters' layouts) are :mod:`train.weights.export`
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +24,10 @@ import optax
 from flax import nnx, traverse_util
 
 import precision
+from precision.channel_weights import dequantize_channels, is_channel_int8
+from precision.contractions import contracted_axes
 from precision.rules import Rule, as_rules
-from train.config import ConfigError, load_config
+from train.config import ConfigError, load_run_config
 from train.data import DataError
 from train.data.model_inputs import call_with
 from train.experiment.builders import build_experiment
@@ -39,9 +41,10 @@ from train.weights.export import (MANIFEST, ExportError, ExportReport, adapter_l
                                   export_dtype, lora_delta, pick_layout, staged, write_huggingface, write_manifest,
                                   write_params)
 from train.weights.huggingface import TokenIds
+from train.weights.int8 import channel_arrays, int8_weights
 from train.weights.pretrained import PretrainedError, checkpoint_steps, find_pretrained, load_pretrained
 
-__all__ = ["export_run", "format_report", "ExportError", "ExportReport"]
+__all__ = ["export_run", "merged_run", "MergedRun", "export_rules", "format_report", "ExportError", "ExportReport"]
 
 Flat = dict[tuple[str, ...], Any]
 _FULL = precision.Policy("float32", "float32", "float32")
@@ -58,32 +61,28 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
     (a doctor's verified fix). Raises :class:`ExportError` (one line) on bad input; writes
     nothing unless it succeeds."""
     name = export_dtype(dtype)
-    run_dir, config, step = _read_run(run_dir, overrides)
+    run = merged_run(run_dir, overrides)
     out = _free_out(out_dir)
-    try:
-        data, task, model = build_experiment(config, memory=(0, "here"))
-        variables, _ = load_pretrained(run_dir)
-    except (ConfigError, DataError, PretrainedError) as e:
-        raise ExportError(f"{run_dir}: {e}") from None
-    inputs = data.train_batch(0, 2, config.seed)["inputs"]
-    inputs_as = inputs_as_for(model, inputs, config.data.inputs_as)
-    shapes = _param_shapes(bind(model, "fp32"), inputs, inputs_as)
-    state = {k: v for k, v in variables.items() if k != "params"}
-    params = dequantized_base(traverse_util.flatten_dict(variables["params"]), shapes)
-    params, merged, match = _merge_lora(config, model, (inputs, inputs_as), params, state)
-    _check_fits(params, shapes, run_dir)
-    rules = _export_rules(config.precision, name)
-    exported, kept = _cast(model, (inputs, inputs_as), params, name, rules, _rules_origin(config.precision))
-    served = _served(config, data, model, params, state, rules) if check_accuracy or diagnose else None
-    accuracy = _accuracy(config, data, task, served, name) if check_accuracy else None
-    diagnosis = _diagnosis(config, data, served, name, rules) if diagnose else None
+    run_dir, config, step, data, task, model = run.path, run.config, run.step, run.data, run.task, run.model
+    sample, params, state, merged, match = run.sample, run.params, run.state, run.merged, run.lora_match
+    half = "bfloat16" if name == "int8" else name  # int8: weight-only, the rest (and the compute) bfloat16
+    rules = export_rules(config.precision, half)
+    exported, kept = _cast(model, sample, params, half, rules, _rules_origin(config.precision))
+    if name == "int8":
+        exported = int8_weights(params, exported, _contracted(model, sample, params, state))
+    checked = {k: np.asarray(dequantize_channels(v, np.float32)) if is_channel_int8(v) else params[k]
+               for k, v in exported.items()}  # what serving the export computes with
+    served = _served(config, data, model, checked, state, rules) if check_accuracy or diagnose else None
+    accuracy = _accuracy(config, data, task, served, half) if check_accuracy else None
+    diagnosis = _diagnosis(config, data, served, half, rules) if diagnose else None
     hf = isinstance(model, TokenIds)
     report = ExportReport(out, name, run_dir, step,
                           "huggingface" if hf else "params", (), len(exported),
-                          int(sum(np.size(x) for x in exported.values())), 0, kept, merged, match, accuracy,
-                          _diagnosis_summary(diagnosis, run_dir, name) if diagnosis else None)
+                          int(sum(np.size(getattr(x, "codes", x)) for x in exported.values())), 0, kept, merged,
+                          match, accuracy, _diagnosis_summary(diagnosis, run_dir, name) if diagnosis else None,
+                          tuple("/".join(k) for k, v in exported.items() if is_channel_int8(v)))
     with staged(out) as temp:
-        tree = {"params": traverse_util.unflatten_dict(exported), **_state_f32(state)}
+        tree = {"params": traverse_util.unflatten_dict(channel_arrays(exported)), **_state_f32(state)}
         if hf:
             options = config.model.options
             files = write_huggingface(temp, tree, options["path"], options.get("architecture"))
@@ -96,6 +95,52 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
         report = report._replace(files=tuple(files), bytes=size)
         write_manifest(temp, report)
     return report
+
+
+class MergedRun(NamedTuple):
+    """A run's newest weights as one float32 model: ``params`` (flat, ``(module, ..., name)``
+    keys) with a quantized base read back and LoRA adapters merged; ``state`` its other
+    collections; the run's ``config``, ``data``, ``task`` and (unbound) ``model``; ``inputs``
+    a batch of the data's inputs (a dict of them passed to the model as ``inputs_as`` says);
+    the adapted weights (``merged``) and the merge's check."""
+
+    path: str
+    config: Any
+    step: int | None
+    data: Any
+    task: Any
+    model: Any
+    inputs: Any
+    inputs_as: str
+    params: Flat
+    state: dict
+    merged: tuple[str, ...]
+    lora_match: float | None
+
+    @property
+    def sample(self) -> tuple[Any, str]:
+        """``(inputs, inputs_as)``: how the model is called on the data."""
+        return self.inputs, self.inputs_as
+
+
+def merged_run(run_dir: str | os.PathLike, overrides: Sequence[str] = ()) -> MergedRun:
+    """The newest checkpoint of the run in ``run_dir`` as the float32 weights an export
+    writes before casting them (``overrides``: ``precision.rules=...`` only). Raises
+    :class:`ExportError` (one line) for what is not a trained run of this framework."""
+    run_dir, config, step = _read_run(run_dir, overrides)
+    try:
+        data, task, model = build_experiment(config, memory=(0, "here"))
+        variables, _ = load_pretrained(run_dir)
+    except (ConfigError, DataError, PretrainedError) as e:
+        raise ExportError(f"{run_dir}: {e}") from None
+    inputs = data.train_batch(0, 2, config.seed)["inputs"]
+    inputs_as = inputs_as_for(model, inputs, config.data.inputs_as)
+    shapes = _param_shapes(bind(model, "fp32"), inputs, inputs_as)
+    state = {k: v for k, v in variables.items() if k != "params"}
+    params = dequantized_base(traverse_util.flatten_dict(variables["params"]), shapes)
+    params, merged, match = _merge_lora(config, model, (inputs, inputs_as), params, state)
+    _check_fits(params, shapes, run_dir)
+    return MergedRun(run_dir, config, step, data, task, model, inputs, inputs_as, params, state, merged, match)
 
 
 def _read_run(run_dir: str | os.PathLike, overrides: Sequence[str] = ()) -> tuple[str, Any, int]:
@@ -113,7 +158,7 @@ def _read_run(run_dir: str | os.PathLike, overrides: Sequence[str] = ()) -> tupl
         raise ExportError(f"export takes only precision.rules=[...] overrides (the rules that keep modules in "
                           f"float32), got {other[0]!r}")
     try:
-        config = load_config(os.path.join(path, "config.yaml"), list(overrides))
+        config = load_run_config(path, list(overrides))
     except ConfigError as e:
         raise ExportError(str(e)) from None
     return path, config, find_pretrained(path)[2]
@@ -156,6 +201,13 @@ def _gradients(apply: Any, params: dict) -> Flat:
     weights = [jax.random.normal(jax.random.key(i), s.shape, jnp.float32) for i, s in enumerate(shapes)]
     grads = jax.jit(jax.grad(lambda p: sum(jnp.vdot(y, w) for y, w in zip(apply(p), weights))))(params)
     return {k: np.asarray(v) for k, v in traverse_util.flatten_dict(grads).items()}
+
+
+def _contracted(model: Any, sample: tuple[Any, str], params: Flat, state: dict) -> Flat:
+    """:func:`precision.contracted_axes` of each param in the model's eval forward pass on ``sample``."""
+    tree = traverse_util.unflatten_dict({k: jnp.asarray(v) for k, v in params.items()})
+    return traverse_util.flatten_dict(contracted_axes(_apply(bind(model, "fp32"), sample, state), tree,
+                                                      lookups=False))
 
 
 def _merge_lora(config: Any, model: Any, sample: tuple[Any, str], params: Flat, state: dict
@@ -225,7 +277,7 @@ def _rules_origin(section: Any) -> str:
     return "precision.rules" if section.rules is not None else f"{section.policy}'s rules"
 
 
-def _export_rules(section: Any, dtype: str) -> tuple[Rule, ...]:
+def export_rules(section: Any, dtype: str) -> tuple[Rule, ...]:
     """The run's rules for the export: a module they keep in float32 stays float32, the rest in ``dtype``."""
     target = precision.Policy(dtype, dtype, "float32")
     return tuple(Rule(r.pattern, _FULL if r.policy.param_dtype == jnp.float32 else target)
@@ -306,6 +358,9 @@ def format_report(report: ExportReport) -> str:
         by_reason.setdefault(reason, []).append(path)
     for reason, paths in by_reason.items():
         lines.append(f"kept in float32: {len(paths)} params ({_first(paths)}): {reason}")
+    if report.int8:
+        lines.append(f"int8: {len(report.int8)} weights as int8 codes with a float32 scale per output channel "
+                     f"({_first(report.int8)}); the other params in bfloat16 but those kept in float32")
     kind = "a Hugging Face directory" if report.format == "huggingface" else "weights"
     lines.append(f"written: {format_bytes(report.bytes)} in {report.out}: {kind} ({', '.join(report.files)}); "
                  f"model.init_from={report.out} reads it")

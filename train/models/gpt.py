@@ -11,6 +11,10 @@ boolean value), so the only ``(B, H, T, T)`` values saved are the softmax's.
 With attention dropout active (``dropout > 0`` and ``train=True``) the
 probabilities must exist to be dropped, so that case computes them explicitly in
 a :class:`Softmax` module (which a rule such as ``("Softmax", "f32")`` can target).
+
+``decode=True`` keeps a cache of keys and values in the ``cache`` collection for
+generation (:mod:`train.models.kv_cache`): a prompt in one call, each new token in a
+call of the same shape; ``kv_store`` says how the cache holds them.
 """
 
 import typing
@@ -20,6 +24,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from train.models.kv_cache import cache_position, cached_attention
 
 #: ``attention_impl`` values: ``None`` picks cuDNN for half-precision operands lowered for a GPU, XLA otherwise.
 ATTENTION_IMPLS = (None, "xla", "cudnn")
@@ -113,6 +119,8 @@ class CausalSelfAttention(nn.Module):
     dropout: float = 0.0
     dtype: Any = None  # every layer's computation dtype, the way Flax examples pass it; None: inputs'/params'
     attention_impl: str | None = None  # None (automatic), "xla" or "cudnn": see causal_attention
+    decode: bool = False  # keep keys and values in the "cache" collection (train.models.kv_cache)
+    kv_store: Any = None  # how the cache stores them (a kv_cache.KVStore; None: as computed)
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
@@ -123,7 +131,10 @@ class CausalSelfAttention(nn.Module):
         qkv = nn.Dense(3 * features, dtype=self.dtype, name="qkv")(x)
         q, k, v = jnp.split(qkv.reshape(batch, length, 3 * self.num_heads, head_dim), 3, axis=2)
         q = q * (head_dim ** -0.5)  # scale before the product: keeps half-precision logits in range
-        if train and self.dropout > 0:
+        if self.decode:
+            out = cached_attention(self, q, k, v, self.kv_store,
+                                   lambda q, k, v: causal_attention(q, k, v, self.attention_impl))
+        elif train and self.dropout > 0:
             out = self._attention_with_dropout(q, k, v)
         else:
             out = causal_attention(q, k, v, self.attention_impl)
@@ -142,11 +153,14 @@ class TransformerBlock(nn.Module):
     dropout: float = 0.0
     dtype: Any = None  # every layer's computation dtype, the way Flax examples pass it; None: inputs'/params'
     attention_impl: str | None = None  # None (automatic), "xla" or "cudnn": see causal_attention
+    decode: bool = False  # keep a cache of keys and values (see CausalSelfAttention)
+    kv_store: Any = None
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
         features = x.shape[-1]
-        x = x + CausalSelfAttention(self.num_heads, self.dropout, self.dtype, self.attention_impl, name="attn")(
+        x = x + CausalSelfAttention(self.num_heads, self.dropout, self.dtype, self.attention_impl, self.decode,
+                                    self.kv_store, name="attn")(
             nn.LayerNorm(dtype=self.dtype)(x), train)
         y = nn.Dense(self.mlp_ratio * features, dtype=self.dtype)(nn.LayerNorm(dtype=self.dtype)(x))
         y = nn.Dense(features, dtype=self.dtype)(nn.gelu(y))
@@ -199,6 +213,8 @@ class GPT(nn.Module):
     attention_impl: str | None = None  # None (automatic), "xla" or "cudnn": see causal_attention
     scan_layers: bool = False
     remat: Remat = "none"
+    decode: bool = False  # generation: keys and values cached in the "cache" collection (train.models.kv_cache)
+    kv_store: Any = None  # how the cache stores them (a kv_cache.KVStore; None: as computed)
 
     @nn.compact
     def __call__(self, tokens: jax.Array, train: bool = False) -> jax.Array:
@@ -210,12 +226,15 @@ class GPT(nn.Module):
         if length > self.block_size:
             raise ValueError(f"sequence length {length} exceeds block_size {self.block_size}")
         x = nn.Embed(self.vocab_size, self.d_model, dtype=self.dtype, name="tokens")(tokens)
-        x = x + nn.Embed(self.block_size, self.d_model, dtype=self.dtype, name="positions")(jnp.arange(length))[None]
+        positions = cache_position(self, length) if self.decode else jnp.arange(length)
+        x = x + nn.Embed(self.block_size, self.d_model, dtype=self.dtype, name="positions")(positions)[None]
         x = nn.Dropout(self.dropout, deterministic=not train)(x)
         block = {"num_heads": self.num_heads, "mlp_ratio": self.mlp_ratio, "dropout": self.dropout,
                  "dtype": self.dtype, "attention_impl": self.attention_impl}
+        if self.decode:
+            block |= {"decode": True, "kv_store": self.kv_store}
         if self.scan_layers:
-            layers = nn.scan(_ScannedBlock, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
+            layers = nn.scan(_ScannedBlock, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True, "dropout": True},
                              length=self.num_layers)
             x, _ = layers(block, self.remat, train, name="blocks")(x, None)
         else:

@@ -42,7 +42,7 @@ __all__ = ["ExportError", "ExportReport", "EXPORT_DTYPES", "PARAMS_FILE", "MANIF
 
 #: ``--dtype`` names and the dtype each stands for.
 EXPORT_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "f16": "float16", "float16": "float16",
-                 "fp16": "float16", "f32": "float32", "float32": "float32", "fp32": "float32"}
+                 "fp16": "float16", "f32": "float32", "float32": "float32", "fp32": "float32", "int8": "int8"}
 #: An export of a model of this framework: every collection, keys ``collection/module/.../param``.
 PARAMS_FILE = "params.safetensors"
 #: What an export holds and where it came from (JSON).
@@ -68,7 +68,8 @@ class ExportReport(NamedTuple):
     ``lora_match`` (the merged model's largest output difference from the LoRA model's,
     relative, float32; None without adapters), ``accuracy`` (:func:`train.inference_report`
     of the exported weights against float32, when checked), ``diagnosis`` (the doctor on
-    serving them, when asked: ``healthy``, ``summary``, ``export_again`` with its verified fix)."""
+    serving them, when asked: ``healthy``, ``summary``, ``export_again`` with its verified fix), ``int8``
+    (the weights written as int8 codes with a scale per output channel, :mod:`train.weights.int8`)."""
 
     out: str
     dtype: str
@@ -84,13 +85,15 @@ class ExportReport(NamedTuple):
     lora_match: float | None = None
     accuracy: dict[str, dict[str, float]] | None = None
     diagnosis: dict[str, Any] | None = None
+    int8: tuple[str, ...] = ()
 
 
 def export_dtype(name: str) -> str:
-    """The dtype ``--dtype name`` stands for (``"bfloat16"``, ``"float16"``, ``"float32"``)."""
+    """The dtype ``--dtype name`` stands for (``"bfloat16"``, ``"float16"``, ``"float32"``, or
+    ``"int8"``: weight-only int8 with bfloat16 for the rest, :mod:`train.weights.int8`)."""
     key = str(name).strip().lower()
     if key not in EXPORT_DTYPES:
-        raise ExportError(f"--dtype {name!r}: give bf16, f16 or f32")
+        raise ExportError(f"--dtype {name!r}: give bf16, f16, f32 or int8")
     return EXPORT_DTYPES[key]
 
 

@@ -65,6 +65,14 @@ class TokenIds(nn.Module):
         takes = inspect.signature(self.module_class.__call__).parameters
         return self.inner(ids, **{k: v for k, v in given.items() if k in takes}, deterministic=deterministic)
 
+    def with_cache(self, input_ids: Any, position_ids: Any, attention_mask: Any, init_cache: bool = False) -> Any:
+        """The module on ``input_ids`` at ``position_ids`` with its own decode cache (the
+        ``cache`` collection, ``past_key_values`` in transformers: ``init_cache=True`` makes
+        it), as Hugging Face's ``generate`` calls it: ``attention_mask`` ``(batch, cache
+        length)`` of ones over the whole cache, the cache masking what is not yet written."""
+        return self.inner(jnp.asarray(input_ids), attention_mask=attention_mask, position_ids=position_ids,
+                          deterministic=True, init_cache=init_cache)
+
 
 def model(path: str, architecture: str | None = None) -> TokenIds:
     """The Flax module of the architecture ``path/config.json`` names (its first

@@ -38,6 +38,7 @@ import precision
 from train.finetune.lora import ADAPTER_SUFFIXES
 from train.weights.export import PARAMS_FILE, ExportError, dequantized_base, read_export
 from train.weights.huggingface import WEIGHT_FILES, read_weights
+from train.weights.int8 import dequantized_channels
 
 __all__ = ["PretrainedError", "checkpoint_steps", "describe_init", "find_pretrained",
            "load_pretrained", "pretrained_variables"]
@@ -125,7 +126,8 @@ def load_pretrained(init_from: str | os.PathLike) -> tuple[dict, str]:
             raise PretrainedError(f"init_from: {path} has a config.json but no weights ({', '.join(WEIGHT_FILES)})")
         variables, file = found
         source = f"the Hugging Face weights {file}"
-    params = {k: _as_float32(v) for k, v in traverse_util.flatten_dict(variables.get("params", {})).items()}
+    flat = dequantized_channels(traverse_util.flatten_dict(variables.get("params", {})))  # an int8 export's
+    params = {k: _as_float32(v) for k, v in flat.items()}
     return {**variables, "params": traverse_util.unflatten_dict(params)}, source
 
 

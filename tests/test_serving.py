@@ -1,0 +1,178 @@
+"""Serving (issue 70): ``python -m train sample`` and ``train.generate`` decode with a KV cache
+(this project's GPT, a Flax ``decode=True`` model, Hugging Face GPT-2) to the same tokens as
+without one, one compiled step for every token, weights in bf16/f16/int8 with the float32
+islands kept, a cache in int8/fp8, bad input refused in one line."""
+
+import io
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import traverse_util
+
+import train
+from serving_models import VOCAB, decoding_source, gpt_source, huggingface_gpt2
+from train.cli import main
+from train.serving import Generator, Sampling
+from train.serving.kv_store import QuantizedKV
+from train.serving.sampling import next_tokens
+
+GREEDY = Sampling(temperature=0)
+
+
+def _greedy(source, tokens=12, cache=True, dtype="f32", kv=None, prompt="ROMEO:"):
+    return Generator(source, dtype, kv, cache=cache).generate(prompt, tokens, GREEDY).tokens
+
+
+@pytest.mark.parametrize("make", [lambda: gpt_source(), lambda: gpt_source(scan_layers=True, remat="full"),
+                                  decoding_source], ids=["gpt", "gpt-scanned", "flax-decode"])
+def test_cached_and_uncached_greedy_decoding_give_the_same_tokens(make):
+    source = make()
+    with_cache = Generator(source, "f32")
+    assert with_cache.decoder.cached
+    np.testing.assert_array_equal(with_cache.generate("ROMEO:", 12, GREEDY).tokens, _greedy(source, cache=False))
+
+
+def test_the_decode_step_compiles_once_whatever_the_number_of_tokens():
+    compiles = []
+    listener = lambda event, seconds, **kw: compiles.append(event)  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        generator = Generator(gpt_source(block_size=16), "bf16")
+        generator.generate("ROMEO:", 16, Sampling(seed=1))  # the prefill, the step, the slid window's prefill
+        first = compiles.count("/jax/core/compile/backend_compile_duration")
+        out = generator.generate("ROMEO:", 60, Sampling(seed=2))  # four times the tokens, six slides
+        again = compiles.count("/jax/core/compile/backend_compile_duration") - first
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert again == 0 and out.slides == 6 and out.tokens.shape == (1, 60)
+    assert sorted(k[0] for k in generator._programs) == ["prefill", "prefill", "step"]
+
+
+WINDOWS = np.random.default_rng(0).integers(0, len(VOCAB), (4, 32))
+
+
+def _agreement(generator, reference):
+    """The share of positions whose greedy token (teacher-forced) is ``reference``'s."""
+    return np.mean(generator.logits(WINDOWS).argmax(-1) == reference.logits(WINDOWS).argmax(-1))
+
+
+def test_half_and_int8_weights_keep_the_norms_in_float32_and_follow_float32():
+    source = gpt_source()
+    reference = Generator(source, "f32")
+    for dtype in ("bf16", "f16", "int8"):
+        generator = Generator(source, dtype)
+        flat = traverse_util.flatten_dict(generator.served.params, is_leaf=lambda k, x: hasattr(x, "codes"))
+        assert flat[("ln_f", "scale")].dtype == jnp.float32  # the run's rule: LayerNorm -> f32
+        half = flat[("block_0", "attn", "qkv", "bias")].dtype
+        assert half == (jnp.float16 if dtype == "f16" else jnp.bfloat16)
+        if dtype == "int8":
+            kernel = flat[("block_0", "Dense_0", "kernel")]  # (32, 128): a scale per output column
+            assert kernel.codes.dtype == jnp.int8 and kernel.scales.shape == (1, 128)
+            assert generator.served.bytes < Generator(source, "bf16").served.bytes
+        agree = _agreement(generator, reference)
+        assert agree >= 0.9, (dtype, agree)
+
+
+def test_an_int8_or_fp8_cache_holds_each_head_and_position_to_its_rounding():
+    new = jax.random.normal(jax.random.key(0), (2, 3, 4, 16)) * jnp.arange(1, 5)[None, None, :, None]
+    for code, rounding in (("int8", 1 / 254), ("fp8", 2 ** -4)):
+        store = QuantizedKV(code)
+        stored = store.write(store.init((2, 8, 4, 16), jnp.float32), new, jnp.int32(2))
+        back = store.read(stored, jnp.float32)
+        assert stored["scales"].shape == (2, 8, 4, 1) and not back[:, :2].any() and not back[:, 5:].any()
+        peak = jnp.max(jnp.abs(new), axis=-1, keepdims=True)
+        assert float(jnp.max(jnp.abs(back[:, 2:5] - new) / peak)) <= rounding
+    source = gpt_source()
+    for kv in ("int8", "fp8"):
+        assert _agreement(Generator(source, "bf16", kv), Generator(source, "bf16")) >= 0.9
+
+
+def test_sampling_keeps_the_top_k_and_the_nucleus_in_float32():
+    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
+    draws = lambda s: {int(next_tokens(logits, jax.random.key(i), s)[0]) for i in range(200)}  # noqa: E731
+    assert draws(Sampling(top_k=2)) == {0, 1}
+    assert draws(Sampling(top_p=0.7)) == {0, 1}  # 0.5 + 0.3 reach 0.7
+    assert draws(Sampling(top_p=0.5)) == {0}
+    assert draws(Sampling()) == {0, 1, 2, 3}
+    assert int(next_tokens(logits.astype(jnp.bfloat16), jax.random.key(0), GREEDY)[0]) == 0
+
+
+def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
+    source = gpt_source()
+    from train.serving import SampleError
+
+    with pytest.raises(SampleError, match=r"outside the model's vocabulary \('Z'; the first at position 3\)"):
+        Generator(source, "bf16").generate("ROMZEO", 4)
+    with pytest.raises(SampleError, match="pass the model's context of 32 positions .* give --tokens 26 or fewer"):
+        Generator(source, "bf16").generate("ROMEO:", 40, window=False)
+    with pytest.raises(SampleError, match="--dtype 'int4': give bf16, f16, f32 or int8"):
+        Generator(source, "int4")
+    with pytest.raises(SampleError, match="--kv-dtype 'int4'"):
+        Generator(source, "bf16", "int4")
+    assert main(["sample", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not a run, an export or a Hugging Face directory: it does not exist" in err
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    from helpers import flax_transformers
+
+    return huggingface_gpt2(tmp_path_factory.mktemp("gpt2"), flax_transformers())
+
+
+def test_a_hugging_face_gpt2_samples_through_the_command_with_its_cache(hf_dir, capsys):
+    assert main(["sample", str(hf_dir), "--prompt", "ROMEO : the king", "--tokens", "6", "--temperature", "0"]) == 0
+    text, end = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert text.startswith("ROMEO : the king") and len(text.split()) == 10
+    assert "KV cache (the Hugging Face model's own) in bf16" in end and "tokens/s" in end
+    uncached = _greedy(str(hf_dir), tokens=6, cache=False, prompt="ROMEO : the king")
+    np.testing.assert_array_equal(_greedy(str(hf_dir), tokens=6, prompt="ROMEO : the king"), uncached)
+    assert main(["sample", str(hf_dir), "--prompt", "ROMEO : Tybalt"]) == 2
+    assert "cannot encode" in capsys.readouterr().err
+
+
+def test_an_exported_lora_fine_tune_of_it_samples_through_the_command(hf_dir, tmp_path, capsys):
+    text = {"name": "synthetic_text", "num_classes": 21, "seq_len": 16, "batch_size": 4, "num_train": 2000,
+            "num_test": 200, "eval_batch_size": 8, "eval_batches": 1}
+    config = train.config.from_dict({
+        "steps": 3, "progress": False, "inference_dtypes": [], "checkpoint_every": 0, "workdir": str(tmp_path / "run"),
+        "model": {"name": "train.weights.huggingface:model", "path": str(hf_dir), "init_from": str(hf_dir),
+                  "output": "logits"},
+        "data": text, "finetune": {"lora": {"rank": 2}}, "optimizer": {"lr": 1e-2}})
+    train.run(config, out=io.StringIO())
+    assert main(["export", str(tmp_path / "run"), "--dtype", "bf16", str(tmp_path / "out")]) == 0
+    capsys.readouterr()
+    assert main(["sample", str(tmp_path / "out"), "--prompt", "JULIET :", "--tokens", "4", "--dtype", "int8"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-2].startswith("JULIET :") and "int8; weights" in out[-1]
+    assert "KV cache (the Hugging Face model's own)" in out[-1]
+
+
+def test_the_doctor_names_what_overflows_only_when_decoding_in_float16_and_its_verified_fix():
+    from train.serving.diagnose import diagnose_decoding, format_diagnosis
+
+    source = gpt_source(amplify=5e4)  # its keys pass float16's range (bfloat16's, never: the fix verified)
+    found = diagnose_decoding(Generator(source, "f16"), "ROMEO:")
+    problem = found["prefill"].problems[0]
+    assert (problem.kind, problem.path, problem.op) == ("overflow", "block_0/attn/qkv", "dot_general")
+    assert found["prefill"].recommendations and found["decode step"] is None
+    assert "doctor, prefill: dot_general in block_0/attn/qkv (forward) first went non-finite; verified fix" in \
+        format_diagnosis(found)
+    assert "decode step: not diagnosed: the served prefill left non-finite values" in format_diagnosis(found)
+
+
+@pytest.mark.gpu_compile
+def test_the_h100_decode_step_reads_int8_weights_and_cache_as_int8():
+    from helpers import needs_cuda_plugin
+    from train.serving.compiled import compile_decode_step
+
+    needs_cuda_plugin()
+    source = gpt_source(d_model=128)  # its 128 x 384, 128 x 512... kernels in int8
+    half, int8 = (compile_decode_step(Generator(source, dtype, kv)) for dtype, kv in (("bf16", None), ("int8", "int8")))
+    assert int8.weight_bytes < 0.6 * half.weight_bytes and int8.cache_bytes < 0.6 * half.cache_bytes
+    # dequantized into the operands: the step moves fewer bytes, no bfloat16 copy of a weight is written
+    assert int8.modeled.bytes < half.modeled.bytes
+    assert "decode step on h100" in half.line() and half.length == 32 and half.ratio > 1

@@ -1,0 +1,194 @@
+"""Text generation: the prompt in one compiled pass, each new token in one compiled step.
+
+A :class:`Generator` holds a served model: its weights in ``--dtype``
+(:mod:`train.serving.weights`), its decoder and cache in ``--kv-dtype``
+(:mod:`train.serving.cache`), and two programs compiled ahead of time for the shapes of a
+request: ``prefill`` (the prompt, ``(batch, prompt)`` tokens, to the first new token) and
+``step`` (one token ``(batch, 1)`` at a position given as an array, to the next, its cache
+donated): the same step serves every token, nothing compiles per token. Sampling
+(:mod:`train.serving.sampling`) is inside both, in float32, keyed by ``(seed, position)``.
+
+Past the model's context, the window slides: when the cache is full, its newest half is
+taken as a new prompt (positions from 0 again) and decoding goes on from there; each token
+still sees at least half the context. ``window=False`` refuses instead (one line).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from train.serving.cache import Decoder, decoder_for
+from train.serving.kv_store import kv_dtype
+from train.serving.sampling import Sampling, next_tokens
+from train.serving.source import Source, load_source, sample_inputs
+from train.serving.tokenizer import SampleError
+from train.serving.weights import SERVING_DTYPES, ServedWeights, serve_weights, serving_dtype, tree_bytes
+
+__all__ = ["Generation", "Generator", "generate"]
+
+
+class Generation(NamedTuple):
+    """What :func:`generate` made: ``texts`` (prompt and continuation, one per row),
+    ``tokens`` ``(batch, n)`` new ids, the ``prompt`` ids, and how it went: seconds to the
+    first token (the prefill and its sample, compiled beforehand), seconds for the rest,
+    ``tokens_per_second`` (new tokens of every row after the first, per second of decoding),
+    ``compile_seconds``, the bytes of the served weights and of the cache, what cache it had,
+    how often the window slid."""
+
+    texts: list[str]
+    tokens: np.ndarray
+    prompt: np.ndarray
+    first_token_seconds: float
+    decode_seconds: float
+    tokens_per_second: float
+    compile_seconds: float
+    weight_bytes: int
+    cache_bytes: int
+    cache: str
+    dtype: str
+    slides: int
+
+    def end_line(self) -> str:
+        """The one line ``sample`` ends with."""
+        slid = f"; the window slid {self.slides}x (newest half of the context kept)" if self.slides else ""
+        return (f"{self.tokens_per_second:,.1f} tokens/s, first token in {1e3 * self.first_token_seconds:.1f} ms "
+                f"(compiled in {self.compile_seconds:.1f} s); {self.dtype}; weights {_size(self.weight_bytes)}, "
+                f"{self.cache} {_size(self.cache_bytes)}{slid}")
+
+
+class Generator:
+    """A model served for generation: ``source`` (a path or :class:`Source`) in ``dtype``, its
+    cache in ``kv_dtype`` (None: the compute dtype), ``cache=False`` for decoding without one."""
+
+    def __init__(self, source: "Source | str", dtype: str = "bf16", kv_dtype_name: str | None = None,
+                 cache: bool = True):
+        self.source = source if isinstance(source, Source) else load_source(source)
+        inputs = sample_inputs(self.source)
+        compute = SERVING_DTYPES[serving_dtype(dtype)][1]
+        self.served: ServedWeights = serve_weights(self.source.model, self.source.params, self.source.rules(compute),
+                                                   dtype, inputs, self.source.state)
+        self.kv = kv_dtype(kv_dtype_name, self.served.compute)
+        self.decoder: Decoder = decoder_for(self.source.model, self.served, self.kv, self.source.state, cache)
+        self.params = jax.device_put(self.served.params)
+        self._programs: dict[tuple, Any] = {}
+        self.compile_seconds = 0.0
+
+    def program(self, what: str, batch: int, length: int, count: int, sampling: Sampling) -> Any:
+        """The compiled ``prefill`` (``count`` prompt tokens) or ``step`` (``count`` 1) for a cache
+        of ``length`` positions, compiled once per shape."""
+        sampling = sampling._replace(seed=0)  # an argument of the program, not a part of it
+        key = (what, batch, length, count, sampling)
+        if key not in self._programs:
+            start = time.perf_counter()
+            cache = jax.eval_shape(lambda: self.decoder.init(batch, length))
+            args = (self.params, cache, jax.ShapeDtypeStruct((batch, count), jnp.int32),
+                    jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((), jnp.uint32))
+            jitted = jax.jit(self.run(sampling), donate_argnums=(1,))
+            self._programs[key] = jitted.lower(*args).compile()
+            self.compile_seconds += time.perf_counter() - start
+        return self._programs[key]
+
+    def run(self, sampling: Sampling) -> Any:
+        """The pure step ``(params, cache, tokens, index, seed) -> (next tokens, cache)``: the
+        decoder on ``tokens`` at ``index``, then a token sampled from the last logits."""
+        forward = self.decoder.forward
+
+        def run(params, cache, tokens, index, seed):
+            logits, cache = forward(params, cache, tokens, index)
+            key = jax.random.fold_in(jax.random.key(seed), index + tokens.shape[1])
+            return next_tokens(logits[:, -1], key, sampling), cache
+
+        return run
+
+    def generate(self, prompt: str | Sequence[int], tokens: int = 100, sampling: Sampling = Sampling(),
+                 batch: int = 1, window: bool = True) -> Generation:
+        """``tokens`` new tokens after ``prompt`` (text, or token ids) for ``batch`` rows."""
+        ids = self.source.tokenizer.encode(prompt) if isinstance(prompt, str) else np.asarray(prompt, np.int32)
+        sampling = sampling.checked(self.source.tokenizer.size)
+        length = self.cache_length(len(ids), tokens, window)
+        if batch < 1 or tokens < 1:
+            raise SampleError(f"--{'batch' if batch < 1 else 'tokens'} {min(batch, tokens)}: give at least 1")
+        seed = np.uint32(sampling.seed % 2 ** 32)
+        prefill = self.program("prefill", batch, length, len(ids), sampling)
+        step = self.program("step", batch, length, 1, sampling)
+        if len(ids) + tokens > length:  # the window will slide: its prompt's program too, before the clock
+            self.program("prefill", batch, length, length // 2, sampling)
+        rows = np.broadcast_to(ids, (batch, len(ids)))
+        start = time.perf_counter()
+        token, cache = prefill(self.params, self.decoder.init(batch, length), jnp.asarray(rows), np.int32(0), seed)
+        out, position, slides = [token], len(ids), 0
+        token.block_until_ready()
+        first = time.perf_counter()
+        cache_bytes = tree_bytes(cache)
+        for _ in range(tokens - 1):
+            if position == length:  # the cache is full: its newest half is the prompt from here
+                kept = length // 2
+                recent = np.concatenate([rows, np.stack([np.asarray(t) for t in out], 1)], 1)[:, -kept:]
+                again = self.program("prefill", batch, length, kept, sampling)
+                token, cache = again(self.params, self.decoder.init(batch, length), jnp.asarray(recent),
+                                     np.int32(0), seed)
+                position, slides = kept, slides + 1
+            else:
+                token, cache = step(self.params, cache, token[:, None], np.int32(position), seed)
+                position += 1
+            out.append(token)
+        new = np.stack([np.asarray(t) for t in out], 1)
+        end = time.perf_counter()
+        texts = [self.source.tokenizer.decode(np.concatenate([ids, row])) for row in new]
+        rate = batch * (tokens - 1) / (end - first) if tokens > 1 else 0.0
+        return Generation(texts, new, ids, first - start, end - first, rate, self.compile_seconds,
+                          tree_bytes(self.params), cache_bytes, self.decoder.describe(), self.served.dtype, slides)
+
+    def logits(self, tokens: Any) -> np.ndarray:
+        """The float32 logits ``(batch, length, vocab)`` of ``tokens`` ``(batch, length)`` read
+        as one prompt through the served model and its cache (teacher forcing: perplexity, and
+        the agreement of greedy tokens with another dtype)."""
+        tokens = jnp.asarray(tokens, jnp.int32)
+        batch, length = tokens.shape
+        key = ("logits", batch, length)
+        if key not in self._programs:
+            self._programs[key] = jax.jit(lambda p, t: self.decoder.forward(p, self.decoder.init(batch, length), t,
+                                                                            jnp.int32(0))[0])
+        return np.asarray(self._programs[key](self.params, tokens))
+
+    def cache_length(self, prompt: int, tokens: int, window: bool = True) -> int:
+        """The cache's positions for ``prompt`` and ``tokens`` new ones: all of them, or the context."""
+        context, where = self.source.context, self.source.context_from
+        if prompt < 1:
+            raise SampleError("the prompt is empty: give at least one character (--prompt TEXT)")
+        if context is None or prompt + tokens <= context:
+            return prompt + tokens
+        if prompt >= context:
+            raise SampleError(f"the prompt has {prompt} tokens: the model's context is {context} positions ({where}); "
+                              f"give a shorter prompt")
+        if not window:
+            raise SampleError(f"--tokens {tokens}: the prompt ({prompt} tokens) and {tokens} new tokens pass the "
+                              f"model's context of {context} positions ({where}) and the window may not slide; give "
+                              f"--tokens {context - prompt} or fewer")
+        return context
+
+
+def generate(source: "Source | str", prompt: str | Sequence[int], *, tokens: int = 100, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, seed: int = 0, batch: int = 1,
+             dtype: str = "bf16", kv_dtype: str | None = None, cache: bool = True, window: bool = True
+             ) -> Generation:
+    """Generates ``tokens`` new tokens after ``prompt`` from the model ``source`` holds (a run, an
+    export or a Hugging Face directory; or a :class:`Source`), ``batch`` rows, weights in
+    ``dtype`` (``bf16``, ``f16``, ``f32``, ``int8``), the KV cache in ``kv_dtype`` (``bf16``,
+    ``f16``, ``int8``, ``fp8``; None: the compute dtype), sampled in float32 at ``temperature``
+    (0: greedy) from the ``top_k`` / ``top_p`` tokens, keyed by ``seed``. The prompt goes in one
+    compiled pass, each token in one compiled step. Raises :class:`SampleError` (one line)."""
+    generator = Generator(source, dtype, kv_dtype, cache)
+    return generator.generate(prompt, tokens, Sampling(temperature, top_k, top_p, seed), batch, window)
+
+
+def _size(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} bytes"

@@ -1,0 +1,104 @@
+"""The weights a model is served in: ``--dtype bf16|f16|f32|int8``.
+
+``bf16``, ``f16``, ``f32``: every param cast to the dtype but those the run's precision
+rules keep in float32 (its float32 islands: norms by default), by the framework's own
+casting by module path and class (:meth:`precision.LinenWithPolicy.cast_params`), as
+``python -m train export`` casts them; the model computes in that dtype, its softmax and
+logits in float32. ``int8``: the same in bfloat16, then the matmuls' weights as int8 with a
+scale per output channel (:mod:`train.weights.int8`), dequantized inside the jitted step
+into the matmul's bfloat16 operand (:func:`materialized`), which XLA fuses: no bfloat16 copy
+of a weight is kept.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+
+import precision
+from precision.channel_weights import ChannelInt8, dequantize_channels, is_channel_int8
+from precision.contractions import contracted_axes
+from train.serving.tokenizer import SampleError
+from train.training.binding import bind, cast_variables, mode_kwargs
+from train.weights.int8 import int8_weights
+
+__all__ = ["SERVING_DTYPES", "ServedWeights", "serving_dtype", "serve_weights", "materialized", "tree_bytes"]
+
+#: ``--dtype`` names: the dtype weights are stored in, and the one the model computes in.
+SERVING_DTYPES = {"bf16": ("bfloat16", "bfloat16"), "f16": ("float16", "float16"), "f32": ("float32", "float32"),
+                  "int8": ("int8", "bfloat16")}
+_ALIASES = {"bfloat16": "bf16", "float16": "f16", "fp16": "f16", "float32": "f32", "fp32": "f32"}
+
+
+class ServedWeights(NamedTuple):
+    """``params`` as served (arrays, :class:`precision.ChannelInt8` for int8 weights), the
+    serving ``policy`` (computing in ``compute``) and ``rules``, what ``--dtype`` named."""
+
+    params: Any
+    policy: precision.Policy
+    rules: tuple
+    dtype: str
+    compute: str
+
+    def bind(self, module: Any) -> Any:
+        """``module`` (the model, or its decoding clone: the same params) under the serving policy."""
+        return bind(module, self.policy, self.rules)
+
+    @property
+    def bytes(self) -> int:
+        return tree_bytes(self.params)
+
+    def describe(self) -> str:
+        flat = jax.tree_util.tree_leaves(self.params, is_leaf=is_channel_int8)
+        kept = sum(1 for x in flat if not is_channel_int8(x) and np.dtype(x.dtype) == np.float32)
+        int8 = sum(1 for x in flat if is_channel_int8(x))
+        parts = [f"{int8} int8 (a scale per output channel)"] if int8 else []
+        parts.append(f"{kept} float32" if self.compute != "float32" else "all float32")
+        return f"{self.dtype} weights ({', '.join(parts)}), computing in {self.compute}"
+
+
+def serving_dtype(name: str) -> str:
+    """The ``--dtype`` key ``name`` stands for (``bf16``, ``f16``, ``f32``, ``int8``)."""
+    key = _ALIASES.get(str(name).strip().lower(), str(name).strip().lower())
+    if key not in SERVING_DTYPES:
+        raise SampleError(f"--dtype {name!r}: give bf16, f16, f32 or int8")
+    return key
+
+
+def serve_weights(model: Any, params: Any, rules: Any, dtype: str, inputs: Any, state: dict | None = None
+                  ) -> ServedWeights:
+    """``params`` (float32) as served in ``dtype`` under ``rules`` (the run's float32 islands),
+    and ``model`` bound to the serving policy; ``inputs``: a batch to trace the model with."""
+    key = serving_dtype(dtype)
+    stored, compute = SERVING_DTYPES[key]
+    policy = precision.Policy(compute, compute, "float32")
+    rules = tuple(rules)
+    bound = bind(model, policy, rules)
+    state = state or {}
+    tree = jax.tree_util.tree_map(jnp.asarray, params)
+    mode = mode_kwargs(bound, False)
+    cast = cast_variables(bound, {"params": tree, **state}, inputs, **mode)["params"]
+    if stored == "int8":
+        axes = contracted_axes(lambda p: bound.apply({"params": p, **state}, inputs, **mode), tree, lookups=False)
+        flat = int8_weights(traverse_util.flatten_dict(tree), traverse_util.flatten_dict(cast),
+                            traverse_util.flatten_dict(axes))
+        cast = traverse_util.unflatten_dict(flat)
+    return ServedWeights(cast, policy, rules, key, compute)
+
+
+def materialized(params: Any) -> Any:
+    """``params`` with each int8 weight read as its floating one (inside a jitted step: fused
+    into the operand of the matmul that reads it)."""
+    return jax.tree_util.tree_map(lambda x: dequantize_channels(x) if is_channel_int8(x) else x, params,
+                                  is_leaf=is_channel_int8)
+
+
+def tree_bytes(tree: Any) -> int:
+    """Bytes of the arrays of ``tree`` (an int8 weight's codes and scales)."""
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=is_channel_int8)
+    return sum(x.nbytes if isinstance(x, ChannelInt8) else int(np.size(x)) * np.dtype(x.dtype).itemsize
+               for x in leaves)
