@@ -226,13 +226,16 @@ def _workspace(tmp_path: pathlib.Path) -> tuple[pathlib.Path, dict]:
 
 
 def _train_argv(argv: list[str], cwd: pathlib.Path, paths: dict) -> list[str]:
-    """A ``python -m train`` command made tiny, on tiny data where it reads files CI lacks."""
-    if {"--help", "--print-config", "--explain"} & set(argv):
+    """A ``python -m train`` command made tiny, on tiny data where it reads files CI lacks.
+
+    ``--explain`` traces the model on a batch of the data but trains nothing: it keeps its
+    sizes and only gets the tiny data (CI has neither Fashion-MNIST nor the plays)."""
+    if {"--help", "--print-config"} & set(argv):
         return argv
     from train.config import load_config
 
     config = load_config(cwd / argv[3], [a for a in argv[4:] if "=" in a])
-    extra = [*TINY_RUN, f"workdir={paths['tmp']}/run"]
+    extra = [] if "--explain" in argv else [*TINY_RUN, f"workdir={paths['tmp']}/run"]
     if config.data.name in ("fashion_mnist", "shakespeare"):
         tiny = paths["fmnist"] if config.data.name == "fashion_mnist" else paths["text"]
         if config.data.path is None:
