@@ -11,7 +11,7 @@ import pytest
 
 from train.inspections.gpu_time import CALIBRATION
 from train.inspections.hlo_kernels import read_hlo_kernels
-from train.inspections.tpu_time import TPU_DATASHEETS, amdahl_bound, model_tpu_step, xla_cycles_by_op
+from train.inspections.tpu_time import TPU_DATASHEETS, amdahl_bound, model_tpu_step, op_times, xla_cycles_by_op
 
 _CONFIG = '"estimated_cycles":"{}"'
 
@@ -97,3 +97,15 @@ def test_the_amdahl_bound_halves_only_the_matmuls_matrix_time():
     assert faster.seconds == pytest.approx(step.seconds - 1_000_000 / sheet.clock + estimate)
     assert amdahl_bound(HLO, "v5e") == pytest.approx(faster.seconds / step.seconds)
     assert 0.5 < amdahl_bound(HLO, "v5e") < 1.0
+
+
+def test_op_times_name_each_ops_bound_and_sum_to_the_step_and_the_rooflines_alone_drop_xlas_estimates():
+    ops = {op.kernel.name: op for op in op_times(HLO, "v5e")}
+    assert ops["mm"].bound == "xla" and ops["e"].bound == "xla" and ops["cs.0"].bound == "hbm"
+    assert sum(op.seconds for op in ops.values()) == pytest.approx(model_tpu_step(HLO, "v5e").seconds)
+    rooflines = {op.kernel.name: op for op in op_times(HLO, "v5e", xla_estimates=False)}
+    assert rooflines["e"].seconds == 0.0  # the exp moves no HBM bytes and has no matmul: only XLA's estimate timed it
+    assert rooflines["mm"].bound in ("matrix", "hbm") and rooflines["mm"].seconds < ops["mm"].seconds
+    roofline_step = model_tpu_step(HLO, "v5e", xla_estimates=False)
+    assert roofline_step.seconds == pytest.approx(sum(op.seconds for op in rooflines.values()))
+    assert 0.5 < amdahl_bound(HLO, "v5e", xla_estimates=False) < 1.0

@@ -41,7 +41,7 @@ from train.inspections.gpu_time import CALIBRATION
 from train.inspections.hlo_kernels import HloKernel, read_hlo_kernels
 
 __all__ = ["TpuDatasheet", "TPU_DATASHEETS", "TpuModeledStep", "model_tpu_step", "tpu_kernels",
-           "xla_estimated_cycles", "xla_cycles_by_op", "amdahl_bound"]
+           "xla_estimated_cycles", "xla_cycles_by_op", "amdahl_bound", "TpuOpTime", "op_times"]
 
 
 class TpuDatasheet(NamedTuple):
@@ -161,42 +161,69 @@ def tpu_kernels(text: str) -> list[HloKernel]:
     return out
 
 
-def model_tpu_step(hlo_text: str, chip: str, efficiency: float = CALIBRATION.gemm_efficiency,
-                   bandwidth_efficiency: float = CALIBRATION.bandwidth_efficiency,
-                   matmul_speedup: float = 1.0) -> TpuModeledStep:
-    """The modeled time of one step of the optimized TPU program ``hlo_text`` on one chip of
-    generation ``chip`` (``"v5e"``, ``"v5p"``, ``"v6e"``). ``matmul_speedup``: every matmul but
-    attention's as if its matrix unit ran that many times faster, the rest of its op as it is: its
-    XLA estimate less the time saved on its FLOPs at peak (:func:`amdahl_bound`)."""
+class TpuOpTime(NamedTuple):
+    """One op of a TPU program and its modeled time in one step (all its launches)."""
+
+    kernel: HloKernel
+    seconds: float
+    bound: str  # "hbm", "matrix" or "xla" (XLA's estimate: vector units, transposes)
+
+
+def op_times(hlo_text: str, chip: str, efficiency: float = CALIBRATION.gemm_efficiency,
+             bandwidth_efficiency: float = CALIBRATION.bandwidth_efficiency, matmul_speedup: float = 1.0,
+             xla_estimates: bool = True) -> list[TpuOpTime]:
+    """Each op of the optimized TPU program ``hlo_text`` with its modeled time on one chip of generation
+    ``chip`` (``"v5e"``, ``"v5p"``, ``"v6e"``): the longest of its HBM, matrix and XLA-estimated times.
+    ``matmul_speedup``: every matmul but attention's as if its matrix unit ran that many times faster,
+    the rest of its op as it is: its XLA estimate less the time saved on its FLOPs at peak
+    (:func:`amdahl_bound`). ``xla_estimates=False``: the two rooflines alone (an op kept in VMEM
+    then takes no time)."""
     sheet = TPU_DATASHEETS[chip]
-    cycles = xla_cycles_by_op(hlo_text) if sheet.clock else {}
-    memory_seconds, vector_seconds, hbm_bytes, matmul_seconds, matmul_flops = 0.0, 0.0, 0.0, {}, {}
+    cycles = xla_cycles_by_op(hlo_text) if sheet.clock and xla_estimates else {}
+    out = []
     for k in tpu_kernels(hlo_text):
         memory = k.bytes / (sheet.bandwidth * bandwidth_efficiency)
         flops = k.flops / 2 if k.causal else k.flops
-        dtype = "attention" if k.kind == "attention" else k.dtype
-        faster = matmul_speedup if flops and dtype != "attention" else 1.0
+        faster = matmul_speedup if flops and k.kind != "attention" else 1.0
         peak = sheet.peak(k.dtype, k.precision)
         compute = flops / (peak * efficiency * faster) if flops else 0.0
         estimate = cycles.get(k.name, 0) / sheet.clock if sheet.clock else 0.0
         if faster != 1.0:  # the matrix unit's share of XLA's estimate (at peak) faster, the rest (its fused work) not
             estimate = max(estimate - flops / peak * (1.0 - 1.0 / faster), 0.0)
-        hbm_bytes += k.bytes * k.launches
-        if flops:
-            matmul_flops[dtype] = matmul_flops.get(dtype, 0.0) + flops * k.launches
-        if compute >= max(memory, estimate) and compute:
-            matmul_seconds[dtype] = matmul_seconds.get(dtype, 0.0) + compute * k.launches
-        elif estimate > memory:
-            vector_seconds += estimate * k.launches
+        seconds = max(memory, compute, estimate)
+        bound = "matrix" if compute and compute == seconds else "xla" if estimate > memory else "hbm"
+        out.append(TpuOpTime(k, seconds * k.launches, bound))
+    return out
+
+
+def model_tpu_step(hlo_text: str, chip: str, efficiency: float = CALIBRATION.gemm_efficiency,
+                   bandwidth_efficiency: float = CALIBRATION.bandwidth_efficiency,
+                   matmul_speedup: float = 1.0, xla_estimates: bool = True) -> TpuModeledStep:
+    """The modeled time of one step of the optimized TPU program ``hlo_text`` on one chip of
+    generation ``chip``: the sum of its :func:`op_times` (the same arguments)."""
+    sheet = TPU_DATASHEETS[chip]
+    ops = op_times(hlo_text, chip, efficiency, bandwidth_efficiency, matmul_speedup, xla_estimates)
+    memory_seconds, vector_seconds, matmul_seconds, matmul_flops = 0.0, 0.0, {}, {}
+    for op in ops:
+        k = op.kernel
+        dtype = "attention" if k.kind == "attention" else k.dtype
+        if k.flops:
+            matmul_flops[dtype] = matmul_flops.get(dtype, 0.0) + (k.flops / 2 if k.causal else k.flops) * k.launches
+        if op.bound == "matrix":
+            matmul_seconds[dtype] = matmul_seconds.get(dtype, 0.0) + op.seconds
+        elif op.bound == "xla":
+            vector_seconds += op.seconds
         else:
-            memory_seconds += memory * k.launches
+            memory_seconds += op.seconds
     seconds = memory_seconds + vector_seconds + sum(matmul_seconds.values())
+    cycles = xla_cycles_by_op(hlo_text) if sheet.clock and xla_estimates else {}
     return TpuModeledStep(sheet.name, seconds, memory_seconds, matmul_seconds, matmul_flops, sum(cycles.values()),
-                          sheet.clock, vector_seconds, hbm_bytes)
+                          sheet.clock, vector_seconds, sum(op.kernel.bytes * op.kernel.launches for op in ops))
 
 
-def amdahl_bound(hlo_text: str, chip: str) -> float:
+def amdahl_bound(hlo_text: str, chip: str, xla_estimates: bool = True) -> float:
     """The best ratio to this program's modeled step any program could reach with its matmuls (attention's
     aside) at twice the rate and everything else unchanged: the bound int8 matmuls face
     (:func:`model_tpu_step` with ``matmul_speedup=2``, over the step as it is)."""
-    return model_tpu_step(hlo_text, chip, matmul_speedup=2.0).seconds / model_tpu_step(hlo_text, chip).seconds
+    return (model_tpu_step(hlo_text, chip, matmul_speedup=2.0, xla_estimates=xla_estimates).seconds
+            / model_tpu_step(hlo_text, chip, xla_estimates=xla_estimates).seconds)
