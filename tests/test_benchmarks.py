@@ -292,3 +292,18 @@ def test_ceilings_measure_a_product_and_a_copy_and_save_them(tmp_path, capsys):
     assert saved["copy"]["bytes_per_second"] == result["copy"]["bytes_per_second"] > 0
     assert saved["matmul"]["datasheet_dense_bf16"] is None  # a CPU has no datasheet peak
     assert "TFLOP/s" in capsys.readouterr().out
+
+
+def test_int8_tpu_step_extrapolates_a_depth_from_two_compiled_depths():
+    from benchmarks.int8_tpu_step import extrapolated
+
+    def row(layers, bf16, int8, bound):
+        return {"layers": layers, "amdahl": bound, "mixed_bf16": {"modeled": {"seconds": bf16}},
+                "mixed_int8": {"modeled": {"seconds": int8}}}
+
+    # bf16: 0.5 fixed + 0.5 a layer; int8: 0.5 fixed + 0.3 a layer; the bound: 0.5 fixed + 0.25 a layer
+    e = extrapolated({"L1": row(1, 1.0, 0.8, 0.75), "L2": row(2, 1.5, 1.1, 1.0 / 1.5)}, ("L1", "L2"), 24)
+    assert e["mixed_bf16"]["per_layer"] == pytest.approx(0.5) and e["mixed_bf16"]["fixed"] == pytest.approx(0.5)
+    assert e["mixed_int8"]["seconds"] == pytest.approx(0.5 + 24 * 0.3)
+    assert e["ratio"] == pytest.approx(7.7 / 12.5) and e["per_layer_ratio"] == pytest.approx(0.6)
+    assert e["amdahl"] == pytest.approx((0.5 + 24 * 0.25) / 12.5)

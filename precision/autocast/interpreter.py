@@ -40,7 +40,7 @@ from jax.extend.core import DropVar, Literal
 from precision.autocast.derivatives import HALF_WITH_FLOAT32_DERIVATIVE
 from precision.autocast.islands import demanded_vars
 from precision.autocast.op_lists import OpClass, OpLists
-from precision.autocast.program import binders
+from precision.autocast.program import MATMUL_PRIMITIVES, binders
 from precision.autocast.scaled.dispatch import not_scaled, scaled_product
 from precision.autocast.scaled.fp8_sites import Fp8Run
 from precision.autocast.scaled.int8_sites import Int8Run
@@ -163,9 +163,11 @@ def _fuse(jaxpr: Any, fusion: Any, env: dict, demanded: set, ctx: Context) -> No
 
     def op_by_op() -> Val:
         local = dict(env)
-        quiet = ctx.at(ctx.prefix, None)  # its decisions were logged as the fused attention's
+        records: list | None = None if ctx.log is None else []
         for i in sorted(att.eqns):
-            _run(jaxpr.eqns[i], local, demanded, quiet)
+            _run(jaxpr.eqns[i], local, demanded, ctx.at(ctx.prefix, records))
+        if records:  # its other decisions were logged as the fused attention's; its products' say why
+            ctx.log.extend(r for r in records if r.primitive in MATMUL_PRIMITIVES)  # they are not fp8/int8
         return local[att.out]
 
     name_stack = source_info_util.current_name_stack() + last.source_info.name_stack

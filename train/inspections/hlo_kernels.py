@@ -49,7 +49,12 @@ _ELEMENTWISE = frozenset({"add", "subtract", "multiply", "divide", "maximum", "m
 
 _HEADER = re.compile(r"^(ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\((?P<params>.*)\)\s*->\s*.*\{\s*$")
 _PARAM = re.compile(r"%?([\w.\-]+):\s*(\([^()]*\)|[a-z][a-z0-9]*\[[0-9,]*\](?:\{[^}]*\})?)")
-_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
+#: A layout's memory space other than device memory: a TPU's VMEM ``S(1)``, its sync flags ``S(2)``, SMEM...
+_ON_CHIP = re.compile(r"S\([1-9]\d*\)")
+#: Asynchronous moves between memory spaces (a TPU's prefetch of an operand, or of a slice of one, into
+#: VMEM; an eviction back to HBM), and where in their result tuple the destination is.
+_ASYNC_MOVES = {"copy-start": 0, "slice-start": -2}
 
 
 class HloKernel(NamedTuple):
@@ -81,12 +86,30 @@ class _Comp(NamedTuple):
 
 
 def _bytes(type_text: str, drop_workspace: bool = False) -> float:
-    """Bytes of an HLO type (an array or a tuple of them); ``drop_workspace``: a library
-    call's trailing ``u8``/``s8`` scratch buffer is not traffic."""
+    """Bytes in device memory of an HLO type (an array or a tuple of them): an array whose layout
+    puts it in another memory space (a TPU's VMEM, ``S(1)``) is no device-memory traffic;
+    ``drop_workspace``: a library call's trailing ``u8``/``s8`` scratch buffer is not traffic either."""
     arrays = _ARRAY.findall(type_text)
     if drop_workspace and len(arrays) > 1 and arrays[-1][0] in ("u8", "s8"):
         arrays = arrays[:-1]
-    return sum(DTYPE_BYTES.get(t, 4) * math.prod(int(d) for d in dims.split(",") if d) for t, dims in arrays)
+    return sum(_array_bytes(t, dims) for t, dims, layout in arrays if not _ON_CHIP.search(layout))
+
+
+def _array_bytes(dtype: str, dims: str) -> float:
+    return DTYPE_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
+
+
+def _async_move_bytes(instr: "_Instr", operand_types: list[str]) -> float:
+    """Device-memory bytes of an asynchronous copy or slice: its destination's size, read from
+    its source and written to its destination, for each of the two in device memory (a TPU's
+    prefetch into VMEM reads HBM once; its result tuple also names the source, not traffic)."""
+    arrays = _ARRAY.findall(instr.type)
+    if len(arrays) < 2 or not operand_types:
+        return 0.0
+    dtype, dims, layout = arrays[_ASYNC_MOVES[instr.op]]
+    source = _ARRAY.findall(operand_types[0])
+    ends = (not source or not _ON_CHIP.search(source[0][2])) + (not _ON_CHIP.search(layout))
+    return _array_bytes(dtype, dims) * ends
 
 
 def _dims(type_text: str) -> tuple[int, ...]:
@@ -185,12 +208,15 @@ def _kernel(instr: _Instr, comp: _Comp, comps: dict[str, _Comp], launches: int) 
         return _fusion(instr, operand_types, comps, base)
     if any(instr.op.startswith(c) for c in _COLLECTIVES):
         return HloKernel(kind="collective", bytes=_bytes(instr.type), flops=0.0, dtype=_dtype(instr.type), **base)
+    if instr.op in _ASYNC_MOVES:
+        return HloKernel(kind="copy", bytes=_async_move_bytes(instr, operand_types), flops=0.0,
+                         dtype=_dtype(instr.type), **base)
     if instr.op in ("dot", "convolution"):  # left unfused: XLA's own emitter
         flops = _gemm_flops(instr.type, operand_types, instr.rest) if instr.op == "dot" else \
             _conv_flops(instr.type, operand_types, instr.rest)
         return HloKernel(kind="gemm" if instr.op == "dot" else "conv", bytes=moved, flops=flops,
                          dtype=_dtype(operand_types[0]), **base)
-    kind = "copy" if instr.op in ("copy", "copy-start", "transpose") else (
+    kind = "copy" if instr.op in ("copy", "transpose") else (
         "reduction" if instr.op.startswith("reduce") else "fusion")
     return HloKernel(kind=kind, bytes=moved, flops=0.0, dtype=_dtype(instr.type), **base)
 

@@ -141,7 +141,7 @@ def _int8_dot_bwd(dims, out_dtype, in_dtypes, backward, residuals, g):
     q_g, s_g = quantized_along(g, rows, noise)
     record(backward.where, "backward", "gradient", g, s_g)
     d_lhs = transpose_lhs(q_g, rhs, dims, lhs.ndim, product=_given_first(s_g, lhs_grad, backward.where))
-    moved = (lhs.astype(F32) * _row_scales_on_lhs(s_g, lhs, dims)).astype(lhs.dtype)
+    moved = lhs.astype(F32) * _row_scales_on_lhs(s_g, lhs, dims)  # quantized from float32: no 16-bit pass
     d_rhs = transpose_rhs(q_g, moved, dims, rhs.ndim, product=_given_first(None, rhs_grad, backward.where))
     return d_lhs.astype(lhs_dtype), d_rhs.astype(rhs_dtype)
 

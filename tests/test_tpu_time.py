@@ -1,0 +1,111 @@
+"""The modeled TPU step time: HBM bytes as a TPU program moves them (VMEM is not HBM, a prefetch
+moves its bytes once), each op the longest of its HBM, matrix and XLA-estimated time, and the
+bound a program's matmuls at twice the rate would reach.
+
+These run everywhere: the reader is checked on a TPU-style optimized module written here (the
+layouts, async copies and ``estimated_cycles`` libtpu writes; the full GPT-2-small programs are
+in benchmarks/results/int8-compiled.md).
+"""
+
+import pytest
+
+from train.inspections.gpu_time import CALIBRATION
+from train.inspections.hlo_kernels import read_hlo_kernels
+from train.inspections.tpu_time import TPU_DATASHEETS, amdahl_bound, model_tpu_step, op_times, xla_cycles_by_op
+
+_CONFIG = '"estimated_cycles":"{}"'
+
+
+def _cycles(n: int) -> str:
+    return 'backend_config={"window_config":{' + _CONFIG.format(n) + '}}'
+
+
+# A weight prefetched into VMEM in four slices and put back together there (ConcatBitcast), an
+# activation prefetched whole (copy-start) and another evicted to HBM; a matmul reading both from
+# VMEM and writing its result to HBM; an elementwise fusion whose operand and result stay in VMEM.
+HLO = f"""HloModule jit_step, is_scheduled=true
+
+%mm_comp (p0: bf16[1024,512], p1: bf16[512,2048]) -> bf16[1024,2048] {{
+  %p0 = bf16[1024,512]{{1,0:T(8,128)(2,1)S(1)}} parameter(0)
+  %p1 = bf16[512,2048]{{1,0:T(8,128)(2,1)S(1)}} parameter(1)
+  ROOT %conv.1 = bf16[1024,2048]{{1,0:T(8,128)(2,1)}} convolution(%p0, %p1), dim_labels=bf_io->bf
+}}
+
+%vec_comp (v0: bf16[1024,512]) -> bf16[1024,512] {{
+  %v0 = bf16[1024,512]{{1,0:T(8,128)(2,1)S(1)}} parameter(0)
+  ROOT %exp.1 = bf16[1024,512]{{1,0:T(8,128)(2,1)S(1)}} exponential(%v0)
+}}
+
+ENTRY %main (w: bf16[512,2048], x: bf16[1024,512]) -> (bf16[1024,2048], bf16[1024,512]) {{
+  %w = bf16[512,2048]{{1,0:T(8,128)(2,1)}} parameter(0)
+  %x = bf16[1024,512]{{1,0:T(8,128)(2,1)}} parameter(1)
+  %ss.0 = ((bf16[512,2048]{{1,0:T(8,128)(2,1)}}), bf16[128,2048]{{1,0:T(8,128)(2,1)S(1)}}, s32[]{{:S(2)}}) slice-start(%w), slice={{[0:128], [0:2048]}}
+  %ss.1 = ((bf16[512,2048]{{1,0:T(8,128)(2,1)}}), bf16[128,2048]{{1,0:T(8,128)(2,1)S(1)}}, s32[]{{:S(2)}}) slice-start(%w), slice={{[128:256], [0:2048]}}
+  %ss.2 = ((bf16[512,2048]{{1,0:T(8,128)(2,1)}}), bf16[128,2048]{{1,0:T(8,128)(2,1)S(1)}}, s32[]{{:S(2)}}) slice-start(%w), slice={{[256:384], [0:2048]}}
+  %ss.3 = ((bf16[512,2048]{{1,0:T(8,128)(2,1)}}), bf16[128,2048]{{1,0:T(8,128)(2,1)S(1)}}, s32[]{{:S(2)}}) slice-start(%w), slice={{[384:512], [0:2048]}}
+  %sd.0 = bf16[128,2048]{{1,0:T(8,128)(2,1)S(1)}} slice-done(%ss.0)
+  %sd.1 = bf16[128,2048]{{1,0:T(8,128)(2,1)S(1)}} slice-done(%ss.1)
+  %sd.2 = bf16[128,2048]{{1,0:T(8,128)(2,1)S(1)}} slice-done(%ss.2)
+  %sd.3 = bf16[128,2048]{{1,0:T(8,128)(2,1)S(1)}} slice-done(%ss.3)
+  %w.vmem = bf16[512,2048]{{1,0:T(8,128)(2,1)S(1)}} custom-call(%sd.0, %sd.1, %sd.2, %sd.3), custom_call_target="ConcatBitcast"
+  %cs.0 = (bf16[1024,512]{{1,0:T(8,128)(2,1)S(1)}}, bf16[1024,512]{{1,0:T(8,128)(2,1)}}, u32[]{{:S(2)}}) copy-start(%x)
+  %x.vmem = bf16[1024,512]{{1,0:T(8,128)(2,1)S(1)}} copy-done(%cs.0)
+  %mm = bf16[1024,2048]{{1,0:T(8,128)(2,1)}} fusion(%x.vmem, %w.vmem), kind=kOutput, calls=%mm_comp, {_cycles(1_000_000)}
+  %e = bf16[1024,512]{{1,0:T(8,128)(2,1)S(1)}} fusion(%x.vmem), kind=kLoop, calls=%vec_comp, {_cycles(300_000)}
+  %cs.1 = (bf16[1024,512]{{1,0:T(8,128)(2,1)}}, bf16[1024,512]{{1,0:T(8,128)(2,1)S(1)}}, u32[]{{:S(2)}}) copy-start(%e)
+  %e.hbm = bf16[1024,512]{{1,0:T(8,128)(2,1)}} copy-done(%cs.1)
+  ROOT %out = (bf16[1024,2048]{{1,0:T(8,128)(2,1)}}, bf16[1024,512]{{1,0:T(8,128)(2,1)}}) tuple(%mm, %e.hbm)
+}}
+"""
+
+W, X, Y = 512 * 2048 * 2, 1024 * 512 * 2, 1024 * 2048 * 2  # bytes of the weight, the activation, the result
+
+
+def _bytes() -> dict[str, float]:
+    return {k.name: k.bytes for k in read_hlo_kernels(HLO)}
+
+
+def test_a_prefetch_into_vmem_moves_its_bytes_once_and_what_stays_in_vmem_moves_none():
+    moved = _bytes()
+    assert [moved[f"ss.{i}"] for i in range(4)] == [W / 4] * 4  # each slice read once, not the whole weight twice
+    assert moved["cs.0"] == X and moved["cs.1"] == X  # a prefetch reads HBM once, an eviction writes it once
+    assert moved["w.vmem"] == 0  # slices put back together in VMEM
+    assert moved["e"] == 0  # an exp of a value in VMEM into VMEM
+    assert moved["mm"] == Y  # its operands in VMEM, its result to HBM
+    assert sum(moved.values()) == W + 2 * X + Y
+
+
+def test_each_op_takes_the_longest_of_its_hbm_matrix_and_xla_estimated_times():
+    sheet, e_bw, e_mxu = TPU_DATASHEETS["v5e"], CALIBRATION.bandwidth_efficiency, CALIBRATION.gemm_efficiency
+    assert xla_cycles_by_op(HLO) == {"mm": 1_000_000, "e": 300_000}
+    step = model_tpu_step(HLO, "v5e")
+    flops = 2 * 1024 * 512 * 2048
+    assert step.matmul_flops == {"bf16": flops} and step.hbm_bytes == W + 2 * X + Y
+    mm = max(Y / (sheet.bandwidth * e_bw), flops / (sheet.bf16 * e_mxu), 1_000_000 / sheet.clock)
+    assert mm == 1_000_000 / sheet.clock  # XLA's estimate is the longest here: the op is bound by it
+    assert step.vector_seconds == pytest.approx(mm + 300_000 / sheet.clock)  # the exp: no HBM bytes, its cycles
+    assert step.memory_seconds == pytest.approx((W + 2 * X) / (sheet.bandwidth * e_bw))
+    assert step.seconds == pytest.approx(step.memory_seconds + step.vector_seconds)
+    assert "vector-bound (XLA's estimate)" in "\n".join(step.lines())
+
+
+def test_the_amdahl_bound_halves_only_the_matmuls_matrix_time():
+    step = model_tpu_step(HLO, "v5e")
+    faster = model_tpu_step(HLO, "v5e", matmul_speedup=2.0)
+    sheet, flops = TPU_DATASHEETS["v5e"], 2 * 1024 * 512 * 2048
+    estimate = 1_000_000 / sheet.clock - flops / sheet.bf16 / 2  # its fused work as it was, its FLOPs at twice the peak
+    assert faster.seconds == pytest.approx(step.seconds - 1_000_000 / sheet.clock + estimate)
+    assert amdahl_bound(HLO, "v5e") == pytest.approx(faster.seconds / step.seconds)
+    assert 0.5 < amdahl_bound(HLO, "v5e") < 1.0
+
+
+def test_op_times_name_each_ops_bound_and_sum_to_the_step_and_the_rooflines_alone_drop_xlas_estimates():
+    ops = {op.kernel.name: op for op in op_times(HLO, "v5e")}
+    assert ops["mm"].bound == "xla" and ops["e"].bound == "xla" and ops["cs.0"].bound == "hbm"
+    assert sum(op.seconds for op in ops.values()) == pytest.approx(model_tpu_step(HLO, "v5e").seconds)
+    rooflines = {op.kernel.name: op for op in op_times(HLO, "v5e", xla_estimates=False)}
+    assert rooflines["e"].seconds == 0.0  # the exp moves no HBM bytes and has no matmul: only XLA's estimate timed it
+    assert rooflines["mm"].bound in ("matrix", "hbm") and rooflines["mm"].seconds < ops["mm"].seconds
+    roofline_step = model_tpu_step(HLO, "v5e", xla_estimates=False)
+    assert roofline_step.seconds == pytest.approx(sum(op.seconds for op in rooflines.values()))
+    assert 0.5 < amdahl_bound(HLO, "v5e", xla_estimates=False) < 1.0
