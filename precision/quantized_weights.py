@@ -11,10 +11,12 @@ flattened), each with a float32 scale, its largest magnitude, and a code per val
   weights), two per byte: 0.5 + 4/64 bytes per value.
 
 Models read :class:`QuantizedWeight` leaves as floating arrays: the policy's model
-wrappers dequantize them where they are applied (:func:`dequantized`), inside the
-traced step, where XLA fuses the dequantization into the cast that feeds each
-matmul; no dequantized copy is stored. Weights too small to pay (biases, norms)
-stay floating: :func:`quantizable` says which.
+wrappers dequantize them where they are applied, inside the traced step, where XLA
+fuses the dequantization into the cast that feeds each matmul; no dequantized copy is
+stored. Under autocast each weight is read by a named sub-program (:func:`read_in_program`),
+by which a matmul reading it finds its codes and dequantizes them again for its backward
+pass (:mod:`precision.autocast.frozen_reads`); elsewhere :func:`dequantized`. Weights too
+small to pay (biases, norms) stay floating: :func:`quantizable` says which.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import numpy as np
 from flax import struct
 
 __all__ = ["BLOCK", "CODES", "QuantizedWeight", "quantizable", "quantize_weight", "dequantize_weight",
-           "dequantized", "is_quantized", "logical_size", "NF4_LEVELS"]
+           "dequantized", "read_in_program", "READ", "is_quantized", "logical_size", "NF4_LEVELS"]
 
 #: Values per block (one float32 scale each), as QLoRA's.
 BLOCK = 64
@@ -98,11 +100,11 @@ def dequantize_weight(q: QuantizedWeight) -> jax.Array:
     """The weight ``q`` stores, in its floating dtype. Elementwise from the codes (no gather,
     no unpacked indices), so XLA computes it inside each op that reads it, as it does a cast:
     a step never holds a weight's dequantized values, or its unpacked 4-bit indices, whole."""
-    if q.code == "int8":
-        unit = q.codes.astype(jnp.float32) / 127
+    if q.code == "int8":  # one product per value, by each block's step: no order for XLA to rearrange
+        unit, scales = q.codes.astype(jnp.float32), q.scales * np.float32(1 / 127)
     else:
-        unit = _nf4_levels(_nibbles(q.codes))
-    values = (unit * q.scales[:, None]).reshape(-1)[:q.size]
+        unit, scales = _nf4_levels(_nibbles(q.codes)), q.scales
+    values = (unit * scales[:, None]).reshape(-1)[:q.size]
     return values.reshape(q.shape).astype(q.dtype)
 
 
@@ -134,6 +136,29 @@ def dequantized(tree: Any) -> Any:
         return tree
     return jax.tree_util.tree_map(lambda x: dequantize_weight(x) if is_quantized(x) else x, tree,
                                   is_leaf=is_quantized)
+
+
+#: The name of the sub-program that dequantizes one weight in a traced program (:func:`read_in_program`).
+READ = "quantized_weight_read"
+
+
+def _quantized_weight_read(q: QuantizedWeight) -> jax.Array:
+    values = dequantize_weight(q)
+    half = values.dtype in (jnp.bfloat16, jnp.float16)
+    return values.astype(jnp.float32) if half else values  # exact: the program is traced in float32
+
+
+_quantized_weight_read.__name__ = READ
+_read = jax.jit(_quantized_weight_read)
+
+
+def read_in_program(tree: Any) -> Any:
+    """:func:`dequantized`, each weight by a sub-program named :data:`READ` and widened to float32
+    (exactly: autocast traces programs in float32 and casts where they compute): how autocast's
+    programs read a frozen base, so that a matmul reading a weight finds its codes."""
+    if not any(is_quantized(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=is_quantized)):
+        return tree
+    return jax.tree_util.tree_map(lambda x: _read(x) if is_quantized(x) else x, tree, is_leaf=is_quantized)
 
 
 def logical_size(x: Any) -> int:

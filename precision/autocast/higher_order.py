@@ -23,7 +23,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 from jax.extend import linear_util as lu
 
-from precision.autocast import fused_attention
+from precision.autocast import frozen_reads, fused_attention
 from precision.autocast.interpreter import Context, Rule, Site, bind, evaluate, log, outputs
 from precision.autocast.regions import module_path, region_dtype, region_fp8, region_int8, region_matmul
 from precision.autocast.tracing import evaluate_call
@@ -115,8 +115,12 @@ def _jit(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
         out = _fused_attention(site, ins, ctx)
         if out is not None:
             return out
+    if frozen_reads.is_read(site.eqn):  # a weight stored in codes, dequantized
+        return frozen_reads.read(site, ins)
     jaxpr, consts = _closed_parts(site.eqn.params["jaxpr"])
     if ctx.fp8.options.delayed and ctx.fp8.reachable:  # inlined: its matmuls then reach their amax histories
+        return _inline(site, ins, ctx)
+    if any(v.source is not None for v in ins):  # inlined: its matmuls then find a weight's codes
         return _inline(site, ins, ctx)
     closed, specs, records = retrace(jaxpr, consts, [Spec.of(v) for v in ins], ctx.at(site.scope))
     _commit(ctx, records)

@@ -44,7 +44,7 @@ from precision.autocast.program import MATMUL_PRIMITIVES, binders
 from precision.autocast.scaled.dispatch import not_scaled, scaled_product
 from precision.autocast.scaled.fp8_sites import Fp8Run
 from precision.autocast.scaled.int8_sites import Int8Run
-from precision.autocast import attention_fusion, matmul_precision, norm_fusion, reductions
+from precision.autocast import attention_fusion, frozen_reads, matmul_precision, norm_fusion, reductions
 from precision.autocast.regions import (module_path, region_dtype, region_fp8, region_int8, region_matmul,
                                         scope_names, within)
 from precision.autocast.values import (AS_TRACED, DENIED, F32, FOLLOWS_F32, REGION, STATISTICS, UPCAST, Kind, Record,
@@ -145,6 +145,7 @@ def _run(eqn: Any, env: dict, demanded: set, ctx: Context) -> None:
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
     with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
         outs = rewrite_eqn(site, ins, ctx)
+        frozen_reads.follow(site, ins, outs)  # a weight stored in codes, moved or cast: still made from them
     leaf, const = _keeps_leaf(site, ins), all(v.const for v in ins)
     for val in outs:
         val.leaf = val.leaf or leaf  # a param reshaped, cast or sliced is still a param as a layer reads it
@@ -363,6 +364,9 @@ def _allowed(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
     updates = {}
     if "preferred_element_type" in params and preferred is not None:
         updates["preferred_element_type"] = F32 if keep_wide else target
+    frozen = frozen_reads.product(site, ins, args, _params(site, args, updates), ctx.reduce)  # a weight in codes
+    if frozen is not None:
+        return outputs(site, frozen, kind)
     return outputs(site, bind_reducing(site, ins, args, ctx.reduce, **updates), kind)
 
 

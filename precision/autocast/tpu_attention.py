@@ -113,14 +113,13 @@ def _flash(given: dict, static: dict, check: bool = False) -> jax.Array:
         big = float(jnp.finfo(jnp.float32).max)  # a saturated mask bias (finfo.min) / scale stays finite
         bias = jnp.clip(bias.astype(jnp.float32) / scale, -big, big)
         bias = jnp.broadcast_to(bias, (batch, heads, length, key.shape[1]))
-    heads_first = lambda x: jnp.transpose(x, (0, 2, 1, 3))  # noqa: E731 - (B, T, N, H) <-> (B, N, T, H)
-    operands = (heads_first(query), heads_first(key), heads_first(value), bias)
     causal = bool(static.get("is_causal", False))
     if check:
-        tpu_flash.check(*operands, causal=causal, scale=scale)
+        heads_first = lambda x: jnp.transpose(x, (0, 2, 1, 3))  # noqa: E731 - (B, T, N, H) -> (B, N, T, H)
+        tpu_flash.check(heads_first(query), heads_first(key), heads_first(value), bias, causal=causal, scale=scale)
         return query
-    out = tpu_flash.flash(*operands, causal=causal, scale=scale)
-    return heads_first(out).astype(query.dtype)
+    # in jax.nn's layout, so its residuals are the arrays cuDNN's and XLA's attention keep too
+    return tpu_flash.flash(query, key, value, bias, causal=causal, scale=scale, heads_second=True).astype(query.dtype)
 
 
 def _pull_back(fn: Any, args: tuple) -> Any:

@@ -39,11 +39,16 @@ BACKWARD_SCOPE = "pallas_flash_attention_bwd"
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # the kernel's own fill for masked logits
 
 
-def flash(q: jax.Array, k: jax.Array, v: jax.Array, ab: jax.Array | None, causal: bool, scale: float) -> jax.Array:
+def flash(q: jax.Array, k: jax.Array, v: jax.Array, ab: jax.Array | None, causal: bool, scale: float,
+          heads_second: bool = False) -> jax.Array:
     """``flash_attention(q, k, v, ab, causal=causal, sm_scale=scale)`` over ``(batch, heads,
     length, head size)`` operands (``ab``: ``(batch, heads, T, S)`` float32, or None),
-    differentiable; per device under a mesh in context."""
-    attention = _attention(causal, scale, ab is not None)
+    differentiable; per device under a mesh in context. ``heads_second``: ``q``, ``k``, ``v``
+    and the result in ``jax.nn``'s ``(batch, length, heads, head size)`` instead, and so the
+    residuals kept for the backward pass: those of the other platforms' attention (cuDNN's,
+    XLA's) are the same arrays, so a program holding every platform's branch keeps them once
+    (a ``cond``'s branches share residual slots of one shape and dtype)."""
+    attention = _attention(causal, scale, ab is not None, heads_second)
     args = (q, k, v) if ab is None else (q, k, v, ab)
     axes = _batch_axes(q.shape[0])
     if not axes:
@@ -76,8 +81,12 @@ def _batch_axes(batch: int) -> tuple[str, ...]:
     return axes if size > 1 and batch % size == 0 else ()
 
 
+def _swap(x: jax.Array) -> jax.Array:
+    return jnp.transpose(x, (0, 2, 1, 3))  # (B, T, N, H) <-> (B, N, T, H)
+
+
 @functools.lru_cache(maxsize=None)
-def _attention(causal: bool, scale: float, biased: bool) -> Callable:
+def _attention(causal: bool, scale: float, biased: bool, heads_second: bool = False) -> Callable:
     forward = functools.partial(_kernel_fwd, causal, scale, biased)
     backward = functools.partial(_kernel_bwd, causal, scale, biased)
     forward_xla = functools.partial(_xla_fwd, causal, scale, biased)
@@ -98,6 +107,18 @@ def _attention(causal: bool, scale: float, biased: bool) -> Callable:
     def bwd(residuals, do):
         with jax.named_scope(BACKWARD_SCOPE):
             return tuple(choose(*residuals, do, kernel=backward, fallback=backward_xla))
+
+    if heads_second:  # operands, result and residuals in jax.nn's layout; the kernel in its own
+        kernel_forward, kernel_backward = run_forward, bwd
+
+        def run_forward(*args):  # noqa: F811 - `attention` and `fwd` call this one
+            out, l, m = kernel_forward(*map(_swap, args[:3]), *args[3:])
+            return _swap(out), l, m
+
+        def bwd(residuals, do):  # noqa: F811
+            *args, out, l, m = residuals
+            grads = kernel_backward((*map(_swap, args[:3]), *args[3:], _swap(out), l, m), _swap(do))
+            return (*map(_swap, grads[:3]), *grads[3:])
 
     attention.defvjp(fwd, bwd)
     return attention

@@ -80,18 +80,22 @@ class Val:
     ``const``: computed from literals and concrete constants alone (``iota``,
     ``jnp.arange``...), so the same on every device and every example: a
     position table looked up at such indices is still a param.
+
+    ``source``: for a weight stored in codes, how its array is made again from
+    them (:class:`precision.autocast.frozen_reads.Source`), else None.
     """
 
-    __slots__ = ("kind", "path", "array", "_casts", "leaf", "const")
+    __slots__ = ("kind", "path", "array", "_casts", "leaf", "const", "source")
 
     def __init__(self, kind: Kind, array: Any, path: tuple[str, ...] = (), casts: dict | None = None,
-                 leaf: bool = False, const: bool = False):
+                 leaf: bool = False, const: bool = False, source: Any = None):
         self.kind = kind
         self.array = array
         self.path = path
         self._casts = {} if casts is None else casts
         self.leaf = leaf
         self.const = const
+        self.source = source
 
     @property
     def dtype(self) -> Any:
@@ -113,7 +117,8 @@ class Val:
 
     def retag(self, kind: Kind, path: tuple[str, ...] | None = None) -> "Val":
         """The same array (and casts) under another kind or path."""
-        return Val(kind, self.array, self.path if path is None else path, self._casts, self.leaf, self.const)
+        return Val(kind, self.array, self.path if path is None else path, self._casts, self.leaf, self.const,
+                   self.source)
 
 
 def make_val(array: Any, kind: Kind = Kind.HALF, path: tuple[str, ...] = (), const: bool = False) -> Val:

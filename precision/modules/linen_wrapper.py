@@ -21,7 +21,7 @@ from precision.autocast.regions import compute_in, in_module
 from precision.modules.common import (Compute, cast_by_path, check_needs_autocast, cast_like, compute_of, map_params,
                                       region, resolve, split_fp8, uses_fp8, vals_in, vals_like)
 from precision.policy import Policy, _cast_floating
-from precision.quantized_weights import dequantized
+from precision.quantized_weights import dequantized, read_in_program
 from precision.rules import Resolver, Rule, class_names_of
 
 __all__ = ["LinenWithPolicy"]
@@ -124,20 +124,24 @@ class LinenWithPolicy:
         """:meth:`apply` that also appends autocast's decisions to ``log`` (for explain).
 
         Weights stored in 8 or 4 bits (:class:`precision.QuantizedWeight`, a fine-tuned
-        model's frozen base) are read as floating ones, dequantized in the traced program.
+        model's frozen base) are read as floating ones, dequantized in the traced program
+        (under autocast by :func:`precision.quantized_weights.read_in_program`: the matmuls
+        reading them dequantize them again in their backward pass).
         The ``"fp8"`` collection (amax histories) is read by the FP8 matmuls, not
         by the module; it is returned unchanged when ``mutable`` names it (its
         new value is its gradient, see :mod:`precision.fp8`).
         """
-        fp8_state, variables, module_mutable = split_fp8(dequantized(variables), mutable)  # 8/4-bit weights read
+        fp8_state, variables, module_mutable = split_fp8(variables, mutable)
         if self._classes is None:
-            self._record_structure(variables, *args, rngs=rngs, method=method, mutable=module_mutable, **kwargs)
+            self._record_structure(dequantized(variables), *args, rngs=rngs, method=method, mutable=module_mutable,
+                                   **kwargs)
         resolve = self._resolver()
         if not self.autocast:
-            return self._apply_casting(resolve, variables, args, rngs, method, mutable, kwargs)
+            return self._apply_casting(resolve, dequantized(variables), args, rngs, method, mutable, kwargs)
         root = compute_of(resolve(()))
 
         def run(variables, rngs, args, kwargs):
+            variables = read_in_program(variables)  # 8/4-bit weights read
             with nn.intercept_methods(_region_interceptor(resolve, root)):
                 return self.module.apply(variables, *args, rngs=rngs, method=method, mutable=module_mutable,
                                          **kwargs)
@@ -150,7 +154,7 @@ class LinenWithPolicy:
         if mutable is False:
             return vals_in(vals, self.policy.output_dtype)
         out, updated = vals if module_mutable is not False else (vals, {})
-        updated = vals_like(updated, variables)
+        updated = vals_like(updated, jax.eval_shape(dequantized, variables))  # as stored: 8/4-bit weights as read
         if fp8_state is not None:
             updated = {**updated, FP8_COLLECTION: fp8_state}
         return vals_in(out, self.policy.output_dtype), updated

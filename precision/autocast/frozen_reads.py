@@ -1,0 +1,155 @@
+"""Matmuls reading a frozen weight stored in codes: their backward pass dequantizes it again.
+
+A weight stored in 8 or 4 bits (:class:`precision.QuantizedWeight`, a fine-tuned model's
+frozen base) is read by the program as floats, made by a sub-program named
+:data:`precision.quantized_weights.READ`. A matmul's backward pass reads its weight again
+(``dx = dy @ Wᵀ``): differentiated as written, the weight as the matmul reads it (its
+bfloat16 copy) is a residual, which XLA computes in the forward pass and keeps until the
+backward one: a bfloat16 copy of the frozen base per matmul, live at once, where the base
+itself takes 1 byte per value (int8) or half a byte (nf4).
+
+Here, as in bitsandbytes' 4-bit matmul, such a matmul is a ``custom_vjp`` whose residuals
+are the weight's codes and scales (held anyway: they are the weight) and whose backward
+makes the weight again from them. The interpreter keeps, with each value made from a
+weight's codes, how to make it again (:class:`Source`): from the read (:func:`read`),
+through moves and casts (:func:`follow`) and inlined ``jit`` calls; :func:`product` binds a
+``dot_general`` reading such a value. Forward and backward bind the ops JAX's own rules bind
+on the same values, so results and gradients are bit-identical. A weight entering a loop,
+a remat block or a branch is read there as before (its dequantized copy kept).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import numpy as np
+from jax.custom_derivatives import SymbolicZero
+
+from precision.autocast import reductions
+from precision.autocast.program import MOVES
+from precision.autocast.values import Kind, Val, cast, is_policy_float
+from precision.quantized_weights import READ
+
+__all__ = ["Source", "is_read", "read", "follow", "product"]
+
+#: Ops whose result is their first operand moved or cast: a weight's codes still make it.
+_FOLLOWED = MOVES | {"convert_element_type"}
+
+
+class Source(NamedTuple):
+    """How a value is made from a weight's codes: ``fn(*args)``, where ``args`` are the codes
+    and scales as the program holds them and ``fn`` closes over no traced value."""
+
+    args: tuple
+    fn: Callable
+
+    def then(self, step: Callable[[Any], Any]) -> "Source":
+        """The value ``step`` makes of this one."""
+        fn = self.fn
+        return Source(self.args, lambda *args: step(fn(*args)))
+
+
+def is_read(eqn: Any) -> bool:
+    """Whether ``eqn`` is the named sub-program that dequantizes a weight."""
+    return eqn.primitive.name in ("pjit", "jit") and eqn.params.get("name") == READ
+
+
+def read(site: Any, ins: list[Val]) -> list[Val]:
+    """The weight a :data:`READ` call makes, held as autocast holds a param (its stored dtype),
+    with its :class:`Source`. ``site``: the interpreter's :class:`~.interpreter.Site`."""
+    eqn = site.eqn
+    args = tuple(v.as_dtype(var.aval.dtype) if v.managed else v.array for v, var in zip(ins, eqn.invars))
+    stored = _stored_dtype(eqn.params["jaxpr"])
+
+    def fn(*xs: Any) -> Any:
+        (weight,) = eqn.primitive.bind(*xs, **eqn.params)
+        return weight if weight.dtype == stored else cast(weight, stored, saturate=False)
+
+    if not is_policy_float(stored):
+        return [Val(Kind.KEEP, fn(*args), site.path)]
+    return [Val(Kind.HALF, fn(*args), site.path, leaf=True, source=Source(args, fn))]
+
+
+def _stored_dtype(closed: Any) -> np.dtype:
+    """The dtype a read weight is stored in: the read widens a half one to float32 last."""
+    jaxpr = getattr(closed, "jaxpr", closed)
+    out = jaxpr.outvars[0]
+    last = next((e for e in reversed(jaxpr.eqns) if out in e.outvars), None)
+    if last is not None and last.primitive.name == "convert_element_type":
+        return np.dtype(last.invars[0].aval.dtype)
+    return np.dtype(out.aval.dtype)
+
+
+def follow(site: Any, ins: list[Val], outs: list[Val]) -> None:
+    """Gives the result of a move or cast of a value made from codes (a reshape, a transpose,
+    a cast to the compute dtype) its :class:`Source`: the same op on the operand cast as the
+    interpreter cast it (moves keep their operand's dtype)."""
+    if site.name not in _FOLLOWED or len(outs) != 1 or not ins or ins[0].source is None or outs[0] is ins[0]:
+        return
+    if any(v.source is not None or isinstance(v.array, jax.core.Tracer) for v in ins[1:]):
+        return  # indices the program computes (a dynamic slice): not followed
+    out, rest, eqn = outs[0], [v.array for v in ins[1:]], site.eqn
+    dtype = out.dtype
+
+    def step(x: Any) -> Any:
+        x = x if x.dtype == dtype else cast(x, dtype, saturate=False)
+        return x if eqn.primitive.name == "convert_element_type" else eqn.primitive.bind(x, *rest, **eqn.params)
+
+    source = ins[0].source.then(step)
+    made = jax.eval_shape(source.fn, *source.args)
+    if made.shape == np.shape(out.array) and made.dtype == dtype:
+        out.source = source
+
+
+def product(site: Any, ins: list[Val], args: list[Any], params: dict, reduce_dtype: Any = None) -> Any:
+    """``dot_general`` of ``args`` (the operands as the interpreter casts them) with ``params``,
+    whose backward pass makes the weight again from its codes, where exactly one operand is
+    made from codes and no param's gradient is asked for in ``reduce_dtype`` (bound by
+    :mod:`.reductions` then); None elsewhere (bound as written)."""
+    if site.name != "dot_general":
+        return None
+    made = [i for i, v in enumerate(ins) if v.source is not None]
+    if len(made) != 1 or reductions.applies(site.eqn.primitive, args, [v.leaf and v.managed for v in ins], reduce_dtype):
+        return None
+    k = made[0]
+    dtype = np.dtype(args[k].dtype)
+    weight = ins[k].source.then(lambda w: w if w.dtype == dtype else cast(w, dtype, saturate=False))
+    other = args[1 - k]
+    dot = _frozen_dot(site.eqn.primitive, params, k, weight.fn, jax.ShapeDtypeStruct(np.shape(other), other.dtype))
+    return dot(other, *weight.args)
+
+
+def _frozen_dot(primitive: Any, params: dict, k: int, rebuild: Callable, other: Any) -> Callable:
+    """``dot(x, *weight_args)``: ``primitive`` on ``x`` and ``rebuild(*weight_args)`` (the
+    weight at operand ``k``), whose residuals are ``weight_args``. The backward pass is the
+    product's own transpose rule on the weight made again; the weight's own gradient (only
+    where its scales are differentiated) keeps ``x`` too."""
+
+    def bound(x: Any, weight: Any) -> Any:
+        return primitive.bind(*((x, weight) if k == 1 else (weight, x)), **params)
+
+    @jax.custom_vjp
+    def dot(x: Any, *weight_args: Any) -> Any:
+        return bound(x, rebuild(*weight_args))
+
+    def forward(x: Any, *weight_args: Any) -> tuple[Any, tuple]:
+        values = tuple(a.value for a in weight_args)
+        differentiated = any(a.perturbed for a in weight_args)
+        return bound(x.value, rebuild(*values)), (values, x.value if differentiated else None)
+
+    def backward(residuals: tuple, ct: Any) -> tuple:
+        values, x = residuals
+        if isinstance(ct, SymbolicZero):
+            return (None,) * (1 + len(values))
+        values, ct = jax.lax.optimization_barrier((values, ct))  # made again here, after ct: not CSE'd with forward's
+        weight = rebuild(*values)
+        (dx,) = jax.linear_transpose(lambda a: bound(a, weight), other)(ct)
+        if x is None:
+            return (dx, *([None] * len(values)))
+        _, pull = jax.vjp(lambda *w: bound(x, rebuild(*w)), *values)
+        return (dx, *pull(ct))
+
+    dot.defvjp(forward, backward, symbolic_zeros=True)
+    return dot
+
