@@ -16,6 +16,7 @@ from serving_models import VOCAB, decoding_source, gpt_source, huggingface_gpt2
 from train.cli import main
 from train.serving import Generator, Sampling
 from train.serving.kv_store import QuantizedKV
+from train.serving.layout import is_stored_weight, read_weight
 from train.serving.sampling import next_tokens
 
 GREEDY = Sampling(temperature=0)
@@ -63,13 +64,15 @@ def test_half_and_int8_weights_keep_the_norms_in_float32_and_follow_float32():
     reference = Generator(source, "f32")
     for dtype in ("bf16", "f16", "int8"):
         generator = Generator(source, dtype)
-        flat = traverse_util.flatten_dict(generator.served.params, is_leaf=lambda k, x: hasattr(x, "codes"))
+        flat = traverse_util.flatten_dict(generator.served.params, is_leaf=lambda k, x: is_stored_weight(x))
         assert flat[("ln_f", "scale")].dtype == jnp.float32  # the run's rule: LayerNorm -> f32
         half = flat[("block_0", "attn", "qkv", "bias")].dtype
         assert half == (jnp.float16 if dtype == "f16" else jnp.bfloat16)
         if dtype == "int8":
-            kernel = flat[("block_0", "Dense_0", "kernel")]  # (32, 128): a scale per output column
-            assert kernel.codes.dtype == jnp.int8 and kernel.scales.shape == (1, 128)
+            kernel = flat[("block_0", "Dense_0", "kernel")]  # (32, 128): a scale per output column,
+            assert kernel.order == (1, 0)  # stored (out, in): its contracted axis last
+            assert kernel.stored.codes.dtype == jnp.int8 and kernel.stored.scales.shape == (128, 1)
+            np.testing.assert_array_equal(read_weight(kernel, jnp.float32).shape, (32, 128))
             assert generator.served.bytes < Generator(source, "bf16").served.bytes
         agree = _agreement(generator, reference)
         assert agree >= 0.9, (dtype, agree)
