@@ -14,9 +14,10 @@ products (two forward; four and three in the two backward kernels, with the
 recomputed scores; half of them causal) at the bf16 peak. A TPU runs the
 whole step as one program: no kernel launches, no gap between ops.
 
-No TPU profile has calibrated it: ``e_mxu`` and ``e_bw`` are the H200
-profile's shares (:data:`train.inspections.gpu_time.CALIBRATION`), the same for
-both dtypes, so what it says best is how two programs for the same chip
+No TPU profile has calibrated it: ``e_mxu`` is the H200 profile's GEMM share
+(:data:`train.inspections.gpu_time.CALIBRATION`), the same for both dtypes, and
+``e_bw`` the one share of bandwidth the H200 profile's memory-bound kernels reached
+together (:data:`BANDWIDTH_EFFICIENCY`: with no launches, no latency per kernel), so what it says best is how two programs for the same chip
 compare (``mixed_int8`` against ``mixed_bf16``), not the seconds. Beside it, XLA's
 TPU compiler writes its own estimate on every op of the program it made
 (``estimated_cycles``): :func:`xla_estimated_cycles` sums them.
@@ -32,8 +33,14 @@ from train.inspections.gpu_kernels import attribute
 from train.inspections.gpu_time import CALIBRATION
 from train.inspections.hlo_kernels import HloKernel, read_hlo_kernels
 
-__all__ = ["TpuDatasheet", "TPU_DATASHEETS", "TpuModeledStep", "model_tpu_step", "tpu_kernels",
+__all__ = ["BANDWIDTH_EFFICIENCY", "TpuDatasheet", "TPU_DATASHEETS", "TpuModeledStep", "model_tpu_step", "tpu_kernels",
            "xla_estimated_cycles"]
+
+
+#: The share of HBM bandwidth the H200 profile's memory-bound kernels reached together, small and large
+#: (their bytes over their time: ``benchmarks/results/model-calibration.md`` of 2026-11-25). The GPU model
+#: now splits it into a latency per kernel and a streaming share; a TPU program has no kernel launches.
+BANDWIDTH_EFFICIENCY = 0.589
 
 
 class TpuDatasheet(NamedTuple):
@@ -144,7 +151,7 @@ def tpu_kernels(text: str) -> list[HloKernel]:
 
 
 def model_tpu_step(hlo_text: str, chip: str, efficiency: float = CALIBRATION.gemm_efficiency,
-                   bandwidth_efficiency: float = CALIBRATION.bandwidth_efficiency) -> TpuModeledStep:
+                   bandwidth_efficiency: float = BANDWIDTH_EFFICIENCY) -> TpuModeledStep:
     """The modeled time of one step of the optimized TPU program ``hlo_text`` on one chip of
     generation ``chip`` (``"v5e"``, ``"v5p"``, ``"v6e"``)."""
     sheet = TPU_DATASHEETS[chip]
