@@ -55,9 +55,10 @@ def laid_out(flat: Flat, axes: Flat) -> Flat:
 
 
 def _transposed(value: Any, order: tuple[int, ...]) -> Any:
+    """``value`` with its axes in ``order``, copied on the host (no program compiled per shape)."""
     if is_channel_int8(value):
-        return ChannelInt8(jnp.transpose(value.codes, order), jnp.transpose(value.scales, order), value.dtype)
-    return jnp.transpose(value, order)
+        return ChannelInt8(_transposed(value.codes, order), _transposed(value.scales, order), value.dtype)
+    return jnp.asarray(np.ascontiguousarray(np.transpose(np.asarray(value), order)))
 
 
 def is_stored_weight(x: Any) -> bool:

@@ -46,6 +46,7 @@ class ServedWeights(NamedTuple):
     rules: tuple
     dtype: str
     compute: str
+    looked_up: frozenset = frozenset()  # the paths of tables only lookups read (token embeddings)
 
     def bind(self, module: Any) -> Any:
         """``module`` (the model, or its decoding clone: the same params) under the serving policy."""
@@ -54,6 +55,12 @@ class ServedWeights(NamedTuple):
     @property
     def bytes(self) -> int:
         return tree_bytes(self.params)
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of weights one token reads: every weight, but one row of a table only looked up."""
+        flat = traverse_util.flatten_dict(self.params, is_leaf=lambda _, x: is_stored_weight(x))
+        return sum(stored_bytes(x) // (x.shape[0] if path in self.looked_up else 1) for path, x in flat.items())
 
     def describe(self) -> str:
         flat = [x.stored if isinstance(x, ContractedLast) else x
@@ -86,11 +93,13 @@ def serve_weights(model: Any, params: Any, rules: Any, dtype: str, inputs: Any, 
     tree = jax.tree_util.tree_map(jnp.asarray, params)
     mode = mode_kwargs(bound, False)
     cast = traverse_util.flatten_dict(cast_variables(bound, {"params": tree, **state}, inputs, **mode)["params"])
-    axes = traverse_util.flatten_dict(contracted_axes(lambda p: bound.apply({"params": p, **state}, inputs, **mode),
-                                                      tree, lookups=False))
+    apply = lambda p: bound.apply({"params": p, **state}, inputs, **mode)  # noqa: E731
+    axes = traverse_util.flatten_dict(contracted_axes(apply, tree, lookups=False))
+    read = traverse_util.flatten_dict(contracted_axes(apply, tree))
+    looked_up = frozenset(path for path, a in read.items() if a is not None and axes.get(path) is None)
     if stored == "int8":
         cast = int8_weights(traverse_util.flatten_dict(tree), cast, axes)
-    return ServedWeights(traverse_util.unflatten_dict(laid_out(cast, axes)), policy, rules, key, compute)
+    return ServedWeights(traverse_util.unflatten_dict(laid_out(cast, axes)), policy, rules, key, compute, looked_up)
 
 
 def materialized(params: Any) -> Any:
