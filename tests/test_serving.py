@@ -191,3 +191,18 @@ def test_the_h100_decode_step_reads_int8_weights_and_cache_as_int8():
     assert sum(m.kernel.launches for m in half.modeled.kernels if m.kernel.kind == "attention") == 2
     # the bytes a token reads count one row of each embedding only looked up
     assert half.weight_bytes < Generator(source, "bf16").served.bytes
+
+
+def test_a_token_reads_one_row_of_a_table_only_looked_up_and_all_of_a_tied_one():
+    from precision.contractions import contracted_axes
+
+    ids = jnp.asarray([1, 2])
+    tree = {"tied": jnp.ones((8, 4)), "table": jnp.ones((8, 4)), "w": jnp.ones((4, 3))}
+    axes = contracted_axes(lambda p: p["tied"][ids] @ p["tied"].T + (p["table"][ids] @ p["w"]).sum(), tree,
+                           matmuls=False)
+    assert axes == {"tied": None, "table": (1,), "w": None}
+    served = _served("bf16").served
+    assert served.looked_up == {("tokens", "embedding"), ("positions", "embedding")}
+    tables = sum(int(np.size(x)) * 2 for x in (SOURCE.params["tokens"]["embedding"],
+                                               SOURCE.params["positions"]["embedding"]))
+    assert served.token_bytes == served.bytes - tables + 2 * 2 * SOURCE.params["tokens"]["embedding"].shape[1]

@@ -95,8 +95,8 @@ def serve_weights(model: Any, params: Any, rules: Any, dtype: str, inputs: Any, 
     cast = traverse_util.flatten_dict(cast_variables(bound, {"params": tree, **state}, inputs, **mode)["params"])
     apply = lambda p: bound.apply({"params": p, **state}, inputs, **mode)  # noqa: E731
     axes = traverse_util.flatten_dict(contracted_axes(apply, tree, lookups=False))
-    read = traverse_util.flatten_dict(contracted_axes(apply, tree))
-    looked_up = frozenset(path for path, a in read.items() if a is not None and axes.get(path) is None)
+    only_looked_up = traverse_util.flatten_dict(contracted_axes(apply, tree, matmuls=False))
+    looked_up = frozenset(path for path, a in only_looked_up.items() if a is not None)
     if stored == "int8":
         cast = int8_weights(traverse_util.flatten_dict(tree), cast, axes)
     return ServedWeights(traverse_util.unflatten_dict(laid_out(cast, axes)), policy, rules, key, compute, looked_up)
