@@ -7,22 +7,22 @@ and without dynamic loss scaling), its pinned-dtype twin, and the suite's
 hand-written JAX + optax step. Then:
 
 1. **fits** the model's numbers on the profile of the mixed_bf16 step: the
-   share of peak its GEMMs and cuDNN's attention reached (their measured time),
-   the share of bandwidth of every memory-bound kernel (one number for
-   elementwise fusions, reductions and copies together), and the gap between
-   kernels (wall time less busy time, per launch); the shortest kernel is
-   taken as 2 us;
+   share of peak its GEMMs and cuDNN's attention reached (their measured time)
+   and the gap between kernels (wall time less busy time, per launch); a
+   memory-bound kernel's latency and streaming share are fitted kernel by kernel
+   on the H200's GPT-2-small profiles (``python -m benchmarks.kernel_bandwidth``,
+   ``kernel-bandwidth.json``) and read from there;
 2. says how far the fitted model is from each measured kernel kind;
 3. **checks** it on the steps it was not fitted on: modeled against measured
    step time for each.
 
-    python -m benchmarks.model_calibration [--out DIR]
+    python -m benchmarks.model_calibration [--programs DIR] [--out DIR]
 
-The fit is only right on the program that was measured: run it in a checkout of the
-commit the GPU ran (for the H200 run of 2026-11-25, c7177cb, with this file,
-``train/inspections/hlo_kernels.py``, ``train/inspections/gpu_time.py`` and ``benchmarks/profile_step.py``
-copied in); on a later commit it fits a program the GPU never ran. The commit compiled
-is written into the result. Needs JAX's CUDA plugin (``pip install '.[gpu-compile]'``;
+The fit is only right on the program that was measured: compile the steps in a checkout of
+the commit the GPU ran (for the H200 run of 2026-11-25, c7177cb) and give them with
+``--programs DIR`` (``DIR/<model>-<policy>-<loss scale>-<rules|norules>.hlo``,
+``DIR/hand_written-gpt.hlo``); without it the steps are compiled here, a program the GPU
+never ran. The commit compiled is written into the result. Needs JAX's CUDA plugin (``pip install '.[gpu-compile]'``;
 ``JAX_PLATFORMS=cpu``). Writes ``model-calibration.{json,md}``; the fitted numbers belong in
 ``train.inspections.gpu_time.CALIBRATION`` (rounded).
 """
@@ -53,6 +53,7 @@ from train.inspections.targets import get_target, target_devices
 
 PROFILE = RESULTS / "profile-gpt-mixed_bf16-nvidia-h200.json"
 MEASURED = RESULTS / "nvidia-h200.json"
+MEMORY = RESULTS / "kernel-bandwidth.json"
 PROFILE_KINDS = ("gemm", "attention", "fusion", "reduction", "copy")
 
 
@@ -88,14 +89,15 @@ def _busy(kernels: list[HloKernel], sheet: Any, calibration: Calibration) -> flo
                for m in model_kernels(kernels, sheet, calibration))
 
 
-def fit(kernels: list[HloKernel], profile: dict[str, Any], sheet: Any) -> Calibration:
-    """The calibration that gives ``kernels`` the profile's time per kind (see the module's docstring)."""
+def fit(kernels: list[HloKernel], profile: dict[str, Any], sheet: Any, memory: dict[str, Any]) -> Calibration:
+    """The calibration that gives ``kernels`` the profile's GEMM and attention time, its gap per launch,
+    and ``memory``'s latency and streaming share (``kernel-bandwidth.json``; see the module's docstring)."""
     launches = sum(k.launches for k in kernels)
-    calibration = CALIBRATION._replace(min_kernel_seconds=2e-6, source=f"{PROFILE.stem} "
-                                       f"({profile['environment']['date']})",
+    calibration = CALIBRATION._replace(min_kernel_seconds=memory["latency_seconds"],
+                                       bandwidth_efficiency=memory["share"],
+                                       source=f"{PROFILE.stem} ({profile['environment']['date']}); {MEMORY.stem}",
                                        gap_seconds=(profile["step_seconds_traced"] - profile["busy_seconds"]) / launches)
-    for field, kinds in (("gemm_efficiency", ("gemm",)), ("attention_efficiency", ("attention",)),
-                         ("bandwidth_efficiency", ("fusion", "reduction", "copy"))):
+    for field, kinds in (("gemm_efficiency", ("gemm",)), ("attention_efficiency", ("attention",))):
         chosen = [k for k in kernels if profile_kind(k) in kinds]
         want = sum(profile["by_kind"].get(kind, 0.0) for kind in kinds)
         low, high = 1e-3, 2.0
@@ -106,15 +108,31 @@ def fit(kernels: list[HloKernel], profile: dict[str, Any], sheet: Any) -> Calibr
     return calibration
 
 
+def _program(programs: str | None, model: str, policy: str, loss_scale: str, rules: Any, target: Any,
+             layout: Layout) -> str:
+    """The optimized HLO of a checked step: ``programs/<name>.hlo`` where given (compiled in a
+    checkout of the measured commit), else compiled here (``policy`` ``hand_written``: the suite's
+    hand-written step)."""
+    name = "hand_written-gpt" if policy == "hand_written" else \
+        f"{model}-{policy}-{loss_scale}-{'norules' if rules == () else 'rules'}"
+    if programs:
+        return (pathlib.Path(programs) / f"{name}.hlo").read_text()
+    if policy == "hand_written":
+        return _hand_written(model, layout)
+    return _ours(model, policy, loss_scale, rules, target, layout)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m benchmarks.model_calibration", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--programs", default=None, help="a directory of the checked steps' HLO (<model>-<policy>-"
+                   "<loss scale>-<rules|norules>.hlo, hand_written-gpt.hlo) compiled at the measured commit")
     args = p.parse_args(argv)
     target = get_target("h200")
     layout = Layout(make_mesh(1, 1, target_devices(target)))
     sheet, profile, measured = datasheet(target), json.loads(PROFILE.read_text()), json.loads(MEASURED.read_text())
-    kernels = read_hlo_kernels(_ours("gpt", "mixed_bf16", "none", None, target, layout))
-    calibration = fit(kernels, profile, sheet)
+    kernels = read_hlo_kernels(_program(args.programs, "gpt", "mixed_bf16", "none", None, target, layout))
+    calibration = fit(kernels, profile, sheet, json.loads(MEMORY.read_text()))
     kinds = [{"kind": kind, "measured": profile["by_kind"].get(kind, 0.0),
               "modeled": _busy([k for k in kernels if profile_kind(k) == kind], sheet, calibration),
               "launches": sum(k.launches for k in kernels if profile_kind(k) == kind)} for kind in PROFILE_KINDS]
@@ -129,14 +147,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               ("gpt", "mixed_f16", "dynamic", None, scaled["dynamic_seconds"], "loss-scale run")]
     steps = []
     for model, policy, loss_scale, rules, seconds, note in checks:
-        modeled = model_step(_ours(model, policy, loss_scale, rules, target, layout), target, calibration)
+        modeled = model_step(_program(args.programs, model, policy, loss_scale, rules, target, layout), target,
+                             calibration)
         steps.append({"step": f"{model} {policy}" + (f" ({loss_scale} loss scale)" if loss_scale != "none" else ""),
                       "note": note, "measured": seconds, "modeled": modeled.seconds})
-    hand = model_step(_hand_written("gpt", layout), target, calibration)
+    hand = model_step(_program(args.programs, "gpt", "hand_written", "none", None, target, layout), target, calibration)
     steps.append({"step": "gpt hand-written bf16", "note": "the overhead run", "measured":
                   overhead["hand_written_seconds"], "modeled": hand.seconds})
     result = {"calibration": calibration._asdict(), "kinds": kinds, "steps": steps, "environment": environment(),
-              "commit": _commit(),
+              "commit": "c7177cb (programs compiled there)" if args.programs else _commit(),
               "profile": {"busy": profile["busy_seconds"], "wall": profile["step_seconds_traced"],
                           "launches_modeled": sum(k.launches for k in kernels)}}
     write_tables(args.out, "model-calibration", result, markdown(result))
@@ -159,19 +178,22 @@ def markdown(result: dict[str, Any]) -> str:
              f"`python -m benchmarks.model_calibration` at commit {result['commit']} (jax "
              f"{result['environment']['jax']} here, compile-only H200; the measurements: that commit, jax 0.11.2 on an "
              f"H200, 2026-11-25). The model (`train.inspections.gpu_time`) gives each kernel "
-             "max(bytes / (bandwidth x e_bw), FLOPs / (peak x e), 2 us) plus the gap between kernels.", "",
+             "max(t_0 + bytes / (bandwidth x e_bw), FLOPs / (peak x e)) plus the gap between kernels.", "",
              f"Fitted on the profile of the GPT's mixed_bf16 step (busy {prof['busy'] * 1e3:.2f} ms, wall "
              f"{prof['wall'] * 1e3:.2f} ms): GEMMs reach {c['gemm_efficiency']:.3f} of the dense peak, cuDNN attention "
-             f"{c['attention_efficiency']:.3f} (of a causal half of the FLOPs), memory-bound kernels "
-             f"{c['bandwidth_efficiency']:.3f} of HBM bandwidth; gap {c['gap_seconds'] * 1e6:.2f} us per launch "
-             f"({prof['launches_modeled']} launches in the program compiled here).", "",
+             f"{c['attention_efficiency']:.3f} (of a causal half of the FLOPs); gap {c['gap_seconds'] * 1e6:.2f} us per "
+             f"launch ({prof['launches_modeled']} launches in the program compiled here). A kernel's latency "
+             f"t_0 = {c['min_kernel_seconds'] * 1e6:.2f} us and its bytes' share of HBM bandwidth "
+             f"e_bw = {c['bandwidth_efficiency']:.3f} are fitted kernel by kernel on the H200's GPT-2-small profiles "
+             "(`kernel-bandwidth.md`), not here.", "",
              "| kernel kind | launches | measured ms | modeled ms | model / measured |", "|---|---|---|---|---|"]
     for k in result["kinds"]:
         ratio = f"{k['modeled'] / k['measured']:.2f}" if k["measured"] else "-"
         lines.append(f"| {k['kind']} | {k['launches']} | {k['measured'] * 1e3:.2f} | {k['modeled'] * 1e3:.2f} | "
                      f"{ratio} |")
-    lines += ["", "GEMM and attention are fitted exactly (one number each); the memory-bound kinds share one bandwidth "
-              "share, so the fusion and reduction rows say how far one number is from each. The profile counts "
+    lines += ["", "GEMM and attention are fitted exactly (one number each); the fusion, reduction and copy rows are "
+              "not fitted here (the latency and share of `kernel-bandwidth.md`): they say how far those two numbers "
+              "are from this profile's kernels of each kind. The profile counts "
               "cuDNN's `compute_dot_do_o` helper as a GEMM and its dq conversion as attention.", "",
               "Steps the model was not fitted on (measured: the medians of `benchmarks/results/nvidia-h200.json`):", "",
               "| step | measured ms | modeled ms | model / measured | note |", "|---|---|---|---|---|"]

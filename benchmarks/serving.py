@@ -9,6 +9,13 @@ modeled time per token against the bandwidth limit, bytes / 3.35 TB/s).
 its eval split. ``gpt2_small``: a Hugging Face Flax GPT-2 at GPT-2 small's shape (12 layers,
 768 wide, 50,257 tokens, 1,024 positions) with random weights (none can be downloaded here):
 its perplexity means nothing and is not given; the agreement is measured on random tokens.
+``llama3_8b``: a Hugging Face Flax Llama at Llama-3-8B's shape (4,096 wide, 14,336 in the MLP,
+32 query and 8 key-value heads, 128,256 tokens, 8,192 positions), random weights, its decode
+step alone: compiled at (layers, vocabulary) (1, 32,064), (2, 32,064) and (1, 64,128) (its
+weights at full size do not fit this machine's memory beside the served copies) and taken to
+(32, 128,256) linearly: each layer adds the same kernels and bytes, and the vocabulary the
+bytes of the embedding row and the head (the same kernels at both vocabularies: checked, in the
+result's ``same_kernels_at_both_vocabularies``).
 Greedy agreement is teacher-forced: at each position of the same windows, whether the largest
 logit is float32's. Writes ``benchmarks/results/serving.{json,md}`` (``serving-MODEL`` for one model).
 """
@@ -22,6 +29,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.compile_only import chosen
@@ -31,11 +39,17 @@ from train.inspections.targets import TargetError
 from train.serving import Generator, Sampling, Source, load_source
 from train.serving.compiled import compile_decode_step
 
-MODELS = ("shakespeare", "gpt2_small")
+MODELS = ("shakespeare", "gpt2_small", "llama3_8b")
 #: (weights, cache) rows per model; float32 first (the reference).
 ROWS = {"shakespeare": [("f32", "f32"), ("bf16", "bf16"), ("f16", "f16"), ("int8", "bf16"), ("bf16", "int8"),
                         ("bf16", "fp8"), ("int8", "int8")],
-        "gpt2_small": [("f32", "f32"), ("bf16", "bf16"), ("f16", "f16"), ("int8", "bf16")]}
+        "gpt2_small": [("f32", "f32"), ("bf16", "bf16"), ("f16", "f16"), ("int8", "bf16")],
+        "llama3_8b": [("bf16", "bf16"), ("int8", "bf16")]}
+#: Llama-3-8B's shape (its config.json) and depth (the decode step is compiled smaller: see the docstring).
+LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+             "vocab_size": 128256, "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+             "tie_word_embeddings": False}
+LLAMA3_8B_LAYERS = 32
 GOALS = {"bf16_changed_greedy_max": 0.01, "int8_perplexity_vs_bf16_max": 0.01, "h100_ratio_max": 1.5}
 
 
@@ -63,6 +77,74 @@ def _gpt2_small() -> Source:
     return Source(directory, "huggingface", huggingface.model(directory), params, {},
                   lambda dtype: export_rules(rules, dtype), _Ids(config.vocab_size), config.n_positions,
                   "n_positions", None, None)
+
+
+def _llama3_8b(layers: int, vocab: int) -> Source:
+    """A Flax Llama of Llama-3-8B's shape at ``layers`` layers and a ``vocab``-token vocabulary, random
+    weights (normal, 0.02; norms 1) made in numpy in bfloat16."""
+    import transformers
+
+    from train.inspections.export import export_rules
+    from train.weights import huggingface
+
+    directory = tempfile.mkdtemp(prefix="llama3-8b-")
+    config = transformers.LlamaConfig(architectures=["LlamaForCausalLM"], num_hidden_layers=layers,
+                                      **(LLAMA3_8B | {"vocab_size": vocab}))
+    config.save_pretrained(directory)
+    empty = transformers.FlaxLlamaForCausalLM(config, _do_init=False)
+    shapes = jax.eval_shape(lambda key: empty.init_weights(key, (1, 1)), jax.random.key(0))
+    rng = np.random.default_rng(0)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: np.ones(x.shape, np.float32) if "norm" in jax.tree_util.keystr(path)
+        else (0.02 * rng.standard_normal(x.shape, np.float32)).astype(jnp.bfloat16), shapes)
+    rules = type("Section", (), {"policy": "mixed_bf16", "rules": None})
+    return Source(directory, "huggingface", huggingface.model(directory), params, {},
+                  lambda dtype: export_rules(rules, dtype), _Ids(config.vocab_size), config.max_position_embeddings,
+                  "max_position_embeddings", None, None)
+
+
+def _decode_parts(step: Any) -> dict[str, float]:
+    """What the modeled step is made of: its bytes streamed (past each kernel's latency), the
+    kernels' latencies and the gaps between them, and compute-bound time beyond their bytes."""
+    c = CALIBRATION
+    streaming = sum(m.kernel.launches * m.kernel.bytes for m in step.modeled.kernels) / (
+        step.bandwidth * c.bandwidth_efficiency)
+    launches = step.modeled.launches * (c.min_kernel_seconds + c.gap_seconds)
+    return {"streaming_us": 1e6 * streaming, "launch_us": 1e6 * launches,
+            "compute_us": 1e6 * max(0.0, step.modeled.seconds - streaming - launches)}
+
+
+def _decode_row(step: Any) -> dict[str, Any]:
+    return {"bytes_per_token": step.bytes, "cache_bytes": step.cache_bytes, "length": step.length,
+            "h100_modeled_us": step.modeled.seconds * 1e6, "h100_limit_us": step.limit_seconds * 1e6,
+            "h100_ratio": step.ratio, "h100_launches": step.modeled.launches,
+            "h100_hlo_bytes": step.modeled.bytes, "gemms": step.gemms, **_decode_parts(step)}
+
+
+def measure_decode_only(target: str) -> list[dict[str, Any]]:
+    """The Llama-3-8B-shaped rows: the decode step compiled at (layers, vocabulary) (1, V/4), (2, V/4) and
+    (1, V/2), taken to (32, V) linearly (see the module's docstring)."""
+    vocab, rows, steps = LLAMA3_8B["vocab_size"], [], {}
+    points = {"base": (1, vocab // 4), "deeper": (2, vocab // 4), "wider": (1, vocab // 2)}
+    for name, (layers, size) in points.items():
+        source = _llama3_8b(layers, size)
+        for dtype, kv in ROWS["llama3_8b"]:
+            steps[(dtype, kv, name)] = _decode_row(compile_decode_step(Generator(source, dtype, kv), target))
+        del source
+    linear = ("bytes_per_token", "cache_bytes", "h100_modeled_us", "h100_limit_us", "h100_launches",
+              "h100_hlo_bytes", "streaming_us", "launch_us", "compute_us")
+    per_layer, per_token = LLAMA3_8B_LAYERS - 1, (vocab - vocab // 4) / (vocab // 2 - vocab // 4)
+    for dtype, kv in ROWS["llama3_8b"]:
+        base, deeper, wider = (steps[(dtype, kv, name)] for name in points)
+        row = {k: base[k] + per_layer * (deeper[k] - base[k]) + per_token * (wider[k] - base[k]) for k in linear}
+        row["h100_ratio"] = row["h100_modeled_us"] / row["h100_limit_us"]
+        row |= {"model": "llama3_8b", "weights": dtype, "cache": kv, "perplexity": None, "length": base["length"],
+                "compiled": {f"{layers} layers, vocabulary {size}": steps[(dtype, kv, name)]
+                             for name, (layers, size) in points.items()},
+                "same_kernels_at_both_vocabularies": base["h100_launches"] == wider["h100_launches"]}
+        rows.append(row)
+        print(_row_line(row), flush=True)
+    return rows
 
 
 def _windows(model: str, source: Source, batches: int) -> list[np.ndarray]:
@@ -93,24 +175,24 @@ def _speed(generator: Generator, prompt: np.ndarray, tokens: int) -> dict[str, f
             "cache_bytes_cpu": out.cache_bytes}
 
 
-def measure(model: str, source: Source, batches: int, tokens: int, target: str) -> list[dict[str, Any]]:
+def measure(model: str, source: Source, batches: int, tokens: int, target: str, decode_only: bool = False
+            ) -> list[dict[str, Any]]:
+    """The model's rows (``decode_only``: the H100 decode step alone, bf16 and int8 weights)."""
     windows = _windows(model, source, batches)
     prompt = windows[0][0, :8]
     rows, reference = [], None
-    for dtype, kv in ROWS[model]:
+    for dtype, kv in (ROWS["llama3_8b"] if decode_only else ROWS[model]):
         start = time.perf_counter()
         generator = Generator(source, dtype, kv)
-        perplexity, greedy = _scores(generator, windows, source)
-        reference = greedy if reference is None else reference
-        row = {"model": model, "weights": dtype, "cache": kv, "perplexity": perplexity,
-               "greedy_agreement": float(np.mean(greedy == reference)), "weight_bytes": generator.served.bytes,
-               **_speed(generator, prompt, tokens)}
+        row = {"model": model, "weights": dtype, "cache": kv, "perplexity": None,
+               "weight_bytes": generator.served.bytes}
+        if not decode_only:
+            perplexity, greedy = _scores(generator, windows, source)
+            reference = greedy if reference is None else reference
+            row |= {"perplexity": perplexity, "greedy_agreement": float(np.mean(greedy == reference)),
+                    **_speed(generator, prompt, tokens)}
         try:
-            step = compile_decode_step(generator, target)
-            row |= {"bytes_per_token": step.bytes, "cache_bytes": step.cache_bytes, "length": step.length,
-                    "h100_modeled_us": step.modeled.seconds * 1e6, "h100_limit_us": step.limit_seconds * 1e6,
-                    "h100_ratio": step.ratio, "h100_launches": step.modeled.launches,
-                    "h100_hlo_bytes": step.modeled.bytes, "gemms": step.gemms}
+            row |= _decode_row(compile_decode_step(generator, target))
         except TargetError as e:
             row |= {"h100_error": str(e)}
         row["seconds"] = time.perf_counter() - start
@@ -123,8 +205,12 @@ def _row_line(r: dict[str, Any]) -> str:
     ppl = f"{r['perplexity']:.4f}" if r["perplexity"] is not None else "-"
     h100 = (f"{r['h100_modeled_us']:.1f} / {r['h100_limit_us']:.1f} us ({r['h100_ratio']:.2f}x) | "
             f"{r['h100_hlo_bytes'] / 1e6:.3f} | {r['h100_launches']}" if "h100_ratio" in r else "- | - | -")
-    return (f"| {r['model']} | {r['weights']} | {r['cache']} | {ppl} | {100 * r['greedy_agreement']:.2f}% | "
-            f"{r['tokens_per_second']:.1f} | {r.get('bytes_per_token', 0) / 1e6:.3f} | {h100} |")
+    agree = f"{100 * r['greedy_agreement']:.2f}%" if "greedy_agreement" in r else "-"
+    speed = f"{r['tokens_per_second']:.1f}" if "tokens_per_second" in r else "-"
+    parts = (f"{r['streaming_us']:.1f} + {r['launch_us']:.1f} + {r['compute_us']:.1f}" if "streaming_us" in r
+             else "-")
+    return (f"| {r['model']} | {r['weights']} | {r['cache']} | {ppl} | {agree} | {speed} | "
+            f"{r.get('bytes_per_token', 0) / 1e6:.3f} | {h100} | {parts} |")
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -134,9 +220,14 @@ def markdown(result: dict[str, Any]) -> str:
              "(teacher-forced, every position of the same windows), tokens/s decoding on this CPU (batch 1, "
              f"{result['tokens']} tokens, shared cores: noisy), bytes a token reads (every weight and the cache at the "
              "model's context), and the decode step compiled for an H100 (compile-only: modeled time per token against "
-             "bytes / 3.35 TB/s).", "",
+             "bytes / 3.35 TB/s), and what the model's time is made of (`train.inspections.gpu_time`: the bytes "
+             f"streamed at {CALIBRATION.bandwidth_efficiency:.3f} of the bandwidth, each launch's "
+             f"{1e6 * CALIBRATION.min_kernel_seconds:.2f} us latency and {1e6 * CALIBRATION.gap_seconds:.2f} us gap, "
+             "compute-bound time past them). llama3_8b: random weights, the decode step alone, compiled at 1-2 layers "
+             "and a quarter and half of its vocabulary, taken to 32 layers and 128,256 tokens (module docstring).", "",
              "| model | weights | cache | perplexity | greedy = f32 | tokens/s (CPU) | MB per token | H100 modeled / "
-             "bandwidth limit | MB the H100 step moves | its kernels |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "bandwidth limit | MB the H100 step moves | its kernels | modeled us: streaming + launches + compute |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [_row_line(r) for r in result["rows"]]
     lines += ["", "Goals: " + "; ".join(f"{k} {v}" for k, v in result["goals"].items()), ""]
     lines += [f"- {line}" for line in result["verdicts"]]
@@ -146,23 +237,23 @@ def markdown(result: dict[str, Any]) -> str:
 def verdicts(rows: list[dict[str, Any]]) -> list[str]:
     out = []
     shake = {(r["weights"], r["cache"]): r for r in rows if r["model"] == "shakespeare"}
-    if ("bf16", "bf16") in shake:
+    if "greedy_agreement" in shake.get(("bf16", "bf16"), {}):
         changed = 1 - shake[("bf16", "bf16")]["greedy_agreement"]
         out.append(f"bf16 weights change {100 * changed:.2f}% of greedy tokens against float32 on the Shakespeare GPT "
                    f"(goal <= 1%): {'met' if changed <= 0.01 else 'NOT met'}")
-    if ("int8", "bf16") in shake and ("bf16", "bf16") in shake:
+    if shake.get(("int8", "bf16"), {}).get("perplexity") and shake.get(("bf16", "bf16"), {}).get("perplexity"):
         rel = shake[("int8", "bf16")]["perplexity"] / shake[("bf16", "bf16")]["perplexity"] - 1
         out.append(f"int8 weights' perplexity is {100 * rel:+.2f}% of bf16's (goal within 1%): "
                    f"{'met' if abs(rel) <= 0.01 else 'NOT met'}")
     for r in rows:
-        if r["weights"] == "bf16" and r["cache"] == "bf16" and "h100_ratio" in r:
+        if r["cache"] == "bf16" and r["weights"] in ("bf16", "int8") and "h100_ratio" in r:
             moved = r["h100_hlo_bytes"] / r["bytes_per_token"]
-            out.append(f"{r['model']}: the modeled H100 decode step at batch 1 is {r['h100_ratio']:.2f}x its bandwidth "
-                       f"limit (goal <= 1.5x): {'met' if r['h100_ratio'] <= 1.5 else 'NOT met'}; it moves "
-                       f"{moved:.2f}x the bytes a token needs, in {r['h100_launches']} kernels: the model's "
-                       f"{1e6 * CALIBRATION.gap_seconds:.1f} us between kernels and {1e6 * CALIBRATION.min_kernel_seconds:.0f} us "
-                       f"shortest kernel take the rest (and its bandwidth share, {CALIBRATION.bandwidth_efficiency}, "
-                       f"alone puts any step at {1 / CALIBRATION.bandwidth_efficiency:.2f}x or more)")
+            out.append(f"{r['model']} {r['weights']}: the modeled H100 decode step at batch 1 is {r['h100_ratio']:.2f}x "
+                       f"its bandwidth limit (goal <= 1.5x): {'met' if r['h100_ratio'] <= 1.5 else 'NOT met'}; it moves "
+                       f"{moved:.2f}x the bytes a token needs ({r['streaming_us']:.1f} us streamed at the model's "
+                       f"{CALIBRATION.bandwidth_efficiency:.3f} of the bandwidth: {1 / CALIBRATION.bandwidth_efficiency:.2f}x "
+                       f"the limit for bytes alone), in {r['h100_launches']:.0f} kernels ({r['launch_us']:.1f} us of "
+                       f"latency and gaps: {r['launch_us'] / r['h100_limit_us']:.2f}x the limit)")
     return out
 
 
@@ -173,17 +264,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, default=8, help="eval windows scored: batches of 16 (default 8)")
     p.add_argument("--tokens", type=int, default=64, help="tokens timed per generation (default 64)")
     p.add_argument("--target", default="h100")
+    p.add_argument("--decode-only", action="store_true", help="the H100 decode step alone (bf16 and int8 weights)")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
     (models,) = chosen(p, models=(args.models, MODELS))
     rows = []
     for model in models:
+        if model == "llama3_8b":
+            rows += measure_decode_only(args.target)
+            continue
         source = load_source(args.run) if model == "shakespeare" else _gpt2_small()
-        rows += measure(model, source, args.batches if model == "shakespeare" else 2, args.tokens, args.target)
+        rows += measure(model, source, args.batches if model == "shakespeare" else 2, args.tokens, args.target,
+                        args.decode_only)
     result = {"command": command("benchmarks.serving", argv), "environment": environment(), "tokens": args.tokens,
               "goals": GOALS, "rows": rows, "verdicts": verdicts(rows)}
-    write_tables(args.out, "serving" if len(models) == len(MODELS) else f"serving-{'-'.join(models)}", result,
-                 markdown(result))
+    name = "serving" if len(models) == len(MODELS) else f"serving-{'-'.join(models)}"
+    write_tables(args.out, name + ("-decode" if args.decode_only else ""), result, markdown(result))
     return 0
 
 

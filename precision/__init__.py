@@ -61,6 +61,7 @@ from precision.stored import accumulate, stochastic_round, stored_in
 from precision.losses import cross_entropy
 from precision.blockwise import Plan as BlockwisePlan, blockwise_loss, plan as plan_blockwise_loss
 from precision.quantized_weights import QuantizedWeight, dequantized, quantize_weight
+from precision.autocast.fused_attention import forward_only
 
 __version__ = "0.1.0"
 
@@ -72,7 +73,7 @@ __all__ = (
     "NORM_CLASSES", "SOFTMAX_PATTERNS", "Rule", "default_rules", "get_rules", "norm_rules",
     "FP8_COLLECTION", "Fp8Options", "combine_fp8_states", "fp8_options", "init_fp8_state",
     "Int8Options", "int8_options",
-    "ALLOW", "DENY", "OpLists", "op_lists", "compute_in", "autocast", "reduce_dtype_of",
+    "ALLOW", "DENY", "OpLists", "op_lists", "compute_in", "autocast", "forward_only", "reduce_dtype_of",
     "LinenWithPolicy", "NNXWithPolicy", "with_policy",
     "CoverageError", "Explanation", "PrecisionWarning", "check_coverage", "explain", "read_dtypes",
     "Diagnosis", "Problem", "Recommendation", "diagnose",

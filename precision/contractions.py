@@ -34,25 +34,27 @@ _OTHER = "other"
 Axes = tuple  # an array's axes as the original argument's (None: an axis it does not have)
 
 
-def contracted_axes(fn: Callable[[Any], Any], tree: Any, lookups: bool = True) -> Any:
+def contracted_axes(fn: Callable[[Any], Any], tree: Any, lookups: bool = True, matmuls: bool = True) -> Any:
     """For each array of ``tree``, the sorted tuple of its axes that the matmuls and
     lookups of ``fn(tree)`` read it over (contract, or take whole per looked-up row), or
     None where it has another use or none. Uses that disagree give the union of their
-    axes. ``lookups=False``: a lookup is another use (only matmuls' weights get axes).
+    axes. ``lookups=False``: a lookup is another use (only matmuls' weights get axes);
+    ``matmuls=False``: a matmul is (only tables that are only looked up get axes).
     Traces ``fn`` abstractly (nothing is computed)."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     avals = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves]
     closed = jax.make_jaxpr(lambda *xs: fn(jax.tree_util.tree_unflatten(treedef, list(xs))))(*avals)
     out = []
     for var, leaf in zip(closed.jaxpr.invars, leaves, strict=True):
-        uses = _uses(closed.jaxpr, var, tuple(range(np.ndim(leaf))), lookups)
+        uses = _uses(closed.jaxpr, var, tuple(range(np.ndim(leaf))), (lookups, matmuls))
         out.append(None if not uses or _OTHER in uses else tuple(sorted(set().union(*uses))))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _uses(jaxpr: Any, var: Any, axes: Axes, lookups: bool) -> list:
+def _uses(jaxpr: Any, var: Any, axes: Axes, reads: tuple[bool, bool]) -> list:
     """What each use of ``var`` (whose axes are the argument's ``axes``) reads it over: a set
-    of the argument's axes per matmul or lookup, :data:`_OTHER` for any other use."""
+    of the argument's axes per matmul or lookup, :data:`_OTHER` for any other use (``reads``:
+    whether lookups, matmuls count as reads)."""
     found: list = [_OTHER for v in jaxpr.outvars if v is var]
     for eqn in jaxpr.eqns:
         positions = [i for i, v in enumerate(eqn.invars) if v is var]
@@ -60,24 +62,24 @@ def _uses(jaxpr: Any, var: Any, axes: Axes, lookups: bool) -> list:
             continue
         name = eqn.primitive.name
         if name in _RETYPES and positions == [0]:
-            found += _uses(jaxpr, eqn.outvars[0], axes, lookups)
+            found += _uses(jaxpr, eqn.outvars[0], axes, reads)
         elif name == "transpose":
-            found += _uses(jaxpr, eqn.outvars[0], tuple(axes[p] for p in eqn.params["permutation"]), lookups)
-        elif name == "dot_general" and len(positions) == 1:
+            found += _uses(jaxpr, eqn.outvars[0], tuple(axes[p] for p in eqn.params["permutation"]), reads)
+        elif name == "dot_general" and len(positions) == 1 and reads[1]:
             contracting, _ = eqn.params["dimension_numbers"]
             side = contracting[positions[0]] if positions[0] < 2 else ()
             found.append({axes[a] for a in side} - {None})
-        elif name == "gather" and positions == [0] and lookups:
+        elif name == "gather" and positions == [0] and reads[0]:
             indexed = set(eqn.params["dimension_numbers"].collapsed_slice_dims)
             found.append({a for i, a in enumerate(axes) if i not in indexed} - {None})
         else:
-            found += _inside(jaxpr, eqn, positions, axes, lookups)
+            found += _inside(jaxpr, eqn, positions, axes, reads)
         if _OTHER in found:
             return found
     return found
 
 
-def _inside(jaxpr: Any, eqn: Any, positions: list[int], axes: Axes, lookups: bool) -> list:
+def _inside(jaxpr: Any, eqn: Any, positions: list[int], axes: Axes, reads: tuple[bool, bool]) -> list:
     """The uses of an operand passed into ``eqn``'s sub-programs, and of what they return
     of it unchanged (a jit's output that is its input, moved)."""
     inner = _inner_binders(eqn, positions)
@@ -85,11 +87,11 @@ def _inside(jaxpr: Any, eqn: Any, positions: list[int], axes: Axes, lookups: boo
         return [_OTHER]
     found: list = []
     for sub, binder, sliced in inner:
-        uses = _uses(sub, binder, axes[1:] if sliced else axes, lookups)
+        uses = _uses(sub, binder, axes[1:] if sliced else axes, reads)
         exits = [k for k, v in enumerate(sub.outvars) if v is binder]
         found += [u for u in uses if u is not _OTHER] + [_OTHER] * (uses.count(_OTHER) - len(exits))
         if exits and (eqn.primitive.name in ("scan", "while") or len(sub.outvars) != len(eqn.outvars)):
             found.append(_OTHER)
         elif exits:
-            found += [u for k in exits for u in _uses(jaxpr, eqn.outvars[k], axes, lookups)]
+            found += [u for k in exits for u in _uses(jaxpr, eqn.outvars[k], axes, reads)]
     return found

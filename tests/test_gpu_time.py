@@ -162,7 +162,7 @@ def test_a_target_without_a_datasheet_is_refused_with_its_compute_capability():
         datasheet(type(target)("t4", "T4", 1, text))
 
 
-def test_each_kernel_takes_its_roofline_time_plus_the_gap_and_at_least_the_shortest_kernel():
+def test_each_kernel_takes_its_latency_and_bytes_or_its_flops_plus_the_gap():
     sheet = datasheet(get_target("h100"))
     c = Calibration(gemm_efficiency=0.5, attention_efficiency=0.25, bandwidth_efficiency=0.5,
                     min_kernel_seconds=2e-6, gap_seconds=1e-6, source="test")
@@ -170,11 +170,13 @@ def test_each_kernel_takes_its_roofline_time_plus_the_gap_and_at_least_the_short
     compute = HloKernel("g", "gemm", 1, 1e3, 989.4e12 * 1e-3, "bf16", "")  # 1 ms at peak, 2 ms at half
     causal = HloKernel("a", "attention", 1, 1e3, 2 * 989.4e12 * 1e-3, "bf16", "", causal=True)
     tiny = HloKernel("t", "fusion", 1, 8.0, 0.0, "f32", "")
-    got = {m.kernel.name: m for m in model_kernels([memory, compute, causal, tiny], sheet, c)}
-    assert got["m"].seconds == pytest.approx(2 * (2e-3 + 1e-6), rel=1e-3) and got["m"].bound == "memory"
+    small = HloKernel("s", "reduction", 1, 3.35e6, 0.0, "f32", "")  # 2 us of bytes past 2 us of latency
+    got = {m.kernel.name: m for m in model_kernels([memory, compute, causal, tiny, small], sheet, c)}
+    assert got["m"].seconds == pytest.approx(2 * (2e-6 + 2e-3 + 1e-6), rel=1e-3) and got["m"].bound == "memory"
     assert got["g"].seconds == pytest.approx(2e-3 + 1e-6, rel=1e-3) and got["g"].bound == "compute"
     assert got["a"].seconds == pytest.approx(4e-3 + 1e-6, rel=1e-3)  # half the FLOPs (causal), a quarter of peak
-    assert got["t"].seconds == pytest.approx(3e-6) and got["t"].bound == "launch"
+    assert got["t"].seconds == pytest.approx(3e-6, rel=1e-5) and got["t"].bound == "launch"
+    assert got["s"].seconds == pytest.approx(5e-6, rel=1e-3) and got["s"].bound == "launch"
 
 
 def test_the_modeled_step_reports_its_kinds_and_top_kernels_and_says_it_is_a_model():

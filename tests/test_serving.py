@@ -3,6 +3,7 @@
 without one, one compiled step for every token, weights in bf16/f16/int8 with the float32
 islands kept, a cache in int8/fp8, bad input refused in one line."""
 
+import functools
 import io
 
 import jax
@@ -16,22 +17,33 @@ from serving_models import VOCAB, decoding_source, gpt_source, huggingface_gpt2
 from train.cli import main
 from train.serving import Generator, Sampling
 from train.serving.kv_store import QuantizedKV
+from train.serving.layout import is_stored_weight, read_weight
 from train.serving.sampling import next_tokens
 
 GREEDY = Sampling(temperature=0)
+SOURCE = gpt_source()  # the tests' GPT: its generators (and their compiled programs) are shared
+
+
+@functools.cache
+def _served(dtype="f32", kv=None, cache=True):
+    """A generator of ``SOURCE``, made once per (dtype, kv, cache) for all the tests."""
+    return Generator(SOURCE, dtype, kv, cache=cache)
 
 
 def _greedy(source, tokens=12, cache=True, dtype="f32", kv=None, prompt="ROMEO:"):
     return Generator(source, dtype, kv, cache=cache).generate(prompt, tokens, GREEDY).tokens
 
 
-@pytest.mark.parametrize("make", [lambda: gpt_source(), lambda: gpt_source(scan_layers=True, remat="full"),
+@pytest.mark.parametrize("make", [lambda: SOURCE, lambda: gpt_source(scan_layers=True, remat="full"),
                                   decoding_source], ids=["gpt", "gpt-scanned", "flax-decode"])
 def test_cached_and_uncached_greedy_decoding_give_the_same_tokens(make):
     source = make()
-    with_cache = Generator(source, "f32")
-    assert with_cache.decoder.cached
-    np.testing.assert_array_equal(with_cache.generate("ROMEO:", 12, GREEDY).tokens, _greedy(source, cache=False))
+    pair = (_served(), _served(cache=False)) if source is SOURCE else (Generator(source, "f32"),
+                                                                        Generator(source, "f32", cache=False))
+    with_cache, without = pair
+    assert with_cache.decoder.cached and not without.decoder.cached
+    np.testing.assert_array_equal(with_cache.generate("ROMEO:", 12, GREEDY).tokens,
+                                  without.generate("ROMEO:", 12, GREEDY).tokens)
 
 
 def test_the_decode_step_compiles_once_whatever_the_number_of_tokens():
@@ -59,18 +71,19 @@ def _agreement(generator, reference):
 
 
 def test_half_and_int8_weights_keep_the_norms_in_float32_and_follow_float32():
-    source = gpt_source()
-    reference = Generator(source, "f32")
+    reference = _served()
     for dtype in ("bf16", "f16", "int8"):
-        generator = Generator(source, dtype)
-        flat = traverse_util.flatten_dict(generator.served.params, is_leaf=lambda k, x: hasattr(x, "codes"))
+        generator = _served(dtype)
+        flat = traverse_util.flatten_dict(generator.served.params, is_leaf=lambda k, x: is_stored_weight(x))
         assert flat[("ln_f", "scale")].dtype == jnp.float32  # the run's rule: LayerNorm -> f32
         half = flat[("block_0", "attn", "qkv", "bias")].dtype
         assert half == (jnp.float16 if dtype == "f16" else jnp.bfloat16)
         if dtype == "int8":
-            kernel = flat[("block_0", "Dense_0", "kernel")]  # (32, 128): a scale per output column
-            assert kernel.codes.dtype == jnp.int8 and kernel.scales.shape == (1, 128)
-            assert generator.served.bytes < Generator(source, "bf16").served.bytes
+            kernel = flat[("block_0", "Dense_0", "kernel")]  # (32, 128): a scale per output column,
+            assert kernel.order == (1, 0)  # stored (out, in): its contracted axis last
+            assert kernel.stored.codes.dtype == jnp.int8 and kernel.stored.scales.shape == (128, 1)
+            np.testing.assert_array_equal(read_weight(kernel, jnp.float32).shape, (32, 128))
+            assert generator.served.bytes < _served("bf16").served.bytes
         agree = _agreement(generator, reference)
         assert agree >= 0.9, (dtype, agree)
 
@@ -84,9 +97,8 @@ def test_an_int8_or_fp8_cache_holds_each_head_and_position_to_its_rounding():
         assert stored["scales"].shape == (2, 8, 4, 1) and not back[:, :2].any() and not back[:, 5:].any()
         peak = jnp.max(jnp.abs(new), axis=-1, keepdims=True)
         assert float(jnp.max(jnp.abs(back[:, 2:5] - new) / peak)) <= rounding
-    source = gpt_source()
     for kv in ("int8", "fp8"):
-        assert _agreement(Generator(source, "bf16", kv), Generator(source, "bf16")) >= 0.9
+        assert _agreement(_served("bf16", kv), _served("bf16")) >= 0.9
 
 
 def test_sampling_keeps_the_top_k_and_the_nucleus_in_float32():
@@ -100,17 +112,16 @@ def test_sampling_keeps_the_top_k_and_the_nucleus_in_float32():
 
 
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
-    source = gpt_source()
     from train.serving import SampleError
 
     with pytest.raises(SampleError, match=r"outside the model's vocabulary \('Z'; the first at position 3\)"):
-        Generator(source, "bf16").generate("ROMZEO", 4)
+        _served("bf16").generate("ROMZEO", 4)
     with pytest.raises(SampleError, match="pass the model's context of 32 positions .* give --tokens 26 or fewer"):
-        Generator(source, "bf16").generate("ROMEO:", 40, window=False)
+        _served("bf16").generate("ROMEO:", 40, window=False)
     with pytest.raises(SampleError, match="--dtype 'int4': give bf16, f16, f32 or int8"):
-        Generator(source, "int4")
+        Generator(SOURCE, "int4")
     with pytest.raises(SampleError, match="--kv-dtype 'int4'"):
-        Generator(source, "bf16", "int4")
+        Generator(SOURCE, "bf16", "int4")
     assert main(["sample", str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is not a run, an export or a Hugging Face directory: it does not exist" in err
@@ -176,3 +187,22 @@ def test_the_h100_decode_step_reads_int8_weights_and_cache_as_int8():
     # dequantized into the operands: the step moves fewer bytes, no bfloat16 copy of a weight is written
     assert int8.modeled.bytes < half.modeled.bytes
     assert "decode step on h100" in half.line() and half.length == 32 and half.ratio > 1
+    # the bf16 step's attention: cuDNN's fused forward kernel, one per layer (serving is never differentiated)
+    assert sum(m.kernel.launches for m in half.modeled.kernels if m.kernel.kind == "attention") == 2
+    # the bytes a token reads count one row of each embedding only looked up
+    assert half.weight_bytes < Generator(source, "bf16").served.bytes
+
+
+def test_a_token_reads_one_row_of_a_table_only_looked_up_and_all_of_a_tied_one():
+    from precision.contractions import contracted_axes
+
+    ids = jnp.asarray([1, 2])
+    tree = {"tied": jnp.ones((8, 4)), "table": jnp.ones((8, 4)), "w": jnp.ones((4, 3))}
+    axes = contracted_axes(lambda p: p["tied"][ids] @ p["tied"].T + (p["table"][ids] @ p["w"]).sum(), tree,
+                           matmuls=False)
+    assert axes == {"tied": None, "table": (1,), "w": None}
+    served = _served("bf16").served
+    assert served.looked_up == {("tokens", "embedding"), ("positions", "embedding")}
+    tables = sum(int(np.size(x)) * 2 for x in (SOURCE.params["tokens"]["embedding"],
+                                               SOURCE.params["positions"]["embedding"]))
+    assert served.token_bytes == served.bytes - tables + 2 * 2 * SOURCE.params["tokens"]["embedding"].shape[1]

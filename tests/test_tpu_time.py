@@ -11,7 +11,7 @@ import pytest
 
 from train.inspections.gpu_time import CALIBRATION
 from train.inspections.hlo_kernels import read_hlo_kernels
-from train.inspections.tpu_time import TPU_DATASHEETS, amdahl_bound, model_tpu_step, op_times, xla_cycles_by_op
+from train.inspections.tpu_time import BANDWIDTH_EFFICIENCY, TPU_DATASHEETS, amdahl_bound, model_tpu_step, op_times, xla_cycles_by_op
 
 _CONFIG = '"estimated_cycles":"{}"'
 
@@ -76,7 +76,7 @@ def test_a_prefetch_into_vmem_moves_its_bytes_once_and_what_stays_in_vmem_moves_
 
 
 def test_each_op_takes_the_longest_of_its_hbm_matrix_and_xla_estimated_times():
-    sheet, e_bw, e_mxu = TPU_DATASHEETS["v5e"], CALIBRATION.bandwidth_efficiency, CALIBRATION.gemm_efficiency
+    sheet, e_bw, e_mxu = TPU_DATASHEETS["v5e"], BANDWIDTH_EFFICIENCY, CALIBRATION.gemm_efficiency
     assert xla_cycles_by_op(HLO) == {"mm": 1_000_000, "e": 300_000}
     step = model_tpu_step(HLO, "v5e")
     flops = 2 * 1024 * 512 * 2048

@@ -46,8 +46,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["MARK", "QKV", "argument_names", "call_static", "cudnn_call", "cudnn_function", "is_marked", "marking",
-           "wants_cudnn", "wants_fused", "where_fused", "fused_kernels"]
+__all__ = ["MARK", "QKV", "argument_names", "call_static", "cudnn_call", "cudnn_function", "forward_only", "is_marked",
+           "marking", "wants_cudnn", "wants_fused", "where_fused", "fused_kernels"]
 
 #: The arguments autocast casts to the compute dtype; the rest (bias, mask, lengths) stay as traced.
 QKV = ("query", "key", "value")
@@ -124,6 +124,21 @@ def marking() -> Iterator[None]:
                 jax.nn.dot_product_attention = _replaced
 
 
+@contextlib.contextmanager
+def forward_only() -> Iterator[None]:
+    """While tracing in this thread, the programs autocast makes are never differentiated
+    (serving a model: its prompt's pass and each decode step), so a fused attention is
+    chosen by its forward pass alone. cuDNN's attention computes a decode step's one query
+    against a long cache, and has no backward pass for it: where a program may be
+    differentiated, that attention stays XLA's."""
+    previous = getattr(_local, "forward_only", False)
+    _local.forward_only = True
+    try:
+        yield
+    finally:
+        _local.forward_only = previous
+
+
 def is_marked(eqn: Any) -> bool:
     """Whether ``eqn`` is a whole marked attention call: its operands and results
     are the call's. (A transformation inside the traced function, such as
@@ -188,7 +203,8 @@ def cudnn_call(eqn: Any, arrays: list) -> Callable[..., list] | None:
 def cudnn_function(names: tuple[str, ...], static: dict, arrays: list) -> Callable[..., list] | None:
     """``jax.nn.dot_product_attention(**dict(zip(names, arrays)), **static)`` as cuDNN's
     fused attention, a function of the arrays returning its outputs as a list; ``None``
-    where cuDNN cannot take them (checked abstractly, the backward pass included)."""
+    where cuDNN cannot take them (checked abstractly, the backward pass included but
+    under :func:`forward_only`)."""
     static = {**static, "implementation": "cudnn"}
 
     def attend(*values):
@@ -199,7 +215,8 @@ def cudnn_function(names: tuple[str, ...], static: dict, arrays: list) -> Callab
         # cuDNN checks some cases only when the backward pass is built, which may happen
         # later, outside this call (under jax.checkpoint): build it now, abstractly.
         specs = [jax.ShapeDtypeStruct(np.shape(v), v.dtype) for v in arrays]
-        jax.eval_shape(lambda *xs: _pull_back(attend, xs), *specs)
+        forward = getattr(_local, "forward_only", False)
+        jax.eval_shape(attend if forward else (lambda *xs: _pull_back(attend, xs)), *specs)
     except (NotImplementedError, RuntimeError, ValueError, TypeError):
         return None
     return attend

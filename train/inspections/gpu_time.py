@@ -4,16 +4,19 @@ GPUs are lent to this project rarely; what XLA's GPU compiler makes of a step
 is known without one (:mod:`train.inspections.targets`). This module turns that program
 into a time: each kernel it launches (:mod:`train.inspections.hlo_kernels`) takes
 
-    launches x (max(bytes / (HBM bandwidth x e_bw), FLOPs / (peak x e_kind), t_min) + t_gap)
+    launches x (max(t_0 + bytes / (HBM bandwidth x e_bw), FLOPs / (peak x e_kind)) + t_gap)
 
 with the bandwidth and dense peaks from the device's datasheet (the peak for
 the operands' dtype: bf16/f16, FP8, int8, TF32 for a float32 GEMM at default
-precision, plain float32 at ``highest``), and four numbers calibrated on a
-profile measured on a GPU (:data:`CALIBRATION`): the share of peak a GEMM and
-cuDNN's attention reach, the share of bandwidth a memory-bound kernel reaches,
-and the shortest kernel. ``t_gap``, the idle time between two kernels, is the
-measured step's wall time less its busy time, per launch. Collectives take
-their bytes over NVLink at the same bandwidth share.
+precision, plain float32 at ``highest``), and numbers calibrated on profiles
+measured on a GPU (:data:`CALIBRATION`): the share of peak a GEMM and cuDNN's
+attention reach; a kernel's latency ``t_0`` (what one moving nothing takes) and the
+share of bandwidth its bytes stream at past it, fitted kernel by kernel (a small
+kernel reaches a small share of the bandwidth: 2 us of latency is most of a 1 MB
+one's time, little of a 100 MB one's; ``benchmarks/results/kernel-bandwidth.md``).
+``t_gap``, the idle time between two kernels, is the measured step's wall time
+less its busy time, per launch. Collectives take their bytes over NVLink at the
+same bandwidth share.
 
 What it is for: comparing two programs for the same GPU (ours against a
 hand-written step, a rewrite against the plain program), and knowing where a
@@ -75,24 +78,27 @@ _DEFAULT_TENSOR_CLOCK_RATIO = 1.83 / 1.98
 
 
 class Calibration(NamedTuple):
-    """The model's four fitted numbers, and where they came from."""
+    """The model's fitted numbers, and where they came from."""
 
     gemm_efficiency: float  # share of the dense peak a GEMM reaches
     attention_efficiency: float  # share of the dense peak cuDNN's fused attention reaches (causal: half the FLOPs)
-    bandwidth_efficiency: float  # share of HBM bandwidth a memory-bound kernel reaches
-    min_kernel_seconds: float  # the shortest kernel
+    bandwidth_efficiency: float  # share of HBM bandwidth a kernel's bytes stream at, past its latency
+    min_kernel_seconds: float  # a kernel's latency: the shortest kernel, and where every kernel's memory time starts
     gap_seconds: float  # idle time between two kernels (launch, dependencies)
     source: str
 
 
-#: Fitted by ``python -m benchmarks.model_calibration`` on the H200 profile of 2026-11-25
-#: (``benchmarks/results/profile-gpt-mixed_bf16-nvidia-h200.json``: the suite's GPT at the GPT-2-small
-#: shape, vocabulary 65, mixed_bf16; device busy 25.41 ms, wall 26.60 ms per step) against the
-#: program of the commit measured (c7177cb: 1,085 launches) compiled for an H200 here; checked
-#: against the other steps measured on that H200 (``benchmarks/results/model-calibration.md``).
-CALIBRATION = Calibration(gemm_efficiency=0.741, attention_efficiency=0.277, bandwidth_efficiency=0.589,
-                          min_kernel_seconds=2.0e-6, gap_seconds=1.10e-6,
-                          source="profile-gpt-mixed_bf16-nvidia-h200 (2026-11-25)")
+#: The GEMM and attention shares and the gap fitted by ``python -m benchmarks.model_calibration`` on the
+#: H200 profile of 2026-11-25 (``benchmarks/results/profile-gpt-mixed_bf16-nvidia-h200.json``: the suite's
+#: GPT at the GPT-2-small shape, vocabulary 65, mixed_bf16; device busy 25.41 ms, wall 26.60 ms per step)
+#: against the program of the commit measured (c7177cb) compiled for an H200 here; a memory-bound kernel's
+#: latency and streaming share fitted kernel by kernel by ``python -m benchmarks.kernel_bandwidth`` on the
+#: GPT-2-small hand-written step's profile of 2026-11-28; checked against the other steps measured on those
+#: H200s (``benchmarks/results/model-calibration.md``, ``kernel-bandwidth.md``).
+CALIBRATION = Calibration(gemm_efficiency=0.740, attention_efficiency=0.277, bandwidth_efficiency=0.763,
+                          min_kernel_seconds=1.83e-6, gap_seconds=1.10e-6,
+                          source="profile-gpt-mixed_bf16-nvidia-h200 (2026-11-25); kernel-bandwidth (the GPT-2-small "
+                                 "profiles of 2026-11-28)")
 
 
 class ModeledKernel(NamedTuple):
@@ -100,7 +106,7 @@ class ModeledKernel(NamedTuple):
 
     kernel: HloKernel
     seconds: float
-    bound: str  # "memory", "compute" or "launch" (the shortest kernel)
+    bound: str  # "memory", "compute" or "launch" (its latency more than its bytes' time)
 
 
 class ModeledStep(NamedTuple):
@@ -196,17 +202,16 @@ def model_kernels(kernels: list[HloKernel], sheet: Datasheet, calibration: Calib
     c = calibration
     out = []
     for k in kernels:
-        if k.kind == "collective":
-            memory = k.bytes / (sheet.link_bandwidth * c.bandwidth_efficiency)
-        else:
-            memory = k.bytes / (sheet.bandwidth * c.bandwidth_efficiency)
+        bandwidth = sheet.link_bandwidth if k.kind == "collective" else sheet.bandwidth
+        streaming = k.bytes / (bandwidth * c.bandwidth_efficiency)
+        memory = c.min_kernel_seconds + streaming
         compute = 0.0
         if k.flops:
             efficiency = c.attention_efficiency if k.kind == "attention" else c.gemm_efficiency
             flops = k.flops / 2 if k.causal else k.flops
             compute = flops / (sheet.peak(k.dtype, k.precision) * efficiency)
-        seconds = max(memory, compute, c.min_kernel_seconds)
-        bound = "launch" if seconds == c.min_kernel_seconds else ("compute" if compute >= memory else "memory")
+        seconds = max(memory, compute)
+        bound = "compute" if compute > memory else ("launch" if c.min_kernel_seconds >= streaming else "memory")
         out.append(ModeledKernel(k, k.launches * (seconds + c.gap_seconds), bound))
     return out
 

@@ -22,12 +22,13 @@ takes the longest of
 
 A TPU runs the whole step as one program: no kernel launches, no gap between ops.
 
-No TPU profile has calibrated it: ``e_mxu`` and ``e_bw`` are the H200
-profile's shares (:data:`train.inspections.gpu_time.CALIBRATION`), the same for
-both dtypes, so what it says best is how two programs for the same chip
-compare (``mixed_int8`` against ``mixed_bf16``), not the seconds.
-:func:`amdahl_bound` gives the best any program could do against it with its
-matmuls at twice the rate and nothing else changed.
+No TPU profile has calibrated it: ``e_mxu`` is the H200 profile's GEMM share
+(:data:`train.inspections.gpu_time.CALIBRATION`), the same for both dtypes, and
+``e_bw`` the one share of bandwidth the H200 profile's memory-bound kernels reached
+together (:data:`BANDWIDTH_EFFICIENCY`: with no launches, no latency per kernel), so
+what it says best is how two programs for the same chip compare (``mixed_int8``
+against ``mixed_bf16``), not the seconds. :func:`amdahl_bound` gives the best any
+program could do against it with its matmuls at twice the rate and nothing else changed.
 """
 
 from __future__ import annotations
@@ -40,8 +41,14 @@ from train.inspections.gpu_kernels import attribute
 from train.inspections.gpu_time import CALIBRATION
 from train.inspections.hlo_kernels import HloKernel, read_hlo_kernels
 
-__all__ = ["TpuDatasheet", "TPU_DATASHEETS", "TpuModeledStep", "model_tpu_step", "tpu_kernels",
-           "xla_estimated_cycles", "xla_cycles_by_op", "amdahl_bound", "TpuOpTime", "op_times"]
+__all__ = ["BANDWIDTH_EFFICIENCY", "TpuDatasheet", "TPU_DATASHEETS", "TpuModeledStep", "model_tpu_step",
+           "tpu_kernels", "xla_estimated_cycles", "xla_cycles_by_op", "amdahl_bound", "TpuOpTime", "op_times"]
+
+
+#: The share of HBM bandwidth the H200 profile's memory-bound kernels reached together, small and large
+#: (their bytes over their time: ``benchmarks/results/model-calibration.md`` of 2026-11-25). The GPU model
+#: now splits it into a latency per kernel and a streaming share; a TPU program has no kernel launches.
+BANDWIDTH_EFFICIENCY = 0.589
 
 
 class TpuDatasheet(NamedTuple):
@@ -170,7 +177,7 @@ class TpuOpTime(NamedTuple):
 
 
 def op_times(hlo_text: str, chip: str, efficiency: float = CALIBRATION.gemm_efficiency,
-             bandwidth_efficiency: float = CALIBRATION.bandwidth_efficiency, matmul_speedup: float = 1.0,
+             bandwidth_efficiency: float = BANDWIDTH_EFFICIENCY, matmul_speedup: float = 1.0,
              xla_estimates: bool = True) -> list[TpuOpTime]:
     """Each op of the optimized TPU program ``hlo_text`` with its modeled time on one chip of generation
     ``chip`` (``"v5e"``, ``"v5p"``, ``"v6e"``): the longest of its HBM, matrix and XLA-estimated times.
@@ -197,7 +204,7 @@ def op_times(hlo_text: str, chip: str, efficiency: float = CALIBRATION.gemm_effi
 
 
 def model_tpu_step(hlo_text: str, chip: str, efficiency: float = CALIBRATION.gemm_efficiency,
-                   bandwidth_efficiency: float = CALIBRATION.bandwidth_efficiency,
+                   bandwidth_efficiency: float = BANDWIDTH_EFFICIENCY,
                    matmul_speedup: float = 1.0, xla_estimates: bool = True) -> TpuModeledStep:
     """The modeled time of one step of the optimized TPU program ``hlo_text`` on one chip of
     generation ``chip``: the sum of its :func:`op_times` (the same arguments)."""

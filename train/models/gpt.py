@@ -123,7 +123,7 @@ class CausalSelfAttention(nn.Module):
     kv_store: Any = None  # how the cache stores them (a kv_cache.KVStore; None: as computed)
 
     @nn.compact
-    def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
+    def __call__(self, x: jax.Array, train: bool = False, start: jax.Array | None = None) -> jax.Array:
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
         batch, length, features = x.shape
@@ -133,7 +133,7 @@ class CausalSelfAttention(nn.Module):
         q = q * (head_dim ** -0.5)  # scale before the product: keeps half-precision logits in range
         if self.decode:
             out = cached_attention(self, q, k, v, self.kv_store,
-                                   lambda q, k, v: causal_attention(q, k, v, self.attention_impl))
+                                   lambda q, k, v: causal_attention(q, k, v, self.attention_impl), start)
         elif train and self.dropout > 0:
             out = self._attention_with_dropout(q, k, v)
         else:
@@ -157,11 +157,11 @@ class TransformerBlock(nn.Module):
     kv_store: Any = None
 
     @nn.compact
-    def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
+    def __call__(self, x: jax.Array, train: bool = False, start: jax.Array | None = None) -> jax.Array:
         features = x.shape[-1]
         x = x + CausalSelfAttention(self.num_heads, self.dropout, self.dtype, self.attention_impl, self.decode,
                                     self.kv_store, name="attn")(
-            nn.LayerNorm(dtype=self.dtype)(x), train)
+            nn.LayerNorm(dtype=self.dtype)(x), train, start)
         y = nn.Dense(self.mlp_ratio * features, dtype=self.dtype)(nn.LayerNorm(dtype=self.dtype)(x))
         y = nn.Dense(features, dtype=self.dtype)(nn.gelu(y))
         return x + nn.Dropout(self.dropout, deterministic=not train)(y)
@@ -181,15 +181,16 @@ def _block_class(remat: str) -> type:
 
 
 class _ScannedBlock(nn.Module):
-    """One step of ``nn.scan`` over identical blocks: ``(x, _) -> (block(x), None)``."""
+    """One step of ``nn.scan`` over identical blocks: ``(x, start) -> (block(x), None)`` (``start``:
+    the decode position, the same for every block)."""
 
     block: dict  # TransformerBlock's fields
     remat: str
     train: bool
 
     @nn.compact
-    def __call__(self, x: jax.Array, _: Any) -> tuple[jax.Array, None]:
-        return _block_class(self.remat)(**self.block, name="block")(x, self.train), None
+    def __call__(self, x: jax.Array, start: Any) -> tuple[jax.Array, None]:
+        return _block_class(self.remat)(**self.block, name="block")(x, self.train, start), None
 
 
 class GPT(nn.Module):
@@ -227,6 +228,7 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {length} exceeds block_size {self.block_size}")
         x = nn.Embed(self.vocab_size, self.d_model, dtype=self.dtype, name="tokens")(tokens)
         positions = cache_position(self, length) if self.decode else jnp.arange(length)
+        start = positions[0] if self.decode else None  # the position every layer's cache writes at
         x = x + nn.Embed(self.block_size, self.d_model, dtype=self.dtype, name="positions")(positions)[None]
         x = nn.Dropout(self.dropout, deterministic=not train)(x)
         block = {"num_heads": self.num_heads, "mlp_ratio": self.mlp_ratio, "dropout": self.dropout,
@@ -234,10 +236,10 @@ class GPT(nn.Module):
         if self.decode:
             block |= {"decode": True, "kv_store": self.kv_store}
         if self.scan_layers:
-            layers = nn.scan(_ScannedBlock, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True, "dropout": True},
-                             length=self.num_layers)
-            x, _ = layers(block, self.remat, train, name="blocks")(x, None)
+            layers = nn.scan(_ScannedBlock, variable_axes={"params": 0, "cache": 0},
+                             split_rngs={"params": True, "dropout": True}, in_axes=nn.broadcast, length=self.num_layers)
+            x, _ = layers(block, self.remat, train, name="blocks")(x, start)
         else:
             for i in range(self.num_layers):
-                x = _block_class(self.remat)(**block, name=f"block_{i}")(x, train)
+                x = _block_class(self.remat)(**block, name=f"block_{i}")(x, train, start)
         return nn.Dense(self.vocab_size, dtype=self.dtype, name="head")(nn.LayerNorm(dtype=self.dtype, name="ln_f")(x))

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import precision
 from train.models.gpt import GPT
 from train.serving.kv_store import KV_DTYPES, is_quantized_kv, kv_store
 from train.serving.tokenizer import SampleError
@@ -90,7 +91,17 @@ def decoder_for(module: Any, served: ServedWeights, kv: str, state: dict | None 
     else:
         decoder = _uncached(module, served, state)
     _record_structure(decoder, served.params)
-    return decoder
+    return decoder._replace(forward=_never_differentiated(decoder.forward))
+
+
+def _never_differentiated(forward: Callable) -> Callable:
+    """``forward``, traced under :func:`precision.forward_only`: serving takes no gradient, so
+    autocast may fuse an attention cuDNN can only run forward (a decode step's one query)."""
+    def traced(*args):
+        with precision.forward_only():
+            return forward(*args)
+
+    return traced
 
 
 def _record_structure(decoder: Decoder, params: Any) -> None:

@@ -27,8 +27,8 @@ __all__ = ["DecodeStep", "compile_decode_step"]
 
 
 class DecodeStep(NamedTuple):
-    """One decode step compiled for ``target``: the bytes a token must read (``weight_bytes``,
-    ``cache_bytes`` at ``length`` positions), the modeled step, the HLO's GEMMs by operand dtypes."""
+    """One decode step compiled for ``target``: the bytes a token must read (``weight_bytes``: every
+    weight, one row of a table only looked up; ``cache_bytes`` at ``length`` positions), the modeled step, the HLO's GEMMs by operand dtypes."""
 
     target: str
     batch: int
@@ -82,5 +82,5 @@ def compile_decode_step(generator: Any, target: str = "h100", batch: int = 1, le
         if kernel.gemm:
             key = f"{kernel.kind} {' x '.join(kernel.operands)}"
             gemms[key] = gemms.get(key, 0) + 1
-    return DecodeStep(gpu.name, batch, length, tree_bytes(generator.params), tree_bytes(cache),
+    return DecodeStep(gpu.name, batch, length, generator.served.token_bytes, tree_bytes(cache),
                       datasheet(gpu).bandwidth, model_step(text, gpu), gemms)

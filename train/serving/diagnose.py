@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 import precision
-from precision.channel_weights import dequantize_channels, is_channel_int8
+from train.serving.weights import float32_weights
 from train.training.diagnose import summary_line
 
 __all__ = ["diagnose_decoding", "format_diagnosis"]
@@ -34,9 +34,7 @@ def diagnose_decoding(generator: Any, prompt: str) -> dict[str, precision.Diagno
     ids = generator.source.tokenizer.encode(prompt)
     length = generator.cache_length(len(ids), 1, True)
     decoder = generator.decoder
-    params = jax.tree_util.tree_map(lambda x, full: dequantize_channels(x, jnp.float32) if is_channel_int8(x)
-                                    else jnp.asarray(full, jnp.float32), generator.params, generator.source.params,
-                                    is_leaf=is_channel_int8)
+    params = float32_weights(generator.params, generator.source.params)
     tokens = jnp.asarray(ids[None], jnp.int32)
     empty = _float32(decoder.init(1, length))
     found = {"prefill": _diagnose(decoder.call(params, empty, tokens, jnp.int32(0)))}

@@ -7,7 +7,8 @@ casting by module path and class (:meth:`precision.LinenWithPolicy.cast_params`)
 logits in float32. ``int8``: the same in bfloat16, then the matmuls' weights as int8 with a
 scale per output channel (:mod:`train.weights.int8`), dequantized inside the jitted step
 into the matmul's bfloat16 operand (:func:`materialized`), which XLA fuses: no bfloat16 copy
-of a weight is kept.
+of a weight is kept. Whatever the dtype, each matmul's weight is stored with the axes it
+contracts last (:mod:`train.serving.layout`), so a decode step reads it once.
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ import numpy as np
 from flax import traverse_util
 
 import precision
-from precision.channel_weights import ChannelInt8, dequantize_channels, is_channel_int8
+from precision.channel_weights import is_channel_int8
 from precision.contractions import contracted_axes
+from train.serving.layout import ContractedLast, is_stored_weight, laid_out, read_weight, stored_bytes
 from train.serving.tokenizer import SampleError
 from train.training.binding import bind, cast_variables, mode_kwargs
 from train.weights.int8 import int8_weights
 
-__all__ = ["SERVING_DTYPES", "ServedWeights", "serving_dtype", "serve_weights", "materialized", "tree_bytes"]
+__all__ = ["SERVING_DTYPES", "ServedWeights", "serving_dtype", "serve_weights", "materialized", "float32_weights",
+           "tree_bytes"]
 
 #: ``--dtype`` names: the dtype weights are stored in, and the one the model computes in.
 SERVING_DTYPES = {"bf16": ("bfloat16", "bfloat16"), "f16": ("float16", "float16"), "f32": ("float32", "float32"),
@@ -43,6 +46,7 @@ class ServedWeights(NamedTuple):
     rules: tuple
     dtype: str
     compute: str
+    looked_up: frozenset = frozenset()  # the paths of tables only lookups read (token embeddings)
 
     def bind(self, module: Any) -> Any:
         """``module`` (the model, or its decoding clone: the same params) under the serving policy."""
@@ -52,8 +56,15 @@ class ServedWeights(NamedTuple):
     def bytes(self) -> int:
         return tree_bytes(self.params)
 
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of weights one token reads: every weight, but one row of a table only looked up."""
+        flat = traverse_util.flatten_dict(self.params, is_leaf=lambda _, x: is_stored_weight(x))
+        return sum(stored_bytes(x) // (x.shape[0] if path in self.looked_up else 1) for path, x in flat.items())
+
     def describe(self) -> str:
-        flat = jax.tree_util.tree_leaves(self.params, is_leaf=is_channel_int8)
+        flat = [x.stored if isinstance(x, ContractedLast) else x
+                for x in jax.tree_util.tree_leaves(self.params, is_leaf=is_stored_weight)]
         kept = sum(1 for x in flat if not is_channel_int8(x) and np.dtype(x.dtype) == np.float32)
         int8 = sum(1 for x in flat if is_channel_int8(x))
         parts = [f"{int8} int8 (a scale per output channel)"] if int8 else []
@@ -81,24 +92,33 @@ def serve_weights(model: Any, params: Any, rules: Any, dtype: str, inputs: Any, 
     state = state or {}
     tree = jax.tree_util.tree_map(jnp.asarray, params)
     mode = mode_kwargs(bound, False)
-    cast = cast_variables(bound, {"params": tree, **state}, inputs, **mode)["params"]
+    cast = traverse_util.flatten_dict(cast_variables(bound, {"params": tree, **state}, inputs, **mode)["params"])
+    apply = lambda p: bound.apply({"params": p, **state}, inputs, **mode)  # noqa: E731
+    axes = traverse_util.flatten_dict(contracted_axes(apply, tree, lookups=False))
+    only_looked_up = traverse_util.flatten_dict(contracted_axes(apply, tree, matmuls=False))
+    looked_up = frozenset(path for path, a in only_looked_up.items() if a is not None)
     if stored == "int8":
-        axes = contracted_axes(lambda p: bound.apply({"params": p, **state}, inputs, **mode), tree, lookups=False)
-        flat = int8_weights(traverse_util.flatten_dict(tree), traverse_util.flatten_dict(cast),
-                            traverse_util.flatten_dict(axes))
-        cast = traverse_util.unflatten_dict(flat)
-    return ServedWeights(cast, policy, rules, key, compute)
+        cast = int8_weights(traverse_util.flatten_dict(tree), cast, axes)
+    return ServedWeights(traverse_util.unflatten_dict(laid_out(cast, axes)), policy, rules, key, compute, looked_up)
 
 
 def materialized(params: Any) -> Any:
-    """``params`` with each int8 weight read as its floating one (inside a jitted step: fused
-    into the operand of the matmul that reads it)."""
-    return jax.tree_util.tree_map(lambda x: dequantize_channels(x) if is_channel_int8(x) else x, params,
-                                  is_leaf=is_channel_int8)
+    """``params`` as the model reads them: each int8 weight dequantized, each laid-out one
+    transposed back (inside a jitted step: fused into the operand of the matmul that reads it)."""
+    return jax.tree_util.tree_map(read_weight, params, is_leaf=is_stored_weight)
+
+
+def float32_weights(served: Any, params: Any) -> Any:
+    """The float32 weights ``served`` stands for, in the model's layout: each int8 one as its
+    codes give it back, the rest as ``params`` (the source's float32) hold them (the doctor
+    compares the serving dtypes with these)."""
+    def full(x, source):
+        inner = x.stored if isinstance(x, ContractedLast) else x
+        return read_weight(x, jnp.float32) if is_channel_int8(inner) else jnp.asarray(source, jnp.float32)
+
+    return jax.tree_util.tree_map(full, served, params, is_leaf=is_stored_weight)
 
 
 def tree_bytes(tree: Any) -> int:
     """Bytes of the arrays of ``tree`` (an int8 weight's codes and scales)."""
-    leaves = jax.tree_util.tree_leaves(tree, is_leaf=is_channel_int8)
-    return sum(x.nbytes if isinstance(x, ChannelInt8) else int(np.size(x)) * np.dtype(x.dtype).itemsize
-               for x in leaves)
+    return sum(stored_bytes(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=is_stored_weight))
