@@ -39,7 +39,8 @@ from precision.rules import (
     norm_rules,
 )
 from precision.fp8 import FP8_COLLECTION, Fp8Options, combine_fp8_states, fp8_options, init_fp8_state
-from precision.autocast import ALLOW, DENY, OpLists, autocast, compute_in, op_lists, reduce_dtype_of
+from precision.autocast import (ALLOW, DENY, OpLists, autocast, compute_in, op_lists, program_pass, reduce_dtype_of,
+                                split_sums)
 from precision.modules import LinenWithPolicy, NNXWithPolicy, with_policy
 from precision.reads import read_dtypes
 from precision.explain import (CoverageError, Explanation, PrecisionWarning, check_coverage, explain)
@@ -69,7 +70,7 @@ __all__ = (
     "all_finite", "get_loss_scale", "select_tree",
     "NORM_CLASSES", "SOFTMAX_PATTERNS", "Rule", "default_rules", "get_rules", "norm_rules",
     "FP8_COLLECTION", "Fp8Options", "combine_fp8_states", "fp8_options", "init_fp8_state",
-    "ALLOW", "DENY", "OpLists", "op_lists", "compute_in", "autocast", "reduce_dtype_of",
+    "ALLOW", "DENY", "OpLists", "op_lists", "compute_in", "autocast", "reduce_dtype_of", "program_pass", "split_sums",
     "LinenWithPolicy", "NNXWithPolicy", "with_policy",
     "CoverageError", "Explanation", "PrecisionWarning", "check_coverage", "explain", "read_dtypes",
     "Diagnosis", "Problem", "Recommendation", "diagnose",

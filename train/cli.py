@@ -81,8 +81,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="with --pick-policy: the loss change allowed against float32, relative (default 0.01)")
     parser.add_argument("--prefer", choices=("speed", "memory"),
                         help="with --pick-policy: the fastest eligible policy (default) or the leanest")
-    parser.add_argument("--mesh", metavar="data=D,fsdp=F",
-                        help="the device mesh, as the overrides mesh.data=D mesh.fsdp=F")
+    parser.add_argument("--mesh", metavar="data=D,fsdp=F,tensor=T",
+                        help="the device mesh, as the overrides mesh.data=D mesh.fsdp=F mesh.tensor=T")
     return parser
 
 
@@ -288,12 +288,13 @@ def _pick_policy(path: _Origin, config, args: argparse.Namespace) -> int:
 
 
 def _mesh_overrides(text: str) -> list[str]:
-    """``data=2,fsdp=4`` as the overrides ``mesh.data=2 mesh.fsdp=4``."""
+    """``data=2,fsdp=4,tensor=1`` as the overrides ``mesh.data=2 mesh.fsdp=4 mesh.tensor=1``."""
     overrides = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = part.partition("=")
-        if not sep or key.strip() not in ("data", "fsdp"):
-            raise ValueError(f"--mesh {text!r}: give data=D,fsdp=F (e.g. --mesh data=2,fsdp=4)")
+        if not sep or key.strip() not in ("data", "fsdp", "tensor"):
+            raise ValueError(f"--mesh {text!r}: give data=D,fsdp=F,tensor=T, any of them (e.g. --mesh "
+                             f"data=2,fsdp=4 or --mesh fsdp=2,tensor=4)")
         overrides.append(f"mesh.{key.strip()}={value.strip()}")
     return overrides
 

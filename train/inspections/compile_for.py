@@ -48,7 +48,7 @@ import numpy as np
 
 from train.parallel.communication import CommunicationReport, compile_partitioned, hlo_collectives
 from train.config import ConfigError, ExperimentConfig
-from train.parallel.distributed import Layout, MeshError, make_mesh
+from train.parallel.distributed import Layout, MeshError
 from train.inspections.gpu_kernels import Kernel, read_kernels
 from train.inspections.gpu_time import ModeledStep, model_step
 from train.inspections.targets import (GpuTarget, Target, TargetError, TpuTarget, get_target, target_devices,
@@ -291,15 +291,15 @@ def _default_devices(config: ExperimentConfig, target: Target) -> int | None:
 
 
 def _mesh_devices(config: ExperimentConfig) -> int:
-    if config.mesh.data == -1:
-        return config.mesh.fsdp
-    return config.mesh.data * config.mesh.fsdp
+    mesh = config.mesh
+    return (1 if mesh.data == -1 else mesh.data) * mesh.fsdp * mesh.tensor
 
 
 def _layout(config: ExperimentConfig, devices: list) -> Layout:
+    from train.experiment.loop import mesh_layout
+
     try:
-        layout = Layout(make_mesh(config.mesh.data, config.mesh.fsdp, devices), config.mesh.fsdp_min_size)
-        layout.check_batch_size(config.data.batch_size)
+        layout = mesh_layout(config, devices)
     except MeshError as e:
         raise TargetError(f"{e} (--devices {len(devices)})".replace(
             "; use mesh.data=-1 to take all of them, or set XLA_FLAGS=--xla_force_host_platform_device_count=N for "

@@ -14,7 +14,7 @@ import precision
 from precision.loss_scale import LossScale
 from train.parallel.distributed import Layout
 from train.training.binding import NNXModel, bind, call_mode_kwargs, mode_kwargs
-from train.training.initial import initial_variables, sharded_jit
+from train.training.initial import initial_variables, planned_layout, sharded_jit
 from train.data.model_inputs import call_arguments, describe_inputs
 from train.references import one_line
 from train.training.tree_paths import leaf_shapes
@@ -240,6 +240,7 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
         rng = jax.random.key_data(rng)
     rng, params_key, dropout_key = jax.random.split(rng, 3)
     keys = {"params": params_key, "dropout": dropout_key}
+    layout = planned_layout(wrapped, keys, sample_input, layout)
     variables = initial_variables(wrapped, keys, sample_input, variables, init_from, layout)
     frozen = finetune_frozen(variables["params"], finetune)
     params = stored_frozen(variables["params"], frozen, base_dtype(finetune))
