@@ -317,8 +317,8 @@ def _compile_for(path: _Origin, config, target: str, devices: int | None) -> int
 
 
 def _explain(path: _Origin, config) -> int:
-    from train.inspections.explain import (explain_experiment, explain_experiment_communication, explain_experiment_loss,
-                                           explain_experiment_state)
+    from train.inspections.explain import (explain_experiment, explain_experiment_communication,
+                                           explain_experiment_layout, explain_experiment_loss, explain_experiment_state)
     from train.experiment.loop import build_experiment
 
     try:
@@ -326,9 +326,13 @@ def _explain(path: _Origin, config) -> int:
         print(explain_experiment(config, experiment))
         print(f"\n{explain_experiment_state(config, experiment)}")
         print(explain_experiment_loss(config, experiment))
+        layout = explain_experiment_layout(config, experiment)
         communication = explain_experiment_communication(config, experiment)
     except (ConfigError, DataError) as e:
         return _fail(path(e), 2)
+    if layout is not None:
+        print(f"\n{layout}")
     if communication is not None:
         print(f"\n{communication}")
+        print("\n".join(communication.layer_lines(top=12)))
     return 0

@@ -88,9 +88,9 @@ class Rewrite:
             with precision.split_sums(self.reduce_dtype, forward=True):
                 out = _bind(eqn, ins)
             return self.pin(out, self.between_blocks(out.ndim, site.tokens))
-        if isinstance(site, Embedding):  # whole along the sequence first: its gradient's lookup stays local
-            out = self.pin(_bind(eqn, ins), self.tokens_whole(len(eqn.outvars[0].aval.shape), site.tokens))
-            return self.pin(out, self.between_blocks(out.ndim, site.tokens))
+        if isinstance(site, Embedding):  # its gradient whole along the sequence: the lookup's transpose stays local
+            out = _bind(eqn, ins)
+            return self.pin(out, self.between_blocks(out.ndim, site.tokens), self.tokens_whole(out.ndim, site.tokens))
         if isinstance(site, Unfuse):
             parts = parts_of(ins[0], site.axis, site.parts, self.tensor)
             return parts if site.part is None else parts[site.part]
@@ -100,8 +100,9 @@ class Rewrite:
         ins = list(ins)
         x = ins[site.activation]
         roles = dot_roles(eqn, site.activation)
-        free = tuple(d for d in sorted(roles) if roles[d][0] == "free")
-        ins[site.activation] = self.pin(x, self.tokens_whole(x.ndim, free))  # a fused kernel arrives interleaved
+        free = tuple(d for d in sorted(roles) if roles[d][0] == "free")  # a fused kernel arrives interleaved
+        # gathered whole along the sequence, its gradient (a sum across tensor) scattered back to the blocks' layout
+        ins[site.activation] = self.pin(x, self.tokens_whole(x.ndim, free), self.between_blocks(x.ndim, free))
         with precision.split_sums(self.reduce_dtype, backward=True):
             out = _bind(eqn, ins)
         if site.head:  # a vocabulary head's logits: left to the loss (its blocks of rows, if any)
@@ -131,8 +132,12 @@ class Rewrite:
             spec[tokens[1]] = "tensor"
         return spec
 
-    def pin(self, x: Any, spec: list) -> Any:
-        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec(*spec)))
+    def pin(self, x: Any, spec: list, backward: list | None = None) -> Any:
+        """``x`` in the layout ``spec``; its cotangent in ``backward``'s (default: the same)."""
+        forward = NamedSharding(self.mesh, PartitionSpec(*spec))
+        if backward is None or backward == spec:
+            return jax.lax.with_sharding_constraint(x, forward)
+        return _pinned(x, forward, NamedSharding(self.mesh, PartitionSpec(*backward)))
 
     # ------------------------------------------------------------------ sub-programs
 
@@ -161,6 +166,19 @@ class Rewrite:
 
         c, ys = jax.lax.scan(step, carry, xs, length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
         return [*c, *ys]
+
+
+def _pinned(x: Any, forward: NamedSharding, backward: NamedSharding) -> Any:
+    """``x`` in ``forward``'s layout, its cotangent in ``backward``'s: a gather along the sequence
+    whose transpose is a reduce-scatter (Megatron-SP's g), or a reduce-scatter whose transpose
+    is a gather."""
+
+    @jax.custom_vjp
+    def pinned(x):
+        return jax.lax.with_sharding_constraint(x, forward)
+
+    pinned.defvjp(lambda x: (pinned(x), None), lambda _, g: (jax.lax.with_sharding_constraint(g, backward),))
+    return pinned(x)
 
 
 def _bind(eqn: Any, ins: list) -> Any:
