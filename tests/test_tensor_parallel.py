@@ -199,3 +199,51 @@ def test_multidevice_tensor_parallel_trains_like_one_device_with_its_sums_in_flo
     assert len(row_parallel) == 2 and {c.dtype for c in row_parallel} == {"f32"}  # attention's and the MLP's
     gathers = [c for c in rows if c.kind == "all-gather"]
     assert {c.dtype for c in gathers if "cross_entropy" not in c.op_name} == {"bf16"}
+
+
+@needs8
+def test_multidevice_checkpoints_move_between_tensor_and_fsdp_layouts_bit_for_bit(tmp_path):
+    """Saved under fsdp=2 tensor=4 (the fused q/k/v kernel stored in the model's own order), resumed
+    under fsdp=8, saved again and resumed under fsdp=2 tensor=4: the same arrays, bit for bit, each
+    time in the layout resuming asks for."""
+    from helpers import assert_bitwise_equal
+    from train import Checkpointer
+
+    tensor = Layout(make_mesh(1, 2, jax.devices()[:8], tensor=4), fsdp_min_size=256)
+    fsdp = Layout(make_mesh(1, 8, jax.devices()[:8]), fsdp_min_size=256)
+    saved, _, _, _ = _step(tensor, _gpt(), steps=2)
+    kernel = ("block_0", "attn", "qkv", "kernel")
+    for i, (source, target) in enumerate([(saved, fsdp), (None, tensor)]):
+        ckpt = Checkpointer(tmp_path / f"ckpt{i}")
+        ckpt.save(source if source is not None else restored, {"data_position": 2})
+        ckpt.wait()
+        template = create_train_state(_gpt(), "mixed_bf16", optax.sgd(0.3), jax.random.key(1), TOKENS[:1],
+                                      layout=target)
+        restored, _ = ckpt.restore(template)
+        ckpt.close()
+        assert_bitwise_equal(jax.tree_util.tree_leaves(to_host(restored.params)),
+                             jax.tree_util.tree_leaves(to_host(saved.params)))
+        assert_bitwise_equal(jax.tree_util.tree_leaves(to_host(restored.opt_state)),
+                             jax.tree_util.tree_leaves(to_host(saved.opt_state)))
+        spec = restored.params[kernel[0]][kernel[1]][kernel[2]][kernel[3]].sharding.spec
+        assert spec == (jax.sharding.PartitionSpec(None, "fsdp") if target is fsdp else
+                        jax.sharding.PartitionSpec("fsdp", "tensor"))
+    step = make_train_step(task="lm", layout=tensor, donate=False)  # and it trains on from there
+    batch = tensor.global_batch({"inputs": TOKENS, "labels": np.roll(TOKENS, -1, axis=1)}, len(TOKENS))
+    assert np.isfinite(float(to_host(step(restored, batch)[1]["loss"])))
+
+
+@needs8
+def test_multidevice_explain_prints_the_mesh_each_params_layout_and_the_collectives_per_layer(capsys):
+    from docs_pages import ROOT
+    from train.cli import main
+
+    config = str(ROOT / "examples" / "user_models" / "hf_style.yaml")
+    assert main([config, "mesh.tensor=4", "mesh.fsdp=2", "workdir=/tmp/unused", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "Mesh data=1 fsdp=2 tensor=4 over 8 devices: no axis crosses hosts" in out
+    assert "  h_0_attn/c_attn/kernel [64, 192]: column (3 fused parts), dim 1 split in h_0_attn/c_attn" in out
+    assert "  wpe/embedding [32, 64]: whole (looked up at fixed positions in wpe)" in out
+    layers = out.split("Collectives per layer")[1]
+    assert any(line.split()[:1] == ["h_*_c_proj"] and "activations all-reduce      f32" in line
+               for line in layers.splitlines())  # the row-parallel sums, in float32

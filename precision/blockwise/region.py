@@ -69,7 +69,7 @@ def _find(program: Program, min_logits_bytes: int) -> tuple[Region | None, str]:
             reasons.append(f"the loss from the logits {shape} is not computed row by row: {e}")
     if reasons:
         return None, reasons[0]
-    largest = max((program.avals[op.outs[0]] for op in program.ops if op.name == "dot_general"),
+    largest = max((program.avals[op.outs[0]] for op in program.ops if unwrapped(op).name == "dot_general"),
                   key=lambda a: int(np.prod(a.shape)), default=None)
     if largest is None:
         return None, "no matmul"

@@ -36,7 +36,11 @@ def gather(x: Any, dtype: np.dtype, used: NamedSharding, stored: NamedSharding,
     if x.dtype == dtype and reorder is None:
         return _whole(x, used, stored)
     if dtype == E4M3:  # quantized with the whole array's scale, the model handed its dequantized values
-        return _narrow_gather(x, lambda x: e4m3_read(x)[:2], lambda q: dequantized(*q, x.dtype), used, stored)
+        def quantized(x):
+            q, scale = e4m3_read(x)[:2]
+            return (q if reorder is None else reorder(q)), scale
+
+        return _narrow_gather(x, quantized, lambda q: dequantized(*q, x.dtype), used, stored, undo)
     return _narrow_gather(x, _then(lambda x: x.astype(dtype), reorder), lambda narrow: narrow.astype(x.dtype), used,
                           stored, undo)
 
