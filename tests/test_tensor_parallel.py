@@ -199,6 +199,12 @@ def test_multidevice_tensor_parallel_trains_like_one_device_with_its_sums_in_flo
     assert len(row_parallel) == 2 and {c.dtype for c in row_parallel} == {"f32"}  # attention's and the MLP's
     gathers = [c for c in rows if c.kind == "all-gather"]
     assert {c.dtype for c in gathers if "cross_entropy" not in c.op_name} == {"bf16"}
+    half = Layout(layout.mesh, fsdp_min_size=256, tensor_reduce_dtype="bf16")  # half the bytes, the user's choice
+    state = create_train_state(_gpt(), "mixed_bf16", optax.sgd(0.3), jax.random.key(0), TOKENS[:1], layout=half)
+    report = explain_communication(make_train_step(task="lm", layout=half, donate=False), state, batch)
+    sums = [c for c in report.collectives if c.kind == "all-reduce" and "split_sums:forward" in c.op_name
+            and c.group == 2]  # across tensor (a weight gradient is summed across data, in float32)
+    assert len(sums) >= 2 and {c.dtype for c in sums} == {"bf16"}  # attention's and the MLP's (and their gradients)
 
 
 @needs8

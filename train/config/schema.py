@@ -22,7 +22,8 @@ except that numbers accept YAML 1.1's ``1e-3`` strings.
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 import precision
 from train.config.errors import ConfigError, error_message, invalid
@@ -198,24 +199,17 @@ class PrecisionConfig(_Schema):
             raise invalid(f"precision.policy: {e}") from None
         return policy
 
-    @field_validator("reduce_dtype")
+    @field_validator("reduce_dtype", "tensor_reduce_dtype")
     @classmethod
-    def _reduce_dtype_parses(cls, value: str) -> str:
-        if value.strip().lower() == "auto":
+    def _reduce_dtype_parses(cls, value: str, info: ValidationInfo) -> str:
+        auto = info.field_name == "reduce_dtype"  # auto: float32 on a mesh; tensor sums have no auto
+        if auto and value.strip().lower() == "auto":
             return "auto"
         try:
             precision.reduce_dtype_of(value)
         except precision.PolicyError as e:
-            raise invalid(f"precision.{e}; or auto") from None
-        return value
-
-    @field_validator("tensor_reduce_dtype")
-    @classmethod
-    def _tensor_reduce_dtype_parses(cls, value: str) -> str:
-        try:
-            precision.reduce_dtype_of(value)
-        except precision.PolicyError as e:
-            raise invalid(f"precision.tensor_{e}") from None
+            raise invalid(f"precision.{info.field_name}: {str(e).removeprefix('reduce_dtype: ')}"
+                          f"{'; or auto' if auto else ''}") from None
         return value
 
     @field_validator("rules")
