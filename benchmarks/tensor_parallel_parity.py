@@ -164,8 +164,12 @@ def markdown(api: list, cli: list, steps: int, env: dict) -> str:
         lines += [f"The project's GPT ({GPT['num_layers']} layers, d_model {GPT['d_model']}, vocabulary "
                   f"{GPT['vocab_size']}, {BATCH} x {SEQ} tokens of synthetic_text, AdamW 3e-3), {steps} steps: the mean "
                   "loss of the last 20 steps; `drift` against one device; `worst step`: the largest drift of any "
-                  "single step's loss.", "",
+                  "single step's loss. `data=8`: data parallelism alone, the drift the devices' own rounding makes "
+                  "(its gradients summed in another order).", "",
                   "| policy | mesh | tensor_reduce_dtype | loss | drift | worst step |", "| --- | --- | --- | ---: | ---: | ---: |"]
+        order = {p[0]: i for i, p in enumerate(POLICIES)}
+        api = sorted(api, key=lambda r: (order.get(r["policy"], 99), r["mesh"] != "1 device", "tensor=1" not in r["mesh"],
+                                         r["tensor_reduce_dtype"] != "f32", r["mesh"]))
         lines += [f"| {r['policy']} | {r['mesh']} | {r['tensor_reduce_dtype']} | {r['loss']:.4f} | "
                   f"{r['drift'] * 100:+.3f}% | {r.get('max_step_drift', 0) * 100:.3f}% |" for r in api]
     if cli:

@@ -62,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
                              "FP8 GEMMs; a TPU's matmuls), float32 GEMMs under a half policy and the collectives; "
                              "writes WORKDIR/compiled-TARGET.json and exits without training (exit 1: does not fit)")
     parser.add_argument("--devices", type=int, metavar="N",
-                        help="with --compile-for: how many devices of the target (default: mesh.data * mesh.fsdp; "
+                        help="with --compile-for: how many devices of the target (default: mesh.data * mesh.fsdp * mesh.tensor; "
                              "a given TPU slice's chips under mesh.data=-1; else 1); for a TPU, the smallest slice "
                              "holding them")
     parser.add_argument("--pick-policy", action="store_true",

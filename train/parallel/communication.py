@@ -34,8 +34,8 @@ from urllib.parse import unquote
 from precision.autocast.regions import MODULE_PREFIX
 from train.parallel.distributed import GATHER_SCOPE
 
-__all__ = ["Collective", "CommunicationReport", "compile_partitioned", "explain_communication", "hlo_collectives",
-           "layer_of", "module_paths"]
+__all__ = ["Collective", "CommunicationReport", "compile_partitioned", "explain_communication", "group_size",
+           "hlo_collectives", "layer_of", "module_paths", "sent_fraction"]
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _INSTRUCTION = re.compile(
@@ -82,11 +82,7 @@ class Collective(NamedTuple):
     def sent_bytes(self) -> float:
         """Bytes each device sends (ring algorithms): (n-1)/n of the array to gather,
         scatter or exchange, twice that for an all-reduce."""
-        n = self.group
-        if n <= 1:
-            return 0.0
-        factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(self.kind, (n - 1) / n)
-        return self.bytes * factor
+        return self.bytes * sent_fraction(self.kind, self.group)
 
 
 class CommunicationReport(NamedTuple):
@@ -301,6 +297,20 @@ def _scattered_from(shape: tuple[int, ...], rest: str, group: int) -> tuple[int,
         return shape
     axis = int(dims.group(1))
     return tuple(d * group if i == axis else d for i, d in enumerate(shape))
+
+
+def sent_fraction(kind: str, group: int) -> float:
+    """Bytes each device sends per byte of the whole array (ring algorithms): ``(n-1)/n`` to
+    gather, scatter or exchange, twice that for an all-reduce, the array for a permute."""
+    if group <= 1:
+        return 0.0
+    return {"all-reduce": 2 * (group - 1) / group, "collective-permute": 1.0}.get(kind, (group - 1) / group)
+
+
+def group_size(rest: str, device_count: int) -> int:
+    """Devices per replica group of a collective (the text after its opcode), in any of the
+    forms XLA prints them in (``device_count`` where it names none)."""
+    return _group_size(rest, device_count)
 
 
 def _group_size(rest: str, device_count: int) -> int:

@@ -217,9 +217,9 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
       reduce_dtype: the dtype the gradients of params read in half precision
         are produced in, so the dtype a data-parallel step reduces them across
         devices in: ``"f32"``, ``"bf16"`` or ``"f16"`` (which needs a loss
-        scale). ``"auto"``: float32 when ``layout`` splits the batch over more
-        than one device, otherwise the compute dtype (one device reduces
-        nothing). See :func:`precision.with_policy`.
+        scale). ``"auto"``: float32 when ``layout``'s mesh has more than one
+        device (the batch split, or layers split over ``tensor``), otherwise the
+        compute dtype (one device reduces nothing). See :func:`precision.with_policy`.
       init_from: start from pretrained weights, cast as ``variables`` are: another run's workdir
         or checkpoint, or a Hugging Face Flax directory (:mod:`train.weights.pretrained`).
       memory: bytes the state and one step's gradients must fit in, checked from their shapes
@@ -261,7 +261,8 @@ def _reduce_dtype(reduce_dtype: Any, layout: Layout | None, model: Any, autocast
             if model.reduce_dtype is not None:
                 return None  # bind keeps the wrapper's own
             autocast = model.autocast
-        return "f32" if autocast and layout is not None and layout.data_shards > 1 else None
+        # any mesh of more than one device (a tensor-parallel one sums some gradients across tensor)
+        return "f32" if autocast and layout is not None and layout.mesh.devices.size > 1 else None
     if reduce_dtype is None:
         raise precision.PolicyError("reduce_dtype=None: give 'auto', 'f32', 'bf16' or 'f16'")
     return precision.reduce_dtype_of(reduce_dtype)
