@@ -42,6 +42,9 @@ CASES = {
     "8b-fsdp8": ("8b", "h100", 8, ["mesh.fsdp=8"], "mixed_bf16", 8),
     "8b-tensor8": ("8b", "h100", 8, ["mesh.tensor=8"], "mixed_bf16", 8),
     "8b-fsdp2-tensor4": ("8b", "h100", 8, ["mesh.fsdp=2", "mesh.tensor=4"], "mixed_bf16", 8),
+    "8b-fsdp8-lean_bf16": ("8b", "h100", 8, ["mesh.fsdp=8"], "lean_bf16", 8),
+    "8b-tensor8-lean_bf16": ("8b", "h100", 8, ["mesh.tensor=8"], "lean_bf16", 8),
+    "8b-fsdp2-tensor4-lean_bf16": ("8b", "h100", 8, ["mesh.fsdp=2", "mesh.tensor=4"], "lean_bf16", 8),
     "70b-h100-mixed_bf16": ("70b", "h100", 64, ["mesh.fsdp=8", "mesh.tensor=8"], "mixed_bf16", 8),
     "70b-h100-lean_bf16": ("70b", "h100", 64, ["mesh.fsdp=8", "mesh.tensor=8"], "lean_bf16", 8),
     "70b-v5p-mixed_bf16": ("70b", "v5p", 128, ["mesh.fsdp=32", "mesh.tensor=4"], "mixed_bf16", 32),
@@ -49,6 +52,64 @@ CASES = {
 }
 SEQ = 4096
 NAME = "tensor-parallel-scale"
+#: quantities of a row taken as linear in the number of layers (by :func:`extrapolate`)
+LINEAR = ("peak_bytes", "sent_bytes", "gradient_sent_bytes", "activation_sent_bytes", "param_sent_bytes",
+          "f32_activation_gathers_bytes", "modeled_ms")
+
+
+def row_key(case: str, layers: int | None) -> str:
+    """Where a case's row is saved: ``CASE`` at the architecture's depth, ``CASE@N`` at N layers."""
+    return f"{case}@{layers}" if layers else case
+
+
+def extrapolate(shallow: dict[str, Any], deep: dict[str, Any]) -> dict[str, Any]:
+    """A case's row at its architecture's depth from rows compiled at two smaller depths.
+
+    Every quantity is taken as linear in the number of layers (each layer adds the same
+    params, optimizer state, saved activations and collectives; the embedding, head and loss
+    are the intercept): ``q(L) = q(a) + (L - a) * (q(b) - q(a)) / (b - a)``. Whether it fits is
+    the extrapolated peak against the device's memory.
+    """
+    a, b = shallow["layers"], deep["layers"]
+    depth = LLAMA3[CASES[shallow["case"]][0]]["num_hidden_layers"]
+
+    def line(x: float | None, y: float | None) -> float | None:
+        return None if x is None or y is None else x + (depth - a) * (y - x) / (b - a)
+
+    row = {**deep, "layers": None, "extrapolated_from": [a, b], "collectives": None, "seconds": None}
+    row.update({k: line(shallow[k], deep[k]) for k in LINEAR})
+    kinds = {k: line(shallow["sent_by_kind"].get(k, 0.0), v) for k, v in deep["sent_by_kind"].items()}
+    row["sent_by_kind"] = dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
+    row["fits"] = row["peak_bytes"] <= row["device_bytes"]
+    return row
+
+
+def table_rows(saved: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each case at full depth: compiled where it was, else extrapolated from its two shallowest compiles."""
+    rows = []
+    for case in CASES:
+        shallow = sorted((r for k, r in saved.items() if k.startswith(f"{case}@")), key=lambda r: r["layers"])
+        if case in saved:
+            rows.append(saved[case])
+        elif len(shallow) >= 2:
+            rows.append(extrapolate(shallow[0], shallow[1]))
+    return rows
+
+
+def extrapolation_checks(saved: dict[str, dict[str, Any]]) -> list[str]:
+    """For each case compiled both at full depth and at two depths: the extrapolation against the compile."""
+    lines = []
+    for row in table_rows(saved):
+        shallow = sorted((r for k, r in saved.items() if k.startswith(f"{row['case']}@")), key=lambda r: r["layers"])
+        if row.get("extrapolated_from") or len(shallow) < 2:
+            continue
+        guess = extrapolate(shallow[0], shallow[1])
+        parts = [f"{name} {guess[k] / scale:.{digits}f} against {row[k] / scale:.{digits}f} compiled "
+                 f"({(guess[k] / row[k] - 1) * 100:+.1f}%)"
+                 for name, k, scale, digits in (("peak GiB", "peak_bytes", 2 ** 30, 1), ("sent GB", "sent_bytes", 1e9, 2),
+                                                ("modeled ms", "modeled_ms", 1e-0, 0)) if guess[k] and row[k]]
+        lines.append(f"- {row['case']}, from {shallow[0]['layers']} and {shallow[1]['layers']} layers: " + "; ".join(parts))
+    return lines
 
 
 def config_args(case: str, directory: str, layers: int | None) -> list[str]:
@@ -95,7 +156,12 @@ def measure(case: str, layers: int | None) -> dict[str, Any]:
             "seconds": round(time.perf_counter() - start, 1)}
 
 
-def markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
+def gradients(row: dict[str, Any]) -> str:
+    """The gradients' GB, or ``n/a`` where the report cannot tell them (bf16 params reduced in f32)."""
+    return "n/a" if row["policy"].startswith("lean") else f"{row['gradient_sent_bytes'] / 1e9:.2f}"
+
+
+def markdown(rows: list[dict[str, Any]], env: dict[str, Any], checks: list[str] = ()) -> str:
     gib, gb = 2 ** 30, 1e9
     lines = [f"# Tensor parallelism at scale, compiled without the devices", "",
              "Llama-3 architectures (Hugging Face config.json, random init), one train step, batch x 4096 tokens, "
@@ -111,13 +177,23 @@ def markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
         mesh = ",".join(f"{k}={v}" for k, v in r["mesh"].items() if v > 1) or "1"
         kinds = "; ".join(f"{k} {v / gb:.2f}" for k, v in r["sent_by_kind"].items() if v / gb >= 0.005)
         depth = f" ({r['layers']} layers)" if r.get("layers") else ""
+        if r.get("extrapolated_from"):
+            depth = " (extrapolated from {} and {} layers)".format(*r["extrapolated_from"])
         lines.append(f"| {r['case']}{depth} | {r['devices']} x {r['target']} | {mesh} | {r['policy']} | "
                      f"{'yes' if r['fits'] else 'NO'} | {r['peak_bytes'] / gib:.1f} of {r['device_bytes'] / gib:.1f} | "
-                     f"{r['sent_bytes'] / gb:.2f} | {r['gradient_sent_bytes'] / gb:.2f} | {kinds} | "
+                     f"{r['sent_bytes'] / gb:.2f} | {gradients(r)} | {kinds} | "
                      f"{r['f32_activation_gathers_bytes'] / 1e6:.1f} | "
                      f"{'-' if r['modeled_ms'] is None else format(r['modeled_ms'], '.0f')} |")
     lines += ["", f"jax {env.get('jax')}, {env.get('date')}; reproduce (each case): "
-              "`JAX_PLATFORMS=cpu python -m benchmarks.tensor_parallel --cases CASE`"]
+              "`JAX_PLATFORMS=cpu python -m benchmarks.tensor_parallel --cases CASE`; an extrapolated row: the "
+              "same with `--layers 2` and `--layers 4` (each quantity linear in depth: the 4-layer value plus "
+              "the per-layer slope times the remaining layers)."]
+    if any(gradients(r) == "n/a" for r in rows):
+        lines += ["", "`n/a`: under lean_bf16 the params are bf16 and their gradients are reduce-scattered in "
+                  "float32 (`precision.reduce_dtype` auto); the report tells a gradient by its param's stored "
+                  "dtype and shape, so it counts these as activations: their bytes are in `reduce-scatter f32`."]
+    if checks:
+        lines += ["", "The extrapolation against full-depth compiles of the same case:", "", *checks]
     return "\n".join(lines) + "\n"
 
 
@@ -148,11 +224,10 @@ def main(argv: list[str] | None = None) -> None:
         if proc.returncode:
             print(f"{case}: failed\n{proc.stderr[-3000:]}", file=sys.stderr)
             continue
-        saved["rows"][case] = json.loads(proc.stdout.strip().splitlines()[-1])
+        saved["rows"][row_key(case, args.layers)] = json.loads(proc.stdout.strip().splitlines()[-1])
         saved["environment"] = environment()
         path.write_text(json.dumps(saved, indent=1) + "\n")
-        rows = [saved["rows"][c] for c in CASES if c in saved["rows"]]
-        text = markdown(rows, saved["environment"])
+        text = markdown(table_rows(saved["rows"]), saved["environment"], extrapolation_checks(saved["rows"]))
         (out / f"{NAME}.md").write_text(text)
         print(text)
 
