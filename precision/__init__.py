@@ -41,7 +41,8 @@ from precision.rules import (
 )
 from precision.fp8 import FP8_COLLECTION, Fp8Options, combine_fp8_states, fp8_options, init_fp8_state
 from precision.int8 import Int8Options, int8_options
-from precision.autocast import ALLOW, DENY, OpLists, autocast, compute_in, op_lists, reduce_dtype_of
+from precision.autocast import (ALLOW, DENY, OpLists, autocast, compute_in, op_lists, program_pass, reduce_dtype_of,
+                                split_sums)
 from precision.modules import LinenWithPolicy, NNXWithPolicy, with_policy
 from precision.reads import read_dtypes
 from precision.explain import (CoverageError, Explanation, PrecisionWarning, check_coverage, explain)
@@ -74,6 +75,7 @@ __all__ = (
     "FP8_COLLECTION", "Fp8Options", "combine_fp8_states", "fp8_options", "init_fp8_state",
     "Int8Options", "int8_options",
     "ALLOW", "DENY", "OpLists", "op_lists", "compute_in", "autocast", "forward_only", "reduce_dtype_of",
+    "program_pass", "split_sums",
     "LinenWithPolicy", "NNXWithPolicy", "with_policy",
     "CoverageError", "Explanation", "PrecisionWarning", "check_coverage", "explain", "read_dtypes",
     "Diagnosis", "Problem", "Recommendation", "diagnose",

@@ -307,3 +307,21 @@ def test_int8_tpu_step_extrapolates_a_depth_from_two_compiled_depths():
     assert e["mixed_int8"]["seconds"] == pytest.approx(0.5 + 24 * 0.3)
     assert e["ratio"] == pytest.approx(7.7 / 12.5) and e["per_layer_ratio"] == pytest.approx(0.6)
     assert e["amdahl"] == pytest.approx((0.5 + 24 * 0.25) / 12.5)
+
+
+def test_tensor_parallel_extrapolates_each_quantity_linearly_in_depth():
+    """A case compiled at 2 and 4 layers stands for its 32 with each quantity's per-layer slope."""
+    from benchmarks.tensor_parallel import LINEAR, row_key, table_rows
+
+    def row(layers, peak_gib):
+        return {"case": "8b-tensor8", "layers": layers, "device_bytes": 80 * 2 ** 30, "peak_bytes": peak_gib * 2 ** 30,
+                **{k: float(layers) for k in LINEAR if k != "peak_bytes"},
+                "sent_by_kind": {"all-gather bf16": 10.0 * layers, "reduce-scatter f32": 1.0}}
+
+    [guess] = table_rows({row_key("8b-tensor8", 4): row(4, 12), row_key("8b-tensor8", 2): row(2, 10)})
+    assert guess["extrapolated_from"] == [2, 4] and guess["layers"] is None
+    assert guess["peak_bytes"] == 40 * 2 ** 30 and guess["fits"]  # 10 GiB + 30 layers x 1 GiB
+    assert guess["sent_bytes"] == guess["modeled_ms"] == 32.0
+    assert guess["sent_by_kind"] == {"all-gather bf16": 320.0, "reduce-scatter f32": 1.0}
+    [over] = table_rows({row_key("8b-tensor8", 2): row(2, 10), row_key("8b-tensor8", 4): row(4, 16)})
+    assert not over["fits"]  # 10 GiB + 30 x 3 GiB

@@ -294,7 +294,7 @@ def test_multidevice_a_step_made_without_the_layout_runs_the_state_in_its_own():
     assert not without.select("activations", "all-gather") or without.bytes("activations") < 2 ** 20
     placed = layout.put_state(create_train_state(model, "mixed_bf16", optax.adam(1e-3), jax.random.PRNGKey(0),
                                                  tokens[:1]))
-    with pytest.raises(ValueError, match=r"split over a mesh \{'data': 2, 'fsdp': 4\}.*make_train_step\(layout="):
+    with pytest.raises(ValueError, match=r"split over a mesh \{'data': 2, 'fsdp': 4, 'tensor': 1\}.*make_train_step\(layout="):
         make_train_step(donate=False, task="language_model")(placed, batch)
     other = Layout(make_mesh(8, 1, jax.devices()[:8]))
     with pytest.raises(ValueError, match="not the layout the state was created in"):

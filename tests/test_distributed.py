@@ -42,7 +42,7 @@ def _python_env(devices: int) -> dict:
 
 def test_mesh_takes_all_devices_and_rejects_what_does_not_fit():
     mesh = make_mesh()
-    assert mesh.shape == {"data": jax.device_count(), "fsdp": 1}
+    assert mesh.shape == {"data": jax.device_count(), "fsdp": 1, "tensor": 1}
     n = jax.device_count()
     with pytest.raises(MeshError, match=r"mesh.data \* mesh.fsdp = 3 \* 1 = 3, but there are"):
         make_mesh(3 * n, 1) if n != 3 else make_mesh(2, 1)
@@ -130,11 +130,12 @@ def test_diagnose_on_several_processes_refuses_with_one_line(monkeypatch, tmp_pa
 
 
 def test_the_8_device_tests_pass_on_forced_host_devices():
-    """Runs the ``test_multidevice_*`` tests of this file and of test_communication.py in one
-    process with 8 CPU devices."""
+    """Runs the ``test_multidevice_*`` tests of this file, test_communication.py and
+    test_tensor_parallel.py in one process with 8 CPU devices."""
     if jax.device_count() >= 8:
         pytest.skip("already on 8 devices: the multidevice tests run in this session")
-    files = [Path(__file__), Path(__file__).with_name("test_communication.py")]
+    files = [Path(__file__), Path(__file__).with_name("test_communication.py"),
+             Path(__file__).with_name("test_tensor_parallel.py")]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "multidevice",
                            *map(str, files)], env=_python_env(8), cwd=ROOT, capture_output=True, text=True,
                           timeout=900)
@@ -198,10 +199,15 @@ def test_multidevice_data_parallel_and_fsdp_match_one_device(policy, optimizer, 
         _assert_close(one_step_less.params, reference.params, 10 * atol, 10 * rtol)
     for data, fsdp in [(8, 1), (1, 8), (2, 4)]:  # data parallel, FSDP, both at once
         state, metrics = _train(_layout(data, fsdp), policy, optimizer=optimizer, reduce_dtype=reduce_dtype)
-        _assert_close(state.params, reference.params, atol, rtol)
-        _assert_close(state.opt_state, reference.opt_state, atol, rtol)
+        # Under data and FSDP at once a split param's float16 gradient is summed in two float16 stages
+        # (over fsdp into each device's part, a reduce-scatter on a GPU; then across data), not in one
+        # all-reduce over all 8 then a slice: a rounding more, which momentum carries (measured: params
+        # within 7e-4, momentum within 4e-3, the loss within 1.1e-4 of one device after 5 steps).
+        two_stages = reduce_dtype == "f16" and data > 1 and fsdp > 1
+        _assert_close(state.params, reference.params, 1e-3 if two_stages else atol, rtol)
+        _assert_close(state.opt_state, reference.opt_state, 5e-3 if two_stages else atol, rtol)
         assert metrics["loss_scale"] == ref_metrics["loss_scale"] and metrics["grads_finite"]
-        np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-4)
+        np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=2e-4 if two_stages else 1e-4)
 
 
 @needs8

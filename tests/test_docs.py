@@ -47,6 +47,8 @@ RUN_BY_TESTS = {
         "tests/test_diagnose_training.py::test_diagnose_flag_reads_the_newest_checkpoint_and_leaves_checkpoints_untouched",
     "python -m train configs/gpu/gpt2_small_mixed_bf16.yaml --compile-for h100":
         "tests/test_compile_for.py::test_gpt2_small_half_steps_fuse_attention_in_every_layer_with_half_gemms_and_a_third_of_the_memory",
+    "python -m train examples/user_models/hf_style.yaml model.name=hf_style.py:Llama --compile-for h100 --devices 8":
+        "tests/test_tensor_compile.py::test_tensor_parallel_llama_on_8_h100s_gathers_in_bf16_and_sums_in_f32",
     # libtpu: CI's compile-only environment runs these (pytest -m tpu_compile), on the config made small
     "python -m train configs/gpu/gpt2_small_mixed_bf16.yaml --compile-for v5e":
         "tests/test_tpu_compile.py::test_the_gpt_compiles_for_one_v5e_chip_with_every_matmul_in_bfloat16",

@@ -82,7 +82,7 @@ def test_float32_matmuls_run_one_bfloat16_pass_on_a_tpu_six_at_highest():
 @tpu_compile
 def test_a_v5p_slice_of_eight_chips_gathers_fsdp_params_in_bfloat16():
     report = _compiled("v5p", "mesh.fsdp=8", devices=8)
-    assert report.devices == 8 and report.mesh == {"data": 1, "fsdp": 8}
+    assert report.devices == 8 and report.mesh == {"data": 1, "fsdp": 8, "tensor": 1}
     assert report.target.device_kind == "TPU v5" and report.communication.stage == "partitioned"
     gathers = {r["dtype"] for r in report.communication.rows()
                if r["carries"] == "params" and r["kind"] == "all-gather"}

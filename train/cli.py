@@ -66,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
                              "FP8 GEMMs; a TPU's matmuls), float32 GEMMs under a half policy and the collectives; "
                              "writes WORKDIR/compiled-TARGET.json and exits without training (exit 1: does not fit)")
     parser.add_argument("--devices", type=int, metavar="N",
-                        help="with --compile-for: how many devices of the target (default: mesh.data * mesh.fsdp; "
+                        help="with --compile-for: how many devices of the target (default: mesh.data * mesh.fsdp * mesh.tensor; "
                              "a given TPU slice's chips under mesh.data=-1; else 1); for a TPU, the smallest slice "
                              "holding them")
     parser.add_argument("--pick-policy", action="store_true",
@@ -85,8 +85,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="with --pick-policy: the loss change allowed against float32, relative (default 0.01)")
     parser.add_argument("--prefer", choices=("speed", "memory"),
                         help="with --pick-policy: the fastest eligible policy (default) or the leanest")
-    parser.add_argument("--mesh", metavar="data=D,fsdp=F",
-                        help="the device mesh, as the overrides mesh.data=D mesh.fsdp=F")
+    parser.add_argument("--mesh", metavar="data=D,fsdp=F,tensor=T",
+                        help="the device mesh, as the overrides mesh.data=D mesh.fsdp=F mesh.tensor=T")
     return parser
 
 
@@ -297,12 +297,13 @@ def _pick_policy(path: _Origin, config, args: argparse.Namespace) -> int:
 
 
 def _mesh_overrides(text: str) -> list[str]:
-    """``data=2,fsdp=4`` as the overrides ``mesh.data=2 mesh.fsdp=4``."""
+    """``data=2,fsdp=4,tensor=1`` as the overrides ``mesh.data=2 mesh.fsdp=4 mesh.tensor=1``."""
     overrides = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = part.partition("=")
-        if not sep or key.strip() not in ("data", "fsdp"):
-            raise ValueError(f"--mesh {text!r}: give data=D,fsdp=F (e.g. --mesh data=2,fsdp=4)")
+        if not sep or key.strip() not in ("data", "fsdp", "tensor"):
+            raise ValueError(f"--mesh {text!r}: give data=D,fsdp=F,tensor=T, any of them (e.g. --mesh "
+                             f"data=2,fsdp=4 or --mesh fsdp=2,tensor=4)")
         overrides.append(f"mesh.{key.strip()}={value.strip()}")
     return overrides
 
@@ -325,8 +326,8 @@ def _compile_for(path: _Origin, config, target: str, devices: int | None) -> int
 
 
 def _explain(path: _Origin, config) -> int:
-    from train.inspections.explain import (explain_experiment, explain_experiment_communication, explain_experiment_loss,
-                                           explain_experiment_state)
+    from train.inspections.explain import (explain_experiment, explain_experiment_communication,
+                                           explain_experiment_layout, explain_experiment_loss, explain_experiment_state)
     from train.experiment.loop import build_experiment
 
     try:
@@ -334,9 +335,13 @@ def _explain(path: _Origin, config) -> int:
         print(explain_experiment(config, experiment))
         print(f"\n{explain_experiment_state(config, experiment)}")
         print(explain_experiment_loss(config, experiment))
+        layout = explain_experiment_layout(config, experiment)
         communication = explain_experiment_communication(config, experiment)
     except (ConfigError, DataError) as e:
         return _fail(path(e), 2)
+    if layout is not None:
+        print(f"\n{layout}")
     if communication is not None:
         print(f"\n{communication}")
+        print("\n".join(communication.layer_lines(top=12)))
     return 0

@@ -47,6 +47,7 @@ from precision.autocast.scaled.int8_sites import Int8Run
 from precision.autocast import attention_fusion, frozen_reads, matmul_precision, norm_fusion, reductions
 from precision.autocast.regions import (module_path, region_dtype, region_fp8, region_int8, region_matmul,
                                         scope_names, within)
+from precision.autocast.split_sums import SplitSums, wider_sums
 from precision.autocast.values import (AS_TRACED, DENIED, F32, FOLLOWS_F32, REGION, STATISTICS, UPCAST, Kind, Record,
                                        Val, is_policy_float, literal_val)
 
@@ -236,8 +237,9 @@ def rewrite_eqn(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
                           if hasattr(v.array, "dtype"))
     if all(v.kind is Kind.NEUTRAL for v in floats):
         return outputs(site, _bind_as_traced(site, ins), Kind.NEUTRAL)
-    if cls is OpClass.EACH:
-        results = bind(site, [v.array for v in ins])
+    if cls is OpClass.EACH:  # a sharding constraint on a half activation holds its half cast (a layout's gather)
+        results = bind(site, [v.as_dtype(site.region) if site.name == "sharding_constraint" and v.kind is Kind.HALF
+                              and not v.leaf else v.array for v in ins])
         results = results if site.eqn.primitive.multiple_results else [results]
         if len(results) == len(ins):
             return [Val(v.kind, r, site.path) for v, r in zip(ins, results)]
@@ -260,16 +262,20 @@ def rewrite_eqn(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
     return outputs(site, _bind_in(site, ins, site.region, ctx.reduce), Kind.HALF)
 
 
-def bind_reducing(site: Site, ins: list[Val], args: Sequence[Any], reduce_dtype: Any, **param_updates: Any) -> Any:
+def bind_reducing(site: Site, ins: list[Val], args: Sequence[Any], reduce_dtype: Any, split: SplitSums = SplitSums(),
+                  **param_updates: Any) -> Any:
     """:func:`bind` on ``args`` (the arrays of ``ins``), the gradients of the leaves
     (params) a half matmul, broadcast, gather or broadcasting elementwise op
-    reads produced in ``reduce_dtype`` (:mod:`.reductions`: the dtype a
-    data-parallel reduction runs in)."""
+    reads produced in ``reduce_dtype`` (:mod:`.reductions`: the dtype a data-parallel
+    reduction runs in); ``split``: its sums split across devices (:mod:`.split_sums`)."""
     leaves = [v.leaf and v.managed for v in ins]
-    if not reductions.applies(site.eqn.primitive, args, leaves, reduce_dtype):
+    applies = reductions.applies(site.eqn.primitive, args, leaves, reduce_dtype)
+    if not applies and split == SplitSums():
         return bind(site, args, **param_updates)
-    sources = [v.array if leaf else None for v, leaf in zip(ins, leaves)]
-    return reductions.bind(site.eqn.primitive, args, sources, _params(site, args, param_updates), reduce_dtype)
+    sources = [v.array if leaf and applies else None for v, leaf in zip(ins, leaves)]
+    cotangent = None if split.forward is None else np.dtype(args[0].dtype)
+    return reductions.bind(site.eqn.primitive, args, sources, _params(site, args, param_updates),
+                           reduce_dtype if applies else None, input_grad=split.backward, cotangent=cotangent)
 
 
 def _keeps_leaf(site: Site, ins: list[Val]) -> bool:
@@ -351,8 +357,10 @@ def _allowed(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
     target = site.region
     keep_wide = (preferred is not None and np.dtype(preferred) == F32 and traced_in
                  and all(d != F32 for d in traced_in))  # the model asked for a float32 result of half operands
-    kind = Kind.FULL if keep_wide and target != F32 else Kind.HALF
-    result, dtype, why = scaled_product(site, ins, ctx, F32 if keep_wide else target)
+    split = wider_sums(site.name, site.scope, target)
+    wide = F32 if keep_wide else split.forward or target  # the dtype of its result
+    kind = Kind.FULL if wide != target else Kind.HALF
+    result, dtype, why = scaled_product(site, ins, ctx, wide, split.backward)
     if result is not None:  # FP8 or int8
         log(ctx, site, dtype, why)
         return outputs(site, result, kind)
@@ -362,12 +370,12 @@ def _allowed(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
         log(ctx, site, target, why or not_scaled(ctx, site))
     args = [v.as_dtype(target) if v.managed else v.array for v in ins]
     updates = {}
-    if "preferred_element_type" in params and preferred is not None:
-        updates["preferred_element_type"] = F32 if keep_wide else target
+    if ("preferred_element_type" in params and preferred is not None) or wide != target:
+        updates["preferred_element_type"] = wide
     frozen = frozen_reads.product(site, ins, args, _params(site, args, updates), ctx.reduce)  # a weight in codes
     if frozen is not None:
         return outputs(site, frozen, kind)
-    return outputs(site, bind_reducing(site, ins, args, ctx.reduce, **updates), kind)
+    return outputs(site, bind_reducing(site, ins, args, ctx.reduce, split, **updates), kind)
 
 
 def _convert(site: Site, v: Val, ctx: Context) -> Val:

@@ -111,15 +111,20 @@ def _broadcast_axes(x: Any, arrays: Sequence[Any]) -> tuple[int, ...]:
     return tuple(d for d, (n, m) in enumerate(zip(np.shape(x), full)) if n != m)
 
 
-def bind(primitive: Any, arrays: Sequence[Any], sources: Sequence[Any], params: dict, reduce_dtype: Any) -> Any:
+def bind(primitive: Any, arrays: Sequence[Any], sources: Sequence[Any], params: dict, reduce_dtype: Any, *,
+         input_grad: Any = None, cotangent: Any = None) -> Any:
     """``primitive.bind(*arrays, **params)`` where :func:`applies`, the gradients of
     its params computed in ``reduce_dtype`` (see the module docstring).
 
     ``sources[i]``: for a param, the array ``arrays[i]`` was cast from (its own,
     float32 for masters); its gradient comes back in that dtype, never rounded
     to half on the way. ``None`` for the other operands (their gradients as JAX
-    computes them)."""
-    reduce_dtype = np.dtype(reduce_dtype)
+    computes them, or, for a product, made in ``input_grad`` when given: a sum split
+    across devices, :mod:`.split_sums`). ``reduce_dtype`` None: no param's gradient is
+    made in another dtype. ``cotangent``: the dtype the result's cotangent is taken to
+    first (a float32 split sum of half operands: its cotangent back in half)."""
+    reduce_dtype = None if reduce_dtype is None else np.dtype(reduce_dtype)
+    input_grad = None if input_grad is None else np.dtype(input_grad)
     dtypes = [a.dtype for a in arrays]
     leaves = [s is not None for s in sources]
     inputs = [a if s is None else s for a, s in zip(arrays, sources)]
@@ -138,8 +143,9 @@ def bind(primitive: Any, arrays: Sequence[Any], sources: Sequence[Any], params: 
 
     def backward(xs, g):
         operands = cast(xs) if keep else specs
+        g = g if cotangent is None else g.astype(cotangent)
         if primitive.name in _PRODUCTS:
-            cts = [_product_cotangent(primitive, params, operands, i, g, reduce_dtype if leaf else None)
+            cts = [_product_cotangent(primitive, params, operands, i, g, reduce_dtype if leaf else input_grad)
                    for i, leaf in enumerate(leaves)]
         elif primitive.name in _SUMS:
             cts = [_sum_cotangent(primitive, params, operands, g, reduce_dtype)] + [None] * (len(xs) - 1)
@@ -148,7 +154,7 @@ def bind(primitive: Any, arrays: Sequence[Any], sources: Sequence[Any], params: 
         return tuple(None if ct is None else ct.astype(x.dtype) for ct, x in zip(cts, inputs))
 
     op.defvjp(forward, backward)
-    with jax.named_scope(scope_name(reduce_dtype, leaves)):
+    with jax.named_scope(scope_name(reduce_dtype or dtypes[0], leaves)):
         return op(*inputs)
 
 

@@ -126,6 +126,8 @@ def region_matmul(scope: tuple[str, ...], default: str) -> str:
 _JAX_SCOPES = frozenset({"rematted_computation", "checkpoint"})
 #: The scope an op bound for a reduce dtype is called in (:mod:`.reductions`): no module of its own.
 REDUCE_SCOPE_PREFIX = "precision_reduce_"
+#: The scope of a matmul whose sums are split across devices (:mod:`.split_sums`): no module either.
+SPLIT_SCOPE_PREFIX = "precision_split_sums:"
 
 
 def module_path(scope: tuple[str, ...]) -> tuple[str, ...]:
@@ -145,7 +147,7 @@ def module_path(scope: tuple[str, ...]) -> tuple[str, ...]:
 def _named(scope: tuple[str, ...], collapse: bool) -> tuple[str, ...]:
     path: list[str] = []
     for name in scope:
-        if (name.startswith((TAG_PREFIX, MODULE_PREFIX, REDUCE_SCOPE_PREFIX)) or name in _JAX_SCOPES
+        if (name.startswith((TAG_PREFIX, MODULE_PREFIX, REDUCE_SCOPE_PREFIX, SPLIT_SCOPE_PREFIX)) or name in _JAX_SCOPES
                 or "->" in name):
             continue
         if not collapse or not path or path[-1] != name:

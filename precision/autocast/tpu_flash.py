@@ -50,35 +50,45 @@ def flash(q: jax.Array, k: jax.Array, v: jax.Array, ab: jax.Array | None, causal
     (a ``cond``'s branches share residual slots of one shape and dtype)."""
     attention = _attention(causal, scale, ab is not None, heads_second)
     args = (q, k, v) if ab is None else (q, k, v, ab)
-    axes = _batch_axes(q.shape[0])
-    if not axes:
+    batch, heads = _split_axes(q.shape[0], q.shape[1])
+    if not batch and not heads:
         return attention(*args)
-    spec = PartitionSpec(axes)
-    return jax.shard_map(attention, mesh=jax.sharding.get_abstract_mesh(), in_specs=(spec,) * len(args),
-                         out_specs=spec, check_vma=False)(*args)
+    spec = PartitionSpec(batch or None, heads or None)
+    specs = (spec,) * 3 + (() if ab is None else (spec if ab.shape[1] == q.shape[1] else PartitionSpec(batch or None),))
+    return jax.shard_map(attention, mesh=jax.sharding.get_abstract_mesh(), in_specs=specs, out_specs=spec,
+                         check_vma=False)(*args)
 
 
 def check(q: Any, k: Any, v: Any, ab: Any, causal: bool, scale: float) -> None:
     """Builds the kernel's forward and backward passes for these shapes (abstractly, on one
     device's part where a mesh is in context); raises what Pallas raises where it cannot."""
-    axes = _batch_axes(q.shape[0])
-    parts = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes) if axes else 1
-    local = [jax.ShapeDtypeStruct((x.shape[0] // parts, *x.shape[1:]), x.dtype) for x in (q, k, v)]
-    args = (*local, jax.ShapeDtypeStruct((q.shape[0] // parts, *ab.shape[1:]), ab.dtype)) if ab is not None else local
+    batch, heads = _split_axes(q.shape[0], q.shape[1])
+    mesh = jax.sharding.get_abstract_mesh()
+    b, h = (math.prod(mesh.shape[a] for a in axes) if axes else 1 for axes in (batch, heads))
+    local = [jax.ShapeDtypeStruct((x.shape[0] // b, x.shape[1] // h, *x.shape[2:]), x.dtype) for x in (q, k, v)]
+    args = (*local, jax.ShapeDtypeStruct((q.shape[0] // b, ab.shape[1] // (h if ab.shape[1] == q.shape[1] else 1),
+                                          *ab.shape[2:]), ab.dtype)) if ab is not None else local
     out, l, m = jax.eval_shape(functools.partial(_kernel_fwd, causal, scale, ab is not None), *args)
     jax.eval_shape(functools.partial(_kernel_bwd, causal, scale, ab is not None), *args, out, l, m, out)
 
 
-def _batch_axes(batch: int) -> tuple[str, ...]:
-    """The context mesh's axes to split the batch over (all that are not manual already), or
-    none: no mesh, one device, or a batch they do not divide."""
+def _split_axes(batch: int, heads: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The context mesh's axes (those not manual already) to split the batch over, outermost
+    first while their product divides it, and the rest to split the heads over (a layout that
+    splits each layer over an inner axis splits attention by heads) where they divide them;
+    none without a mesh or on one device."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty:
-        return ()
+        return (), ()
     manual = set(getattr(mesh, "manual_axes", ()))
-    axes = tuple(name for name in mesh.axis_names if name not in manual)
-    size = math.prod(mesh.shape[name] for name in axes)
-    return axes if size > 1 and batch % size == 0 else ()
+    axes = [name for name in mesh.axis_names if name not in manual and mesh.shape[name] > 1]
+    split = 0
+    while split < len(axes) and batch % math.prod(mesh.shape[a] for a in axes[:split + 1]) == 0:
+        split += 1
+    rest = tuple(axes[split:])
+    if rest and heads % math.prod(mesh.shape[a] for a in rest):
+        return (), ()  # a batch and heads the mesh does not divide: the whole call on each device
+    return tuple(axes[:split]), rest
 
 
 def _swap(x: jax.Array) -> jax.Array:

@@ -6,11 +6,18 @@ traces it with every policy-float array seen as float32 (so the traced program
 is the float32 one, whatever dtypes the arguments or the layers pin), and
 evaluates that program under autocast (:mod:`.interpreter`). While it traces,
 ``jax.nn.dot_product_attention`` calls are marked (:mod:`.fused_attention`).
+
+A *program pass* (:func:`program_pass`) may transform a model's traced call before
+autocast sees it: how a layout splits a model across devices is written into the
+program there (sharding constraints, split matmuls; ``train.parallel.tensor``), so
+that autocast then gives every value of the split program its dtype.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+import contextlib
+import contextvars
+from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
 import numpy as np
@@ -19,7 +26,26 @@ from precision.autocast import fused_attention
 from precision.autocast.interpreter import Context, evaluate
 from precision.autocast.values import F32, Val, const_val, is_policy_float, make_val
 
-__all__ = ["Flat", "flatten_call", "evaluate_call"]
+__all__ = ["Flat", "flatten_call", "evaluate_call", "program_pass", "ProgramPass"]
+
+#: ``(fn, arrays, paths) -> fn``: a function of a call's array leaves (their key paths in the
+#: call's ``(args, kwargs)``) transformed before autocast traces it.
+ProgramPass = Callable[[Callable, list, list], Callable]
+_PASS: contextvars.ContextVar = contextvars.ContextVar("precision_program_pass", default=None)
+
+
+@contextlib.contextmanager
+def program_pass(transform: ProgramPass | None) -> Iterator[None]:
+    """Inside, every call autocast makes of a model (:func:`precision.autocast`, the
+    ``with_policy`` wrappers) is traced from ``transform(fn, arrays, paths)``: ``fn`` takes the
+    call's array leaves, ``arrays`` are those leaves and ``paths`` their key paths in the
+    call's ``(args, kwargs)`` (a param's path ends with its path in the params tree). Not
+    applied again to the calls the transformed program makes itself."""
+    token = _PASS.set(transform)
+    try:
+        yield
+    finally:
+        _PASS.reset(token)
 
 _ARRAY = object()
 
@@ -43,6 +69,7 @@ class Flat(NamedTuple):
 
     fn: Callable  # array leaves in -> array leaves out
     arrays: list  # the array leaves of the arguments
+    paths: list  # their key paths in (args, kwargs)
     outputs: dict  # after a trace: "tree" and "static" (non-array output leaves, None for arrays)
 
     def unflatten(self, arrays: list) -> Any:
@@ -54,7 +81,8 @@ class Flat(NamedTuple):
 
 def flatten_call(fn: Callable, args: tuple, kwargs: dict) -> Flat:
     """Splits a call into traced array leaves and static rest, in and out."""
-    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
+    leaves = [x for _, x in with_paths]
     traced_at = [i for i, x in enumerate(leaves) if _is_traced_leaf(x)]
     outputs: dict = {}
 
@@ -67,14 +95,23 @@ def flatten_call(fn: Callable, args: tuple, kwargs: dict) -> Flat:
         outputs["static"] = [_ARRAY if _is_array_output(x) else x for x in out_leaves]
         return [x for x in out_leaves if _is_array_output(x)]
 
-    return Flat(flat, [leaves[i] for i in traced_at], outputs)
+    return Flat(flat, [leaves[i] for i in traced_at], [with_paths[i][0] for i in traced_at], outputs)
 
 
-def evaluate_call(fn: Callable, args: tuple, kwargs: dict, ctx: Context) -> tuple[list[Val], list, Flat]:
+def evaluate_call(fn: Callable, args: tuple, kwargs: dict, ctx: Context, top: bool = False
+                  ) -> tuple[list[Val], list, Flat]:
     """Traces ``fn(*args, **kwargs)`` with policy floats seen as float32 and
-    evaluates it under ``ctx``: (output Vals, their traced shapes, the flattened call)."""
+    evaluates it under ``ctx``: (output Vals, their traced shapes, the flattened call).
+    ``top``: a model's call (not a sub-program autocast traces again): the
+    :func:`program_pass` in effect transforms it first."""
     flat = flatten_call(fn, args, kwargs)
-    with fused_attention.marking():
-        closed, shapes = jax.make_jaxpr(flat.fn, return_shape=True)(*map(_widened, flat.arrays))
+    transform = _PASS.get() if top else None
+    traced = flat.fn if transform is None else transform(flat.fn, flat.arrays, flat.paths)
+    token = _PASS.set(None)  # the calls the program makes are its own
+    try:
+        with fused_attention.marking():
+            closed, shapes = jax.make_jaxpr(traced, return_shape=True)(*map(_widened, flat.arrays))
+    finally:
+        _PASS.reset(token)
     vals = evaluate(closed.jaxpr, [const_val(c) for c in closed.consts], [make_val(x) for x in flat.arrays], ctx)
     return vals, shapes, flat

@@ -65,7 +65,7 @@ def call_vals(fn: Callable, args: tuple, kwargs: dict, *, compute_dtype: Any, op
     convolutions (:mod:`precision.autocast.matmul_precision`).
     """
     vals, _, flat = evaluate_call(fn, args, kwargs, context(compute_dtype, ops, log, fp8, fp8_run, reduce_dtype,
-                                                            matmul_precision, int8, int8_run))
+                                                            matmul_precision, int8, int8_run), top=True)
     return flat.unflatten(vals)
 
 
@@ -74,7 +74,7 @@ def call(fn: Callable, args: tuple, kwargs: dict, *, compute_dtype: Any, ops: Op
          matmul_precision: Any = "default", int8: bool = False, int8_run: Int8Run | None = None) -> Any:
     """Runs ``fn`` under autocast, every output in the dtype ``fn`` itself gives it."""
     vals, shapes, flat = evaluate_call(fn, args, kwargs, context(compute_dtype, ops, log, fp8, fp8_run, reduce_dtype,
-                                                                 matmul_precision, int8, int8_run))
+                                                                 matmul_precision, int8, int8_run), top=True)
     if any(is_policy_float(x.dtype) and np.dtype(x.dtype) != F32 for x in flat.arrays):
         shapes = jax.eval_shape(flat.fn, *flat.arrays)  # the dtypes fn gives to its half inputs
     results = [val.as_dtype(shape.dtype) if val.managed and is_policy_float(shape.dtype) else val.array

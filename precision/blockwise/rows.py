@@ -17,6 +17,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from precision.autocast.reductions import read_scope
+from precision.autocast.split_sums import SplitSums, wider_sums
 from precision.blockwise.program import Op, Program
 from precision.losses import CROSS_ENTROPY_SCOPE
 
@@ -68,10 +69,11 @@ def row_factors(program: Program, region: set[int], head: int) -> dict[int, int]
     return rows
 
 
-def reduced_op(op: Op) -> tuple[Op, Any, list[bool]] | None:
+def reduced_op(op: Op) -> tuple[Op, Any, list[bool], SplitSums] | None:
     """A custom-VJP call of :func:`precision.autocast.reductions.bind` (a param's gradient in a
-    reduce dtype): the op it binds, on the call's operands and results, with its reduce dtype
-    and which operands are params; None for any other op."""
+    reduce dtype): the op it binds, on the call's operands and results, with its reduce dtype,
+    which operands are params and its sums split across devices (:mod:`precision.autocast.split_sums`:
+    a vocabulary head's input gradient, summed across the vocabulary's shards); None for any other op."""
     if op.name != "custom_vjp_call":
         return None
     scopes = [e.name for e in getattr(op.eqn.source_info.name_stack, "stack", ()) if hasattr(e, "name")]
@@ -79,7 +81,8 @@ def reduced_op(op: Op) -> tuple[Op, Any, list[bool]] | None:
     inner = [e for e in op.params["call_jaxpr"].jaxpr.eqns if e.primitive.name != "convert_element_type"]
     if found is None or len(inner) != 1:
         return None
-    return Op(inner[0], op.ins, op.outs), *found
+    operand = inner[0].invars[0].aval.dtype
+    return Op(inner[0], op.ins, op.outs), *found, wider_sums(inner[0].primitive.name, tuple(scopes), operand)
 
 
 def unwrapped(op: Op) -> Op:

@@ -262,12 +262,13 @@ def _bind_block(op: Op, args: list, *, rows_of: dict, n: int, k: int) -> list:
     """One op of the region on a block of ``k`` rows: its shape params for ``n`` rows made ``k``."""
     reduced = reduced_op(op)
     if reduced is not None:  # a param's gradient in a reduce dtype: bound again on the block
-        inner, reduce_dtype, leaves = reduced
+        inner, reduce_dtype, leaves, split = reduced
         dtypes = [v.aval.dtype for v in inner.eqn.invars]
         arrays = [x if x.dtype == d else x.astype(d) for x, d in zip(args, dtypes)]
         params = {**inner.params, **_block_shapes(inner, rows_of, n, k)}
+        cotangent = None if split.forward is None else np.dtype(dtypes[0])
         result = reductions.bind(inner.eqn.primitive, arrays, [x if leaf else None for x, leaf in zip(args, leaves)],
-                                 params, reduce_dtype)
+                                 params, reduce_dtype, input_grad=split.backward, cotangent=cotangent)
         return list(result) if inner.eqn.primitive.multiple_results else [result]
     if is_cross_entropy(op):  # precision.losses.cross_entropy: the same function on the block
         return list(cross_entropy_core(*args))

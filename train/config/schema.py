@@ -22,7 +22,8 @@ except that numbers accept YAML 1.1's ``1e-3`` strings.
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 import precision
 from train.config.errors import ConfigError, error_message, invalid
@@ -32,13 +33,14 @@ from train.config.fields import (CLASS_REFERENCE, FUNCTION_REFERENCE, INFERENCE_
                                  InferenceDtype, ModelName, NonNegative, Number, Task, options_schema)
 from train.config.tracker import TrackerConfig
 from train.config.finetune import FinetuneConfig, LoraConfig
+from train.config.sharding import ShardingConfig
 from train.data import DATASETS
 from train.data.model_inputs import INPUTS_AS
 from train.models import MODELS
 from train.references import is_reference
 
 __all__ = ["ExperimentConfig", "ModelConfig", "DataConfig", "OptimizerConfig", "PrecisionConfig", "MeshConfig",
-           "DistributedConfig", "SECTIONS", "build_loss_scale", "build_op_lists"]
+           "ShardingConfig", "DistributedConfig", "SECTIONS", "build_loss_scale", "build_op_lists"]
 
 
 _Schema = Section
@@ -209,6 +211,10 @@ class PrecisionConfig(_Schema):
     reduce_dtype: str = Field("auto", description="dtype gradients are reduced across devices in: f32, bf16, f16 "
                                                   "(needs a loss scale); auto: f32 on a mesh of more than one "
                                                   "device")
+    tensor_reduce_dtype: str = Field("f32", description="dtype the partial sums of matmuls split over mesh.tensor "
+                                                        "are summed across its devices in (row-parallel results, "
+                                                        "column-parallel input gradients): f32, or bf16 / f16 for "
+                                                        "half the bytes and some drift of the loss")
 
     @field_validator("policy")
     @classmethod
@@ -219,15 +225,17 @@ class PrecisionConfig(_Schema):
             raise invalid(f"precision.policy: {e}") from None
         return policy
 
-    @field_validator("reduce_dtype")
+    @field_validator("reduce_dtype", "tensor_reduce_dtype")
     @classmethod
-    def _reduce_dtype_parses(cls, value: str) -> str:
-        if value.strip().lower() == "auto":
+    def _reduce_dtype_parses(cls, value: str, info: ValidationInfo) -> str:
+        auto = info.field_name == "reduce_dtype"  # auto: float32 on a mesh; tensor sums have no auto
+        if auto and value.strip().lower() == "auto":
             return "auto"
         try:
             precision.reduce_dtype_of(value)
         except precision.PolicyError as e:
-            raise invalid(f"precision.{e}; or auto") from None
+            raise invalid(f"precision.{info.field_name}: {str(e).removeprefix('reduce_dtype: ')}"
+                          f"{'; or auto' if auto else ''}") from None
         return value
 
     @field_validator("rules")
@@ -251,9 +259,15 @@ class PrecisionConfig(_Schema):
 
 
 class MeshConfig(_Schema):
-    data: int = Field(-1, description="devices the batch is split over (-1: all devices that fsdp leaves)")
+    data: int = Field(-1, description="devices the batch is split over (-1: all devices that fsdp and tensor leave)")
     fsdp: Count = Field(1, description="devices params and optimizer state are split over (FSDP); the batch is "
                                        "split over them too")
+    tensor: Count = Field(1, description="devices each layer's matmuls are split over (tensor parallelism: the "
+                                         "pairs of attention and the MLP, the vocabulary, found in the model's "
+                                         "program); adjacent devices inside one host; the batch is whole over them")
+    sequence_parallel: bool = Field(True, description="with mesh.tensor > 1: activations between the split layers "
+                                                      "(norms, dropout, residual adds) split along the sequence over "
+                                                      "the tensor devices (Megatron-SP); false: whole on each")
     fsdp_min_size: NonNegative = Field(1024, description="arrays with fewer elements stay replicated under fsdp")
 
     @field_validator("data")
@@ -319,12 +333,13 @@ class ExperimentConfig(_Schema):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     mesh: MeshConfig = Field(default_factory=MeshConfig)
+    sharding: ShardingConfig = Field(default_factory=ShardingConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     tracker: TrackerConfig = Field(default_factory=TrackerConfig)
     finetune: FinetuneConfig = Field(default_factory=FinetuneConfig)
 
-    @field_validator("model", "data", "optimizer", "precision", "mesh", "distributed", "tracker", "finetune",
-                     mode="before")
+    @field_validator("model", "data", "optimizer", "precision", "mesh", "sharding", "distributed", "tracker",
+                     "finetune", mode="before")
     @classmethod
     def _empty_section(cls, section: Any) -> Any:
         return {} if section is None else section  # a section header with nothing under it

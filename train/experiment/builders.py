@@ -33,6 +33,7 @@ from train.experiment.names import Names, Resolved, resolve_data, resolve_model,
 from train.references import UserCodeError, one_line
 from train.weights.pretrained import PretrainedError, checkpoint_steps
 from train.finetune import FineTune, FreezeError, LoRA
+from train.parallel.tensor.planning import TensorLayoutError
 from train.training.state import StateTooLarge, create_train_state
 from train.training.tasks import Task, builtin_task, user_task
 
@@ -249,6 +250,8 @@ def train_state_from(names: Names, config: Any, model: Any, data: Any, layout: A
         raise ConfigError(f"model.{e}") from None
     except precision.CoverageError as e:
         raise ConfigError(f"precision.strict: {e}") from None
+    except TensorLayoutError as e:  # its message names the key (mesh.tensor, sharding.rules)
+        raise ConfigError(str(e)) from None
     except precision.PolicyError as e:  # the schema parsed the policy and rules: only reduce_dtype is left
         raise ConfigError(f"precision.{str(e).removeprefix('create_train_state: ')}") from None
     except (ValueError, TypeError) as e:

@@ -35,7 +35,8 @@ from train.training.checkpoint import CheckpointError
 from train.config import ConfigError, ExperimentConfig
 from train.data import prefetch_to_device, train_batch_stack
 from train.training.diagnose import RunDoctor
-from train.parallel.distributed import Layout, MeshError, host_rows, initialize_distributed, make_mesh, to_host
+from train.experiment.mesh import describe_layout, layout_of, mesh_layout  # noqa: F401 - layout_of, mesh_layout re-exported
+from train.parallel.distributed import Layout, MeshError, host_rows, initialize_distributed, to_host
 from train.training.inference import inference_report
 from train.tracking.metrics import OutputError, Progress
 from train.experiment.outputs import Outputs, restore, save_last_good, save_on_interrupt
@@ -120,7 +121,7 @@ def check_experiment(config: ExperimentConfig) -> str:
     # scale against the optimizer), abstractly: nothing is allocated.
     jax.eval_shape(lambda: train_state_from(names, config, model, data, layout)[0])
     described = (f"{model_label(config.model.name)} on {data.describe()}; policy {config.precision.policy}; "
-                 f"{config.steps} steps; {_describe_layout(layout)}; workdir {workdir}")
+                 f"{config.steps} steps; {describe_layout(layout)}; workdir {workdir}")
     return "\n".join(line for line in (described, random_base_warning(config)) if line)
 
 
@@ -156,18 +157,6 @@ def _start_devices(config: ExperimentConfig) -> Layout:
     return layout_of(config)
 
 
-def layout_of(config: ExperimentConfig, devices: Any = None) -> Layout:
-    """The device mesh the config asks for, checked against the devices (default: every
-    device of every process) and the batch sizes."""
-    try:
-        layout = Layout(make_mesh(config.mesh.data, config.mesh.fsdp, devices), config.mesh.fsdp_min_size)
-        layout.check_batch_size(config.data.batch_size)
-        layout.check_batch_size(config.data.eval_batch_size, "data.eval_batch_size")
-    except MeshError as e:
-        raise ConfigError(str(e)) from None
-    return layout
-
-
 def start_compile_cache(setting: str | None) -> None:
     """The persistent compilation cache ``compile_cache`` names; ``auto`` goes without
     one where its default directory cannot be written, a named one must be writable."""
@@ -197,7 +186,7 @@ def _start_tracking(config: ExperimentConfig, state: TrainState, start: int, dat
     print(f"{model_label(config.model.name)} on {data.describe()}; policy {state.policy} ({config.precision.policy}), "
           f"loss scale {type(state.loss_scale).__name__}; steps {start} -> {config.steps}"
           f"{describe_init(config.model.init_from, resuming=start > 0)}; "
-          f"{_describe_layout(layout)}; workdir {outputs.workdir}", file=outputs.out)
+          f"{describe_layout(layout)}; workdir {outputs.workdir}", file=outputs.out)
     for note in header:
         print(note, file=outputs.out)
     outputs.report_precision(state, data.sample_input(config.data.batch_size), header)
@@ -387,13 +376,3 @@ def _train_inputs(data: Any, calls: Iterator[tuple[int, int]], per_call: int, ba
     for first, count in calls:
         yield (data.train_batch(first, batch_size, seed, rows) if per_call == 1
                else train_batch_stack(data, first, count, per_call, batch_size, seed, rows))
-
-
-def _describe_layout(layout: Layout) -> str:
-    shape = dict(layout.mesh.shape)
-    devices = layout.mesh.devices.size
-    processes = jax.process_count()
-    where = f"{devices} {jax.devices()[0].platform} device{'s' if devices > 1 else ''}"
-    if processes > 1:
-        where += f" in {processes} processes"
-    return f"{where}, mesh data={shape['data']} fsdp={shape['fsdp']}"

@@ -49,9 +49,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from train.parallel.communication import CommunicationReport, compile_partitioned, hlo_collectives
+from train.parallel.communication import CommunicationReport, compile_partitioned, hlo_collectives, module_paths
 from train.config import ConfigError, ExperimentConfig
-from train.parallel.distributed import Layout, MeshError, make_mesh
+from train.parallel.distributed import Layout, MeshError
 from train.inspections.gpu_kernels import Kernel, read_kernels
 from train.inspections.gpu_time import ModeledStep, model_step
 from train.inspections.hlo_kernels import read_hlo_kernels
@@ -82,13 +82,15 @@ class CompiledStep:
     policy_half: bool  # the policy computes in half (or fp8): float32 GEMMs are worth naming
     memory: dict[str, int]  # per device: argument, output, alias, temp, peak bytes
     kernels: tuple[Kernel, ...]
-    communication: CommunicationReport
+    communication: CommunicationReport  # what the target runs: its compiled program (a GPU's), or after partitioning
     seconds: dict[str, float]  # lower, compile
     hlo_text: str = dataclasses.field(default="", repr=False)  # the optimized program (compiled.as_text())
     modeled: ModeledStep | TpuModeledStep | None = dataclasses.field(default=None, repr=False)  # None: no datasheet
     modeled_error: str = ""  # why there is no model
     blockwise: Any = None  # precision.BlockwisePlan: the loss from large logits, a block of rows at a time
     int8: Int8Share | None = None  # under an int8 policy: the int8 share of matmul FLOPs, what stays out
+    partitioned: CommunicationReport | None = dataclasses.field(default=None, repr=False)  # right after partitioning
+    tensor_plan: Any = dataclasses.field(default=None, repr=False)  # how mesh.tensor splits the params, if it does
 
     @property
     def fits(self) -> bool:
@@ -129,10 +131,13 @@ class CompiledStep:
                 "f32_gemms": self.f32_gemms() if self.policy_half else {},
                 "f32_gemms_in_float32_regions": self.f32_gemms(declared=True) if self.policy_half else {},
                 "f32_gemm_algorithms": self.f32_gemm_algorithms(),
-                "collectives": self.communication.rows(), "seconds": self.seconds,
+                "collectives": self.communication.rows(), "collectives_stage": self.communication.stage,
+                "collectives_partitioned": self.partitioned.rows() if self.partitioned is not None else None,
+                "collectives_by_layer": (self.partitioned or self.communication).layers(), "seconds": self.seconds,
                 "modeled": self.modeled.to_json() if self.modeled is not None else {"error": self.modeled_error},
                 "blockwise_loss": self.blockwise._asdict() if self.blockwise is not None else None,
                 "int8": self.int8.to_json() if self.int8 is not None else None,
+                "tensor_layout": self.tensor_plan.lines() if self.tensor_plan is not None else None,
                 "jax": jax.__version__}
 
     def __str__(self) -> str:
@@ -159,8 +164,11 @@ class CompiledStep:
             lines += self.int8.lines()
         if self.policy_half:
             lines += self._f32_lines()
+        if self.tensor_plan is not None:
+            lines.append(self.tensor_plan.lines()[0] + " (--explain lists each param's layout)")
         if self.devices > 1:
             lines.append(str(self.communication))
+            lines += (self.partitioned or self.communication).layer_lines(top=12)
         if self.blockwise is not None:
             lines.append(self.blockwise.describe())
         lines += self.modeled.lines() if self.modeled is not None else [f"Modeled step time: none ({self.modeled_error})"]
@@ -240,9 +248,10 @@ def compile_train_step(state: Any, batch: Any, layout: Layout, target: Target, *
     compile-only devices of ``layout``'s mesh and reads the program back.
     ``state``, ``batch``: abstract (``jax.eval_shape``), placed here by ``layout``."""
     from train.training.forward import blockwise_plan
-    from train.training.step import make_train_step
+    from train.training.step import make_train_step, step_layout
 
     start = time.perf_counter() if started is None else started
+    layout = step_layout(layout, state, "compile_train_step")  # with the plan the state was created in, if any
     state = _placed(state, layout.state(state))
     batch = _placed(batch, jax.tree_util.tree_map(lambda _: layout.batch(), batch))
     lowered = make_train_step(accum_steps=accum_steps, layout=layout, task=task).lower(state, batch)
@@ -254,11 +263,16 @@ def compile_train_step(state: Any, batch: Any, layout: Layout, target: Target, *
     modeled, why = _modeled(text, target)
     policy = state.model.policy
     scaled = policy.int8 or any(rule.policy.int8 for rule in getattr(state.model, "rules", ()))
+    modules = module_paths(state.params)
+    after = CommunicationReport(tuple(hlo_collectives(partitioned or text, count)), stage, target.name, modules)
+    # a GPU's compiled program is what it sends (its reduce-scatters made of all-reduces and slices)
+    sent = (CommunicationReport(tuple(hlo_collectives(text, count)), "compiled", target.name, modules)
+            if isinstance(target, GpuTarget) else after)
     return CompiledStep(
         target=target, devices=count, mesh=dict(layout.mesh.shape), experiment=experiment,
         policy_half=np.dtype(state.model.policy.compute_dtype).itemsize < 4, memory=_memory(compiled),
         kernels=tuple(read_tpu_kernels(text) if isinstance(target, TpuTarget) else read_kernels(text)),
-        communication=CommunicationReport(tuple(hlo_collectives(partitioned or text, count)), stage, target.name),
+        communication=sent, partitioned=after, tensor_plan=layout.tensor_plan,
         seconds={"lower": round(lowered_at - start, 2), "compile": round(done - lowered_at, 2)}, hlo_text=text,
         modeled=modeled, modeled_error=why,
         blockwise=blockwise_plan(state, batch, task=task, accum_steps=accum_steps, layout=layout),
@@ -312,15 +326,15 @@ def _default_devices(config: ExperimentConfig, target: Target) -> int | None:
 
 
 def _mesh_devices(config: ExperimentConfig) -> int:
-    if config.mesh.data == -1:
-        return config.mesh.fsdp
-    return config.mesh.data * config.mesh.fsdp
+    mesh = config.mesh
+    return (1 if mesh.data == -1 else mesh.data) * mesh.fsdp * mesh.tensor
 
 
 def _layout(config: ExperimentConfig, devices: list) -> Layout:
+    from train.experiment.loop import mesh_layout
+
     try:
-        layout = Layout(make_mesh(config.mesh.data, config.mesh.fsdp, devices), config.mesh.fsdp_min_size)
-        layout.check_batch_size(config.data.batch_size)
+        layout = mesh_layout(config, devices)
     except MeshError as e:
         raise TargetError(f"{e} (--devices {len(devices)})".replace(
             "; use mesh.data=-1 to take all of them, or set XLA_FLAGS=--xla_force_host_platform_device_count=N for "

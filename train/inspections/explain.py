@@ -17,14 +17,15 @@ from train import config as config_lib
 from train.config import ExperimentConfig
 from train.training.binding import bind, inputs_as_for
 from train.experiment.builders import build_train_state, finetune_from
-from train.parallel.communication import CommunicationReport, explain_communication
+from train.parallel.communication import CommunicationReport, explain_communication, module_paths
+from train.parallel.distributed import crossing_axes
 from train.experiment.loop import accumulation_dtype, build_experiment, layout_of, state_note
 from train.training.state import explain_model
 from train.training.forward import blockwise_plan
 from train.training.step import make_train_step
 from train.finetune import finetune_model, finetune_note
 
-__all__ = ["explain_experiment", "explain_experiment_communication", "explain_experiment_loss",
+__all__ = ["explain_experiment", "explain_experiment_communication", "explain_experiment_layout", "explain_experiment_loss",
            "explain_experiment_state"]
 
 #: The stored-state presets ``--explain`` prices against the experiment's own policy.
@@ -56,7 +57,29 @@ def explain_experiment_communication(config: ExperimentConfig, experiment: tuple
     step = make_train_step(accum_steps=config.accum_steps, layout=layout, task=task, donate=False)
     size = config.data.batch_size * config.accum_steps
     batch = layout.global_batch(data.train_batch(0, size, config.seed), size)
-    return explain_communication(step, state, batch)
+    return explain_communication(step, state, batch)._replace(modules=module_paths(state.params))
+
+
+def explain_experiment_layout(config: ExperimentConfig, experiment: tuple | None = None) -> str | None:
+    """The mesh (which of its axes cross hosts) and, under ``mesh.tensor`` or ``sharding.rules``,
+    each param's layout: split over ``tensor`` along which dimension and why, or whole and why
+    (:mod:`train.parallel.tensor`). None on one device. Abstract: nothing is allocated."""
+    layout = layout_of(config)
+    if layout.mesh.devices.size == 1:
+        return None
+    shape = " ".join(f"{k}={v}" for k, v in dict(layout.mesh.shape).items())
+    crossing = crossing_axes(layout.mesh)
+    hosts = (f"{', '.join(crossing)} cross{'es' if len(crossing) == 1 else ''} hosts" if crossing
+             else "no axis crosses hosts (one process)" if jax.process_count() == 1 else "no axis crosses hosts")
+    lines = [f"Mesh {shape} over {layout.mesh.devices.size} devices: {hosts}; tensor is innermost (adjacent devices)"]
+    if layout.needs_plan:
+        data, _, model = experiment or build_experiment(config)
+        state = jax.eval_shape(lambda: build_train_state(config, model, data, layout)[0])
+        sequence = "split along the sequence" if layout.sequence_parallel else "whole"
+        lines += state.layout.tensor_plan.lines()
+        lines.append(f"  between the split layers activations are {sequence} over tensor; split sums in "
+                     f"{config.precision.tensor_reduce_dtype} (precision.tensor_reduce_dtype)")
+    return "\n".join(lines)
 
 
 def explain_experiment_state(config: ExperimentConfig, experiment: tuple | None = None) -> str:

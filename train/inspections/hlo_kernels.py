@@ -11,7 +11,9 @@ in device memory and its matrix FLOPs, from the shapes in the text.
 Bytes are what the kernel must move at least: its operands and results, but a
 fusion that only slices an operand (``dynamic-slice``, ``slice``, ``gather``, also
 after elementwise ops) reads the slice, and one that updates a buffer in place (``dynamic-update-slice``,
-``scatter``) reads and writes the update, not the buffer. No cache is assumed.
+``scatter``) reads and writes the update, not the buffer. No cache is assumed. A
+collective's bytes are what each device sends over its links (ring algorithms: an all-reduce
+twice what a reduce-scatter or an all-gather of the same array sends).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import re
 from typing import Iterator, NamedTuple
 
 from train.inspections.gpu_kernels import INSTRUCTION as _INSTR, attribute, f32_algorithm, module_of, operand_names
+from train.parallel.communication import group_size, sent_fraction
 
 __all__ = ["HloKernel", "read_hlo_kernels", "KINDS", "DTYPE_BYTES", "dot_flops", "conv_flops"]
 
@@ -160,10 +163,11 @@ def _trip_count(rest: str) -> int:
 def read_hlo_kernels(text: str) -> list[HloKernel]:
     """The kernels of an optimized GPU HLO module's text (``compiled.as_text()``) in one step."""
     comps, entry = _parse(text)
-    return list(_walk(comps, entry, 1, set()))
+    partitions = re.search(r"num_partitions=(\d+)", text.split("\n", 1)[0])
+    return list(_walk(comps, entry, 1, set(), int(partitions.group(1)) if partitions else 1))
 
 
-def _walk(comps: dict[str, _Comp], name: str, launches: int, stack: set) -> Iterator[HloKernel]:
+def _walk(comps: dict[str, _Comp], name: str, launches: int, stack: set, devices: int) -> Iterator[HloKernel]:
     if name not in comps or name in stack:
         return
     comp = comps[name]
@@ -172,20 +176,20 @@ def _walk(comps: dict[str, _Comp], name: str, launches: int, stack: set) -> Iter
             trips = launches * _trip_count(instr.rest)
             for key in ("condition", "body"):
                 for sub in _called(instr.rest, key):
-                    yield from _walk(comps, sub, trips, stack | {name})
+                    yield from _walk(comps, sub, trips, stack | {name}, devices)
         elif instr.op == "conditional":  # the costliest branch
-            branches = [list(_walk(comps, b, launches, stack | {name}))
+            branches = [list(_walk(comps, b, launches, stack | {name}, devices))
                         for b in _called(instr.rest, "branch_computations") + _called(instr.rest, "true_computation")
                         + _called(instr.rest, "false_computation")]
             yield from max(branches, key=lambda ks: sum(k.bytes + k.flops for k in ks), default=[])
         elif instr.op == "call" or (instr.op == "async-start" and "calls=" in instr.rest):
             for sub in _called(instr.rest, "to_apply") + _called(instr.rest, "calls"):
-                yield from _walk(comps, sub, launches, stack | {name})
+                yield from _walk(comps, sub, launches, stack | {name}, devices)
         elif instr.op not in _NO_KERNEL and not instr.op.endswith("-done"):
-            yield _kernel(instr, comp, comps, launches)
+            yield _kernel(instr, comp, comps, launches, devices)
 
 
-def _kernel(instr: _Instr, comp: _Comp, comps: dict[str, _Comp], launches: int) -> HloKernel:
+def _kernel(instr: _Instr, comp: _Comp, comps: dict[str, _Comp], launches: int, devices: int = 1) -> HloKernel:
     op_name = attribute(instr.rest, "op_name")
     module = module_of(op_name)
     operand_types = [comp.types.get(o, "") for o in instr.operands]
@@ -207,7 +211,7 @@ def _kernel(instr: _Instr, comp: _Comp, comps: dict[str, _Comp], launches: int) 
     if instr.op == "fusion":
         return _fusion(instr, operand_types, comps, base)
     if any(instr.op.startswith(c) for c in _COLLECTIVES):
-        return HloKernel(kind="collective", bytes=_bytes(instr.type), flops=0.0, dtype=_dtype(instr.type), **base)
+        return HloKernel(kind="collective", bytes=_sent(instr, devices), flops=0.0, dtype=_dtype(instr.type), **base)
     if instr.op in _ASYNC_MOVES:
         return HloKernel(kind="copy", bytes=_async_move_bytes(instr, operand_types), flops=0.0,
                          dtype=_dtype(instr.type), **base)
@@ -219,6 +223,19 @@ def _kernel(instr: _Instr, comp: _Comp, comps: dict[str, _Comp], launches: int) 
     kind = "copy" if instr.op in ("copy", "transpose") else (
         "reduction" if instr.op.startswith("reduce") else "fusion")
     return HloKernel(kind=kind, bytes=moved, flops=0.0, dtype=_dtype(instr.type), **base)
+
+
+def _sent(instr: _Instr, devices: int) -> float:
+    """Bytes a collective sends from each device over its links (ring algorithms: an all-reduce
+    twice what a reduce-scatter or an all-gather of the same array sends); ``devices``: the
+    program's, for a collective naming no groups."""
+    arrays = [_bytes(f"{t}[{d}]") for t, d in _ARRAY.findall(instr.type)]
+    kind = next(c for c in _COLLECTIVES if instr.op.startswith(c))
+    if instr.op.endswith("-start") and kind in ("all-gather", "reduce-scatter") and len(arrays) == 2:
+        arrays = [max(arrays)]  # (operand, result): the whole array
+    group = group_size(instr.rest, devices)
+    whole = sum(arrays) * (group if kind == "reduce-scatter" and not instr.op.endswith("-start") else 1)
+    return whole * sent_fraction(kind, group)
 
 
 def _fusion(instr: _Instr, operand_types: list[str], comps: dict[str, _Comp], base: dict) -> HloKernel:

@@ -29,9 +29,13 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 
+from urllib.parse import unquote
+
+from precision.autocast.regions import MODULE_PREFIX
 from train.parallel.distributed import GATHER_SCOPE
 
-__all__ = ["Collective", "CommunicationReport", "compile_partitioned", "explain_communication", "hlo_collectives"]
+__all__ = ["Collective", "CommunicationReport", "compile_partitioned", "explain_communication", "group_size",
+           "hlo_collectives", "layer_of", "module_paths", "sent_fraction"]
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _INSTRUCTION = re.compile(
@@ -78,11 +82,7 @@ class Collective(NamedTuple):
     def sent_bytes(self) -> float:
         """Bytes each device sends (ring algorithms): (n-1)/n of the array to gather,
         scatter or exchange, twice that for an all-reduce."""
-        n = self.group
-        if n <= 1:
-            return 0.0
-        factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(self.kind, (n - 1) / n)
-        return self.bytes * factor
+        return self.bytes * sent_fraction(self.kind, self.group)
 
 
 class CommunicationReport(NamedTuple):
@@ -91,6 +91,7 @@ class CommunicationReport(NamedTuple):
     collectives: tuple[Collective, ...]
     stage: str  # "partitioned" or "compiled"
     backend: str
+    modules: frozenset = frozenset()  # the model's module paths (:func:`module_paths`): what a layer is
 
     def select(self, carries: str | None = None, kind: str | None = None,
                dtype: str | None = None) -> list[Collective]:
@@ -121,6 +122,32 @@ class CommunicationReport(NamedTuple):
                  "bytes": sum(c.bytes for c in cs), "sent_bytes": sum(c.sent_bytes for c in cs)}
                 for (carries, kind, dtype), cs in sorted(groups.items(), key=lambda kv: (order[kv[0][0]], kv[0][1:]))]
 
+    def layers(self) -> list[dict[str, Any]]:
+        """One row per (layer, what it carries, kind, dtype), a layer being a module path with its
+        layer index made ``*`` (``model/layers/*/self_attn/o_proj``; from :attr:`modules`):
+        collectives and bytes per layer (the program's, over the number of layers), largest first;
+        collectives of no module under ``(outside any module)``."""
+        groups: dict[tuple[str, str, str, str], list[Collective]] = {}
+        indices: dict[str, set[str]] = {}
+        for c in self.collectives:
+            layer, index = layer_of(c.op_name, self.modules)
+            groups.setdefault((layer, c.carries, c.kind, c.dtype), []).append(c)
+            indices.setdefault(layer, set()).add(index)
+        rows = [{"layer": layer, "carries": carries, "kind": kind, "dtype": dtype, "layers": len(indices[layer]),
+                 "count": len(cs) / len(indices[layer]), "sent_bytes": sum(c.sent_bytes for c in cs) / len(indices[layer])}
+                for (layer, carries, kind, dtype), cs in groups.items()]
+        return sorted(rows, key=lambda r: -r["sent_bytes"] * r["layers"])
+
+    def layer_lines(self, top: int = 20) -> list[str]:
+        """:meth:`layers` as lines, the ``top`` that send most."""
+        lines = [f"Collectives per layer ({self.stage} program; the {top} that send the most, each layer's share):",
+                 f"  {'layer':<44}{'layers':>7}  {'carries':<12}{'kind':<16}{'dtype':<7}{'count':>6}"
+                 f"{'sent MiB/device':>17}"]
+        for r in [r for r in self.layers() if r["sent_bytes"] > 0][:top]:
+            lines.append(f"  {r['layer'][-44:]:<44}{r['layers']:>7}  {r['carries']:<12}{r['kind']:<16}{r['dtype']:<7}"
+                         f"{r['count']:>6.3g}{r['sent_bytes'] / 2 ** 20:>17.3f}")
+        return lines
+
     def __str__(self) -> str:
         lines = [f"Collectives per step ({self.stage} program, {self.backend}):",
                  f"  {'carries':<12}{'kind':<16}{'dtype':<7}{'count':>6}{'array MiB':>11}{'sent MiB/device':>17}"]
@@ -144,15 +171,47 @@ class CommunicationReport(NamedTuple):
         return "\n".join(lines)
 
 
+def layer_of(op_name: str, modules: frozenset = frozenset()) -> tuple[str, str]:
+    """``(layer, index)`` of the op a collective came from: the module path its innermost
+    ``precision.module=`` tag begins (the longest run of names that is a module of ``modules``,
+    the param paths' prefixes, or leads to one), a layer index in it (a number a name is or holds
+    between underscores: ``0``, ``block_0``, ``layers_0_attn``) made ``*``, and that index;
+    ``("(outside any module)", "")`` for none."""
+    tail = op_name.rpartition(MODULE_PREFIX)[2] if MODULE_PREFIX in op_name else None
+    if tail is None:
+        return "(outside any module)", ""
+    names = [unquote(n) for n in tail.split("/")]
+    known = [k for k in range(len(names) + 1) if tuple(names[:k]) in modules]
+    names = names[:max(known)] if known else names[:1]
+    index = ""
+    for i, name in enumerate(names):
+        match = re.search(r"(^|_)(\d+)(_|$)", name)
+        if match and not index:
+            index, names[i] = match.group(2), f"{name[:match.start(2)]}*{name[match.end(2):]}"
+    return "/".join(names) or "(the model)", index
+
+
+def module_paths(params: Any) -> frozenset:
+    """Every module path of a params tree and its prefixes, as tuples of names."""
+    from train.parallel.tensor.plan import key_names
+
+    paths = {key_names(path)[:-1] for path, _ in jax.tree_util.tree_leaves_with_path(params)}
+    return frozenset(p[:k] for p in paths for k in range(len(p) + 1))
+
+
 def hlo_collectives(text: str, device_count: int) -> list[Collective]:
     """The collectives of an HLO module's text (a tuple-shaped, combined one counts
     once per array it carries)."""
     found = []
     users = _users(text) if "all-reduce" in text else {}
     arguments = _entry_parameters(text)
+    stored = _entry_shapes(text) if "reduce-scatter" in text else frozenset()
     for m in _INSTRUCTION.finditer(text):
         kind, rest = m.group("kind"), m.group("rest")
         arrays = [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _ARRAY.findall(m.group("shape"))]
+        # a reduce-scatter XLA made of an all-reduce and a slice keeps no op name: it carries a
+        # gradient where each device's part has the shape of a split param's (a step argument)
+        gradient = kind == "reduce-scatter" and min(arrays, key=lambda a: math.prod(a[1]), default=None) in stored
         if m.group("start") and kind in ("all-gather", "reduce-scatter") and len(arrays) == 2:
             arrays = [max(arrays, key=lambda a: math.prod(a[1]))]  # (operand, result): the whole array
         group = _group_size(rest, device_count)
@@ -166,7 +225,7 @@ def hlo_collectives(text: str, device_count: int) -> list[Collective]:
         # in the gather scope)
         argument = kind == "all-gather" and _first_operand(rest) in arguments
         for dtype, shape in arrays:
-            carries = _carries(name, shape)
+            carries = "gradients" if gradient and not name else _carries(name, shape)
             found.append(Collective(kind, dtype, shape, group,
                                     "params" if argument and carries == "activations" else carries, name, parts))
     return found
@@ -179,6 +238,16 @@ def _entry_parameters(text: str) -> frozenset[str]:
         return frozenset()
     return frozenset(_percent(m.group("name")) for m in _OP.finditer(entry.group("body"))
                      if m.group("op") == "parameter")
+
+
+def _entry_shapes(text: str) -> frozenset:
+    """``(dtype, shape)`` of the entry computation's parameters (the step's arguments, split)."""
+    entry = re.search(r"^ENTRY[^\n]*\{\n(?P<body>.*?)^\}", text, re.M | re.S)
+    shapes = set()
+    for m in _OP.finditer(entry.group("body") if entry else ""):
+        if m.group("op") == "parameter":
+            shapes.update((dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _ARRAY.findall(m.group("shape")))
+    return frozenset(shapes)
 
 
 def _first_operand(rest: str) -> str:
@@ -228,6 +297,20 @@ def _scattered_from(shape: tuple[int, ...], rest: str, group: int) -> tuple[int,
         return shape
     axis = int(dims.group(1))
     return tuple(d * group if i == axis else d for i, d in enumerate(shape))
+
+
+def sent_fraction(kind: str, group: int) -> float:
+    """Bytes each device sends per byte of the whole array (ring algorithms): ``(n-1)/n`` to
+    gather, scatter or exchange, twice that for an all-reduce, the array for a permute."""
+    if group <= 1:
+        return 0.0
+    return {"all-reduce": 2 * (group - 1) / group, "collective-permute": 1.0}.get(kind, (group - 1) / group)
+
+
+def group_size(rest: str, device_count: int) -> int:
+    """Devices per replica group of a collective (the text after its opcode), in any of the
+    forms XLA prints them in (``device_count`` where it names none)."""
+    return _group_size(rest, device_count)
 
 
 def _group_size(rest: str, device_count: int) -> int:

@@ -1,14 +1,23 @@
 """Devices and processes: JAX's distributed runtime, the device mesh, and how the
 train state and batches are laid out over it.
 
-One mesh with two axes, ``("data", "fsdp")``:
+One mesh with three axes, ``("data", "fsdp", "tensor")``:
 
-* batches are split over both axes (every device sees its own examples);
+* batches are split over ``data`` and ``fsdp`` (every device of those sees its own
+  examples) and whole over ``tensor``;
 * params and optimizer state are replicated over ``data`` and, when
   ``fsdp > 1``, each array at least ``fsdp_min_size`` elements large is split
   along its last dimension that ``fsdp`` divides (FSDP / ZeRO-3 style). The
   train step gathers params where the model uses them and sums the gradients
-  back to the split layout.
+  back to the split layout;
+* when ``tensor > 1``, the params a tensor-parallel plan names
+  (:mod:`train.parallel.tensor`: the matmul pairs of attention and the MLP, the
+  vocabulary) are split along one dimension over ``tensor`` as well, and stay
+  split where the model computes with them (Megatron-style); ``fsdp`` takes
+  another dimension of them.
+
+``tensor`` is the innermost axis: its devices have adjacent ids, inside one
+process (one host's NVLink or ICI), as it sends the most.
 
 Everything is a sharding annotation on ordinary ``jax.jit`` programs (no
 ``pmap``), so reductions such as the global gradient norm and the finiteness
@@ -28,10 +37,18 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from precision.autocast.scaled.fp8_quantize import E4M3, dequantized, e4m3_read
+import precision
+from train.parallel.gather import gather as gather_param
+from train.parallel.tensor.parts import deinterleaved, interleaved
+from train.parallel.tensor.plan import TensorPlan, key_names
+from train.parallel.tensor.planning import tensor_pass
 from train.parallel.processes import MeshError, initialize_distributed  # noqa: F401 - re-exported: the runtime a mesh spans
 
-__all__ = ["DATA_AXES", "GATHER_SCOPE", "Layout", "MeshError", "host_rows", "initialize_distributed", "make_mesh", "to_host"]
+__all__ = ["AXES", "DATA_AXES", "GATHER_SCOPE", "Layout", "MeshError", "crossing_axes", "host_rows",
+           "initialize_distributed", "make_mesh", "to_host"]
+
+#: The mesh's axes, outermost first.
+AXES = ("data", "fsdp", "tensor")
 
 #: The mesh axes a batch is split over.
 DATA_AXES = ("data", "fsdp")
@@ -39,29 +56,57 @@ DATA_AXES = ("data", "fsdp")
 GATHER_SCOPE = "gather_params"
 
 
-def make_mesh(data: int = -1, fsdp: int = 1, devices: Any = None) -> Mesh:
-    """A ``("data", "fsdp")`` mesh over ``devices`` (default: every device of every process).
+def make_mesh(data: int = -1, fsdp: int = 1, devices: Any = None, *, tensor: int = 1) -> Mesh:
+    """A ``("data", "fsdp", "tensor")`` mesh over ``devices`` (default: every device of every process).
 
-    ``data=-1`` takes all the devices ``fsdp`` leaves. The product must equal
-    the device count.
+    ``data=-1`` takes all the devices ``fsdp`` and ``tensor`` leave. The product must equal
+    the device count. ``tensor`` is innermost (adjacent devices), and must divide each
+    process's devices: its collectives stay inside a host.
     """
     devices = list(jax.devices() if devices is None else devices)
     count = len(devices)
-    if fsdp < 1 or (data < 1 and data != -1):
-        raise MeshError(f"mesh.data must be >= 1 or -1 (all devices) and mesh.fsdp >= 1; got data={data}, "
-                        f"fsdp={fsdp}")
+    if fsdp < 1 or tensor < 1 or (data < 1 and data != -1):
+        raise MeshError(f"mesh.data must be >= 1 or -1 (all devices), mesh.fsdp and mesh.tensor >= 1; got "
+                        f"data={data}, fsdp={fsdp}, tensor={tensor}")
     if data == -1:
-        if count % fsdp:
-            raise MeshError(f"mesh.fsdp={fsdp} does not divide the {count} devices")
-        data = count // fsdp
-    if data * fsdp != count:
-        raise MeshError(f"mesh.data * mesh.fsdp = {data} * {fsdp} = {data * fsdp}, but there are {count} "
-                        f"devices ({_describe(devices)}); use mesh.data=-1 to take all of them, or set "
-                        f"XLA_FLAGS=--xla_force_host_platform_device_count=N for N CPU devices")
+        if count % (fsdp * tensor):
+            what = f"mesh.fsdp={fsdp}" if tensor == 1 else f"mesh.fsdp * mesh.tensor = {fsdp} * {tensor}"
+            raise MeshError(f"{what} does not divide the {count} devices")
+        data = count // (fsdp * tensor)
+    if data * fsdp * tensor != count:
+        product = (f"mesh.data * mesh.fsdp = {data} * {fsdp} = {data * fsdp}" if tensor == 1 else
+                   f"mesh.data * mesh.fsdp * mesh.tensor = {data} * {fsdp} * {tensor} = {data * fsdp * tensor}")
+        raise MeshError(f"{product}, but there are {count} devices ({_describe(devices)}); use mesh.data=-1 to "
+                        f"take all of them, or set XLA_FLAGS=--xla_force_host_platform_device_count=N for N CPU "
+                        f"devices")
+    _check_tensor_in_hosts(devices, tensor)
     # Devices of one process stay adjacent along the data axis, so each process
-    # feeds a contiguous block of the batch.
+    # feeds a contiguous block of the batch; tensor groups are adjacent ids in one process.
     ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
-    return Mesh(np.array(ordered, dtype=object).reshape(data, fsdp), ("data", "fsdp"))
+    return Mesh(np.array(ordered, dtype=object).reshape(data, fsdp, tensor), AXES)
+
+
+def _check_tensor_in_hosts(devices: list, tensor: int) -> None:
+    """``tensor`` must divide every process's device count, so no tensor group spans two hosts."""
+    per_process: dict[int, int] = {}
+    for d in devices:
+        per_process[d.process_index] = per_process.get(d.process_index, 0) + 1
+    uneven = sorted(n for n in set(per_process.values()) if n % tensor)
+    if uneven:
+        raise MeshError(f"mesh.tensor={tensor} does not divide the {uneven[0]} devices of a process: a tensor group "
+                        f"would span two hosts (its collectives need NVLink or ICI); use a mesh.tensor that divides "
+                        f"{uneven[0]}")
+
+
+def crossing_axes(mesh: Mesh) -> list[str]:
+    """The mesh axes whose devices sit in more than one process (their collectives cross hosts)."""
+    devices = mesh.devices
+    crossing = []
+    for i, axis in enumerate(mesh.axis_names):
+        rows = np.moveaxis(devices, i, -1).reshape(-1, devices.shape[i])
+        if any(len({d.process_index for d in row}) > 1 for row in rows):
+            crossing.append(axis)
+    return crossing
 
 
 def _describe(devices: list) -> str:
@@ -76,48 +121,103 @@ class Layout:
 
     ``fsdp_min_size``: arrays with fewer elements stay replicated even when
     ``fsdp > 1`` (splitting a bias costs more in collectives than it saves).
+    ``tensor_plan``: which dimension of each param the ``tensor`` axis splits
+    (:mod:`train.parallel.tensor`; None: none, or not planned yet).
+    ``sequence_parallel``: between the tensor-parallel blocks, activations are split along
+    the sequence over ``tensor`` (Megatron-SP), not whole on each of its devices.
+    ``tensor_reduce_dtype``: the dtype a row-parallel matmul's partial products (and a
+    column-parallel one's input gradients) are summed across ``tensor`` in.
+    ``rules``: ``sharding.rules``, ``((regex, (axis or None, ...)), ...)``: the layout of the
+    params whose path matches, instead of the plan's (:func:`train.parallel.tensor.parse_rules`).
     """
 
     mesh: Mesh
     fsdp_min_size: int = 1024
+    tensor_plan: TensorPlan | None = None
+    sequence_parallel: bool = True
+    tensor_reduce_dtype: str = "f32"
+    rules: tuple = ()
 
     @property
     def data_shards(self) -> int:
         """How many ways a batch is split."""
-        return self.mesh.devices.size
+        return self.mesh.devices.size // self.tensor
 
     @property
     def fsdp(self) -> int:
         return self.mesh.shape["fsdp"]
 
+    @property
+    def tensor(self) -> int:
+        """Devices each tensor-parallel matmul is split over (1: none)."""
+        return dict(self.mesh.shape).get("tensor", 1)
+
+    @property
+    def needs_plan(self) -> bool:
+        """Params must be planned (:mod:`train.parallel.tensor`) before they are laid out."""
+        return self.tensor_plan is None and (self.tensor > 1 or bool(self.rules))
+
+    @property
+    def splits_params(self) -> bool:
+        """Some param is stored split (over ``fsdp`` or ``tensor``): the step gathers them."""
+        return self.fsdp > 1 or self.tensor > 1 or bool(self.rules)
+
+    def with_plan(self, plan: TensorPlan | None) -> "Layout":
+        """This layout with ``plan`` splitting params over ``tensor``."""
+        return dataclasses.replace(self, tensor_plan=plan)
+
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())
 
     def batch(self) -> NamedSharding:
-        """Leading (example) dimension split over every device."""
+        """Leading (example) dimension split over the data axes (whole over ``tensor``)."""
         return NamedSharding(self.mesh, PartitionSpec(DATA_AXES))
 
-    def param_spec(self, shape: tuple[int, ...]) -> PartitionSpec:
-        """Replicated, or split over ``fsdp`` along the last dimension it divides
-        (the output features of Dense and Conv kernels)."""
-        if self.fsdp == 1 or int(np.prod(shape, dtype=np.int64)) < self.fsdp_min_size:
-            return PartitionSpec()
-        candidates = [i for i, n in enumerate(shape) if n % self.fsdp == 0]
-        if not candidates:
-            return PartitionSpec()
-        axis = candidates[-1]
-        return PartitionSpec(*([None] * axis + ["fsdp"]))
+    def param_spec(self, shape: tuple[int, ...], keys: tuple[str, ...] = ()) -> PartitionSpec:
+        """The stored layout of an array of ``shape`` at path ``keys``: split over ``tensor``
+        along the dimension the plan names for it (if any), and over ``fsdp`` along the last
+        other dimension ``fsdp`` divides (the output features of Dense and Conv kernels), or
+        replicated."""
+        ruled = self.tensor_plan.spec(keys, tuple(shape)) if self.tensor_plan is not None and keys else None
+        if ruled is not None:
+            return PartitionSpec(*ruled)
+        axes: list = [None] * len(shape)
+        tensor_dim = self.tensor_dim(shape, keys)
+        if tensor_dim is not None:
+            axes[tensor_dim] = "tensor"
+        if self.fsdp > 1 and int(np.prod(shape, dtype=np.int64)) >= self.fsdp_min_size:
+            candidates = [i for i, n in enumerate(shape) if n % self.fsdp == 0 and i != tensor_dim]
+            if candidates:
+                axes[candidates[-1]] = "fsdp"
+        while axes and axes[-1] is None:
+            axes.pop()
+        return PartitionSpec(*axes)
+
+    def tensor_dim(self, shape: tuple[int, ...], keys: tuple[str, ...] = ()) -> int | None:
+        """The dimension of the array at ``keys`` the ``tensor`` axis splits (None: whole)."""
+        if self.tensor == 1 or self.tensor_plan is None or not keys:
+            return None
+        return self.tensor_plan.dim(keys, tuple(shape))
+
+    def used_spec(self, shape: tuple[int, ...], keys: tuple[str, ...] = ()) -> PartitionSpec:
+        """The layout a param is computed with: whole over ``fsdp``, still split over ``tensor``."""
+        axes = [axis if axis == "tensor" else None for axis in self.param_spec(shape, keys)]
+        while axes and axes[-1] is None:
+            axes.pop()
+        return PartitionSpec(*axes)
 
     def state(self, tree: Any) -> Any:
         """Shardings for every array of ``tree`` (a train state, params, optimizer state)."""
-        return jax.tree_util.tree_map(lambda x: NamedSharding(self.mesh, self.param_spec(np.shape(x))), tree)
+        return jax.tree_util.tree_map_with_path(
+            lambda path, x: NamedSharding(self.mesh, self.param_spec(np.shape(x), key_names(path))), tree)
 
     def constrain_state(self, tree: Any) -> Any:
         """Inside ``jit``: pins ``tree``'s arrays to their layout."""
         return jax.lax.with_sharding_constraint(tree, self.state(tree))
 
     def gather(self, tree: Any, dtypes: Any = None) -> Any:
-        """Inside ``jit``: the whole arrays of an FSDP-split ``tree`` on every device.
+        """Inside ``jit``: the params of ``tree`` (a params tree) as the model computes with
+        them: whole over ``fsdp`` (split over ``tensor`` where the plan says).
 
         Params are gathered where the model uses them, so the forward and
         backward passes compute exactly as under data parallelism (no
@@ -128,23 +228,43 @@ class Layout:
         each split array is cast to its dtype on its own shard, before the
         all-gather, so a param the model only reads in bfloat16 crosses the
         wire in bfloat16. An optimization barrier keeps XLA from moving the
-        cast after the gather (jax#23543).
+        cast after the gather (jax#23543). Gradients come back in the stored
+        layout (:mod:`train.parallel.gather`).
         """
-        if self.fsdp == 1:
+        if not self.splits_params:
             return tree
-        if dtypes is None:
-            dtypes = jax.tree_util.tree_map(lambda x: x.dtype, tree)
+        if dtypes is None:  # the params as the program reads them (traced for precision.read_dtypes)
+            return jax.tree_util.tree_map_with_path(
+                lambda path, x: jax.lax.with_sharding_constraint(
+                    x, NamedSharding(self.mesh, self.used_spec(np.shape(x), key_names(path)))), tree)
+
+        def one(path, x, dtype):
+            keys, shape = key_names(path), np.shape(x)
+            return gather_param(x, np.dtype(dtype), NamedSharding(self.mesh, self.used_spec(shape, keys)),
+                                NamedSharding(self.mesh, self.param_spec(shape, keys)), self._order(keys, shape))
+
         with jax.named_scope(GATHER_SCOPE):
-            return jax.tree_util.tree_map(lambda x, dtype: _gather(x, np.dtype(dtype), self.replicated()),
-                                          tree, dtypes)
+            return jax.tree_util.tree_map_with_path(one, tree, dtypes)
+
+    def _order(self, keys: tuple[str, ...], shape: tuple[int, ...]) -> tuple | None:
+        """A fused matmul's param: (interleave, undo) its parts over ``tensor`` (None: as stored)."""
+        split = self.tensor_plan.split_of(keys, tuple(shape)) if self.tensor_plan is not None else None
+        if split is None or split.parts == 1 or split.dim is None or self.tensor == 1:
+            return None
+        args = (split.dim, split.parts, self.tensor)
+        return (lambda x: interleaved(x, *args)), (lambda g: deinterleaved(g, *args))
 
     def computing(self) -> Any:
         """Context for tracing the model: the mesh as JAX's abstract mesh, so a kernel that runs
         per device (the fused attention on a TPU, :mod:`precision.autocast.tpu_flash`) splits the
-        batch over it as the data is split. One device: nothing."""
-        if self.mesh.devices.size == 1:
-            return contextlib.nullcontext()
-        return jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh)
+        batch over it as the data is split; under a tensor-parallel plan, the plan written into
+        the model's program (:func:`train.parallel.tensor.tensor_pass`). One device: nothing."""
+        stack = contextlib.ExitStack()
+        if self.mesh.devices.size > 1:
+            stack.enter_context(jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh))
+        if self.tensor > 1 and self.tensor_plan is not None:
+            stack.enter_context(precision.program_pass(tensor_pass(self)))
+        return stack
 
     def constrain_batch(self, tree: Any) -> Any:
         """Inside ``jit``: pins a batch's leading dimension to the data axes."""
@@ -177,41 +297,6 @@ class Layout:
             return jax.make_array_from_process_local_data(sharding, x, shape)
 
         return jax.tree_util.tree_map(make, local)
-
-
-def _gather(x: Any, dtype: np.dtype, replicated: NamedSharding) -> Any:
-    """``x`` whole on every device, gathered in ``dtype`` (cast on each shard first).
-
-    A narrower gather still hands the model an array of ``x``'s dtype (holding the
-    narrow values, which the model casts back exactly where it reads them), and
-    its derivative passes the cotangent through unrounded: a param's gradient,
-    reduced across devices in ``reduce_dtype``, reaches its float32 master
-    without a round trip through the gather's dtype, and the reduction is
-    followed by nothing but the slice of each device's part."""
-    if x.dtype == dtype:
-        return jax.lax.with_sharding_constraint(x, replicated)
-    if dtype == E4M3:  # quantized with the whole array's scale, the model handed its dequantized values
-        return _narrow_gather(x, lambda x: e4m3_read(x)[:2], lambda q: dequantized(*q, x.dtype), replicated)
-    return _narrow_gather(x, lambda x: x.astype(dtype), lambda narrow: narrow.astype(x.dtype), replicated)
-
-
-def _narrow_gather(x: Any, narrow: Any, widen: Any, replicated: NamedSharding) -> Any:
-    """``widen(gathered narrow(x))``: ``narrow`` on each shard, the all-gather of what it
-    returns, ``widen`` after. Optimization barriers keep XLA from moving the narrowing
-    after the gather (jax#23543). The cotangent passes through unrounded.
-
-    FP8 (E4M3, ``e4m3_read``): each shard is quantized with the scale of the whole array
-    (its amax reduced across devices: every device makes the same bits), one byte per
-    element crosses the wire, and the model's FP8 matmul quantizes the dequantized values
-    to the same FP8 values (:mod:`precision.reads`)."""
-
-    @jax.custom_vjp
-    def gather(x):
-        payload = jax.lax.optimization_barrier(narrow(x))
-        return widen(jax.lax.optimization_barrier(jax.lax.with_sharding_constraint(payload, replicated)))
-
-    gather.defvjp(lambda x: (gather(x), None), lambda _, g: (jax.lax.with_sharding_constraint(g, replicated),))
-    return gather(x)
 
 
 def host_rows(global_size: int) -> slice:

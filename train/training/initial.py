@@ -13,11 +13,12 @@ import jax.numpy as jnp
 import precision
 from train.data.model_inputs import call_arguments, call_with
 from train.parallel.distributed import Layout
+from train.parallel.tensor.planning import TensorLayoutError, find_layout, plan_of
 from train.training.binding import cast_variables, mode_kwargs
 from train.training.tree_paths import leaf_shapes
 from train.weights.pretrained import pretrained_variables
 
-__all__ = ["initial_variables", "sharded_jit"]
+__all__ = ["initial_variables", "planned_layout", "sharded_jit"]
 
 
 def initial_variables(wrapped: Any, keys: dict, sample_input: Any, variables: Any,
@@ -32,6 +33,30 @@ def initial_variables(wrapped: Any, keys: dict, sample_input: Any, variables: An
     if variables is None:
         return sharded_jit(init, layout)(keys, sample_input)
     return _given_variables(wrapped, init, keys, sample_input, mode, variables, inputs_as)
+
+
+def planned_layout(wrapped: Any, keys: dict, sample_input: Any, layout: Layout | None,
+                   inputs_as: str = "kwargs") -> Layout | None:
+    """``layout`` with the plan of how its ``tensor`` axis (and ``sharding.rules``) split the
+    bound model's params, found in the program of its call on ``sample_input``
+    (:mod:`train.parallel.tensor`); the layout as it is when it needs none.
+
+    Raises:
+      TensorLayoutError: ``tensor`` does not divide the heads, features or vocabulary it
+        splits, a rule does not fit its param, or the model is not run under autocast."""
+    if layout is None or not layout.needs_plan:
+        return layout
+    mode = mode_kwargs(wrapped, False)
+    shapes = jax.eval_shape(_init(wrapped, mode, inputs_as), keys, sample_input)
+    args, kwargs = call_arguments(sample_input, inputs_as)
+    found = None
+    if layout.tensor > 1:
+        found = find_layout(lambda v: wrapped.apply(v, *args, **kwargs, **mode), (shapes,), shapes["params"],
+                            layout.tensor)
+        if found is None:
+            raise TensorLayoutError(f"mesh.tensor={layout.tensor}: tensor parallelism is written into the model's "
+                                    f"program by autocast; this model runs without it (precision.autocast=false)")
+    return layout.with_plan(plan_of(found, shapes["params"], layout.tensor, layout.fsdp, layout.rules))
 
 
 def _given_variables(wrapped: Any, init: Any, keys: dict, sample_input: Any, mode: dict, variables: Any,

@@ -14,7 +14,7 @@ import precision
 from precision.loss_scale import LossScale
 from train.parallel.distributed import Layout
 from train.training.binding import NNXModel, bind, call_mode_kwargs, inputs_as_for, mode_kwargs
-from train.training.initial import initial_variables, sharded_jit
+from train.training.initial import initial_variables, planned_layout, sharded_jit
 from train.data.model_inputs import call_arguments, describe_inputs
 from train.references import one_line
 from train.training.tree_paths import leaf_shapes
@@ -220,9 +220,9 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
       reduce_dtype: the dtype the gradients of params read in half precision
         are produced in, so the dtype a data-parallel step reduces them across
         devices in: ``"f32"``, ``"bf16"`` or ``"f16"`` (which needs a loss
-        scale). ``"auto"``: float32 when ``layout`` splits the batch over more
-        than one device, otherwise the compute dtype (one device reduces
-        nothing). See :func:`precision.with_policy`.
+        scale). ``"auto"``: float32 when ``layout``'s mesh has more than one
+        device (the batch split, or layers split over ``tensor``), otherwise the
+        compute dtype (one device reduces nothing). See :func:`precision.with_policy`.
       init_from: start from pretrained weights, cast as ``variables`` are: another run's workdir
         or checkpoint, or a Hugging Face Flax directory (:mod:`train.weights.pretrained`).
       memory: bytes the state and one step's gradients must fit in, checked from their shapes
@@ -240,6 +240,7 @@ def create_train_state(model: Any, policy: "str | precision.Policy | None", opti
                      reduce_dtype=_reduce_dtype(reduce_dtype, layout, model, autocast))
     _check_coverage(wrapped, sample_input, strict, inputs_as)
     rng, keys = _init_keys(rng)
+    layout = planned_layout(wrapped, keys, sample_input, layout, inputs_as)
     variables = initial_variables(wrapped, keys, sample_input, variables, init_from, layout, inputs_as)
     frozen = finetune_frozen(variables["params"], finetune)
     params = stored_frozen(variables["params"], frozen, base_dtype(finetune))
@@ -277,7 +278,8 @@ def _reduce_dtype(reduce_dtype: Any, layout: Layout | None, model: Any, autocast
             if model.reduce_dtype is not None:
                 return None  # bind keeps the wrapper's own
             autocast = model.autocast
-        return "f32" if autocast and layout is not None and layout.data_shards > 1 else None
+        # any mesh of more than one device (a tensor-parallel one sums some gradients across tensor)
+        return "f32" if autocast and layout is not None and layout.mesh.devices.size > 1 else None
     if reduce_dtype is None:
         raise precision.PolicyError("reduce_dtype=None: give 'auto', 'f32', 'bf16' or 'f16'")
     return precision.reduce_dtype_of(reduce_dtype)

@@ -82,7 +82,7 @@ def make_train_step(*, accum_steps: int = 1, learning_rate_fn: Callable[[Any], A
         if lay is not None:
             grads = lay.constrain_state(grads)
         # the loss, checked with the gradients (a non-finite loss skips the step too)
-        new_state = state.apply_gradients(grads=ScaledGrads(grads, loss, sharded=lay is not None and lay.fsdp > 1))
+        new_state = state.apply_gradients(grads=ScaledGrads(grads, loss, sharded=lay is not None and lay.splits_params))
         opt_state = new_state.opt_state
         new_state = new_state.replace(model_state=_with_fp8_state(model_state, fp8_state, state, opt_state))
         metrics = {**task_metrics, "loss": loss, **_optimizer_metrics(loss_scale, opt_state)}
@@ -116,6 +116,8 @@ def step_layout(given: Layout | None, state: TrainState, what: str) -> Layout | 
     """The layout a step runs ``state`` in: the one given, else the one the state was
     created in (``create_train_state(..., layout=)``); the two must agree."""
     own = getattr(state, "layout", None)
+    if given is not None and own is not None and given.tensor_plan is None and given.with_plan(own.tensor_plan) == own:
+        return own  # the layout the state was created in, and the plan it found for its params
     if given is not None and own is not None and given != own:
         raise ValueError(f"{what}: layout= (mesh {dict(given.mesh.shape)}) is not the layout the state was created "
                          f"in (mesh {dict(own.mesh.shape)}); pass the state's (state.layout) or none")
@@ -160,7 +162,7 @@ def _gather_dtypes(forward: Callable[[Any], Any], params: Any, layout: Layout | 
     reads it in (:func:`precision.read_dtypes`). A param the policy only uses in
     bfloat16 travels in bfloat16; one a norm or a rule keeps in float32, in float32.
     The gradients are unchanged: the cast's derivative brings them back to float32."""
-    if layout is None or layout.fsdp == 1:
+    if layout is None or not layout.splits_params:
         return None
     return precision.read_dtypes(forward, params)
 

@@ -13,15 +13,18 @@ from precision.autocast.scaled.fp8_quantize import E4M3
 __all__ = ["scaled_product", "not_scaled"]
 
 
-def scaled_product(site: Any, ins: list, ctx: Any, out_dtype: np.dtype) -> tuple[Any, np.dtype | None, str | None]:
+def scaled_product(site: Any, ins: list, ctx: Any, out_dtype: np.dtype,
+                   input_grad: np.dtype | None = None) -> tuple[Any, np.dtype | None, str | None]:
     """(the result, the dtype to log, the reason) where the site's region runs matmuls in FP8 or int8
     and this one qualifies; else (None, None, why it does not: None outside such a region).
-    ``site``, ``ctx``: the interpreter's :class:`~precision.autocast.interpreter.Site` and context."""
+    ``site``, ``ctx``: the interpreter's :class:`~precision.autocast.interpreter.Site` and context;
+    ``input_grad``: the dtype of the gradient of an operand that is not a param where it is a sum
+    split across devices (:mod:`precision.autocast.split_sums`; FP8's products only)."""
     if site.fp8:
         why = fp8_sites.skip_reason(site.name, ins, site.eqn, ctx.fp8.options)
         if why is not None:
             return None, None, why
-        result, reason = fp8_sites.fp8_dot(site, ins, ctx.fp8, site.region, out_dtype, ctx.reduce)
+        result, reason = fp8_sites.fp8_dot(site, ins, ctx.fp8, site.region, out_dtype, ctx.reduce, input_grad)
         return result, E4M3, reason
     if site.int8:
         why = int8_sites.skip_reason(site.name, ins, site.eqn, ctx.int8.options)

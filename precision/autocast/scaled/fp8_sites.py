@@ -85,16 +85,19 @@ def skip_reason(primitive: str, ins: list, eqn: Any, options: Fp8Options) -> str
 
 
 def fp8_dot(site: Any, ins: list, run: Fp8Run, target: np.dtype, out_dtype: np.dtype,
-            reduce_dtype: np.dtype | None = None) -> tuple[Any, str]:
+            reduce_dtype: np.dtype | None = None, input_grad: np.dtype | None = None) -> tuple[Any, str]:
     """The site's ``dot_general`` in FP8: (result in ``out_dtype``, the reason to log).
 
     Operands are quantized from the dtype they are held in (a float32 master
     weight straight from float32); constants take the region's dtype first.
     A param's gradient is made in ``reduce_dtype`` (when given): the dtype a
-    data-parallel step reduces it in (:mod:`precision.autocast.reductions`).
+    data-parallel step reduces it in (:mod:`precision.autocast.reductions`); the gradient
+    of an operand that is not a param in ``input_grad`` (when given: a sum split across
+    devices, :mod:`precision.autocast.split_sums`).
     """
     lhs, rhs = (v.as_dtype(target) if v.kind is Kind.NEUTRAL else v.array for v in ins)
-    grads = tuple(reduce_dtype if reduce_dtype is not None and v.leaf else np.dtype(x.dtype)
+    grads = tuple(reduce_dtype if reduce_dtype is not None and v.leaf else
+                  input_grad if input_grad is not None and not v.leaf else np.dtype(x.dtype)
                   for v, x in zip(ins, (lhs, rhs)))
     histories, reason = run.histories(site.path)
     dims = site.eqn.params["dimension_numbers"]
