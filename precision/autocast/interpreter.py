@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import source_info_util
@@ -40,7 +39,7 @@ from jax.extend.core import DropVar, Literal
 from precision.autocast.derivatives import HALF_WITH_FLOAT32_DERIVATIVE
 from precision.autocast.islands import demanded_vars
 from precision.autocast.op_lists import OpClass, OpLists
-from precision.autocast.program import MATMUL_PRIMITIVES, binders
+from precision.autocast.program import MATMUL_PRIMITIVES, binders, retyped_update_jaxpr
 from precision.autocast.scaled.dispatch import not_scaled, scaled_product
 from precision.autocast.scaled.fp8_sites import Fp8Run
 from precision.autocast.scaled.int8_sites import Int8Run
@@ -337,16 +336,8 @@ def _bind_in(site: Site, ins: list[Val], dtype: np.dtype, reduce_dtype: Any = No
     jaxpr = site.eqn.params.get("update_jaxpr")
     if jaxpr is not None and any(v.managed and v.as_dtype(dtype).dtype != var.aval.dtype
                                  for v, var in zip(ins, site.eqn.invars)):
-        updates = _retyped_update_jaxpr(jaxpr, site.eqn.params.get("update_consts", ()), dtype)
+        updates = retyped_update_jaxpr(jaxpr, site.eqn.params.get("update_consts", ()), dtype)
     return bind_reducing(site, ins, args, reduce_dtype, **updates)
-
-
-def _retyped_update_jaxpr(jaxpr: Any, consts: Sequence[Any], dtype: np.dtype) -> dict:
-    """A scatter's scalar combiner traced again for ``dtype`` operands."""
-    n = len(jaxpr.invars)
-    scalar = jax.ShapeDtypeStruct((), dtype)
-    closed = jax.make_jaxpr(lambda *xs: jax.core.eval_jaxpr(jaxpr, list(consts), *xs))(*[scalar] * n)
-    return {"update_jaxpr": closed.jaxpr, "update_consts": tuple(closed.consts)}
 
 
 def _allowed(site: Site, ins: list[Val], ctx: Context) -> list[Val]:

@@ -9,7 +9,7 @@ whole computes: a scan over 12 layers counts its body 12 times.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +18,7 @@ import numpy as np
 from precision.autocast.matmul_precision import precision_name
 from precision.autocast.regions import module_path, scope_names
 
-__all__ = ["Op", "binders", "iter_ops", "MatmulOp", "matmul_ops", "matmul_flops", "MATMUL_PRIMITIVES", "HALF_DTYPES",
+__all__ = ["Op", "binders", "retyped_update_jaxpr", "iter_ops", "MatmulOp", "matmul_ops", "matmul_flops", "MATMUL_PRIMITIVES", "HALF_DTYPES",
            "MOVES", "platform_branch", "host_platform"]
 
 MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated", "ragged_dot_general")
@@ -176,3 +176,12 @@ def matmul_ops(jaxpr: Any) -> list[MatmulOp]:
             found.append(MatmulOp(op.primitive, op.path, dtype, matmul_flops(op.eqn) * op.repeat, op.backward,
                                   precision_name(op.eqn.params.get("precision"))))
     return found
+
+
+def retyped_update_jaxpr(jaxpr: Any, consts: Sequence[Any], dtype: np.dtype) -> dict:
+    """A scatter's scalar combiner (its ``update_jaxpr``) traced again for ``dtype`` operands: the
+    params a scatter takes when autocast changes its operands' dtype."""
+    n = len(jaxpr.invars)
+    scalar = jax.ShapeDtypeStruct((), dtype)
+    closed = jax.make_jaxpr(lambda *xs: jax.core.eval_jaxpr(jaxpr, list(consts), *xs))(*[scalar] * n)
+    return {"update_jaxpr": closed.jaxpr, "update_consts": tuple(closed.consts)}
