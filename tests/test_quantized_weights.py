@@ -18,13 +18,17 @@ def test_normal_float_levels_are_qloras_sixteen_quantiles():
     np.testing.assert_allclose(NF4_LEVELS[8:11], [0.0795803, 0.1609302, 0.2461123], atol=1e-6)  # QLoRA's table
 
 
+_quantize = jax.jit(precision.quantize_weight, static_argnums=1)
+_dequantize = jax.jit(dequantize_weight)
+
+
 @settings(max_examples=25, deadline=None)
 @given(rows=st.integers(1, 70), cols=st.integers(1, 70), scale=st.floats(1e-6, 1e3), seed=st.integers(0, 1000))
 def test_every_value_comes_back_within_half_a_code_step_of_its_block(rows, cols, scale, seed):
     x = jax.random.normal(jax.random.key(seed), (rows, cols)) * scale
     for code, step in (("int8", 1 / 127), ("nf4", float(np.diff(NF4_LEVELS).max()))):
-        q = precision.quantize_weight(x, code)
-        y = dequantize_weight(q)
+        q = _quantize(x, code)  # jitted: one compile per shape, not one per op (eager: minutes in all)
+        y = _dequantize(q)
         assert y.shape == x.shape and y.dtype == x.dtype
         flat = np.pad(np.asarray(x).reshape(-1), (0, -x.size % BLOCK)).reshape(-1, BLOCK)
         block_max = np.repeat(np.abs(flat).max(axis=1), BLOCK)[:x.size].reshape(x.shape)
