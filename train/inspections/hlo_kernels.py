@@ -229,7 +229,7 @@ def _sent(instr: _Instr, devices: int) -> float:
     """Bytes a collective sends from each device over its links (ring algorithms: an all-reduce
     twice what a reduce-scatter or an all-gather of the same array sends); ``devices``: the
     program's, for a collective naming no groups."""
-    arrays = [_bytes(f"{t}[{d}]") for t, d in _ARRAY.findall(instr.type)]
+    arrays = [_bytes(f"{t}[{d}]") for t, d, _ in _ARRAY.findall(instr.type)]
     kind = next(c for c in _COLLECTIVES if instr.op.startswith(c))
     if instr.op.endswith("-start") and kind in ("all-gather", "reduce-scatter") and len(arrays) == 2:
         arrays = [max(arrays)]  # (operand, result): the whole array
