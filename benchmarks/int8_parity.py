@@ -9,7 +9,9 @@ policy (and the int8 options named) changed, same seed and data order:
   precision.policy=mixed_int8``: ``min_size`` 128 takes the projections and the MLP,
   not the 82-way head), and the same GPT under qwix's ``QtProvider`` (int8
   activations, weights and gradients: ``benchmarks/qwix_models.py``);
-- the Fashion-MNIST ResNet at ``min_size=0`` (its convolutions have 16-64 channels);
+- the Fashion-MNIST ResNet at ``min_size=0`` (its convolutions have 16-64 channels), and at
+  ``min_size=16`` (its first convolution, K = 9, and its 10-way head stay in bf16) with the
+  gradient rounded to nearest and stochastically;
 - the digits MLP of ``configs/default.yaml`` (its 1,500 steps), default and ``min_size=0``.
 
 The goal (issue 69): final validation loss within 1.5% of ``mixed_bf16``'s, and the digits
@@ -46,7 +48,10 @@ EXPERIMENTS = {
         "qwix int8 (QtProvider)": QWIX}),
     "fmnist_resnet": ("configs/fmnist_resnet_mixed_bf16.yaml", RUN, {
         "mixed_bf16": ["precision.policy=mixed_bf16"],
-        "mixed_int8 (min_size 0)": ["precision.policy=mixed_int8", "precision.int8.min_size=0"]}),
+        "mixed_int8 (min_size 0)": ["precision.policy=mixed_int8", "precision.int8.min_size=0"],
+        "mixed_int8 (min_size 16)": ["precision.policy=mixed_int8", "precision.int8.min_size=16"],
+        "mixed_int8 (min_size 16, stochastic rounding)": ["precision.policy=mixed_int8", "precision.int8.min_size=16",
+                                                          "precision.int8.stochastic_rounding=true"]}),
     "digits_mlp": ("configs/default.yaml", [], {
         "mixed_bf16": ["precision.policy=mixed_bf16"],
         "mixed_int8": ["precision.policy=mixed_int8"],
