@@ -23,7 +23,7 @@ from flax import traverse_util
 
 import precision
 from precision.channel_weights import is_channel_int8
-from precision.contractions import contracted_axes
+from precision.contractions import read_axes
 from train.serving.layout import (ContractedLast, in_model_layout, is_stored_weight, laid_out, read_weight,
                                   stored_bytes)
 from train.serving.tokenizer import SampleError
@@ -96,9 +96,8 @@ def serve_weights(model: Any, params: Any, rules: Any, dtype: str, inputs: Any, 
     tree = jax.tree_util.tree_map(jnp.asarray, params)
     mode = mode_kwargs(bound, False)
     cast = traverse_util.flatten_dict(cast_variables(bound, {"params": tree, **state}, inputs, **mode)["params"])
-    apply = lambda p: bound.apply({"params": p, **state}, inputs, **mode)  # noqa: E731
-    axes = traverse_util.flatten_dict(contracted_axes(apply, tree, lookups=False))
-    only_looked_up = traverse_util.flatten_dict(contracted_axes(apply, tree, matmuls=False))
+    apply = lambda p: model.apply({"params": p, **state}, inputs, **mode)  # noqa: E731 - the model's own reads
+    axes, only_looked_up = map(traverse_util.flatten_dict, read_axes(apply, tree, [(False, True), (True, False)]))
     looked_up = frozenset(path for path, a in only_looked_up.items() if a is not None)
     if stored == "int8":
         cast = int8_weights(traverse_util.flatten_dict(tree), cast, axes)
