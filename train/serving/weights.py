@@ -93,7 +93,7 @@ def serve_weights(model: Any, params: Any, rules: Any, dtype: str, inputs: Any, 
     rules = tuple(rules)
     bound = bind(model, policy, rules)
     state = state or {}
-    tree = jax.tree_util.tree_map(jnp.asarray, params)
+    tree = jax.tree_util.tree_map(np.asarray, params)  # cast on the host: no program per shape and dtype
     mode = mode_kwargs(bound, False)
     cast = traverse_util.flatten_dict(cast_variables(bound, {"params": tree, **state}, inputs, **mode)["params"])
     apply = lambda p: model.apply({"params": p, **state}, inputs, **mode)  # noqa: E731 - the model's own reads
