@@ -79,9 +79,9 @@ def _gpt2_small() -> Source:
                   "n_positions", None, None)
 
 
-def _llama3_8b(layers: int, vocab: int) -> Source:
-    """A Flax Llama of Llama-3-8B's shape at ``layers`` layers and a ``vocab``-token vocabulary, random
-    weights (normal, 0.02; norms 1) made in numpy in bfloat16."""
+def llama_source(layers: int, vocab: int, shape: dict | None = None) -> Source:
+    """A Flax Llama of ``shape`` (default Llama-3-8B's: :data:`LLAMA3_8B`) at ``layers`` layers and a
+    ``vocab``-token vocabulary, random weights (normal, 0.02; norms 1) made in numpy in bfloat16."""
     import transformers
 
     from train.inspections.export import export_rules
@@ -89,7 +89,7 @@ def _llama3_8b(layers: int, vocab: int) -> Source:
 
     directory = tempfile.mkdtemp(prefix="llama3-8b-")
     config = transformers.LlamaConfig(architectures=["LlamaForCausalLM"], num_hidden_layers=layers,
-                                      **(LLAMA3_8B | {"vocab_size": vocab}))
+                                      **((shape or LLAMA3_8B) | {"vocab_size": vocab}))
     config.save_pretrained(directory)
     empty = transformers.FlaxLlamaForCausalLM(config, _do_init=False)
     shapes = jax.eval_shape(lambda key: empty.init_weights(key, (1, 1)), jax.random.key(0))
@@ -127,7 +127,7 @@ def measure_decode_only(target: str) -> list[dict[str, Any]]:
     vocab, rows, steps = LLAMA3_8B["vocab_size"], [], {}
     points = {"base": (1, vocab // 4), "deeper": (2, vocab // 4), "wider": (1, vocab // 2)}
     for name, (layers, size) in points.items():
-        source = _llama3_8b(layers, size)
+        source = llama_source(layers, size)
         for dtype, kv in ROWS["llama3_8b"]:
             steps[(dtype, kv, name)] = _decode_row(compile_decode_step(Generator(source, dtype, kv), target))
         del source

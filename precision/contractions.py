@@ -26,7 +26,7 @@ import numpy as np
 
 from precision.reads import _inner_binders
 
-__all__ = ["contracted_axes"]
+__all__ = ["contracted_axes", "read_axes"]
 
 _RETYPES = frozenset({"convert_element_type", "copy", "copy_p", "optimization_barrier", "sharding_constraint"})
 _OTHER = "other"
@@ -41,14 +41,22 @@ def contracted_axes(fn: Callable[[Any], Any], tree: Any, lookups: bool = True, m
     axes. ``lookups=False``: a lookup is another use (only matmuls' weights get axes);
     ``matmuls=False``: a matmul is (only tables that are only looked up get axes).
     Traces ``fn`` abstractly (nothing is computed)."""
+    return read_axes(fn, tree, [(lookups, matmuls)])[0]
+
+
+def read_axes(fn: Callable[[Any], Any], tree: Any, reads: list[tuple[bool, bool]]) -> list[Any]:
+    """:func:`contracted_axes` of ``fn`` for each ``(lookups, matmuls)`` of ``reads``, from one trace."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     avals = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves]
     closed = jax.make_jaxpr(lambda *xs: fn(jax.tree_util.tree_unflatten(treedef, list(xs))))(*avals)
-    out = []
-    for var, leaf in zip(closed.jaxpr.invars, leaves, strict=True):
-        uses = _uses(closed.jaxpr, var, tuple(range(np.ndim(leaf))), (lookups, matmuls))
-        out.append(None if not uses or _OTHER in uses else tuple(sorted(set().union(*uses))))
-    return jax.tree_util.tree_unflatten(treedef, out)
+    trees = []
+    for read in reads:
+        out = []
+        for var, leaf in zip(closed.jaxpr.invars, leaves, strict=True):
+            uses = _uses(closed.jaxpr, var, tuple(range(np.ndim(leaf))), tuple(read))
+            out.append(None if not uses or _OTHER in uses else tuple(sorted(set().union(*uses))))
+        trees.append(jax.tree_util.tree_unflatten(treedef, out))
+    return trees
 
 
 def _uses(jaxpr: Any, var: Any, axes: Axes, reads: tuple[bool, bool]) -> list:

@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from precision.channel_weights import dequantize_channels, is_channel_int8, read_channels
+
 __all__ = ["BLOCK", "CODES", "QuantizedWeight", "quantizable", "quantize_weight", "dequantize_weight",
            "dequantized", "read_in_program", "READ", "is_quantized", "logical_size", "NF4_LEVELS"]
 
@@ -130,12 +132,19 @@ def is_quantized(x: Any) -> bool:
     return isinstance(x, QuantizedWeight)
 
 
+def _in_codes(x: Any) -> bool:
+    """A weight stored in codes: a :class:`QuantizedWeight` or a :class:`precision.ChannelInt8`."""
+    return is_quantized(x) or is_channel_int8(x)
+
+
 def dequantized(tree: Any) -> Any:
-    """``tree`` with every :class:`QuantizedWeight` read as its floating weight (other leaves as they are)."""
-    if not any(is_quantized(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=is_quantized)):
+    """``tree`` with every weight stored in codes (:class:`QuantizedWeight`, :class:`precision.ChannelInt8`)
+    read as its floating weight (other leaves as they are)."""
+    if not any(_in_codes(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=_in_codes)):
         return tree
-    return jax.tree_util.tree_map(lambda x: dequantize_weight(x) if is_quantized(x) else x, tree,
-                                  is_leaf=is_quantized)
+    return jax.tree_util.tree_map(
+        lambda x: dequantize_weight(x) if is_quantized(x) else dequantize_channels(x) if is_channel_int8(x) else x,
+        tree, is_leaf=_in_codes)
 
 
 #: The name of the sub-program that dequantizes one weight in a traced program (:func:`read_in_program`).
@@ -153,12 +162,14 @@ _read = jax.jit(_quantized_weight_read)
 
 
 def read_in_program(tree: Any) -> Any:
-    """:func:`dequantized`, each weight by a sub-program named :data:`READ` and widened to float32
-    (exactly: autocast traces programs in float32 and casts where they compute): how autocast's
-    programs read a frozen base, so that a matmul reading a weight finds its codes."""
-    if not any(is_quantized(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=is_quantized)):
+    """:func:`dequantized`, each weight by a sub-program named :data:`READ` (a
+    :class:`precision.ChannelInt8`: :data:`precision.channel_weights.CHANNEL_READ`) and widened to
+    float32 (exactly: autocast traces programs in float32 and casts where they compute): how
+    autocast's programs read a frozen base, so that a matmul reading a weight finds its codes."""
+    if not any(_in_codes(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=_in_codes)):
         return tree
-    return jax.tree_util.tree_map(lambda x: _read(x) if is_quantized(x) else x, tree, is_leaf=is_quantized)
+    return jax.tree_util.tree_map(lambda x: _read(x) if is_quantized(x) else read_channels(x) if is_channel_int8(x)
+                                  else x, tree, is_leaf=_in_codes)
 
 
 def logical_size(x: Any) -> int:

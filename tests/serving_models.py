@@ -80,6 +80,12 @@ def huggingface_gpt2(directory, transformers):
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>")
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=len(WORDS), n_positions=32,
                                      architectures=["GPT2LMHeadModel"])
-    transformers.FlaxGPT2LMHeadModel(config, seed=0).save_pretrained(directory)
+    model = transformers.FlaxGPT2LMHeadModel(config, _do_init=False)  # random weights made in numpy: no init compiled
+    shapes = jax.eval_shape(lambda key: model.init_weights(key, (1, 1)), jax.random.key(0))
+    rng = np.random.default_rng(0)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: np.ones(x.shape, np.float32) if jax.tree_util.keystr(path).endswith("['scale']")
+        else (0.02 * rng.standard_normal(x.shape)).astype(np.float32), shapes)
+    model.save_pretrained(directory, params=params)
     fast.save_pretrained(directory)
     return directory

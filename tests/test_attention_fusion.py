@@ -247,3 +247,19 @@ def test_op_lists_keep_the_fusion_choice_of_their_base():
     assert not precision.op_lists(deny=["tanh"], base=off).fuse_attention
     assert precision.op_lists(fuse_attention=True, base=off).fuse_attention
     assert precision.op_lists().fuse_attention
+
+
+def test_grouped_key_value_heads_reach_the_fused_call_unrepeated(cudnn, monkeypatch):
+    # Hugging Face's Llama repeats its key/value heads to the query's (jnp.repeat) before the
+    # attention; the fused call takes them grouped (query head n reads key head n // groups), so
+    # a decode step reads its cache once, not the cache and a repeated copy of it.
+    heads = []
+    pretend = fused_attention._ORIGINAL
+    monkeypatch.setattr(fused_attention, "_ORIGINAL", lambda **kw: heads.append(
+        (kw["query"].shape[2], kw["key"].shape[2], kw["value"].shape[2])) or pretend(**kw))
+    make, inputs = CASES["HF-style Llama with padding"]
+    model, args = make(), inputs()
+    variables = model.init(jax.random.key(1), *args)
+    fused, unfused = _fused_and_unfused(model, variables, *args)
+    assert heads and set(heads) == {(HEADS, 2, 2)}
+    np.testing.assert_allclose(fused, unfused, atol=0.06, rtol=0.06)

@@ -9,6 +9,7 @@ import flax.linen as nn
 import pytest
 
 import precision
+from precision.channel_weights import dequantize_channels, is_channel_int8, quantize_channels
 from precision.quantized_weights import quantizable
 
 
@@ -65,3 +66,47 @@ def test_the_backward_pass_keeps_a_weights_codes_not_its_bfloat16_copy(capsys):
     assert not set(weights) & set(saved) and "u8[512,32]" in saved, saved  # up's codes: 128 x 256 / 64 blocks
     floats = _saved(_loss(wrapped, precision.dequantized(stored)), adapters, x, capsys=capsys)
     assert set(weights) <= set(floats), floats  # what JAX's own backward pass keeps
+
+
+class _Channels(nn.Module):
+    """Weights read by matmuls three ways: a Dense kernel (in, out), a DenseGeneral one
+    (in, heads, size), a weight stored (out, in) and read transposed."""
+
+    @nn.compact
+    def __call__(self, x):
+        stored = self.param("stored", nn.initializers.normal(0.1), (48, x.shape[-1]))
+        return (nn.Dense(64, use_bias=False, name="dense")(x),
+                nn.DenseGeneral((2, 32), use_bias=False, name="general")(x), x @ stored.T)
+
+
+def test_int8_channel_weights_are_multiplied_in_codes_and_scaled_after():
+    # (x . codes) * scales: exact algebra for a scale per output channel; the codes (integers to
+    # 127) are exact in bfloat16, the product accumulated in float32, scaled there, rounded once.
+    model, x = _Channels(), jax.random.normal(jax.random.key(1), (4, 128))
+    params = model.init(jax.random.key(0), x)["params"]
+    axes = {"dense": {"kernel": (0,)}, "general": {"kernel": (0,)}, "stored": (1,)}
+    quantized = jax.tree_util.tree_map(lambda w, a: quantize_channels(w, a), params, axes,
+                                       is_leaf=lambda a: isinstance(a, tuple))
+    wrapped = precision.with_policy(model, "mixed_bf16")
+    got = jax.jit(lambda q, x: wrapped.apply({"params": q}, x))(quantized, x)
+    half = x.astype(jnp.bfloat16)
+
+    def scaled(codes, scales, subscripts):
+        product = jnp.einsum(subscripts, half, codes.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+        return (product * jnp.squeeze(scales)).astype(jnp.bfloat16)
+
+    want = (scaled(quantized["dense"]["kernel"].codes, quantized["dense"]["kernel"].scales, "bi,io->bo"),
+            scaled(quantized["general"]["kernel"].codes, quantized["general"]["kernel"].scales, "bi,ihd->bhd"),
+            scaled(quantized["stored"].codes, quantized["stored"].scales, "bi,oi->bo"))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-2, atol=1e-2)
+    # as near the float32 product of the weights the codes stand for as the weights rounded to bfloat16 first
+    floats = precision.dequantized(quantized)  # in bfloat16
+    exact = model.apply({"params": jax.tree_util.tree_map(lambda q: dequantize_channels(q, jnp.float32), quantized,
+                                                          is_leaf=is_channel_int8)}, x)
+    rounded = wrapped.apply({"params": floats}, x)
+    for g, r, e in zip(got, rounded, exact):
+        assert np.abs(np.asarray(g, np.float32) - e).mean() <= np.abs(np.asarray(r, np.float32) - e).mean()
+    # differentiable as the dequantized weights are
+    grad = lambda p: jax.grad(lambda x: sum(jnp.sum(o.astype(jnp.float32)) for o in wrapped.apply({"params": p}, x)))(x)  # noqa: E731,E501
+    np.testing.assert_allclose(grad(quantized), grad(floats), rtol=0.05, atol=0.05)

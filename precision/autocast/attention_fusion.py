@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from precision.autocast import fused_attention, tpu_attention
-from precision.autocast.attention_masks import Graph, keep_mask, narrowed
+from precision.autocast.attention_masks import Graph, keep_mask, narrowed, prim
 from precision.autocast.attention_pattern import Attention, describe, find_attention, near_misses
 from precision.autocast.regions import module_path, region_dtype, scope_names
 from precision.autocast.values import Kind, Record, Val, cast
@@ -142,6 +142,7 @@ def _fusion(graph: Graph, att: Attention, dtype: np.dtype) -> tuple[Fusion | Non
     reads: dict = {}
     for role, var in (("query", att.query), ("key", att.key), ("value", att.value)):
         dims = getattr(att, {"query": "q_dims", "key": "k_dims", "value": "v_dims"}[role])
+        var = var if role == "query" else _before_repeat(graph, var, dims[3])
         reads[role] = (var, lambda x, dims=dims: _to_btnh(x, dims))
     if att.bias is not None:
         var, widen = narrowed(graph, att.bias)
@@ -162,6 +163,28 @@ def _fusion(graph: Graph, att: Attention, dtype: np.dtype) -> tuple[Fusion | Non
     static = {"scale": att.scale, "is_causal": att.is_causal}
     kernels, tpu_why = fused_attention.fused_kernels(tuple(specs), static, list(specs.values()))
     return (Fusion(att, dtype, kernels, reads) if kernels else None), _how(att, kernels, tpu_why)
+
+
+def _before_repeat(graph: Graph, var: Any, heads: int | None) -> Any:
+    """The key or value ``var`` before its heads were repeated for grouped-query attention
+    (``jnp.repeat(x, groups, axis=heads)``: a broadcast to a new axis after the heads, reshaped
+    into them, as Hugging Face's Llama writes it), else ``var``. The fused call takes the
+    grouped heads as they are (query head ``n`` reads key head ``n // groups``, as the repeat
+    made it): the cache is read once, where its repeated copy was written and read again."""
+    reshape = graph.eqn(var)
+    if heads is None or prim(reshape) != "reshape" or reshape.params.get("dimensions") is not None:
+        return var
+    broadcast = graph.eqn(reshape.invars[0])
+    if prim(broadcast) != "broadcast_in_dim":
+        return var
+    source, rank = broadcast.invars[0], len(var.aval.shape)
+    kept = tuple(d for d in range(rank + 1) if d != heads + 1)
+    shape, spread = tuple(source.aval.shape), tuple(broadcast.outvars[0].aval.shape)
+    if len(shape) != rank or tuple(broadcast.params["broadcast_dimensions"]) != kept or \
+            tuple(spread[d] for d in kept) != shape:
+        return var
+    merged = (*shape[:heads], shape[heads] * spread[heads + 1], *shape[heads + 1:])
+    return source if tuple(var.aval.shape) == merged else var
 
 
 def _logits_shape(jaxpr: Any, att: Attention) -> tuple[int, ...]:

@@ -16,6 +16,14 @@ through moves and casts (:func:`follow`) and inlined ``jit`` calls; :func:`produ
 ``dot_general`` reading such a value. Forward and backward bind the ops JAX's own rules bind
 on the same values, so results and gradients are bit-identical. A weight entering a loop,
 a remat block or a branch is read there as before (its dequantized copy kept).
+
+A weight in int8 with a scale per output channel (:class:`precision.ChannelInt8`, read by
+:data:`precision.channel_weights.CHANNEL_READ`) is kept factored as well (:class:`Channel`:
+its codes, and its scales moved as the weight is, through transposes and casts): a product
+contracting exactly the axes its scales are constant along is ``(x . codes) * scales``, the
+codes cast to the compute dtype (exactly: integers to 127), the product accumulated in float32
+and scaled there (:func:`product`). XLA fuses an int8-to-bfloat16 cast into a GEMM's operand,
+where it writes ``codes * scales`` whole first: the weight is read once, in int8.
 """
 
 from __future__ import annotations
@@ -29,30 +37,41 @@ from jax.custom_derivatives import SymbolicZero
 from precision.autocast import reductions
 from precision.autocast.program import MOVES
 from precision.autocast.values import Kind, Val, cast, is_policy_float
+from precision.channel_weights import CHANNEL_READ
 from precision.quantized_weights import READ
 
-__all__ = ["Source", "is_read", "read", "follow", "product"]
+__all__ = ["Source", "Channel", "is_read", "read", "follow", "product"]
 
 #: Ops whose result is their first operand moved or cast: a weight's codes still make it.
 _FOLLOWED = MOVES | {"convert_element_type"}
 
 
+class Channel(NamedTuple):
+    """A weight as int8 ``codes`` (a :class:`Source` of them, moved as the weight is) times
+    ``scales`` (the program's float32 array, moved alike: 1 on each axis it is constant along)."""
+
+    codes: "Source"
+    scales: Any
+
+
 class Source(NamedTuple):
     """How a value is made from a weight's codes: ``fn(*args)``, where ``args`` are the codes
-    and scales as the program holds them and ``fn`` closes over no traced value."""
+    and scales as the program holds them and ``fn`` closes over no traced value; ``channel``:
+    the same weight factored (int8 with a scale per output channel), else None."""
 
     args: tuple
     fn: Callable
+    channel: Channel | None = None
 
     def then(self, step: Callable[[Any], Any]) -> "Source":
-        """The value ``step`` makes of this one."""
+        """The value ``step`` makes of this one (no longer factored)."""
         fn = self.fn
         return Source(self.args, lambda *args: step(fn(*args)))
 
 
 def is_read(eqn: Any) -> bool:
-    """Whether ``eqn`` is the named sub-program that dequantizes a weight."""
-    return eqn.primitive.name in ("pjit", "jit") and eqn.params.get("name") == READ
+    """Whether ``eqn`` is a named sub-program that dequantizes a weight."""
+    return eqn.primitive.name in ("pjit", "jit") and eqn.params.get("name") in (READ, CHANNEL_READ)
 
 
 def read(site: Any, ins: list[Val]) -> list[Val]:
@@ -68,7 +87,10 @@ def read(site: Any, ins: list[Val]) -> list[Val]:
 
     if not is_policy_float(stored):
         return [Val(Kind.KEEP, fn(*args), site.path)]
-    return [Val(Kind.HALF, fn(*args), site.path, leaf=True, source=Source(args, fn))]
+    channel = None
+    if eqn.params["name"] == CHANNEL_READ:  # its leaves: codes, scales
+        channel = Channel(Source(args[:1], lambda codes: codes), args[1])
+    return [Val(Kind.HALF, fn(*args), site.path, leaf=True, source=Source(args, fn, channel))]
 
 
 def _stored_dtype(closed: Any) -> np.dtype:
@@ -99,7 +121,18 @@ def follow(site: Any, ins: list[Val], outs: list[Val]) -> None:
     source = ins[0].source.then(step)
     made = jax.eval_shape(source.fn, *source.args)
     if made.shape == np.shape(out.array) and made.dtype == dtype:
-        out.source = source
+        out.source = source._replace(channel=_moved(ins[0].source.channel, eqn))
+
+
+def _moved(channel: Channel | None, eqn: Any) -> Channel | None:
+    """``channel`` after ``eqn``: cast (the codes stay integers), transposed (codes and scales
+    alike); any other move makes it no longer factored (None)."""
+    if channel is None or eqn.primitive.name == "convert_element_type":
+        return channel
+    if eqn.primitive.name != "transpose":
+        return None
+    moved = lambda x: eqn.primitive.bind(x, **eqn.params)  # noqa: E731
+    return Channel(channel.codes.then(moved), moved(channel.scales))
 
 
 def product(site: Any, ins: list[Val], args: list[Any], params: dict, reduce_dtype: Any = None) -> Any:
@@ -113,11 +146,37 @@ def product(site: Any, ins: list[Val], args: list[Any], params: dict, reduce_dty
     if len(made) != 1 or reductions.applies(site.eqn.primitive, args, [v.leaf and v.managed for v in ins], reduce_dtype):
         return None
     k = made[0]
+    scaled = _scaled_product(site.eqn.primitive, ins[k].source.channel, k, args, params)
+    if scaled is not None:
+        return scaled
     dtype = np.dtype(args[k].dtype)
     weight = ins[k].source.then(lambda w: w if w.dtype == dtype else cast(w, dtype, saturate=False))
     other = args[1 - k]
     dot = _frozen_dot(site.eqn.primitive, params, k, weight.fn, jax.ShapeDtypeStruct(np.shape(other), other.dtype))
     return dot(other, *weight.args)
+
+
+def _scaled_product(primitive: Any, channel: Channel | None, k: int, args: list[Any], params: dict) -> Any:
+    """``(x . codes) * scales`` for a product whose operand ``k`` is ``channel``'s weight and
+    which contracts exactly the axes its scales are constant along; None elsewhere."""
+    if channel is None:
+        return None
+    (contracting, batch), shape = params["dimension_numbers"], np.shape(args[k])
+    contracted, batched, scales = tuple(contracting[k]), tuple(batch[k]), channel.scales
+    if any(np.shape(scales)[a] != (1 if a in contracted else shape[a]) for a in range(len(shape)) if shape[a] != 1):
+        return None
+    free = [a for a in range(len(shape)) if a not in contracted and a not in batched]
+    other = args[1 - k]
+    others = [1] * (np.ndim(other) - len(contracted) - len(batched))
+    sizes = [shape[a] for a in batched] + ([*others, *(shape[a] for a in free)] if k == 1
+                                           else [*(shape[a] for a in free), *others])
+    per_output = jax.numpy.transpose(scales, [*batched, *free, *contracted]).reshape(sizes)
+    out_dtype = jax.eval_shape(lambda a, b: primitive.bind(a, b, **params), *args).dtype
+    dtype = np.dtype(args[k].dtype)
+    codes = channel.codes.then(lambda c: c.astype(dtype))
+    wide = {**params, "preferred_element_type": np.dtype(np.float32)}
+    dot = _frozen_dot(primitive, wide, k, codes.fn, jax.ShapeDtypeStruct(np.shape(other), other.dtype))
+    return (dot(other, *codes.args) * per_output).astype(out_dtype)
 
 
 def _frozen_dot(primitive: Any, params: dict, k: int, rebuild: Callable, other: Any) -> Callable:

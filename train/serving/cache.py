@@ -37,7 +37,7 @@ import precision
 from train.models.gpt import GPT
 from train.serving.kv_store import KV_DTYPES, is_quantized_kv, kv_store
 from train.serving.tokenizer import SampleError
-from train.serving.weights import ServedWeights, materialized
+from train.serving.weights import ServedWeights, materialized, model_reads
 from train.training.binding import mode_kwargs
 from train.weights.huggingface import TokenIds
 
@@ -133,7 +133,7 @@ def _gpt(module: GPT, served: ServedWeights, kv: str, state: dict) -> Decoder:
 
     def forward(params, cache, tokens, index):
         del index  # the cache counts its positions
-        out, updated = bound.apply({"params": materialized(params), **state, "cache": cache}, tokens,
+        out, updated = bound.apply({"params": model_reads(params), **state, "cache": cache}, tokens,
                                    mutable=["cache"], **mode)
         return _logits(out), updated["cache"]
 
@@ -160,7 +160,7 @@ def _huggingface(module: TokenIds, served: ServedWeights, kv: str, state: dict) 
                 {"method": TokenIds.with_cache})
 
     def forward(params, cache, tokens, index):
-        model, args, variables, kwargs = call(materialized(params), cache, tokens, index)
+        model, args, variables, kwargs = call(model_reads(params), cache, tokens, index)
         out, updated = model.apply(variables, *args, mutable=["cache"], **kwargs)
         return _logits(out), updated["cache"]
 
@@ -173,7 +173,7 @@ def _linen(module: nn.Module, served: ServedWeights, kv: str, state: dict) -> De
 
     def forward(params, cache, tokens, index):
         del index
-        weights = materialized(params)
+        weights = model_reads(params)
 
         def one(cache, token):
             out, updated = bound.apply({"params": weights, **state, "cache": cache}, token[:, None],
@@ -201,7 +201,7 @@ def _uncached(module: Any, served: ServedWeights, state: dict) -> Decoder:
         return bound, (buffer,), {"params": params, **state}, mode
 
     def forward(params, cache, tokens, index):
-        model, (buffer,), variables, kwargs = call(materialized(params), cache, tokens, index)
+        model, (buffer,), variables, kwargs = call(model_reads(params), cache, tokens, index)
         out = model.apply(variables, buffer, **kwargs)
         return jax.lax.dynamic_slice_in_dim(_logits(out), index, tokens.shape[1], axis=1), {"tokens": buffer}
 

@@ -24,7 +24,7 @@ from flax import struct
 
 from precision.channel_weights import ChannelInt8, dequantize_channels, is_channel_int8
 
-__all__ = ["ContractedLast", "laid_out", "is_stored_weight", "read_weight", "stored_bytes"]
+__all__ = ["ContractedLast", "laid_out", "is_stored_weight", "read_weight", "in_model_layout", "stored_bytes"]
 
 Flat = dict[tuple[str, ...], Any]
 
@@ -74,6 +74,17 @@ def read_weight(x: Any, dtype: Any = None) -> Any:
     if is_channel_int8(x):
         return dequantize_channels(x, dtype)
     return x
+
+
+def in_model_layout(x: Any) -> Any:
+    """A served weight in the model's layout, an int8 one still in codes (transposed back alike:
+    the model's autocast reads it inside the matmul); any other leaf as it is."""
+    if not isinstance(x, ContractedLast):
+        return x
+    back = lambda a: jnp.transpose(a, np.argsort(x.order))  # noqa: E731
+    if is_channel_int8(x.stored):
+        return ChannelInt8(back(x.stored.codes), back(x.stored.scales), x.stored.dtype)
+    return back(x.stored)
 
 
 def stored_bytes(x: Any) -> int:

@@ -5,10 +5,11 @@ rules keep in float32 (its float32 islands: norms by default), by the framework'
 casting by module path and class (:meth:`precision.LinenWithPolicy.cast_params`), as
 ``python -m train export`` casts them; the model computes in that dtype, its softmax and
 logits in float32. ``int8``: the same in bfloat16, then the matmuls' weights as int8 with a
-scale per output channel (:mod:`train.weights.int8`), dequantized inside the jitted step
-into the matmul's bfloat16 operand (:func:`materialized`), which XLA fuses: no bfloat16 copy
-of a weight is kept. Whatever the dtype, each matmul's weight is stored with the axes it
-contracts last (:mod:`train.serving.layout`), so a decode step reads it once.
+scale per output channel (:mod:`train.weights.int8`), handed to the model as they are
+(:func:`model_reads`): the model's autocast multiplies their codes and scales the product,
+``(x . codes) * scales`` (:mod:`precision.autocast.frozen_reads`), one GEMM reading each code
+once. Whatever the dtype, each matmul's weight is stored with the axes it contracts last
+(:mod:`train.serving.layout`), so a decode step reads it once.
 """
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ from flax import traverse_util
 
 import precision
 from precision.channel_weights import is_channel_int8
-from precision.contractions import contracted_axes
-from train.serving.layout import ContractedLast, is_stored_weight, laid_out, read_weight, stored_bytes
+from precision.contractions import read_axes
+from train.serving.layout import (ContractedLast, in_model_layout, is_stored_weight, laid_out, read_weight,
+                                  stored_bytes)
 from train.serving.tokenizer import SampleError
 from train.training.binding import bind, cast_variables, mode_kwargs
 from train.weights.int8 import int8_weights
 
-__all__ = ["SERVING_DTYPES", "ServedWeights", "serving_dtype", "serve_weights", "materialized", "float32_weights",
+__all__ = ["SERVING_DTYPES", "ServedWeights", "serving_dtype", "serve_weights", "materialized", "model_reads",
+           "float32_weights",
            "tree_bytes"]
 
 #: ``--dtype`` names: the dtype weights are stored in, and the one the model computes in.
@@ -90,12 +93,11 @@ def serve_weights(model: Any, params: Any, rules: Any, dtype: str, inputs: Any, 
     rules = tuple(rules)
     bound = bind(model, policy, rules)
     state = state or {}
-    tree = jax.tree_util.tree_map(jnp.asarray, params)
+    tree = jax.tree_util.tree_map(np.asarray, params)  # cast on the host: no program per shape and dtype
     mode = mode_kwargs(bound, False)
     cast = traverse_util.flatten_dict(cast_variables(bound, {"params": tree, **state}, inputs, **mode)["params"])
-    apply = lambda p: bound.apply({"params": p, **state}, inputs, **mode)  # noqa: E731
-    axes = traverse_util.flatten_dict(contracted_axes(apply, tree, lookups=False))
-    only_looked_up = traverse_util.flatten_dict(contracted_axes(apply, tree, matmuls=False))
+    apply = lambda p: model.apply({"params": p, **state}, inputs, **mode)  # noqa: E731 - the model's own reads
+    axes, only_looked_up = map(traverse_util.flatten_dict, read_axes(apply, tree, [(False, True), (True, False)]))
     looked_up = frozenset(path for path, a in only_looked_up.items() if a is not None)
     if stored == "int8":
         cast = int8_weights(traverse_util.flatten_dict(tree), cast, axes)
@@ -106,6 +108,12 @@ def materialized(params: Any) -> Any:
     """``params`` as the model reads them: each int8 weight dequantized, each laid-out one
     transposed back (inside a jitted step: fused into the operand of the matmul that reads it)."""
     return jax.tree_util.tree_map(read_weight, params, is_leaf=is_stored_weight)
+
+
+def model_reads(params: Any) -> Any:
+    """``params`` as a served step hands them to the model: each laid-out one transposed back, each
+    int8 one as its codes and scales (read by the model's autocast inside the matmuls)."""
+    return jax.tree_util.tree_map(in_model_layout, params, is_leaf=is_stored_weight)
 
 
 def float32_weights(served: Any, params: Any) -> Any:
