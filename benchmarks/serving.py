@@ -207,7 +207,7 @@ def _row_line(r: dict[str, Any]) -> str:
             f"{r['h100_hlo_bytes'] / 1e6:.3f} | {r['h100_launches']}" if "h100_ratio" in r else "- | - | -")
     agree = f"{100 * r['greedy_agreement']:.2f}%" if "greedy_agreement" in r else "-"
     speed = f"{r['tokens_per_second']:.1f}" if "tokens_per_second" in r else "-"
-    parts = (f"{r['streaming_us']:.1f} + {r['launch_us']:.1f} + {r['compute_us']:.1f}" if "streaming_us" in r
+    parts = (f"{r['streaming_us']:.1f} + {r['launch_us']:.1f} + {max(0.0, r['compute_us']):.1f}" if "streaming_us" in r
              else "-")
     return (f"| {r['model']} | {r['weights']} | {r['cache']} | {ppl} | {agree} | {speed} | "
             f"{r.get('bytes_per_token', 0) / 1e6:.3f} | {h100} | {parts} |")
