@@ -31,7 +31,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 from jax.sharding import PartitionSpec
 
-__all__ = ["check", "flash", "one_device_p", "FORWARD_SCOPE", "BACKWARD_SCOPE"]
+__all__ = ["check", "flash", "one_device_p", "devices_lowered_for", "FORWARD_SCOPE", "BACKWARD_SCOPE"]
 
 #: The scopes the kernel's passes are named in (what :mod:`train.inspections.tpu_kernels` reads).
 FORWARD_SCOPE = "pallas_flash_attention"
@@ -213,7 +213,7 @@ def _abstract(*avals, kernel, fallback):
     return [jax.core.ShapedArray(s.shape, s.dtype) for s in jax.eval_shape(fallback, *avals)]
 
 
-def _devices(ctx: Any) -> int:
+def devices_lowered_for(ctx: Any) -> int:
     """How many devices the program being lowered is split over (axes manual under
     ``shard_map`` excluded); unknown counts as more than one."""
     from jax._src import sharding_impls
@@ -228,7 +228,7 @@ def _devices(ctx: Any) -> int:
 
 
 def _lower(ctx: Any, *args: Any, kernel: Callable, fallback: Callable) -> Any:
-    chosen = kernel if _devices(ctx) == 1 else fallback
+    chosen = kernel if devices_lowered_for(ctx) == 1 else fallback
     return mlir.lower_fun(lambda *a: tuple(chosen(*a)), multiple_results=True)(ctx, *args)
 
 

@@ -1,0 +1,192 @@
+"""Int8 matmuls for a TPU with the quantization inside the kernel: no extra HBM pass.
+
+The XLA recipe (:mod:`.int8_matmul`) quantizes each 16-bit operand in fusions of
+its own: one pass reads the activation for its row absmax, another reads it again
+and writes an int8 copy, and only then does the matrix unit read that copy. On a
+TPU v5e those memory-bound passes cost about what the int8 rate saves. These two
+Pallas (Mosaic) kernels read the 16-bit operand once, into VMEM, and quantize it
+there:
+
+- :func:`rows_matmul` ``(M, K) x (K, N)``: a block of ``bm`` rows of the 16-bit
+  ``x`` (all ``K``), its per-row ``absmax / 127`` and int8 values computed in VMEM
+  (once per row block, kept in scratch across the output's column blocks),
+  multiplied by an int8 weight block into int32 and dequantized into the output
+  dtype. The weight is quantized per column by XLA (small). The forward product
+  and the input's gradient (``g . wᵀ``, ``g``'s rows quantized) are both this
+  kernel, with the same arithmetic as the recipe: bit for bit the same values.
+- :func:`tiles_matmul` ``xᵀ . g`` (the weight's gradient, contracting the ``M``
+  tokens): no block sees a whole column of 16,384 tokens, so each block of ``bm``
+  tokens is quantized per column with its own scales (1 x ``bm`` tiles, as Jetfire
+  and DeepSeek-V3 do), its int32 partial product scaled and accumulated in float32
+  across the blocks. Close to the recipe (per-column scales over all tokens), not
+  the same values.
+
+Both carry a ``cost_estimate`` (their FLOPs, and the bytes they move in HBM: each
+operand once per block that reads it, the result once), and run under the scope
+:data:`SCOPE`, by which :mod:`train.inspections.tpu_time` counts them as int8
+matmuls. ``interpret=True`` runs them on a CPU (Pallas's interpreter: the tests).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from precision.autocast.scaled.int8_quantize import F32, INT8, INT32, QMAX
+
+__all__ = ["SCOPE", "ROWS", "TILES", "rows_blocks", "tiles_blocks", "rows_matmul", "tiles_matmul"]
+
+#: The scope the kernels are traced in (what the TPU step model reads in their custom calls' op_name).
+SCOPE = "int8_pallas_matmul"
+ROWS, TILES = "int8_rows_matmul", "int8_tiles_matmul"  # the kernels' names
+#: A v5e core's VMEM is 128 MiB; what a kernel may take of it (its double-buffered blocks and scratch).
+_VMEM_LIMIT = 64 * 2**20
+_BLOCK_BYTES = 4 * 2**20  # at most this much of one 16-bit operand per block
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _token_block(m: int, largest: int) -> int:
+    """The largest power of two from ``largest`` down to 128 that divides ``m`` (0: none): the
+    blocks a product contracts or quantizes along must divide it exactly."""
+    size = 1 << (max(largest, 1).bit_length() - 1)
+    while size >= 128:
+        if m % size == 0:
+            return size
+        size //= 2
+    return 0
+
+
+def rows_blocks(m: int, k: int, n: int, itemsize: int = 2) -> tuple[int, int] | None:
+    """(bm, bn) of :func:`rows_matmul` for an ``(m, k) x (k, n)`` product, or None where it cannot take
+    it: ``k`` a multiple of 128 with a block of 128 rows within :data:`_BLOCK_BYTES`, ``m`` a multiple
+    of 128. Row blocks as large as that allows up to 2048 (the weight is read once per row block),
+    columns in blocks of 512 (the last one partial where 512 does not divide ``n``: each output column
+    depends on its own weight column alone)."""
+    if k % 128 or n < 128 or k * itemsize * 128 > _BLOCK_BYTES:
+        return None
+    bm = _token_block(m, min(2048, _BLOCK_BYTES // (k * itemsize)))
+    return (bm, next((b for b in (512, 256) if n % b == 0), 512 if n >= 512 else n // 128 * 128)) if bm else None
+
+
+def tiles_blocks(m: int, k: int, n: int, x_itemsize: int = 2, g_itemsize: int = 2) -> tuple[int, int, int] | None:
+    """(bm, bk, bn) of :func:`tiles_matmul` for ``(m, k)ᵀ x (m, n)``, or None where it cannot take it:
+    tiles of 256 tokens (or the largest power of two from 128 dividing ``m``), and the (bk, bn) output
+    block that moves the fewest bytes (``x`` read once per column block, ``g`` once per row block)
+    with its float32 accumulator within 4 x :data:`_BLOCK_BYTES`; ``bk`` divides ``k``, the last
+    column block may be partial."""
+    bm = _token_block(m, 256)
+    if not bm or k % 128 or n < 128:
+        return None
+    ks = [b for b in range(128, k + 1, 128) if k % b == 0]
+    ns = [b for b in (*range(128, 4097, 128), n) if b <= n]
+    fits = [(_cdiv(n, bn) * k * x_itemsize + k // bk * n * g_itemsize, -bn, bk, bn) for bk in ks for bn in ns
+            if bk * bn * 4 <= 4 * _BLOCK_BYTES]
+    if not fits:
+        return None
+    _, _, bk, bn = min(fits)
+    return bm, bk, bn
+
+
+def _scaled(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+    """(int8 values, float32 scales) of ``x`` per slice along ``axis``: the recipe's
+    :func:`.int8_quantize.quantized_along` (absmax / 127, rounded to nearest), in VMEM."""
+    amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True).astype(F32)
+    scale = jnp.where(amax > 0, amax / QMAX, 1.0)
+    scale = jnp.where(jnp.isfinite(amax), scale, jnp.nan).astype(F32)
+    q = jnp.clip(jnp.round(x.astype(F32) / scale), -QMAX, QMAX)
+    return q.astype(INT32).astype(INT8), scale
+
+
+def _rows_kernel(x_ref, qw_ref, sw_ref, o_ref, qx_ref, sx_ref):
+    @pl.when(pl.program_id(1) == 0)  # the row block quantized once, reused by every column block
+    def _():
+        q, s = _scaled(x_ref[...], axis=1)
+        qx_ref[...] = q
+        sx_ref[...] = s
+
+    acc = jnp.dot(qx_ref[...], qw_ref[...], preferred_element_type=INT32)
+    o_ref[...] = (acc.astype(F32) * (sx_ref[...] * sw_ref[...])).astype(o_ref.dtype)
+
+
+def _compiler_params(semantics: tuple[str, ...]) -> Any:
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=_VMEM_LIMIT)
+
+
+def rows_matmul(x: jax.Array, q_w: jax.Array, s_w: jax.Array, out_dtype: Any, interpret: bool = False
+                ) -> jax.Array:
+    """``x (M, K) . w (K, N)`` into ``out_dtype``: ``x`` (16 or 32 bits) quantized per row in the
+    kernel, ``q_w`` the weight in int8 per column and ``s_w`` its ``(1, N)`` float32 scales
+    (:func:`.int8_quantize.quantized_along` over ``K``); needs :func:`rows_blocks`."""
+    (m, k), n = x.shape, q_w.shape[1]
+    bm, bn = rows_blocks(m, k, n, x.dtype.itemsize)
+    out_bytes = np.dtype(out_dtype).itemsize
+    cost = pl.CostEstimate(flops=2 * m * k * n, transcendentals=0,
+                           bytes_accessed=m * k * x.dtype.itemsize + (m // bm) * (k * n + 4 * n) + m * n * out_bytes)
+    call = pl.pallas_call(
+        _rows_kernel, name=ROWS, grid=(m // bm, _cdiv(n, bn)),
+        in_specs=[pl.BlockSpec((bm, k), lambda i, j: (i, 0)), pl.BlockSpec((k, bn), lambda i, j: (0, j)),
+                  pl.BlockSpec((1, bn), lambda i, j: (0, j))],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        scratch_shapes=_scratch((bm, k), INT8, (bm, 1), F32, interpret),
+        compiler_params=None if interpret else _compiler_params(("parallel", "arbitrary")),
+        cost_estimate=cost, interpret=interpret)
+    with jax.named_scope(SCOPE):
+        return call(x, q_w, s_w)
+
+
+def _tiles_kernel(x_ref, g_ref, o_ref, acc_ref):
+    t = pl.program_id(2)
+
+    @pl.when(t == 0)
+    def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    x_t = x_ref[...].astype(F32).T  # (bk, bm): a column of x is a row here, quantized over its bm tokens
+    q_x, s_x = _scaled(x_t, axis=1)
+    q_g, s_g = _scaled(g_ref[...], axis=0)  # (bm, bn): per column over the bm tokens
+    acc = jnp.dot(q_x, q_g, preferred_element_type=INT32)
+    acc_ref[...] += acc.astype(F32) * (s_x * s_g)
+
+    @pl.when(t == pl.num_programs(2) - 1)
+    def _():
+        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+
+def tiles_matmul(x: jax.Array, g: jax.Array, out_dtype: Any, interpret: bool = False) -> jax.Array:
+    """``xᵀ (K, M) . g (M, N)`` into ``out_dtype``, contracting the ``M`` tokens in blocks: each block's
+    ``x`` and ``g`` quantized per column over its tokens (1 x bm tiles), the int32 products scaled and
+    summed in float32; needs :func:`tiles_blocks`."""
+    (m, k), n = x.shape, g.shape[1]
+    bm, bk, bn = tiles_blocks(m, k, n, x.dtype.itemsize, g.dtype.itemsize)
+    cost = pl.CostEstimate(flops=2 * m * k * n, transcendentals=0,
+                           bytes_accessed=_cdiv(n, bn) * m * k * x.dtype.itemsize + (k // bk) * m * n * g.dtype.itemsize
+                           + k * n * np.dtype(out_dtype).itemsize)
+    call = pl.pallas_call(
+        _tiles_kernel, name=TILES, grid=(k // bk, _cdiv(n, bn), m // bm),
+        in_specs=[pl.BlockSpec((bm, bk), lambda i, j, t: (t, i)), pl.BlockSpec((bm, bn), lambda i, j, t: (t, j))],
+        out_specs=pl.BlockSpec((bk, bn), lambda i, j, t: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((k, n), out_dtype),
+        scratch_shapes=_scratch((bk, bn), F32, None, None, interpret),
+        compiler_params=None if interpret else _compiler_params(("parallel", "parallel", "arbitrary")),
+        cost_estimate=cost, interpret=interpret)
+    with jax.named_scope(SCOPE):
+        return call(x, g)
+
+
+def _scratch(shape: tuple, dtype: Any, shape2: tuple | None, dtype2: Any, interpret: bool) -> list:
+    """VMEM scratch buffers of these shapes and dtypes (the second: when given)."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    shapes = [(shape, dtype)] + ([(shape2, dtype2)] if shape2 is not None else [])
+    return [pltpu.VMEM(s, d) for s, d in shapes]
+

@@ -1,0 +1,130 @@
+"""Where an int8 matmul runs the fused Pallas kernels: a program lowered for one TPU.
+
+:func:`forward` and :func:`backward` hold the XLA recipe (:mod:`.int8_matmul`) and
+the kernels (:mod:`.int8_pallas`) side by side in a ``jax.lax.platform_dependent``:
+a program lowered for a TPU runs the kernels, every other platform the recipe,
+which stays exactly what it was (a CPU run, ``explain`` and the doctor see no
+change). The kernel branch is chosen only when the program is lowered for one
+device (as the Pallas flash attention is: :mod:`precision.autocast.tpu_flash`): a
+Mosaic call is one custom call that XLA cannot split over devices, so a sharded
+program keeps the recipe. Under ``vmap`` the recipe runs too.
+
+The kernels take a plain matmul: the activation's last axis contracted with the
+weight's first, no batch axes (:func:`kernel_sizes`), sizes their blocks take
+(:func:`.int8_pallas.rows_blocks`, :func:`.int8_pallas.tiles_blocks`); anything
+else (a convolution, attention's batched products, a small or odd shape) keeps
+the recipe, and so does each backward product its kernel cannot take (a language
+model head's input gradient contracts a vocabulary too wide for one block). The forward product and the input's gradient are the recipe's
+values bit for bit; the weight's gradient is tiled along the tokens
+(:func:`.int8_pallas.tiles_matmul`): close, not the same. With stochastic rounding
+the backward keeps the recipe (its noise is drawn by XLA), and while the doctor
+records, both passes do (it reads the recipe's scales).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+
+from precision.autocast.scaled.int8_pallas import rows_blocks, rows_matmul, tiles_blocks, tiles_matmul
+from precision.autocast.scaled.int8_quantize import quantized_along
+from precision.autocast.tpu_flash import devices_lowered_for
+
+__all__ = ["kernel_sizes", "forward", "backward", "one_device_p"]
+
+
+def kernel_sizes(lhs: Any, rhs: Any, dims: Any) -> tuple[int, int, int] | None:
+    """(M, K, N) of ``dot_general(lhs, rhs, dims)`` where it is a plain matmul the kernels may take
+    (the lhs's last axis contracted with the rhs's first, no batch axes), else None."""
+    (lhs_contract, rhs_contract), (lhs_batch, _) = dims
+    if lhs_batch or tuple(lhs_contract) != (lhs.ndim - 1,) or tuple(rhs_contract) != (0,) or rhs.ndim < 2:
+        return None
+    return math.prod(lhs.shape[:-1]), lhs.shape[-1], math.prod(rhs.shape[1:])
+
+
+def forward(recipe: Callable, lhs: jax.Array, rhs: jax.Array, dims: Any, out_dtype: Any, recording: bool
+            ) -> jax.Array:
+    """``recipe(lhs, rhs)`` (the XLA recipe's product), or on one TPU the row kernel computing the same."""
+    sizes = None if recording else kernel_sizes(lhs, rhs, dims)
+    if sizes is None or not rows_blocks(*sizes, np.dtype(lhs.dtype).itemsize):
+        return recipe(lhs, rhs)
+    m, k, n = sizes
+
+    def kernel(x, w):
+        q_w, s_w = quantized_along(w.reshape(k, n), (0,))
+        y = rows_matmul(x.reshape(m, k), q_w, s_w, out_dtype)
+        return [y.reshape(*x.shape[:-1], *w.shape[1:])]
+
+    return _on_one_tpu(kernel, lambda x, w: [recipe(x, w)], lhs, rhs)[0]
+
+
+def backward(recipe: Callable, lhs: jax.Array, rhs: jax.Array, g: jax.Array, dims: Any, grad_dtypes: Any,
+             use_kernels: bool) -> tuple[jax.Array, jax.Array]:
+    """``recipe(lhs, rhs, g)`` (the recipe's two gradients in the operands' dtypes), or on one TPU the
+    kernels: the input's gradient by the row kernel (``g``'s rows and ``w``'s rows quantized), the
+    weight's by the tiled one; either by the recipe where its kernel cannot take the shapes (XLA drops
+    the recipe's other product). ``grad_dtypes``: ((operand dtypes), (dtypes the products are made in))."""
+    sizes = kernel_sizes(lhs, rhs, dims) if use_kernels else None
+    if sizes is None:
+        return recipe(lhs, rhs, g)
+    m, k, n = sizes
+    rows = rows_blocks(m, n, k, np.dtype(g.dtype).itemsize)
+    tiles = tiles_blocks(m, k, n, np.dtype(lhs.dtype).itemsize, np.dtype(g.dtype).itemsize)
+    if not rows and not tiles:
+        return recipe(lhs, rhs, g)
+    (lhs_dtype, rhs_dtype), (lhs_grad, rhs_grad) = grad_dtypes
+
+    def kernels(x, w, dy):
+        by_recipe = None if rows and tiles else recipe(x, w, dy)
+        if rows:
+            q_w, s_w = quantized_along(w.reshape(k, n), (1,))  # w's rows over N: what dx contracts
+            dx = rows_matmul(dy.reshape(m, n), q_w.T, s_w.T, lhs_grad).reshape(x.shape).astype(lhs_dtype)
+        if tiles:
+            dw = tiles_matmul(x.reshape(m, k), dy.reshape(m, n), rhs_grad).reshape(w.shape).astype(rhs_dtype)
+        return [dx if rows else by_recipe[0], dw if tiles else by_recipe[1]]
+
+    return tuple(_on_one_tpu(kernels, lambda *a: list(recipe(*a)), lhs, rhs, g))
+
+
+def _on_one_tpu(kernel: Callable, fallback: Callable, *args: jax.Array) -> list:
+    """``fallback(*args)``, or ``kernel(*args)`` in a program lowered for one TPU (both: lists of arrays)."""
+    on_tpu = lambda *a: one_device_p.bind(*a, kernel=kernel, fallback=fallback)  # noqa: E731
+    return jax.lax.platform_dependent(*args, tpu=on_tpu, default=fallback)
+
+
+one_device_p = Primitive("precision_int8_tpu_kernel")
+one_device_p.multiple_results = True
+
+
+@one_device_p.def_impl
+def _impl(*args, kernel, fallback):
+    return jax.jit(lambda *a: one_device_p.bind(*a, kernel=kernel, fallback=fallback))(*args)
+
+
+@one_device_p.def_abstract_eval
+def _abstract(*avals, kernel, fallback):
+    del kernel
+    return [jax.core.ShapedArray(s.shape, s.dtype) for s in jax.eval_shape(fallback, *avals)]
+
+
+def _lower(ctx: Any, *args: Any, kernel: Callable, fallback: Callable) -> Any:
+    chosen = kernel if devices_lowered_for(ctx) == 1 else fallback
+    return mlir.lower_fun(lambda *a: tuple(chosen(*a)), multiple_results=True)(ctx, *args)
+
+
+def _batched(args: Any, dims: Any, *, kernel: Callable, fallback: Callable) -> Any:
+    """vmap: the recipe, mapped (the kernels take plain matmuls)."""
+    del kernel
+    moved = [a if d is None else jax.numpy.moveaxis(a, d, 0) for a, d in zip(args, dims)]
+    axes = [None if d is None else 0 for d in dims]
+    outs = jax.vmap(lambda *a: fallback(*a), in_axes=axes)(*moved)
+    return list(outs), [0] * len(outs)
+
+
+mlir.register_lowering(one_device_p, _lower)
+batching.primitive_batchers[one_device_p] = _batched
