@@ -213,7 +213,7 @@ def _abstract(*avals, kernel, fallback):
     return [jax.core.ShapedArray(s.shape, s.dtype) for s in jax.eval_shape(fallback, *avals)]
 
 
-def devices_lowered_for(ctx: Any) -> int:
+def _devices(ctx: Any) -> int:
     """How many devices the program being lowered is split over (axes manual under
     ``shard_map`` excluded); unknown counts as more than one."""
     from jax._src import sharding_impls
@@ -227,8 +227,14 @@ def devices_lowered_for(ctx: Any) -> int:
     return 2
 
 
+def devices_lowered_for(ctx: Any) -> int:
+    """How many devices the program a lowering rule's ``ctx`` lowers is split over (one: a Pallas
+    kernel may be lowered as it is)."""
+    return _devices(ctx)
+
+
 def _lower(ctx: Any, *args: Any, kernel: Callable, fallback: Callable) -> Any:
-    chosen = kernel if devices_lowered_for(ctx) == 1 else fallback
+    chosen = kernel if _devices(ctx) == 1 else fallback
     return mlir.lower_fun(lambda *a: tuple(chosen(*a)), multiple_results=True)(ctx, *args)
 
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import re
 from typing import Any, NamedTuple
 
-from precision.autocast.scaled.int8_pallas import SCOPE as INT8_SCOPE
+from precision.autocast.scaled.int8_pallas import SCOPE as INT8_SCOPE, module_path as int8_module
 from precision.autocast.tpu_flash import BACKWARD_SCOPE, FORWARD_SCOPE
 from train.inspections.gpu_kernels import attribute
 from train.inspections.gpu_time import CALIBRATION
@@ -176,7 +176,7 @@ def tpu_kernels(text: str) -> list[HloKernel]:
         elif "custom-call(" in line and f"/{INT8_SCOPE}/" in line and _cost_estimate(line):
             flops, moved = _cost_estimate(line)
             k = k._replace(kind="gemm", flops=flops, bytes=moved, dtype="s8",
-                           module=k.module.replace(f"/{INT8_SCOPE}", ""))
+                           module=int8_module(k.module))
         out.append(k)
     return out
 

@@ -38,11 +38,20 @@ from jax.experimental import pallas as pl
 
 from precision.autocast.scaled.int8_quantize import F32, INT8, INT32, QMAX
 
-__all__ = ["SCOPE", "ROWS", "TILES", "rows_blocks", "tiles_blocks", "rows_matmul", "tiles_matmul"]
+__all__ = ["SCOPE", "ROWS", "TILES", "ROW_TILES", "module_path", "rows_blocks", "tiles_blocks", "row_tiles_blocks",
+           "rows_matmul", "tiles_matmul", "row_tiles_matmul"]
 
 #: The scope the kernels are traced in (what the TPU step model reads in their custom calls' op_name).
 SCOPE = "int8_pallas_matmul"
-ROWS, TILES = "int8_rows_matmul", "int8_tiles_matmul"  # the kernels' names
+ROWS, TILES, ROW_TILES = "int8_rows_matmul", "int8_tiles_matmul", "int8_row_tiles_matmul"  # the kernels' names
+
+
+def module_path(path: str) -> str:
+    """A kernel's module path (``block_0/Dense_0/int8_pallas_matmul/int8_rows_matmul``) as its
+    matmul's (``block_0/Dense_0``)."""
+    for name in (f"/{TILES}", f"/{ROWS}", f"/{ROW_TILES}", f"/{SCOPE}"):
+        path = path.removesuffix(name)
+    return path
 #: A v5e core's VMEM is 128 MiB; what a kernel may take of it (its double-buffered blocks and scratch).
 _VMEM_LIMIT = 64 * 2**20
 _BLOCK_BYTES = 4 * 2**20  # at most this much of one 16-bit operand per block
@@ -71,8 +80,20 @@ def rows_blocks(m: int, k: int, n: int, itemsize: int = 2) -> tuple[int, int] | 
     depends on its own weight column alone)."""
     if k % 128 or n < 128 or k * itemsize * 128 > _BLOCK_BYTES:
         return None
+    if k * n <= 2 * _BLOCK_BYTES:  # the whole int8 weight one block: read once, kept in VMEM
+        bm = _token_block(m, min(2048, _BLOCK_BYTES // (k * itemsize), 4 * _BLOCK_BYTES // (n * 12)))
+        return (bm, n) if bm else None
     bm = _token_block(m, min(2048, _BLOCK_BYTES // (k * itemsize)))
     return (bm, next((b for b in (512, 256) if n % b == 0), 512 if n >= 512 else n // 128 * 128)) if bm else None
+
+
+def row_tiles_blocks(m: int, c: int, n: int) -> tuple[int, int, int] | None:
+    """(bm, bc, bn) of :func:`row_tiles_matmul` for ``(m, c) x (c, n)`` contracting ``c`` in tiles of
+    ``bc`` (the largest multiple of 128 up to 2048 dividing it), or None where none divides it."""
+    bc = next((b for b in range(2048, 127, -128) if c % b == 0), 0)
+    bn = n if n <= 4096 else 512
+    bm = _token_block(m, min(2048, 2 * _BLOCK_BYTES // (bn * 4)))
+    return (bm, bc, bn) if bc and bm and n >= 128 else None
 
 
 def tiles_blocks(m: int, k: int, n: int, x_itemsize: int = 2, g_itemsize: int = 2) -> tuple[int, int, int] | None:
@@ -130,7 +151,8 @@ def rows_matmul(x: jax.Array, q_w: jax.Array, s_w: jax.Array, out_dtype: Any, in
     bm, bn = rows_blocks(m, k, n, x.dtype.itemsize)
     out_bytes = np.dtype(out_dtype).itemsize
     cost = pl.CostEstimate(flops=2 * m * k * n, transcendentals=0,
-                           bytes_accessed=m * k * x.dtype.itemsize + (m // bm) * (k * n + 4 * n) + m * n * out_bytes)
+                           bytes_accessed=m * k * x.dtype.itemsize + (1 if bn == n else m // bm) * (k * n + 4 * n)
+                           + m * n * out_bytes)
     call = pl.pallas_call(
         _rows_kernel, name=ROWS, grid=(m // bm, _cdiv(n, bn)),
         in_specs=[pl.BlockSpec((bm, k), lambda i, j: (i, 0)), pl.BlockSpec((k, bn), lambda i, j: (0, j)),
@@ -181,6 +203,48 @@ def tiles_matmul(x: jax.Array, g: jax.Array, out_dtype: Any, interpret: bool = F
         cost_estimate=cost, interpret=interpret)
     with jax.named_scope(SCOPE):
         return call(x, g)
+
+
+def _row_tiles_kernel(x_ref, qw_ref, sw_ref, o_ref, acc_ref):
+    t = pl.program_id(2)
+
+    @pl.when(t == 0)
+    def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    q_x, s_x = _scaled(x_ref[...], axis=1)  # (bm, bc): per row within the tile
+    acc = jax.lax.dot_general(q_x, qw_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=INT32)
+    acc_ref[...] += acc.astype(F32) * s_x
+
+    @pl.when(t == pl.num_programs(2) - 1)
+    def _():
+        o_ref[...] = (acc_ref[...] * sw_ref[...]).astype(o_ref.dtype)
+
+
+def row_tiles_matmul(x: jax.Array, q_w: jax.Array, s_w: jax.Array, out_dtype: Any, interpret: bool = False
+                     ) -> jax.Array:
+    """``x (M, C) . wᵀ`` (``w (N, C)``) into ``out_dtype``, contracting ``C`` in tiles: each tile of ``x``'s
+    rows quantized in the kernel with its own scales, the int32 products scaled by them and summed in
+    float32, then by ``w``'s: ``q_w`` in int8 per row of ``w`` and ``s_w`` its ``(1, N)`` scales
+    (:func:`.int8_quantize.quantized_along` over ``C``, by XLA). For a ``C`` too wide for a whole row
+    in one block (a language model head's input gradient contracts the vocabulary); needs
+    :func:`row_tiles_blocks`."""
+    (m, c), n = x.shape, q_w.shape[0]
+    bm, bc, bn = row_tiles_blocks(m, c, n)
+    cost = pl.CostEstimate(flops=2 * m * c * n, transcendentals=0,
+                           bytes_accessed=_cdiv(n, bn) * m * c * x.dtype.itemsize + m // bm * c * n + 4 * n
+                           + m * n * np.dtype(out_dtype).itemsize)
+    call = pl.pallas_call(
+        _row_tiles_kernel, name=ROW_TILES, grid=(m // bm, _cdiv(n, bn), c // bc),
+        in_specs=[pl.BlockSpec((bm, bc), lambda i, j, t: (i, t)), pl.BlockSpec((bn, bc), lambda i, j, t: (j, t)),
+                  pl.BlockSpec((1, bn), lambda i, j, t: (0, j))],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j, t: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        scratch_shapes=_scratch((bm, bn), F32, None, None, interpret),
+        compiler_params=None if interpret else _compiler_params(("parallel", "parallel", "arbitrary")),
+        cost_estimate=cost, interpret=interpret)
+    with jax.named_scope(SCOPE):
+        return call(x, q_w, s_w)
 
 
 def _scratch(shape: tuple, dtype: Any, shape2: tuple | None, dtype2: Any, interpret: bool) -> list:

@@ -31,7 +31,8 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from precision.autocast.scaled.int8_pallas import rows_blocks, rows_matmul, tiles_blocks, tiles_matmul
+from precision.autocast.scaled.int8_pallas import (row_tiles_blocks, row_tiles_matmul, rows_blocks, rows_matmul,
+                                                  tiles_blocks, tiles_matmul)
 from precision.autocast.scaled.int8_quantize import quantized_along
 from precision.autocast.tpu_flash import devices_lowered_for
 
@@ -60,7 +61,7 @@ def forward(recipe: Callable, lhs: jax.Array, rhs: jax.Array, dims: Any, out_dty
         y = rows_matmul(x.reshape(m, k), q_w, s_w, out_dtype)
         return [y.reshape(*x.shape[:-1], *w.shape[1:])]
 
-    return _on_one_tpu(kernel, lambda x, w: [recipe(x, w)], lhs, rhs)[0]
+    return choose(kernel, lambda x, w: [recipe(x, w)], lhs, rhs)[0]
 
 
 def backward(recipe: Callable, lhs: jax.Array, rhs: jax.Array, g: jax.Array, dims: Any, grad_dtypes: Any,
@@ -73,7 +74,7 @@ def backward(recipe: Callable, lhs: jax.Array, rhs: jax.Array, g: jax.Array, dim
     if sizes is None:
         return recipe(lhs, rhs, g)
     m, k, n = sizes
-    rows = rows_blocks(m, n, k, np.dtype(g.dtype).itemsize)
+    rows = rows_blocks(m, n, k, np.dtype(g.dtype).itemsize) or row_tiles_blocks(m, n, k)
     tiles = tiles_blocks(m, k, n, np.dtype(lhs.dtype).itemsize, np.dtype(g.dtype).itemsize)
     if not rows and not tiles:
         return recipe(lhs, rhs, g)
@@ -82,19 +83,32 @@ def backward(recipe: Callable, lhs: jax.Array, rhs: jax.Array, g: jax.Array, dim
     def kernels(x, w, dy):
         by_recipe = None if rows and tiles else recipe(x, w, dy)
         if rows:
-            q_w, s_w = quantized_along(w.reshape(k, n), (1,))  # w's rows over N: what dx contracts
-            dx = rows_matmul(dy.reshape(m, n), q_w.T, s_w.T, lhs_grad).reshape(x.shape).astype(lhs_dtype)
+            dx = _input_gradient(dy.reshape(m, n), w.reshape(k, n), lhs_grad).reshape(x.shape).astype(lhs_dtype)
         if tiles:
             dw = tiles_matmul(x.reshape(m, k), dy.reshape(m, n), rhs_grad).reshape(w.shape).astype(rhs_dtype)
         return [dx if rows else by_recipe[0], dw if tiles else by_recipe[1]]
 
-    return tuple(_on_one_tpu(kernels, lambda *a: list(recipe(*a)), lhs, rhs, g))
+    return tuple(choose(kernels, lambda *a: list(recipe(*a)), lhs, rhs, g))
+
+
+def _input_gradient(dy: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array:
+    """``dy (m, n) . wᵀ``: ``dy``'s whole rows quantized in the row kernel (the recipe's values), or,
+    where a row is too wide for a block (``n``: a vocabulary), in tiles along ``n``."""
+    (m, n), k = dy.shape, w.shape[0]
+    q_w, s_w = quantized_along(w, (1,))  # w's rows over N: what dx contracts
+    if rows_blocks(m, n, k, np.dtype(dy.dtype).itemsize):
+        return rows_matmul(dy, q_w.T, s_w.T, out_dtype)
+    return row_tiles_matmul(dy, q_w, s_w.T, out_dtype)
 
 
 def _on_one_tpu(kernel: Callable, fallback: Callable, *args: jax.Array) -> list:
     """``fallback(*args)``, or ``kernel(*args)`` in a program lowered for one TPU (both: lists of arrays)."""
     on_tpu = lambda *a: one_device_p.bind(*a, kernel=kernel, fallback=fallback)  # noqa: E731
     return jax.lax.platform_dependent(*args, tpu=on_tpu, default=fallback)
+
+
+#: How the kernel or the recipe is chosen (a name tests replace, to run the kernels interpreted on a CPU).
+choose = _on_one_tpu
 
 
 one_device_p = Primitive("precision_int8_tpu_kernel")
