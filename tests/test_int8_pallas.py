@@ -1,7 +1,8 @@
 """The int8 Pallas TPU kernels (quantization in VMEM), run on a CPU by Pallas's interpreter:
 the forward product and the input's gradient bit for bit the recipe's, the weight's gradient
-(1 x 256 token tiles) close to it, and where the kernels are not used (stochastic rounding's
-backward, shapes their blocks do not take)."""
+(1 x 256 token tiles) and a head's input gradient (tiles of its vocabulary) close to it, and
+where the kernels are not used (stochastic rounding's backward, shapes their blocks do not
+take). That they are in a program compiled for a v5e: tests/test_int8_compile.py."""
 
 import functools
 
@@ -33,9 +34,12 @@ def kernels_on_cpu(monkeypatch):
     monkeypatch.setattr(int8_tpu, "tiles_matmul", functools.partial(int8_pallas.tiles_matmul, interpret=True))
 
 
-@pytest.mark.parametrize("n", [384, 640])  # 640: a last column block of 128 in a block of 512
-def test_the_row_kernel_is_the_recipes_product_bit_for_bit(n):
-    x, w, _ = _operands(256, 256, n)
+@pytest.mark.parametrize("block_bytes", [None, 2**16])  # the weight one block; blocks of 512 columns, one partial
+def test_the_row_kernel_is_the_recipes_product_bit_for_bit(block_bytes, monkeypatch):
+    if block_bytes:
+        monkeypatch.setattr(int8_pallas, "_BLOCK_BYTES", block_bytes)
+    x, w, _ = _operands(256, 256, 640)
+    assert int8_pallas.rows_blocks(256, 256, 640) == ((256, 640) if block_bytes is None else (128, 512))
     q_w, s_w = quantized_along(w, (0,))
     got = int8_pallas.rows_matmul(x, q_w, s_w, jnp.bfloat16, interpret=True)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(int8_product(jnp.bfloat16)(x, w, DIMS)))
@@ -49,6 +53,17 @@ def test_the_tiled_weight_gradient_is_close_to_the_recipes_and_to_the_exact_one(
     err = lambda a: float(jnp.linalg.norm(a - exact) / jnp.linalg.norm(exact))  # noqa: E731
     assert err(got) < 0.015 and err(got) <= err(recipe) * 1.05  # tiles' scales are tighter than a whole column's
     assert not np.array_equal(np.asarray(got), np.asarray(recipe))
+
+
+def test_a_head_input_gradient_contracts_its_vocabulary_in_row_tiles_close_to_the_recipe():
+    g, w = _operands(256, 2304, 256)[0], _operands(256, 256, 2304, seed=1)[1]  # w (k, vocab)
+    assert int8_pallas.row_tiles_blocks(256, 2304, 256)[1] == 1152  # two tiles of the vocabulary
+    q_w, s_w = quantized_along(w, (1,))
+    got = int8_pallas.row_tiles_matmul(g, q_w, s_w.T, jnp.float32, interpret=True)
+    exact = jnp.dot(g.astype(jnp.float32), w.T)
+    recipe = int8_product(jnp.float32)(g, w, (((1,), (1,)), ((), ())))
+    err = lambda a: float(jnp.linalg.norm(a - exact) / jnp.linalg.norm(exact))  # noqa: E731
+    assert err(got) < 0.015 and err(got) <= 1.05 * err(recipe)
 
 
 def test_a_non_finite_value_makes_its_row_nan_and_an_all_zero_row_zero():
@@ -90,3 +105,10 @@ def test_stochastic_rounding_keeps_the_recipes_backward_and_odd_shapes_keep_the_
     odd = jax.make_jaxpr(lambda a, b: int8_dot(a, b, DIMS, jnp.bfloat16))(x[:200], w)
     assert "pallas" not in str(odd)
     assert all(bool(jnp.isfinite(v).all()) for v in with_kernels)
+
+
+def test_under_vmap_the_tpu_branch_maps_the_recipe():
+    x, w, g = _operands(512, 256, 384)
+    mapped = jax.vmap(lambda a: int8_dot(a, w, DIMS, jnp.bfloat16), in_axes=1, out_axes=1)
+    xs = jnp.stack([x, -x], axis=1)  # (512, 2, 256): the mapped axis in the middle
+    np.testing.assert_array_equal(np.asarray(mapped(xs)[:, 0]), np.asarray(int8_dot(x, w, DIMS, jnp.bfloat16)))

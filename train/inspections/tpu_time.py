@@ -14,7 +14,10 @@ takes the longest of
   matmul at one, three or six bf16 passes (XLA's default, ``high``, ``highest``).
   The Pallas flash attention kernels count their products (two forward; four and
   three in the two backward kernels, with the recomputed scores; half of them
-  causal) at the bf16 peak;
+  causal) at the bf16 peak; the int8 matmul kernels
+  (:mod:`precision.autocast.scaled.int8_pallas`) the FLOPs and HBM bytes their
+  ``cost_estimate`` declares, at the int8 peak (a roofline: XLA writes no estimate
+  of a custom call, so the quantization they do in VMEM is not in the model);
 - XLA's own estimate of it: the ``estimated_cycles`` the TPU compiler writes on
   each op it made, at the chip's clock. It sees what the two rooflines do not:
   the vector units' elementwise work (an ``exp`` over the logits, a rounding to

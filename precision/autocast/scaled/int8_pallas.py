@@ -3,7 +3,7 @@
 The XLA recipe (:mod:`.int8_matmul`) quantizes each 16-bit operand in fusions of
 its own: one pass reads the activation for its row absmax, another reads it again
 and writes an int8 copy, and only then does the matrix unit read that copy. On a
-TPU v5e those memory-bound passes cost about what the int8 rate saves. These two
+TPU v5e those memory-bound passes cost about what the int8 rate saves. These
 Pallas (Mosaic) kernels read the 16-bit operand once, into VMEM, and quantize it
 there:
 
@@ -20,6 +20,9 @@ there:
   and DeepSeek-V3 do), its int32 partial product scaled and accumulated in float32
   across the blocks. Close to the recipe (per-column scales over all tokens), not
   the same values.
+- :func:`row_tiles_matmul` ``(M, C) x (N, C)ᵀ``: the rows of ``x`` quantized in
+  tiles along ``C``, for a ``C`` too wide for one block (a language model head's
+  input gradient contracts the vocabulary); the weight per row, by XLA.
 
 Both carry a ``cost_estimate`` (their FLOPs, and the bytes they move in HBM: each
 operand once per block that reads it, the result once), and run under the scope
@@ -55,6 +58,7 @@ def module_path(path: str) -> str:
 #: A v5e core's VMEM is 128 MiB; what a kernel may take of it (its double-buffered blocks and scratch).
 _VMEM_LIMIT = 64 * 2**20
 _BLOCK_BYTES = 4 * 2**20  # at most this much of one 16-bit operand per block
+_REDUCING = ("parallel", "parallel", "arbitrary")  # a grid whose last axis sums into the output block
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -153,17 +157,11 @@ def rows_matmul(x: jax.Array, q_w: jax.Array, s_w: jax.Array, out_dtype: Any, in
     cost = pl.CostEstimate(flops=2 * m * k * n, transcendentals=0,
                            bytes_accessed=m * k * x.dtype.itemsize + (1 if bn == n else m // bm) * (k * n + 4 * n)
                            + m * n * out_bytes)
-    call = pl.pallas_call(
-        _rows_kernel, name=ROWS, grid=(m // bm, _cdiv(n, bn)),
-        in_specs=[pl.BlockSpec((bm, k), lambda i, j: (i, 0)), pl.BlockSpec((k, bn), lambda i, j: (0, j)),
-                  pl.BlockSpec((1, bn), lambda i, j: (0, j))],
-        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
-        scratch_shapes=_scratch((bm, k), INT8, (bm, 1), F32, interpret),
-        compiler_params=None if interpret else _compiler_params(("parallel", "arbitrary")),
-        cost_estimate=cost, interpret=interpret)
-    with jax.named_scope(SCOPE):
-        return call(x, q_w, s_w)
+    ins = [pl.BlockSpec((bm, k), lambda i, j: (i, 0)), pl.BlockSpec((k, bn), lambda i, j: (0, j)),
+           pl.BlockSpec((1, bn), lambda i, j: (0, j))]
+    return _call(_rows_kernel, ROWS, (m // bm, _cdiv(n, bn)), ins, pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+                 ((m, n), out_dtype), _scratch((bm, k), INT8, (bm, 1), F32, interpret), ("parallel", "arbitrary"),
+                 cost, interpret, x, q_w, s_w)
 
 
 def _tiles_kernel(x_ref, g_ref, o_ref, acc_ref):
@@ -193,16 +191,10 @@ def tiles_matmul(x: jax.Array, g: jax.Array, out_dtype: Any, interpret: bool = F
     cost = pl.CostEstimate(flops=2 * m * k * n, transcendentals=0,
                            bytes_accessed=_cdiv(n, bn) * m * k * x.dtype.itemsize + (k // bk) * m * n * g.dtype.itemsize
                            + k * n * np.dtype(out_dtype).itemsize)
-    call = pl.pallas_call(
-        _tiles_kernel, name=TILES, grid=(k // bk, _cdiv(n, bn), m // bm),
-        in_specs=[pl.BlockSpec((bm, bk), lambda i, j, t: (t, i)), pl.BlockSpec((bm, bn), lambda i, j, t: (t, j))],
-        out_specs=pl.BlockSpec((bk, bn), lambda i, j, t: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((k, n), out_dtype),
-        scratch_shapes=_scratch((bk, bn), F32, None, None, interpret),
-        compiler_params=None if interpret else _compiler_params(("parallel", "parallel", "arbitrary")),
-        cost_estimate=cost, interpret=interpret)
-    with jax.named_scope(SCOPE):
-        return call(x, g)
+    ins = [pl.BlockSpec((bm, bk), lambda i, j, t: (t, i)), pl.BlockSpec((bm, bn), lambda i, j, t: (t, j))]
+    return _call(_tiles_kernel, TILES, (k // bk, _cdiv(n, bn), m // bm), ins,
+                 pl.BlockSpec((bk, bn), lambda i, j, t: (i, j)), ((k, n), out_dtype),
+                 _scratch((bk, bn), F32, None, None, interpret), _REDUCING, cost, interpret, x, g)
 
 
 def _row_tiles_kernel(x_ref, qw_ref, sw_ref, o_ref, acc_ref):
@@ -234,17 +226,22 @@ def row_tiles_matmul(x: jax.Array, q_w: jax.Array, s_w: jax.Array, out_dtype: An
     cost = pl.CostEstimate(flops=2 * m * c * n, transcendentals=0,
                            bytes_accessed=_cdiv(n, bn) * m * c * x.dtype.itemsize + m // bm * c * n + 4 * n
                            + m * n * np.dtype(out_dtype).itemsize)
-    call = pl.pallas_call(
-        _row_tiles_kernel, name=ROW_TILES, grid=(m // bm, _cdiv(n, bn), c // bc),
-        in_specs=[pl.BlockSpec((bm, bc), lambda i, j, t: (i, t)), pl.BlockSpec((bn, bc), lambda i, j, t: (j, t)),
-                  pl.BlockSpec((1, bn), lambda i, j, t: (0, j))],
-        out_specs=pl.BlockSpec((bm, bn), lambda i, j, t: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
-        scratch_shapes=_scratch((bm, bn), F32, None, None, interpret),
-        compiler_params=None if interpret else _compiler_params(("parallel", "parallel", "arbitrary")),
-        cost_estimate=cost, interpret=interpret)
+    ins = [pl.BlockSpec((bm, bc), lambda i, j, t: (i, t)), pl.BlockSpec((bn, bc), lambda i, j, t: (j, t)),
+           pl.BlockSpec((1, bn), lambda i, j, t: (0, j))]
+    return _call(_row_tiles_kernel, ROW_TILES, (m // bm, _cdiv(n, bn), c // bc), ins,
+                 pl.BlockSpec((bm, bn), lambda i, j, t: (i, j)), ((m, n), out_dtype),
+                 _scratch((bm, bn), F32, None, None, interpret), _REDUCING, cost, interpret, x, q_w, s_w)
+
+
+def _call(kernel: Any, name: str, grid: tuple, in_specs: list, out_spec: Any, out: tuple, scratch: list,
+          semantics: tuple[str, ...], cost: Any, interpret: bool, *args: jax.Array) -> jax.Array:
+    """``pallas_call`` of ``kernel`` on ``args`` (result: ``out``, its (shape, dtype)) in :data:`SCOPE`."""
+    call = pl.pallas_call(kernel, name=name, grid=grid, in_specs=in_specs, out_specs=out_spec,
+                          out_shape=jax.ShapeDtypeStruct(*out), scratch_shapes=scratch,
+                          compiler_params=None if interpret else _compiler_params(semantics),
+                          cost_estimate=cost, interpret=interpret)
     with jax.named_scope(SCOPE):
-        return call(x, q_w, s_w)
+        return call(*args)
 
 
 def _scratch(shape: tuple, dtype: Any, shape2: tuple | None, dtype2: Any, interpret: bool) -> list:

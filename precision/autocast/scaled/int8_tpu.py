@@ -11,14 +11,15 @@ program keeps the recipe. Under ``vmap`` the recipe runs too.
 
 The kernels take a plain matmul: the activation's last axis contracted with the
 weight's first, no batch axes (:func:`kernel_sizes`), sizes their blocks take
-(:func:`.int8_pallas.rows_blocks`, :func:`.int8_pallas.tiles_blocks`); anything
-else (a convolution, attention's batched products, a small or odd shape) keeps
-the recipe, and so does each backward product its kernel cannot take (a language
-model head's input gradient contracts a vocabulary too wide for one block). The forward product and the input's gradient are the recipe's
-values bit for bit; the weight's gradient is tiled along the tokens
-(:func:`.int8_pallas.tiles_matmul`): close, not the same. With stochastic rounding
-the backward keeps the recipe (its noise is drawn by XLA), and while the doctor
-records, both passes do (it reads the recipe's scales).
+(:func:`.int8_pallas.rows_blocks` and its siblings); anything else (a
+convolution, attention's batched products, a small or odd shape) keeps the
+recipe, and so does each backward product no kernel takes. The forward product
+and the input's gradient are the recipe's values bit for bit; the weight's
+gradient is tiled along the tokens (:func:`.int8_pallas.tiles_matmul`), and a
+head's input gradient along its vocabulary (:func:`.int8_pallas.row_tiles_matmul`):
+close, not the same. With stochastic rounding the backward keeps the recipe (its
+noise is drawn by XLA), and while the doctor records, both passes do (it reads
+the recipe's scales).
 """
 
 from __future__ import annotations
@@ -28,15 +29,13 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
-from jax.extend.core import Primitive
-from jax.interpreters import batching, mlir
 
 from precision.autocast.scaled.int8_pallas import (row_tiles_blocks, row_tiles_matmul, rows_blocks, rows_matmul,
                                                   tiles_blocks, tiles_matmul)
 from precision.autocast.scaled.int8_quantize import quantized_along
-from precision.autocast.tpu_flash import devices_lowered_for
+from precision.autocast.tpu_flash import on_one_device
 
-__all__ = ["kernel_sizes", "forward", "backward", "one_device_p"]
+__all__ = ["kernel_sizes", "forward", "backward", "choose"]
 
 
 def kernel_sizes(lhs: Any, rhs: Any, dims: Any) -> tuple[int, int, int] | None:
@@ -103,42 +102,9 @@ def _input_gradient(dy: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array:
 
 def _on_one_tpu(kernel: Callable, fallback: Callable, *args: jax.Array) -> list:
     """``fallback(*args)``, or ``kernel(*args)`` in a program lowered for one TPU (both: lists of arrays)."""
-    on_tpu = lambda *a: one_device_p.bind(*a, kernel=kernel, fallback=fallback)  # noqa: E731
+    on_tpu = lambda *a: on_one_device(kernel, fallback, *a, folds=False)  # noqa: E731
     return jax.lax.platform_dependent(*args, tpu=on_tpu, default=fallback)
 
 
 #: How the kernel or the recipe is chosen (a name tests replace, to run the kernels interpreted on a CPU).
 choose = _on_one_tpu
-
-
-one_device_p = Primitive("precision_int8_tpu_kernel")
-one_device_p.multiple_results = True
-
-
-@one_device_p.def_impl
-def _impl(*args, kernel, fallback):
-    return jax.jit(lambda *a: one_device_p.bind(*a, kernel=kernel, fallback=fallback))(*args)
-
-
-@one_device_p.def_abstract_eval
-def _abstract(*avals, kernel, fallback):
-    del kernel
-    return [jax.core.ShapedArray(s.shape, s.dtype) for s in jax.eval_shape(fallback, *avals)]
-
-
-def _lower(ctx: Any, *args: Any, kernel: Callable, fallback: Callable) -> Any:
-    chosen = kernel if devices_lowered_for(ctx) == 1 else fallback
-    return mlir.lower_fun(lambda *a: tuple(chosen(*a)), multiple_results=True)(ctx, *args)
-
-
-def _batched(args: Any, dims: Any, *, kernel: Callable, fallback: Callable) -> Any:
-    """vmap: the recipe, mapped (the kernels take plain matmuls)."""
-    del kernel
-    moved = [a if d is None else jax.numpy.moveaxis(a, d, 0) for a, d in zip(args, dims)]
-    axes = [None if d is None else 0 for d in dims]
-    outs = jax.vmap(lambda *a: fallback(*a), in_axes=axes)(*moved)
-    return list(outs), [0] * len(outs)
-
-
-mlir.register_lowering(one_device_p, _lower)
-batching.primitive_batchers[one_device_p] = _batched
