@@ -34,12 +34,13 @@ def kernels_on_cpu(monkeypatch):
     monkeypatch.setattr(int8_tpu, "tiles_matmul", functools.partial(int8_pallas.tiles_matmul, interpret=True))
 
 
-@pytest.mark.parametrize("block_bytes", [None, 2**16])  # the weight one block; blocks of 512 columns, one partial
-def test_the_row_kernel_is_the_recipes_product_bit_for_bit(block_bytes, monkeypatch):
-    if block_bytes:
-        monkeypatch.setattr(int8_pallas, "_BLOCK_BYTES", block_bytes)
+@pytest.mark.parametrize("small", [False, True])  # the weight one block; or blocks of 512 columns, one partial,
+def test_the_row_kernel_is_the_recipes_product_bit_for_bit(small, monkeypatch):  # rows quantized 128 columns at a time
+    if small:
+        monkeypatch.setattr(int8_pallas, "_BLOCK_BYTES", 2**16)
+        monkeypatch.setattr(int8_pallas, "_CHUNK", 128)
     x, w, _ = _operands(256, 256, 640)
-    assert int8_pallas.rows_blocks(256, 256, 640) == ((256, 640) if block_bytes is None else (128, 512))
+    assert int8_pallas.rows_blocks(256, 256, 640) == ((256, 512) if small else (256, 640))
     q_w, s_w = quantized_along(w, (0,))
     got = int8_pallas.rows_matmul(x, q_w, s_w, jnp.bfloat16, interpret=True)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(int8_product(jnp.bfloat16)(x, w, DIMS)))

@@ -32,6 +32,7 @@ matmuls. ``interpret=True`` runs them on a CPU (Pallas's interpreter: the tests)
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -56,8 +57,10 @@ def module_path(path: str) -> str:
         path = path.removesuffix(name)
     return path
 #: A v5e core's VMEM is 128 MiB; what a kernel may take of it (its double-buffered blocks and scratch).
-_VMEM_LIMIT = 64 * 2**20
+_VMEM_LIMIT = 96 * 2**20
 _BLOCK_BYTES = 4 * 2**20  # at most this much of one 16-bit operand per block
+_ROWS_BYTES = 16 * 2**20  # the row kernel's block of rows (quantized a chunk of columns at a time)
+_CHUNK = 2048
 _REDUCING = ("parallel", "parallel", "arbitrary")  # a grid whose last axis sums into the output block
 
 
@@ -78,16 +81,17 @@ def _token_block(m: int, largest: int) -> int:
 
 def rows_blocks(m: int, k: int, n: int, itemsize: int = 2) -> tuple[int, int] | None:
     """(bm, bn) of :func:`rows_matmul` for an ``(m, k) x (k, n)`` product, or None where it cannot take
-    it: ``k`` a multiple of 128 with a block of 128 rows within :data:`_BLOCK_BYTES`, ``m`` a multiple
-    of 128. Row blocks as large as that allows up to 2048 (the weight is read once per row block),
-    columns in blocks of 512 (the last one partial where 512 does not divide ``n``: each output column
-    depends on its own weight column alone)."""
-    if k % 128 or n < 128 or k * itemsize * 128 > _BLOCK_BYTES:
+    it: ``m`` and ``k`` multiples of 128, a block of rows within :data:`_ROWS_BYTES`: at least 512 of
+    them (the weight is read once per row block) unless the whole int8 weight is one block (then read
+    once, kept in VMEM). Row blocks up to 2048; columns in blocks of 512 (the last one partial where 512
+    does not divide ``n``: each output column depends on its own weight column alone)."""
+    if k % 128 or n < 128:
         return None
-    if k * n <= 2 * _BLOCK_BYTES:  # the whole int8 weight one block: read once, kept in VMEM
-        bm = _token_block(m, min(2048, _BLOCK_BYTES // (k * itemsize), 4 * _BLOCK_BYTES // (n * 12)))
+    rows = min(2048, _ROWS_BYTES // (k * itemsize))
+    if k * n <= 2 * _BLOCK_BYTES:  # the whole int8 weight one block
+        bm = _token_block(m, min(rows, 4 * _BLOCK_BYTES // (n * 12)))
         return (bm, n) if bm else None
-    bm = _token_block(m, min(2048, _BLOCK_BYTES // (k * itemsize)))
+    bm = _token_block(m, rows) if rows >= 512 else 0
     return (bm, next((b for b in (512, 256) if n % b == 0), 512 if n >= 512 else n // 128 * 128)) if bm else None
 
 
@@ -119,22 +123,36 @@ def tiles_blocks(m: int, k: int, n: int, x_itemsize: int = 2, g_itemsize: int = 
     return bm, bk, bn
 
 
+def _scale(amax: jax.Array) -> jax.Array:
+    """``absmax / 127`` as float32: 1 for an all-zero slice, NaN for a non-finite one (the recipe's)."""
+    amax = amax.astype(F32)
+    scale = jnp.where(amax > 0, amax / QMAX, 1.0)
+    return jnp.where(jnp.isfinite(amax), scale, jnp.nan).astype(F32)
+
+
+def _quantize(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """``x / scale`` rounded to nearest into int8 [-127, 127] (the recipe's)."""
+    return jnp.clip(jnp.round(x.astype(F32) / scale), -QMAX, QMAX).astype(INT32).astype(INT8)
+
+
 def _scaled(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
     """(int8 values, float32 scales) of ``x`` per slice along ``axis``: the recipe's
     :func:`.int8_quantize.quantized_along` (absmax / 127, rounded to nearest), in VMEM."""
-    amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True).astype(F32)
-    scale = jnp.where(amax > 0, amax / QMAX, 1.0)
-    scale = jnp.where(jnp.isfinite(amax), scale, jnp.nan).astype(F32)
-    q = jnp.clip(jnp.round(x.astype(F32) / scale), -QMAX, QMAX)
-    return q.astype(INT32).astype(INT8), scale
+    scale = _scale(jnp.max(jnp.abs(x), axis=axis, keepdims=True))
+    return _quantize(x, scale), scale
 
 
 def _rows_kernel(x_ref, qw_ref, sw_ref, o_ref, qx_ref, sx_ref):
     @pl.when(pl.program_id(1) == 0)  # the row block quantized once, reused by every column block
     def _():
-        q, s = _scaled(x_ref[...], axis=1)
-        qx_ref[...] = q
-        sx_ref[...] = s
+        k = x_ref.shape[1]
+        chunks = [(c, min(c + _CHUNK, k)) for c in range(0, k, _CHUNK)]  # float32 copies of a chunk at a time
+        amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x_ref[:, a:b]), axis=1, keepdims=True)
+                                              for a, b in chunks])
+        scale = _scale(amax)
+        for a, b in chunks:
+            qx_ref[:, a:b] = _quantize(x_ref[:, a:b], scale)
+        sx_ref[...] = scale
 
     acc = jnp.dot(qx_ref[...], qw_ref[...], preferred_element_type=INT32)
     o_ref[...] = (acc.astype(F32) * (sx_ref[...] * sw_ref[...])).astype(o_ref.dtype)
