@@ -148,11 +148,13 @@ def markdown(result: dict[str, Any]) -> str:
              "Modeled (`train.inspections.tpu_time`): each op of the compiled program takes the longest of its HBM "
              "time, its matrix time at the datasheet's peak and XLA's own estimate of it; **a model, never a "
              "measurement**. Amdahl bound: the bf16 step with every matmul (attention's aside) at twice the rate, "
-             "nothing else changed: no int8 program models below it. Roofline: the same without XLA's estimates "
+             "nothing else changed: no int8 program that leaves the rest as it is models below it. Roofline: the same "
+             "without XLA's estimates "
              "(an op kept in VMEM then takes no time). The goal: int8 at most 0.8x bf16. On one TPU the int8 matmuls "
              "are Pallas kernels that quantize their 16-bit operand in VMEM (`precision.autocast.scaled.int8_pallas`): "
              "each is modeled as a roofline from the FLOPs and HBM bytes its `cost_estimate` declares (XLA writes no "
-             "estimate of a custom call), so the vector work of its quantization is not in the model.", "",
+             "estimate of a custom call), so the vector work of its quantization is not in the model (what that leaves "
+             "out: `int8-vector-work.md`; it is what lets a layer model below its bound).", "",
              "| case | tokens | bf16 ms | int8 ms | int8 / bf16 | Amdahl bound | roofline: bf16 ms | int8 ms | bound "
              "| peak GiB bf16 / int8 |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in result["rows"]:

@@ -136,7 +136,8 @@ def test_an_int8_kernel_is_an_int8_matmul_timed_by_its_cost_estimate():
     sheet = TPU_DATASHEETS["v5e"]
     assert (op.kernel.kind, op.kernel.dtype, op.kernel.module) == ("gemm", "s8", "block_0/Dense_0")
     assert op.kernel.flops == 2 * 4096 * 1024 * 4096 and op.kernel.bytes == 50e6  # declared, not its operands'
-    assert op.bound == "matrix" and op.seconds == pytest.approx(op.kernel.flops / (sheet.int8 * CALIBRATION.gemm_efficiency))
+    matrix = op.kernel.flops / (sheet.int8 * CALIBRATION.gemm_efficiency)
+    assert op.bound == "matrix" and op.seconds == pytest.approx(matrix)
     assert int8_share(tpu_kernels(KERNEL_HLO)).share == 1.0
     (kernel,) = read_tpu_kernels(KERNEL_HLO)
     assert (kernel.kind, kernel.operands, kernel.result) == ("tpu_matmul", ("s8", "s8"), "s32")
