@@ -12,6 +12,10 @@ datasheet's peak and XLA's own estimate of it; **a model, never a measurement**)
   however its quantization is fused, models below it; the same from the two rooflines alone;
 - where the time goes, by module kind (the head, the blocks' projections, MLP, attention, the rest).
 
+Under ``mixed_int8`` the matmuls of a one-TPU program are the Pallas kernels of
+:mod:`precision.autocast.scaled.int8_pallas` (quantization in VMEM), modeled from their
+``cost_estimate`` (a roofline: their vector work is not in the model).
+
 A depth's step is extrapolated from two compiled depths (``L2``, ``L4``: the per-layer time is
 their difference over the layers between them, the rest is fixed: embedding, head, loss,
 optimizer), so a 24-layer 1.3B GPT is judged without compiling 24 layers.
@@ -144,8 +148,13 @@ def markdown(result: dict[str, Any]) -> str:
              "Modeled (`train.inspections.tpu_time`): each op of the compiled program takes the longest of its HBM "
              "time, its matrix time at the datasheet's peak and XLA's own estimate of it; **a model, never a "
              "measurement**. Amdahl bound: the bf16 step with every matmul (attention's aside) at twice the rate, "
-             "nothing else changed: no int8 program models below it. Roofline: the same without XLA's estimates "
-             "(an op kept in VMEM then takes no time). The goal: int8 at most 0.8x bf16.", "",
+             "nothing else changed: no int8 program that leaves the rest as it is models below it. Roofline: the same "
+             "without XLA's estimates "
+             "(an op kept in VMEM then takes no time). The goal: int8 at most 0.8x bf16. On one TPU the int8 matmuls "
+             "are Pallas kernels that quantize their 16-bit operand in VMEM (`precision.autocast.scaled.int8_pallas`): "
+             "each is modeled as a roofline from the FLOPs and HBM bytes its `cost_estimate` declares (XLA writes no "
+             "estimate of a custom call), so the vector work of its quantization is not in the model (what that leaves "
+             "out: `int8-vector-work.md`; it is what lets a layer model below its bound).", "",
              "| case | tokens | bf16 ms | int8 ms | int8 / bf16 | Amdahl bound | roofline: bf16 ms | int8 ms | bound "
              "| peak GiB bf16 / int8 |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in result["rows"]:

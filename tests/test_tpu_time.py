@@ -11,7 +11,10 @@ import pytest
 
 from train.inspections.gpu_time import CALIBRATION
 from train.inspections.hlo_kernels import read_hlo_kernels
-from train.inspections.tpu_time import BANDWIDTH_EFFICIENCY, TPU_DATASHEETS, amdahl_bound, model_tpu_step, op_times, xla_cycles_by_op
+from train.inspections.int8_share import int8_share
+from train.inspections.tpu_kernels import read_tpu_kernels
+from train.inspections.tpu_time import (BANDWIDTH_EFFICIENCY, TPU_DATASHEETS, amdahl_bound, model_tpu_step, op_times,
+                                        tpu_kernels, xla_cycles_by_op)
 
 _CONFIG = '"estimated_cycles":"{}"'
 
@@ -109,3 +112,32 @@ def test_op_times_name_each_ops_bound_and_sum_to_the_step_and_the_rooflines_alon
     roofline_step = model_tpu_step(HLO, "v5e", xla_estimates=False)
     assert roofline_step.seconds == pytest.approx(sum(op.seconds for op in rooflines.values()))
     assert 0.5 < amdahl_bound(HLO, "v5e", xla_estimates=False) < 1.0
+
+
+# An int8 matmul kernel (precision.autocast.scaled.int8_pallas) as libtpu writes its custom call: the
+# 16-bit activation and the int8 weight in, its FLOPs and HBM bytes in the cost_estimate it declares.
+KERNEL_HLO = """HloModule jit_step, is_scheduled=true
+
+ENTRY %main (x: bf16[4096,1024], w: s8[1024,4096], s: f32[1,4096]) -> bf16[4096,4096] {
+  %x = bf16[4096,1024]{1,0:T(8,128)(2,1)} parameter(0)
+  %w = s8[1024,4096]{1,0:T(8,128)(4,1)} parameter(1)
+  %s = f32[1,4096]{1,0:T(1,128)} parameter(2)
+  ROOT %int8_rows_matmul.1 = bf16[4096,4096]{1,0:T(8,128)(2,1)} custom-call(%x, %w, %s), \
+custom_call_target="tpu_custom_call", metadata={op_name="jit(step)/block_0/Dense_0/cond/branch_0_fun/\
+int8_pallas_matmul/int8_rows_matmul/pallas_call"}, backend_config={"custom_call_config":{"body":"TUzv",\
+"cost_estimate":{"flops":"34359738368","transcendentals":"0","bytes_accessed":"50000000",\
+"remote_bytes_transferred":"0"}}}
+}
+"""
+
+
+def test_an_int8_kernel_is_an_int8_matmul_timed_by_its_cost_estimate():
+    (op,) = op_times(KERNEL_HLO, "v5e")
+    sheet = TPU_DATASHEETS["v5e"]
+    assert (op.kernel.kind, op.kernel.dtype, op.kernel.module) == ("gemm", "s8", "block_0/Dense_0")
+    assert op.kernel.flops == 2 * 4096 * 1024 * 4096 and op.kernel.bytes == 50e6  # declared, not its operands'
+    matrix = op.kernel.flops / (sheet.int8 * CALIBRATION.gemm_efficiency)
+    assert op.bound == "matrix" and op.seconds == pytest.approx(matrix)
+    assert int8_share(tpu_kernels(KERNEL_HLO)).share == 1.0
+    (kernel,) = read_tpu_kernels(KERNEL_HLO)
+    assert (kernel.kind, kernel.operands, kernel.result) == ("tpu_matmul", ("s8", "s8"), "s32")

@@ -31,7 +31,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 from jax.sharding import PartitionSpec
 
-__all__ = ["check", "flash", "one_device_p", "FORWARD_SCOPE", "BACKWARD_SCOPE"]
+__all__ = ["check", "flash", "one_device_p", "on_one_device", "FORWARD_SCOPE", "BACKWARD_SCOPE"]
 
 #: The scopes the kernel's passes are named in (what :mod:`train.inspections.tpu_kernels` reads).
 FORWARD_SCOPE = "pallas_flash_attention"
@@ -202,14 +202,14 @@ one_device_p.multiple_results = True
 
 
 @one_device_p.def_impl
-def _impl(*args, kernel, fallback):
+def _impl(*args, kernel, fallback, folds=True):
     """Outside ``jit``: compiled for the one device it runs on."""
-    return jax.jit(lambda *a: one_device_p.bind(*a, kernel=kernel, fallback=fallback))(*args)
+    return jax.jit(lambda *a: one_device_p.bind(*a, kernel=kernel, fallback=fallback, folds=folds))(*args)
 
 
 @one_device_p.def_abstract_eval
-def _abstract(*avals, kernel, fallback):
-    del kernel
+def _abstract(*avals, kernel, fallback, folds=True):
+    del kernel, folds
     return [jax.core.ShapedArray(s.shape, s.dtype) for s in jax.eval_shape(fallback, *avals)]
 
 
@@ -227,13 +227,19 @@ def _devices(ctx: Any) -> int:
     return 2
 
 
-def _lower(ctx: Any, *args: Any, kernel: Callable, fallback: Callable) -> Any:
+def _lower(ctx: Any, *args: Any, kernel: Callable, fallback: Callable, folds: bool = True) -> Any:
+    del folds
     chosen = kernel if _devices(ctx) == 1 else fallback
     return mlir.lower_fun(lambda *a: tuple(chosen(*a)), multiple_results=True)(ctx, *args)
 
 
-def _batched(args: Any, dims: Any, *, kernel: Callable, fallback: Callable) -> Any:
-    """vmap: the mapped dimension folded into the batch (every operand and result leads with it)."""
+def _batched(args: Any, dims: Any, *, kernel: Callable, fallback: Callable, folds: bool = True) -> Any:
+    """vmap: the mapped dimension folded into the batch (every operand and result leads with it);
+    ``folds=False`` (operands that have no batch to fold into): the fallback, mapped."""
+    if not folds:
+        moved = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
+        outs = jax.vmap(fallback, in_axes=[None if d is None else 0 for d in dims])(*moved)
+        return list(outs), [0] * len(outs)
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     front = [jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
              for a, d in zip(args, dims)]
@@ -243,6 +249,13 @@ def _batched(args: Any, dims: Any, *, kernel: Callable, fallback: Callable) -> A
 
 mlir.register_lowering(one_device_p, _lower)
 batching.primitive_batchers[one_device_p] = _batched
+
+def on_one_device(kernel: Callable, fallback: Callable, *args: Any, folds: bool = True) -> list:
+    """``kernel(*args)`` where the program is lowered for one device, else ``fallback(*args)`` (both
+    return lists of arrays; ``fallback`` gives the shapes). ``folds``: under ``vmap`` the mapped axis
+    is folded into the arrays' first (batch) axis, else the fallback is mapped."""
+    return one_device_p.bind(*args, kernel=kernel, fallback=fallback, folds=folds)
+
 
 #: How a pass is chosen (a name tests replace: Pallas's interpret mode, which runs the kernel on a
 #: CPU, calls back into Python, an effect this primitive does not carry).

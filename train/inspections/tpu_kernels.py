@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import re
 
+from precision.autocast.scaled.int8_pallas import SCOPE as INT8_SCOPE, module_path as int8_module
 from precision.autocast.tpu_flash import BACKWARD_SCOPE, FORWARD_SCOPE
 from train.inspections.gpu_kernels import Kernel, attribute, computations, module_of
 
@@ -47,6 +48,8 @@ def read_tpu_kernels(text: str) -> list[Kernel]:
                 operands = tuple(comp["types"].get(o, "") for o in instr.operands[:3])
                 module = module_of(op_name).replace(f"/{BACKWARD_SCOPE}", "").replace(f"/{FORWARD_SCOPE}", "")
                 kernels.append(Kernel(kind, operands, instr.dtype, module, op_name))
+            if instr.op == "custom-call" and f"/{INT8_SCOPE}/" in op_name:  # quantizes in VMEM, then s8 x s8 -> s32
+                kernels.append(Kernel("tpu_matmul", ("s8", "s8"), "s32", int8_module(module_of(op_name)), op_name))
             if instr.op not in _MATMUL_OPS:
                 continue
             operands = tuple(comp["types"].get(o, "") for o in instr.operands[:2])

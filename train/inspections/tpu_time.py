@@ -14,7 +14,10 @@ takes the longest of
   matmul at one, three or six bf16 passes (XLA's default, ``high``, ``highest``).
   The Pallas flash attention kernels count their products (two forward; four and
   three in the two backward kernels, with the recomputed scores; half of them
-  causal) at the bf16 peak;
+  causal) at the bf16 peak; the int8 matmul kernels
+  (:mod:`precision.autocast.scaled.int8_pallas`) the FLOPs and HBM bytes their
+  ``cost_estimate`` declares, at the int8 peak (a roofline: XLA writes no estimate
+  of a custom call, so the quantization they do in VMEM is not in the model);
 - XLA's own estimate of it: the ``estimated_cycles`` the TPU compiler writes on
   each op it made, at the chip's clock. It sees what the two rooflines do not:
   the vector units' elementwise work (an ``exp`` over the logits, a rounding to
@@ -36,6 +39,7 @@ from __future__ import annotations
 import re
 from typing import Any, NamedTuple
 
+from precision.autocast.scaled.int8_pallas import SCOPE as INT8_SCOPE, module_path as int8_module
 from precision.autocast.tpu_flash import BACKWARD_SCOPE, FORWARD_SCOPE
 from train.inspections.gpu_kernels import attribute
 from train.inspections.gpu_time import CALIBRATION
@@ -152,11 +156,19 @@ def xla_estimated_cycles(text: str) -> int:
     return sum(xla_cycles_by_op(text).values())
 
 
+def _cost_estimate(line: str) -> tuple[float, float] | None:
+    """(FLOPs, bytes accessed) a Pallas kernel's ``cost_estimate`` declares in its backend config."""
+    m = re.search(r'"cost_estimate":\{"flops":"(\d+)","transcendentals":"\d+","bytes_accessed":"(\d+)"', line)
+    return (float(m.group(1)), float(m.group(2))) if m else None
+
+
 def tpu_kernels(text: str) -> list[HloKernel]:
     """The ops of an optimized TPU program (:func:`read_hlo_kernels`), the flash attention
-    kernels given their FLOPs (kind ``attention``)."""
+    kernels given their FLOPs (kind ``attention``), and the int8 matmul kernels
+    (:mod:`precision.autocast.scaled.int8_pallas`) counted as int8 matmuls: their FLOPs and
+    HBM bytes as their ``cost_estimate`` declares them (each operand once per block reading it)."""
     kernels = read_hlo_kernels(text)
-    if FORWARD_SCOPE not in text:
+    if FORWARD_SCOPE not in text and INT8_SCOPE not in text:
         return kernels
     by_name = {m.group(1): m.group(2) for m in re.finditer(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$", text, re.M)}
     out = []
@@ -164,6 +176,10 @@ def tpu_kernels(text: str) -> list[HloKernel]:
         line = by_name.get(k.name, "")
         if "custom-call(" in line and FORWARD_SCOPE in line:
             k = k._replace(kind="attention", flops=_flash_flops(line), dtype="bf16", causal=True)
+        elif "custom-call(" in line and f"/{INT8_SCOPE}/" in line and _cost_estimate(line):
+            flops, moved = _cost_estimate(line)
+            k = k._replace(kind="gemm", flops=flops, bytes=moved, dtype="s8",
+                           module=int8_module(k.module))
         out.append(k)
     return out
 

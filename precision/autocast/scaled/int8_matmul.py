@@ -32,6 +32,7 @@ import jax
 import numpy as np
 from jax import lax
 
+from precision.autocast.scaled import int8_tpu
 from precision.autocast.scaled.int8_quantize import F32, INT32, quantized_along, record, stochastic_noise
 from precision.autocast.scaled.products import (Product, in_output_layout, operand_dtypes, remaining,
                                                  transpose_lhs, transpose_rhs)
@@ -120,7 +121,8 @@ def _as_dims(dims: Any) -> tuple:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def _int8_dot(lhs, rhs, dims, out_dtype, in_dtypes, backward):
-    return int8_product(out_dtype, where=backward.where)(lhs, rhs, dims)
+    recipe = functools.partial(int8_product(out_dtype, where=backward.where), dims=dims)
+    return int8_tpu.forward(recipe, lhs, rhs, dims, out_dtype, recording=bool(backward.where))
 
 
 def _int8_dot_fwd(lhs, rhs, dims, out_dtype, in_dtypes, backward):
@@ -129,6 +131,13 @@ def _int8_dot_fwd(lhs, rhs, dims, out_dtype, in_dtypes, backward):
 
 def _int8_dot_bwd(dims, out_dtype, in_dtypes, backward, residuals, g):
     lhs, rhs = residuals
+    recipe = functools.partial(_recipe_bwd, dims, in_dtypes, backward)
+    use_kernels = backward.int8 and not backward.stochastic and not backward.where
+    return int8_tpu.backward(recipe, lhs, rhs, g, dims, in_dtypes, use_kernels)
+
+
+def _recipe_bwd(dims, in_dtypes, backward, lhs, rhs, g):
+    """The two gradients by the XLA recipe (see the module's docstring)."""
     (lhs_dtype, rhs_dtype), (lhs_grad, rhs_grad) = in_dtypes
     if not backward.int8:
         d_lhs = transpose_lhs(g, rhs, dims, lhs.ndim, product=fallback_product(backward.fallback, lhs_grad))

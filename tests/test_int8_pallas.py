@@ -1,0 +1,115 @@
+"""The int8 Pallas TPU kernels (quantization in VMEM), run on a CPU by Pallas's interpreter:
+the forward product and the input's gradient bit for bit the recipe's, the weight's gradient
+(1 x 256 token tiles) and a head's input gradient (tiles of its vocabulary) close to it, and
+where the kernels are not used (stochastic rounding's backward, shapes their blocks do not
+take). That they are in a program compiled for a v5e: tests/test_int8_compile.py."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from precision.autocast.scaled import int8_pallas, int8_tpu
+from precision.autocast.scaled.int8_matmul import Backward, int8_dot, int8_product
+from precision.autocast.scaled.int8_quantize import quantized_along
+
+DIMS = (((1,), (0,)), ((), ()))
+
+
+def _operands(m, k, n, seed=0):
+    kx, kw, kg = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+    w = jax.random.normal(kw, (k, n), jnp.float32) * 0.05
+    g = jax.random.normal(kg, (m, n), jnp.float32).astype(jnp.bfloat16)
+    return x, w, g
+
+
+@pytest.fixture
+def kernels_on_cpu(monkeypatch):
+    """The TPU branch taken on this CPU, its kernels interpreted."""
+    monkeypatch.setattr(int8_tpu, "choose", lambda kernel, fallback, *args: kernel(*args))
+    monkeypatch.setattr(int8_tpu, "rows_matmul", functools.partial(int8_pallas.rows_matmul, interpret=True))
+    monkeypatch.setattr(int8_tpu, "tiles_matmul", functools.partial(int8_pallas.tiles_matmul, interpret=True))
+
+
+@pytest.mark.parametrize("small", [False, True])  # the weight one block; or blocks of 512 columns, one partial,
+def test_the_row_kernel_is_the_recipes_product_bit_for_bit(small, monkeypatch):  # rows quantized 128 columns at a time
+    if small:
+        monkeypatch.setattr(int8_pallas, "_BLOCK_BYTES", 2**16)
+        monkeypatch.setattr(int8_pallas, "_CHUNK", 128)
+    x, w, _ = _operands(256, 256, 640)
+    assert int8_pallas.rows_blocks(256, 256, 640) == ((256, 512) if small else (256, 640))
+    q_w, s_w = quantized_along(w, (0,))
+    got = int8_pallas.rows_matmul(x, q_w, s_w, jnp.bfloat16, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(int8_product(jnp.bfloat16)(x, w, DIMS)))
+
+
+def test_the_tiled_weight_gradient_is_close_to_the_recipes_and_to_the_exact_one():
+    x, _, g = _operands(1024, 256, 384)
+    got = int8_pallas.tiles_matmul(x, g, jnp.float32, interpret=True)  # 4 tiles of 256 tokens
+    exact = jnp.dot(x.astype(jnp.float32).T, g.astype(jnp.float32))
+    recipe = int8_product(jnp.float32)(x, g, (((0,), (0,)), ((), ())))
+    err = lambda a: float(jnp.linalg.norm(a - exact) / jnp.linalg.norm(exact))  # noqa: E731
+    assert err(got) < 0.015 and err(got) <= err(recipe) * 1.05  # tiles' scales are tighter than a whole column's
+    assert not np.array_equal(np.asarray(got), np.asarray(recipe))
+
+
+def test_a_head_input_gradient_contracts_its_vocabulary_in_row_tiles_close_to_the_recipe():
+    g, w = _operands(256, 2304, 256)[0], _operands(256, 256, 2304, seed=1)[1]  # w (k, vocab)
+    assert int8_pallas.row_tiles_blocks(256, 2304, 256)[1] == 1152  # two tiles of the vocabulary
+    q_w, s_w = quantized_along(w, (1,))
+    got = int8_pallas.row_tiles_matmul(g, q_w, s_w.T, jnp.float32, interpret=True)
+    exact = jnp.dot(g.astype(jnp.float32), w.T)
+    recipe = int8_product(jnp.float32)(g, w, (((1,), (1,)), ((), ())))
+    err = lambda a: float(jnp.linalg.norm(a - exact) / jnp.linalg.norm(exact))  # noqa: E731
+    assert err(got) < 0.015 and err(got) <= 1.05 * err(recipe)
+
+
+def test_a_non_finite_value_makes_its_row_nan_and_an_all_zero_row_zero():
+    x, w, _ = _operands(128, 128, 256)
+    x = x.at[3, 5].set(jnp.inf).at[7].set(0)
+    q_w, s_w = quantized_along(w, (0,))
+    got = np.asarray(int8_pallas.rows_matmul(x, q_w, s_w, jnp.float32, interpret=True))
+    assert np.isnan(got[3]).all() and (got[7] == 0).all() and np.isfinite(np.delete(got, 3, 0)).all()
+
+
+def _value_and_grads(backward, x, w, g):
+    y, pull = jax.vjp(lambda a, b: int8_dot(a, b, DIMS, jnp.bfloat16, backward), x, w)
+    return (y, *pull(g))
+
+
+def test_int8_dot_through_the_kernels_values_and_gradients(kernels_on_cpu):
+    x, w, g = _operands(512, 256, 384)
+    y, dx, dw = _value_and_grads(Backward(fallback=np.dtype(jnp.bfloat16)), x, w, g)
+    int8_tpu.choose, saved = int8_tpu._on_one_tpu, int8_tpu.choose  # the recipe, as a CPU runs it
+    try:
+        y0, dx0, dw0 = _value_and_grads(Backward(fallback=np.dtype(jnp.bfloat16)), x, w, g)
+    finally:
+        int8_tpu.choose = saved
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y0))
+    np.testing.assert_array_equal(np.asarray(dx), np.asarray(dx0))
+    assert dw.dtype == dw0.dtype == w.dtype
+    exact = jnp.dot(x.astype(jnp.float32).T, g.astype(jnp.float32))
+    err = lambda a: float(jnp.linalg.norm(a - exact) / jnp.linalg.norm(exact))  # noqa: E731
+    assert err(dw) < 0.015 and err(dw) <= 1.05 * err(dw0)  # as close to x^T g as the recipe's
+
+
+def test_stochastic_rounding_keeps_the_recipes_backward_and_odd_shapes_keep_the_recipe(kernels_on_cpu):
+    x, w, g = _operands(512, 256, 384)
+    stochastic = Backward(stochastic=True, fallback=np.dtype(jnp.bfloat16), salt=3)
+    with_kernels = _value_and_grads(stochastic, x, w, g)
+    jaxpr = str(jax.make_jaxpr(lambda *a: _value_and_grads(stochastic, *a))(x, w, g))
+    assert "int8_rows_matmul" in jaxpr and "int8_tiles_matmul" not in jaxpr  # the forward's kernel only
+    assert int8_pallas.rows_blocks(200, 256, 384) is None and int8_pallas.tiles_blocks(512, 100, 384) is None
+    odd = jax.make_jaxpr(lambda a, b: int8_dot(a, b, DIMS, jnp.bfloat16))(x[:200], w)
+    assert "pallas" not in str(odd)
+    assert all(bool(jnp.isfinite(v).all()) for v in with_kernels)
+
+
+def test_under_vmap_the_tpu_branch_maps_the_recipe():
+    x, w, g = _operands(512, 256, 384)
+    mapped = jax.vmap(lambda a: int8_dot(a, w, DIMS, jnp.bfloat16), in_axes=1, out_axes=1)
+    xs = jnp.stack([x, -x], axis=1)  # (512, 2, 256): the mapped axis in the middle
+    np.testing.assert_array_equal(np.asarray(mapped(xs)[:, 0]), np.asarray(int8_dot(x, w, DIMS, jnp.bfloat16)))
