@@ -25,7 +25,13 @@ other op in the fallback dtype (bf16 unless ``compute=int8/f16``). The recipe
   unit: a smaller product leaves the unit mostly idle in either dtype, and
   quantizing it costs more than it saves. ``0`` takes every matmul;
 - ``attention``: False (default) keeps attention's batched products of two
-  activations (q·kᵀ, probabilities·v) in the fallback dtype, as FP8 does.
+  activations (q·kᵀ, probabilities·v) in the fallback dtype, as FP8 does;
+- ``tpu_kernels``: True (default) runs each plain int8 matmul of a program lowered
+  for one TPU in Pallas kernels that quantize in VMEM
+  (:mod:`precision.autocast.scaled.int8_tpu`); False keeps XLA's recipe there too
+  (the same forward values; the weight gradient quantized per whole column, not in
+  tiles of 256 tokens). The kernels' speed is modeled, not measured: this is the
+  switch to compare them, or to step around one on a TPU.
 
 No state: int8 scales are current, so nothing is kept between steps, and a
 checkpoint of a ``mixed_int8`` run is the same as a ``mixed_bf16`` one's.
@@ -54,6 +60,7 @@ class Int8Options:
     stochastic_rounding: bool = False
     min_size: int = DEFAULT_MIN_SIZE
     attention: bool = False
+    tpu_kernels: bool = True
 
     @property
     def int8_backward(self) -> bool:
@@ -61,19 +68,22 @@ class Int8Options:
 
 
 def int8_options(backward: str = "int8", stochastic_rounding: bool = False, min_size: int = DEFAULT_MIN_SIZE,
-                 attention: bool = False) -> Int8Options:
+                 attention: bool = False, tpu_kernels: bool = True) -> Int8Options:
     """Options for int8 matmuls: the ``backward`` products in ``"int8"`` or ``"bf16"`` (the
-    fallback dtype), ``stochastic_rounding`` of the output gradient, ``min_size``, and
-    whether ``attention``'s products may be int8 (see :mod:`precision.int8`). Bad
-    values raise :class:`precision.PolicyError` naming the valid ones."""
+    fallback dtype), ``stochastic_rounding`` of the output gradient, ``min_size``, whether
+    ``attention``'s products may be int8, and whether one TPU runs them in the fused
+    ``tpu_kernels`` (see :mod:`precision.int8`). Bad values raise
+    :class:`precision.PolicyError` naming the valid ones."""
     if not isinstance(backward, str) or backward.strip().lower() not in BACKWARDS:
         raise PolicyError(f"int8 backward must be one of {', '.join(BACKWARDS)}, got {backward!r}")
     if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
         raise PolicyError(f"int8 min_size must be an integer >= 0, got {min_size!r}")
-    for name, value in (("stochastic_rounding", stochastic_rounding), ("attention", attention)):
+    for name, value in (("stochastic_rounding", stochastic_rounding), ("attention", attention),
+                        ("tpu_kernels", tpu_kernels)):
         if not isinstance(value, bool):
             raise PolicyError(f"int8 {name} must be true or false, got {value!r}")
-    return Int8Options(backward.strip().lower(), stochastic_rounding, min_size, attention)  # type: ignore[arg-type]
+    return Int8Options(backward.strip().lower(), stochastic_rounding, min_size, attention,  # type: ignore[arg-type]
+                       tpu_kernels)
 
 
 def as_int8_options(value: "Int8Options | Mapping[str, Any] | None") -> Int8Options:

@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import precision
+
 from precision.autocast.scaled import int8_pallas, int8_tpu
 from precision.autocast.scaled.int8_matmul import Backward, int8_dot, int8_product
 from precision.autocast.scaled.int8_quantize import quantized_along
@@ -113,3 +115,18 @@ def test_under_vmap_the_tpu_branch_maps_the_recipe():
     mapped = jax.vmap(lambda a: int8_dot(a, w, DIMS, jnp.bfloat16), in_axes=1, out_axes=1)
     xs = jnp.stack([x, -x], axis=1)  # (512, 2, 256): the mapped axis in the middle
     np.testing.assert_array_equal(np.asarray(mapped(xs)[:, 0]), np.asarray(int8_dot(x, w, DIMS, jnp.bfloat16)))
+
+
+def test_tpu_kernels_off_keeps_the_recipe_in_both_passes_and_the_config_key_reaches_it(kernels_on_cpu):
+    from train.config import load_config
+
+    x, w, g = _operands(512, 256, 384)
+    off = Backward(fallback=np.dtype(jnp.bfloat16), kernels=False)
+    jaxpr = str(jax.make_jaxpr(lambda *a: _value_and_grads(off, *a))(x, w, g))
+    assert "pallas" not in jaxpr
+    on = str(jax.make_jaxpr(lambda *a: _value_and_grads(Backward(fallback=np.dtype(jnp.bfloat16)), *a))(x, w, g))
+    assert "int8_rows_matmul" in on and "int8_tiles_matmul" in on
+    config = load_config("configs/default.yaml", ["precision.policy=mixed_int8", "precision.int8.tpu_kernels=false"])
+    assert config.precision.int8.options().tpu_kernels is False
+    with pytest.raises(precision.PolicyError, match="tpu_kernels"):
+        precision.int8_options(tpu_kernels="no")

@@ -154,10 +154,13 @@ class Int8Config(_Schema):
                                       "(0: every one)")
     attention: bool = Field(False, description="attention's batched products (q.k^T, probabilities.v) in int8 too; "
                                                "false keeps them in the fallback dtype")
+    tpu_kernels: bool = Field(True, description="on one TPU, plain int8 matmuls in Pallas kernels that quantize in "
+                                                "VMEM (modeled, not measured); false: XLA's recipe there too")
 
     def options(self) -> precision.Int8Options:
         """The options as ``precision.int8_options`` builds them."""
-        return precision.int8_options(self.backward, self.stochastic_rounding, self.min_size, self.attention)
+        return precision.int8_options(self.backward, self.stochastic_rounding, self.min_size, self.attention,
+                                      self.tpu_kernels)
 
 
 def _blockwise_mode(value: Any) -> Any:

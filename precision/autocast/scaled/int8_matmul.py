@@ -50,6 +50,7 @@ class Backward(NamedTuple):
     fallback: np.dtype = np.dtype(np.float32)
     salt: int = 0
     where: str = ""
+    kernels: bool = True
 
 
 def int8_product(out_dtype: Any, noise_salt: int | None = None, where: str = "", pass_: str = "forward"
@@ -122,7 +123,7 @@ def _as_dims(dims: Any) -> tuple:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def _int8_dot(lhs, rhs, dims, out_dtype, in_dtypes, backward):
     recipe = functools.partial(int8_product(out_dtype, where=backward.where), dims=dims)
-    return int8_tpu.forward(recipe, lhs, rhs, dims, out_dtype, recording=bool(backward.where))
+    return int8_tpu.forward(recipe, lhs, rhs, dims, out_dtype, use_kernel=backward.kernels and not backward.where)
 
 
 def _int8_dot_fwd(lhs, rhs, dims, out_dtype, in_dtypes, backward):
@@ -132,7 +133,7 @@ def _int8_dot_fwd(lhs, rhs, dims, out_dtype, in_dtypes, backward):
 def _int8_dot_bwd(dims, out_dtype, in_dtypes, backward, residuals, g):
     lhs, rhs = residuals
     recipe = functools.partial(_recipe_bwd, dims, in_dtypes, backward)
-    use_kernels = backward.int8 and not backward.stochastic and not backward.where
+    use_kernels = backward.kernels and backward.int8 and not backward.stochastic and not backward.where
     return int8_tpu.backward(recipe, lhs, rhs, g, dims, in_dtypes, use_kernels)
 
 

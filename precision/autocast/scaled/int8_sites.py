@@ -96,7 +96,7 @@ def int8_op(site: Any, ins: list, run: Int8Run, target: np.dtype, out_dtype: np.
     options = run.options
     backward = Backward(options.int8_backward, options.stochastic_rounding, np.dtype(target),
                         run.next_salt() if options.stochastic_rounding else 0,
-                        "/".join(site.path) if RECORDING.get() is not None else "")
+                        "/".join(site.path) if RECORDING.get() is not None else "", options.tpu_kernels)
     if site.name == "conv_general_dilated":
         return int8_conv(lhs, rhs, site.eqn.params, out_dtype, backward, grads), INT8_CONV
     return int8_dot(lhs, rhs, site.eqn.params["dimension_numbers"], out_dtype, backward, grads), INT8_MATMUL

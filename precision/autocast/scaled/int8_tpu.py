@@ -47,10 +47,11 @@ def kernel_sizes(lhs: Any, rhs: Any, dims: Any) -> tuple[int, int, int] | None:
     return math.prod(lhs.shape[:-1]), lhs.shape[-1], math.prod(rhs.shape[1:])
 
 
-def forward(recipe: Callable, lhs: jax.Array, rhs: jax.Array, dims: Any, out_dtype: Any, recording: bool
+def forward(recipe: Callable, lhs: jax.Array, rhs: jax.Array, dims: Any, out_dtype: Any, use_kernel: bool
             ) -> jax.Array:
-    """``recipe(lhs, rhs)`` (the XLA recipe's product), or on one TPU the row kernel computing the same."""
-    sizes = None if recording else kernel_sizes(lhs, rhs, dims)
+    """``recipe(lhs, rhs)`` (the XLA recipe's product), or on one TPU (where ``use_kernel``: not while the
+    doctor records, nor with ``precision.int8.tpu_kernels`` off) the row kernel computing the same."""
+    sizes = kernel_sizes(lhs, rhs, dims) if use_kernel else None
     if sizes is None or not rows_blocks(*sizes, np.dtype(lhs.dtype).itemsize):
         return recipe(lhs, rhs)
     m, k, n = sizes
