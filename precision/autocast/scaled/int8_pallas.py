@@ -56,6 +56,8 @@ def module_path(path: str) -> str:
     for name in (f"/{TILES}", f"/{ROWS}", f"/{ROW_TILES}", f"/{SCOPE}"):
         path = path.removesuffix(name)
     return path
+
+
 #: A v5e core's VMEM is 128 MiB; what a kernel may take of it (its double-buffered blocks and scratch).
 _VMEM_LIMIT = 96 * 2**20
 _BLOCK_BYTES = 4 * 2**20  # at most this much of one 16-bit operand per block
