@@ -21,6 +21,7 @@ import contextlib
 import importlib.util
 import io
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -121,6 +122,17 @@ def test_ci_runs_the_readme_quick_start_exactly_as_written():
     script = (ROOT / ".ci" / "run").read_text()
     assert 'bash -c "$(python3 tests/docs_pages.py quickstart 1)"' in script
     assert 'bash -c "$(python3 tests/docs_pages.py quickstart 2)"' in script
+
+
+def test_ci_runs_every_test_file_that_compiles_for_a_gpu_or_a_tpu():
+    """The README's command skips tests marked gpu_compile / tpu_compile (no plugins): CI's
+    compile-only step runs them, from the files it names, so a new file with one must be named."""
+    script = (ROOT / ".ci" / "run").read_text()
+    command = script[script.index('-m "gpu_compile or tpu_compile"'):script.index("> .ci-gpu-compile-tests.log")]
+    marker = re.compile(r"^[^#\n]*pytest\.mark\.(gpu|tpu)_compile\b", re.MULTILINE)
+    marked = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").glob("test_*.py")
+                    if marker.search(p.read_text()) and p.name != "test_docs.py")  # this file: only its text
+    assert len(marked) >= 8 and [f for f in marked if f not in command.split()] == []
 
 
 # ----------------------------------------------------------------------------- python blocks
