@@ -184,7 +184,7 @@ def rows_matmul(x: jax.Array, q_w: jax.Array, s_w: jax.Array, out_dtype: Any, in
                  cost, interpret, x, q_w, s_w)
 
 
-def _tiles_kernel(x_ref, g_ref, o_ref, acc_ref):
+def _tiles_kernel(x_ref, g_ref, o_ref, acc_ref, *, steps: int):
     t = pl.program_id(2)
 
     @pl.when(t == 0)
@@ -197,7 +197,7 @@ def _tiles_kernel(x_ref, g_ref, o_ref, acc_ref):
     acc = jnp.dot(q_x, q_g, preferred_element_type=INT32)
     acc_ref[...] += acc.astype(F32) * (s_x * s_g)
 
-    @pl.when(t == pl.num_programs(2) - 1)
+    @pl.when(t == steps - 1)  # the grid's last token block (static: see _row_tiles_kernel)
     def _():
         o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
@@ -212,12 +212,12 @@ def tiles_matmul(x: jax.Array, g: jax.Array, out_dtype: Any, interpret: bool = F
                            bytes_accessed=_cdiv(n, bn) * m * k * x.dtype.itemsize + (k // bk) * m * n * g.dtype.itemsize
                            + k * n * np.dtype(out_dtype).itemsize)
     ins = [pl.BlockSpec((bm, bk), lambda i, j, t: (t, i)), pl.BlockSpec((bm, bn), lambda i, j, t: (t, j))]
-    return _call(_tiles_kernel, TILES, (k // bk, _cdiv(n, bn), m // bm), ins,
+    return _call(functools.partial(_tiles_kernel, steps=m // bm), TILES, (k // bk, _cdiv(n, bn), m // bm), ins,
                  pl.BlockSpec((bk, bn), lambda i, j, t: (i, j)), ((k, n), out_dtype),
                  _scratch((bk, bn), F32, None, None, interpret), _REDUCING, cost, interpret, x, g)
 
 
-def _row_tiles_kernel(x_ref, qw_ref, sw_ref, o_ref, acc_ref):
+def _row_tiles_kernel(x_ref, qw_ref, sw_ref, o_ref, acc_ref, *, steps: int):
     t = pl.program_id(2)
 
     @pl.when(t == 0)
@@ -228,7 +228,10 @@ def _row_tiles_kernel(x_ref, qw_ref, sw_ref, o_ref, acc_ref):
     acc = jax.lax.dot_general(q_x, qw_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=INT32)
     acc_ref[...] += acc.astype(F32) * s_x
 
-    @pl.when(t == pl.num_programs(2) - 1)
+    # The last tile, as a number each call's kernel holds: with `pl.num_programs(2)`, jax 0.11's
+    # interpreter reused the first call's grid for a later call of another size, never wrote the
+    # output and returned NaN (tests/test_int8_pallas.py, two sizes in one process).
+    @pl.when(t == steps - 1)
     def _():
         o_ref[...] = (acc_ref[...] * sw_ref[...]).astype(o_ref.dtype)
 
@@ -248,7 +251,7 @@ def row_tiles_matmul(x: jax.Array, q_w: jax.Array, s_w: jax.Array, out_dtype: An
                            + m * n * np.dtype(out_dtype).itemsize)
     ins = [pl.BlockSpec((bm, bc), lambda i, j, t: (i, t)), pl.BlockSpec((bn, bc), lambda i, j, t: (j, t)),
            pl.BlockSpec((1, bn), lambda i, j, t: (0, j))]
-    return _call(_row_tiles_kernel, ROW_TILES, (m // bm, _cdiv(n, bn), c // bc), ins,
+    return _call(functools.partial(_row_tiles_kernel, steps=c // bc), ROW_TILES, (m // bm, _cdiv(n, bn), c // bc), ins,
                  pl.BlockSpec((bm, bn), lambda i, j, t: (i, j)), ((m, n), out_dtype),
                  _scratch((bm, bn), F32, None, None, interpret), _REDUCING, cost, interpret, x, q_w, s_w)
 
