@@ -35,7 +35,7 @@ import subprocess
 import sys
 from typing import Any
 
-from benchmarks.report import RESULTS, environment
+from benchmarks.report import RESULTS, environment, write_tables
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RUN = ["steps=600", "log_every=50", "eval_every=300", "checkpoint_every=0"]
@@ -229,11 +229,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.collect_only:
         train(runs)
     result = collect(runs)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "int8_parity.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "int8_parity.md").write_text(markdown(result))
-    print(markdown(result))
+    write_tables(args.out, "int8_parity", result, markdown(result))
     return result
 
 

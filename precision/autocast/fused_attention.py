@@ -112,12 +112,10 @@ def marking() -> Iterator[None]:
             _replaced = jax.nn.dot_product_attention
             jax.nn.dot_product_attention = _marked_attention
         _installed += 1
-    previous = getattr(_local, "active", False)
-    _local.active = True
     try:
-        yield
+        with _thread_flag("active"):
+            yield
     finally:
-        _local.active = previous
         with _lock:
             _installed -= 1
             if _installed == 0:
@@ -131,12 +129,19 @@ def forward_only() -> Iterator[None]:
     chosen by its forward pass alone. cuDNN's attention computes a decode step's one query
     against a long cache, and has no backward pass for it: where a program may be
     differentiated, that attention stays XLA's."""
-    previous = getattr(_local, "forward_only", False)
-    _local.forward_only = True
+    with _thread_flag("forward_only"):
+        yield
+
+
+@contextlib.contextmanager
+def _thread_flag(name: str) -> Iterator[None]:
+    """``name`` set on this thread's state while the block runs, then what it was."""
+    previous = getattr(_local, name, False)
+    setattr(_local, name, True)
     try:
         yield
     finally:
-        _local.forward_only = previous
+        setattr(_local, name, previous)
 
 
 def is_marked(eqn: Any) -> bool:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
@@ -69,11 +68,8 @@ def is_stored_weight(x: Any) -> bool:
 def read_weight(x: Any, dtype: Any = None) -> Any:
     """A served weight as the model reads it: int8 dequantized (in ``dtype``; default its own),
     transposed back to the model's layout; any other leaf as it is."""
-    if isinstance(x, ContractedLast):
-        return jnp.transpose(read_weight(x.stored, dtype), np.argsort(x.order))
-    if is_channel_int8(x):
-        return dequantize_channels(x, dtype)
-    return x
+    x = in_model_layout(x)
+    return dequantize_channels(x, dtype) if is_channel_int8(x) else x
 
 
 def in_model_layout(x: Any) -> Any:
