@@ -250,6 +250,7 @@ def _batched(args: Any, dims: Any, *, kernel: Callable, fallback: Callable, fold
 mlir.register_lowering(one_device_p, _lower)
 batching.primitive_batchers[one_device_p] = _batched
 
+
 def on_one_device(kernel: Callable, fallback: Callable, *args: Any, folds: bool = True) -> list:
     """``kernel(*args)`` where the program is lowered for one device, else ``fallback(*args)`` (both
     return lists of arrays; ``fallback`` gives the shapes). ``folds``: under ``vmap`` the mapped axis

@@ -158,8 +158,10 @@ def xla_estimated_cycles(text: str) -> int:
 
 def _cost_estimate(line: str) -> tuple[float, float] | None:
     """(FLOPs, bytes accessed) a Pallas kernel's ``cost_estimate`` declares in its backend config."""
-    m = re.search(r'"cost_estimate":\{"flops":"(\d+)","transcendentals":"\d+","bytes_accessed":"(\d+)"', line)
-    return (float(m.group(1)), float(m.group(2))) if m else None
+    m = re.search(r'"cost_estimate":\{([^}]*)\}', line)
+    fields = dict(re.findall(r'"(\w+)":"?(\d+)"?', m.group(1))) if m else {}  # any key order, quoted or not
+    return (float(fields["flops"]), float(fields["bytes_accessed"])) if {"flops", "bytes_accessed"} <= fields.keys() \
+        else None
 
 
 def tpu_kernels(text: str) -> list[HloKernel]:
