@@ -6,7 +6,13 @@ modeled time per token against the bandwidth limit, bytes / 3.35 TB/s).
     python -m benchmarks.serving [--run runs/shakespeare_gpt_mixed_bf16] [--models shakespeare,gpt2_small]
 
 ``shakespeare``: the run of the README's command (``configs/shakespeare_gpt_mixed_bf16.yaml``),
-its eval split. ``gpt2_small``: a Hugging Face Flax GPT-2 at GPT-2 small's shape (12 layers,
+its eval split. ``shakespeare_qlora``: a QLoRA fine-tuning of that run (rank 8 on an nf4 base,
+200 steps: ``python -m train configs/shakespeare_gpt_mixed_bf16.yaml
+workdir=runs/shakespeare_gpt_qlora_nf4 steps=200 eval_every=100 checkpoint_every=100
+model.init_from=runs/shakespeare_gpt_mixed_bf16 finetune.lora.rank=8 finetune.base=nf4
+optimizer.lr=3e-4 optimizer.warmup_steps=10``), served merged (f32, bf16, int8) and as stored
+(``nf4``: the base's codes, the adapters unmerged). ``nf4`` rows of the random models: their
+weight matrices stored as a QLoRA run stores its base (:func:`with_nf4_base`). ``gpt2_small``: a Hugging Face Flax GPT-2 at GPT-2 small's shape (12 layers,
 768 wide, 50,257 tokens, 1,024 positions) with random weights (none can be downloaded here):
 its perplexity means nothing and is not given; the agreement is measured on random tokens.
 ``llama3_8b``: a Hugging Face Flax Llama at Llama-3-8B's shape (4,096 wide, 14,336 in the MLP,
@@ -37,14 +43,16 @@ from benchmarks.report import RESULTS, command, environment, write_tables
 from train.inspections.gpu_time import CALIBRATION
 from train.inspections.targets import TargetError
 from train.serving import Generator, Sampling, Source, load_source
+from precision.quantized_weights import dequantize_weight, quantizable, quantize_weight
 from train.serving.compiled import compile_decode_step
 
-MODELS = ("shakespeare", "gpt2_small", "llama3_8b")
+MODELS = ("shakespeare", "shakespeare_qlora", "gpt2_small", "llama3_8b")
 #: (weights, cache) rows per model; float32 first (the reference).
 ROWS = {"shakespeare": [("f32", "f32"), ("bf16", "bf16"), ("f16", "f16"), ("int8", "bf16"), ("bf16", "int8"),
                         ("bf16", "fp8"), ("int8", "int8")],
-        "gpt2_small": [("f32", "f32"), ("bf16", "bf16"), ("f16", "f16"), ("int8", "bf16")],
-        "llama3_8b": [("bf16", "bf16"), ("int8", "bf16")]}
+        "shakespeare_qlora": [("f32", "f32"), ("bf16", "bf16"), ("int8", "bf16"), ("nf4", "bf16")],
+        "gpt2_small": [("f32", "f32"), ("bf16", "bf16"), ("f16", "f16"), ("int8", "bf16"), ("nf4", "bf16")],
+        "llama3_8b": [("bf16", "bf16"), ("int8", "bf16"), ("nf4", "bf16")]}
 #: Llama-3-8B's shape (its config.json) and depth (the decode step is compiled smaller: see the docstring).
 LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
              "vocab_size": 128256, "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
@@ -103,6 +111,25 @@ def llama_source(layers: int, vocab: int, shape: dict | None = None) -> Source:
                   "max_position_embeddings", None, None)
 
 
+def with_nf4_base(source: Source) -> Source:
+    """``source`` with its weights also as a QLoRA run stores its frozen base (each weight matrix
+    of 4,096 values or more in nf4 codes, :func:`precision.quantized_weights.quantizable`, as
+    :func:`train.finetune.frozen.stored_frozen` stores it), no adapters: what ``--dtype nf4``
+    serves (its float32 weights: the codes read back; the other dtypes serve the weights as they were)."""
+    from flax import traverse_util
+
+    from train.serving.stored_base import StoredBase
+
+    flat = traverse_util.flatten_dict(source.params)
+    codes = {p: _quantize_nf4(x) for p, x in flat.items() if quantizable(x)}  # jitted: no [values, 16] array
+    params = traverse_util.unflatten_dict(flat | {p: np.asarray(_dequantize(q)) for p, q in codes.items()})
+    return source._replace(base=StoredBase(source.model, params, codes, 0))
+
+
+_quantize_nf4 = jax.jit(lambda x: quantize_weight(x, "nf4"))
+_dequantize = jax.jit(dequantize_weight)
+
+
 def _decode_parts(step: Any) -> dict[str, float]:
     """What the modeled step is made of: its bytes streamed (past each kernel's latency), the
     kernels' latencies and the gaps between them, and compute-bound time beyond their bytes."""
@@ -127,7 +154,7 @@ def measure_decode_only(target: str) -> list[dict[str, Any]]:
     vocab, rows, steps = LLAMA3_8B["vocab_size"], [], {}
     points = {"base": (1, vocab // 4), "deeper": (2, vocab // 4), "wider": (1, vocab // 2)}
     for name, (layers, size) in points.items():
-        source = llama_source(layers, size)
+        source = with_nf4_base(llama_source(layers, size))
         for dtype, kv in ROWS["llama3_8b"]:
             steps[(dtype, kv, name)] = _decode_row(compile_decode_step(Generator(source, dtype, kv), target))
         del source
@@ -245,8 +272,15 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
         rel = shake[("int8", "bf16")]["perplexity"] / shake[("bf16", "bf16")]["perplexity"] - 1
         out.append(f"int8 weights' perplexity is {100 * rel:+.2f}% of bf16's (goal within 1%): "
                    f"{'met' if abs(rel) <= 0.01 else 'NOT met'}")
+    qlora = {(r["weights"], r["cache"]): r for r in rows if r["model"] == "shakespeare_qlora"}
+    nf4, half = qlora.get(("nf4", "bf16"), {}), qlora.get(("bf16", "bf16"), {})
+    if nf4.get("perplexity") and half.get("perplexity"):
+        out.append(f"the QLoRA run served as stored (nf4 base, adapters unmerged): perplexity "
+                   f"{100 * (nf4['perplexity'] / half['perplexity'] - 1):+.2f}% of its merged bf16 weights', greedy "
+                   f"tokens {100 * nf4['greedy_agreement']:.2f}% float32's (bf16: {100 * half['greedy_agreement']:.2f}%), "
+                   f"{nf4['weight_bytes'] / half['weight_bytes']:.2f}x the bytes of weights")
     for r in rows:
-        if r["cache"] == "bf16" and r["weights"] in ("bf16", "int8") and "h100_ratio" in r:
+        if r["cache"] == "bf16" and r["weights"] in ("bf16", "int8", "nf4") and "h100_ratio" in r:
             moved = r["h100_hlo_bytes"] / r["bytes_per_token"]
             out.append(f"{r['model']} {r['weights']}: the modeled H100 decode step at batch 1 is {r['h100_ratio']:.2f}x "
                        f"its bandwidth limit (goal <= 1.5x): {'met' if r['h100_ratio'] <= 1.5 else 'NOT met'}; it moves "
@@ -260,6 +294,8 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.serving", description=__doc__.split("\n\n")[0])
     p.add_argument("--run", default="runs/shakespeare_gpt_mixed_bf16", help="the Shakespeare run (or an export)")
+    p.add_argument("--qlora-run", default="runs/shakespeare_gpt_qlora_nf4",
+                   help="a QLoRA fine-tuning of the Shakespeare run on an nf4 base (module docstring)")
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     p.add_argument("--batches", type=int, default=8, help="eval windows scored: batches of 16 (default 8)")
     p.add_argument("--tokens", type=int, default=64, help="tokens timed per generation (default 64)")
@@ -273,8 +309,9 @@ def main(argv: list[str] | None = None) -> int:
         if model == "llama3_8b":
             rows += measure_decode_only(args.target)
             continue
-        source = load_source(args.run) if model == "shakespeare" else _gpt2_small()
-        rows += measure(model, source, args.batches if model == "shakespeare" else 2, args.tokens, args.target,
+        source = (load_source(args.run) if model == "shakespeare" else load_source(args.qlora_run)
+                  if model == "shakespeare_qlora" else with_nf4_base(_gpt2_small()))
+        rows += measure(model, source, 2 if model == "gpt2_small" else args.batches, args.tokens, args.target,
                         args.decode_only)
     result = {"command": command("benchmarks.serving", argv), "environment": environment(), "tokens": args.tokens,
               "goals": GOALS, "rows": rows, "verdicts": verdicts(rows)}

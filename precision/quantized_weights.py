@@ -133,8 +133,11 @@ def is_quantized(x: Any) -> bool:
 
 
 def _in_codes(x: Any) -> bool:
-    """A weight stored in codes: a :class:`QuantizedWeight` or a :class:`precision.ChannelInt8`."""
-    return is_quantized(x) or is_channel_int8(x)
+    """A weight stored in codes: a :class:`QuantizedWeight`, a :class:`precision.ChannelInt8` or
+    a :class:`precision.block_codes.BlockCodes`."""
+    from precision.block_codes import is_block_codes
+
+    return is_quantized(x) or is_channel_int8(x) or is_block_codes(x)
 
 
 def dequantized(tree: Any) -> Any:
@@ -142,9 +145,11 @@ def dequantized(tree: Any) -> Any:
     read as its floating weight (other leaves as they are)."""
     if not any(_in_codes(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=_in_codes)):
         return tree
+    from precision.block_codes import dequantize_blocks, is_block_codes
+
     return jax.tree_util.tree_map(
-        lambda x: dequantize_weight(x) if is_quantized(x) else dequantize_channels(x) if is_channel_int8(x) else x,
-        tree, is_leaf=_in_codes)
+        lambda x: dequantize_weight(x) if is_quantized(x) else dequantize_channels(x) if is_channel_int8(x)
+        else dequantize_blocks(x) if is_block_codes(x) else x, tree, is_leaf=_in_codes)
 
 
 #: The name of the sub-program that dequantizes one weight in a traced program (:func:`read_in_program`).
@@ -163,13 +168,16 @@ _read = jax.jit(_quantized_weight_read)
 
 def read_in_program(tree: Any) -> Any:
     """:func:`dequantized`, each weight by a sub-program named :data:`READ` (a
-    :class:`precision.ChannelInt8`: :data:`precision.channel_weights.CHANNEL_READ`) and widened to
+    :class:`precision.ChannelInt8`: :data:`precision.channel_weights.CHANNEL_READ`; a
+    :class:`precision.block_codes.BlockCodes`: one of :data:`precision.block_codes.BLOCK_READS`) and widened to
     float32 (exactly: autocast traces programs in float32 and casts where they compute): how
     autocast's programs read a frozen base, so that a matmul reading a weight finds its codes."""
     if not any(_in_codes(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=_in_codes)):
         return tree
+    from precision.block_codes import is_block_codes, read_blocks
+
     return jax.tree_util.tree_map(lambda x: _read(x) if is_quantized(x) else read_channels(x) if is_channel_int8(x)
-                                  else x, tree, is_leaf=_in_codes)
+                                  else read_blocks(x) if is_block_codes(x) else x, tree, is_leaf=_in_codes)
 
 
 def logical_size(x: Any) -> int:

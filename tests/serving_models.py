@@ -70,15 +70,15 @@ def decoding_source(seed=0):
                   32, "max_len of the model", None, None)
 
 
-def huggingface_gpt2(directory, transformers):
-    """A tiny random GPT-2 saved with ``save_pretrained``, and a word-level tokenizer built
-    offline beside it (``tokenizer.json``)."""
+def huggingface_gpt2(directory, transformers, width=32):
+    """A tiny random GPT-2 (``width`` wide) saved with ``save_pretrained``, and a word-level
+    tokenizer built offline beside it (``tokenizer.json``)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>")
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=len(WORDS), n_positions=32,
+    config = transformers.GPT2Config(n_layer=2, n_embd=width, n_head=2, vocab_size=len(WORDS), n_positions=32,
                                      architectures=["GPT2LMHeadModel"])
     model = transformers.FlaxGPT2LMHeadModel(config, _do_init=False)  # random weights made in numpy: no init compiled
     shapes = jax.eval_shape(lambda key: model.init_weights(key, (1, 1)), jax.random.key(0))

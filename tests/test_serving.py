@@ -118,7 +118,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
         _served("bf16").generate("ROMZEO", 4)
     with pytest.raises(SampleError, match="pass the model's context of 32 positions .* give --tokens 26 or fewer"):
         _served("bf16").generate("ROMEO:", 40, window=False)
-    with pytest.raises(SampleError, match="--dtype 'int4': give bf16, f16, f32 or int8"):
+    with pytest.raises(SampleError, match="--dtype .int4.: give bf16, f16, f32, int8 or nf4"):
         Generator(SOURCE, "int4")
     with pytest.raises(SampleError, match="--kv-dtype 'int4'"):
         Generator(SOURCE, "bf16", "int4")

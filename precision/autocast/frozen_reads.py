@@ -24,6 +24,14 @@ contracting exactly the axes its scales are constant along is ``(x . codes) * sc
 codes cast to the compute dtype (exactly: integers to 127), the product accumulated in float32
 and scaled there (:func:`product`). XLA fuses an int8-to-bfloat16 cast into a GEMM's operand,
 where it writes ``codes * scales`` whole first: the weight is read once, in int8.
+
+A weight in blocks of codes laid out for decoding (:class:`precision.block_codes.BlockCodes`,
+read by a sub-program named in :data:`precision.block_codes.BLOCK_READS`; a served nf4 base) is
+kept factored too (:class:`Blocks`: its codes and scales, the axis its matmuls contract, and
+whether it has been transposed since): a product with few rows of input
+(:data:`precision.block_codes.FEW_ROWS`: a decode step's) contracting that axis is, on a GPU,
+:func:`precision.block_codes.block_product`, one kernel reading each code once; any other, and
+any on another platform (XLA:CPU runs that sum 5x slower), reads the weight dequantized.
 """
 
 from __future__ import annotations
@@ -37,10 +45,11 @@ from jax.custom_derivatives import SymbolicZero
 from precision.autocast import reductions
 from precision.autocast.program import MOVES
 from precision.autocast.values import Kind, Val, cast, is_policy_float
+from precision.block_codes import BLOCK_READS, FEW_ROWS, block_product
 from precision.channel_weights import CHANNEL_READ
 from precision.quantized_weights import READ
 
-__all__ = ["Source", "Channel", "is_read", "read", "follow", "product"]
+__all__ = ["Source", "Channel", "Blocks", "is_read", "read", "follow", "product"]
 
 #: Ops whose result is their first operand moved or cast: a weight's codes still make it.
 _FOLLOWED = MOVES | {"convert_element_type"}
@@ -54,14 +63,27 @@ class Channel(NamedTuple):
     scales: Any
 
 
+class Blocks(NamedTuple):
+    """A 2-D weight as a :class:`precision.block_codes.BlockCodes`' ``codes`` and ``scales`` (the
+    program's arrays), in ``code``, ``contracted`` on that axis as read; ``transposed`` since."""
+
+    codes: Any
+    scales: Any
+    code: str
+    contracted: int
+    transposed: bool = False
+
+
 class Source(NamedTuple):
     """How a value is made from a weight's codes: ``fn(*args)``, where ``args`` are the codes
     and scales as the program holds them and ``fn`` closes over no traced value; ``channel``:
-    the same weight factored (int8 with a scale per output channel), else None."""
+    the same weight factored (int8 with a scale per output channel), else None; ``blocks``: the
+    same weight in blocks of codes laid out for decoding, else None."""
 
     args: tuple
     fn: Callable
     channel: Channel | None = None
+    blocks: Blocks | None = None
 
     def then(self, step: Callable[[Any], Any]) -> "Source":
         """The value ``step`` makes of this one (no longer factored)."""
@@ -71,7 +93,8 @@ class Source(NamedTuple):
 
 def is_read(eqn: Any) -> bool:
     """Whether ``eqn`` is a named sub-program that dequantizes a weight."""
-    return eqn.primitive.name in ("pjit", "jit") and eqn.params.get("name") in (READ, CHANNEL_READ)
+    return eqn.primitive.name in ("pjit", "jit") and eqn.params.get("name") in (READ, CHANNEL_READ,
+                                                                               *BLOCK_READS.values())
 
 
 def read(site: Any, ins: list[Val]) -> list[Val]:
@@ -87,10 +110,13 @@ def read(site: Any, ins: list[Val]) -> list[Val]:
 
     if not is_policy_float(stored):
         return [Val(Kind.KEEP, fn(*args), site.path)]
-    channel = None
+    channel = blocks = None
     if eqn.params["name"] == CHANNEL_READ:  # its leaves: codes, scales
         channel = Channel(Source(args[:1], lambda codes: codes), args[1])
-    return [Val(Kind.HALF, fn(*args), site.path, leaf=True, source=Source(args, fn, channel))]
+    if eqn.params["name"] in BLOCK_READS.values():  # its leaves: codes (nf4: uint8, int8: int8), scales
+        contracted = next(axis for axis, name in BLOCK_READS.items() if name == eqn.params["name"])
+        blocks = Blocks(args[0], args[1], "int8" if np.dtype(args[0].dtype) == np.int8 else "nf4", contracted)
+    return [Val(Kind.HALF, fn(*args), site.path, leaf=True, source=Source(args, fn, channel, blocks))]
 
 
 def _stored_dtype(closed: Any) -> np.dtype:
@@ -121,7 +147,8 @@ def follow(site: Any, ins: list[Val], outs: list[Val]) -> None:
     source = ins[0].source.then(step)
     made = jax.eval_shape(source.fn, *source.args)
     if made.shape == np.shape(out.array) and made.dtype == dtype:
-        out.source = source._replace(channel=_moved(ins[0].source.channel, eqn))
+        out.source = source._replace(channel=_moved(ins[0].source.channel, eqn),
+                                     blocks=_moved_blocks(ins[0].source.blocks, eqn))
 
 
 def _moved(channel: Channel | None, eqn: Any) -> Channel | None:
@@ -133,6 +160,15 @@ def _moved(channel: Channel | None, eqn: Any) -> Channel | None:
         return None
     moved = lambda x: eqn.primitive.bind(x, **eqn.params)  # noqa: E731
     return Channel(channel.codes.then(moved), moved(channel.scales))
+
+
+def _moved_blocks(blocks: Blocks | None, eqn: Any) -> Blocks | None:
+    """``blocks`` after ``eqn``: cast, or transposed (2-D); any other move: no longer factored."""
+    if blocks is None or eqn.primitive.name == "convert_element_type":
+        return blocks
+    if eqn.primitive.name == "transpose" and tuple(eqn.params["permutation"]) == (1, 0):
+        return blocks._replace(transposed=not blocks.transposed)
+    return None
 
 
 def product(site: Any, ins: list[Val], args: list[Any], params: dict, reduce_dtype: Any = None) -> Any:
@@ -153,6 +189,9 @@ def product(site: Any, ins: list[Val], args: list[Any], params: dict, reduce_dty
     weight = ins[k].source.then(lambda w: w if w.dtype == dtype else cast(w, dtype, saturate=False))
     other = args[1 - k]
     dot = _frozen_dot(site.eqn.primitive, params, k, weight.fn, jax.ShapeDtypeStruct(np.shape(other), other.dtype))
+    few = _few_rows_product(site.eqn.primitive, ins[k].source.blocks, k, args, params)
+    if few is not None:  # on a GPU; XLA:CPU runs that sum 5x slower than the dequantized weight's dot
+        return jax.lax.platform_dependent(other, *weight.args, cuda=few, rocm=few, default=dot)
     return dot(other, *weight.args)
 
 
@@ -177,6 +216,28 @@ def _scaled_product(primitive: Any, channel: Channel | None, k: int, args: list[
     wide = {**params, "preferred_element_type": np.dtype(np.float32)}
     dot = _frozen_dot(primitive, wide, k, codes.fn, jax.ShapeDtypeStruct(np.shape(other), other.dtype))
     return (dot(other, *codes.args) * per_output).astype(out_dtype)
+
+
+def _few_rows_product(primitive: Any, blocks: Blocks | None, k: int, args: list[Any], params: dict) -> Any:
+    """``(x, codes, scales) -> x . W`` by :func:`precision.block_codes.block_product`, for a product
+    whose operand ``k`` is ``blocks``' weight, contracting its axis alone, with at most
+    :data:`FEW_ROWS` rows of the other operand ``x``; None elsewhere."""
+    if blocks is None or np.ndim(args[k]) != 2:
+        return None
+    (contracting, batch), other = params["dimension_numbers"], args[1 - k]
+    if tuple(batch[0]) or tuple(contracting[k]) != (blocks.contracted ^ blocks.transposed,):
+        return None
+    axis = contracting[1 - k][0]
+    if np.size(other) // np.shape(other)[axis] > FEW_ROWS:
+        return None
+    out_dtype = jax.eval_shape(lambda a, b: primitive.bind(a, b, **params), *args).dtype
+
+    def few(x: Any, codes: Any, scales: Any) -> Any:
+        y = block_product(jax.numpy.moveaxis(x, axis, -1), codes, scales, blocks.code, blocks.contracted,
+                          np.dtype(args[k].dtype))
+        return (y if k == 1 else jax.numpy.moveaxis(y, -1, 0)).astype(out_dtype)  # dot_general: lhs's axes first
+
+    return few
 
 
 def _frozen_dot(primitive: Any, params: dict, k: int, rebuild: Callable, other: Any) -> Callable:

@@ -102,7 +102,8 @@ class MergedRun(NamedTuple):
     keys) with a quantized base read back and LoRA adapters merged; ``state`` its other
     collections; the run's ``config``, ``data``, ``task`` and (unbound) ``model``; ``inputs``
     a batch of the data's inputs (a dict of them passed to the model as ``inputs_as`` says);
-    the adapted weights (``merged``) and the merge's check."""
+    the adapted weights (``merged``) and the merge's check; ``stored``: the params as the checkpoint
+    holds them (flat: a quantized base as ``<path>/codes`` and ``<path>/scales``, adapters unmerged)."""
 
     path: str
     config: Any
@@ -116,6 +117,7 @@ class MergedRun(NamedTuple):
     state: dict
     merged: tuple[str, ...]
     lora_match: float | None
+    stored: Flat
 
     @property
     def sample(self) -> tuple[Any, str]:
@@ -137,10 +139,12 @@ def merged_run(run_dir: str | os.PathLike, overrides: Sequence[str] = ()) -> Mer
     inputs_as = inputs_as_for(model, inputs, config.data.inputs_as)
     shapes = _param_shapes(bind(model, "fp32"), inputs, inputs_as)
     state = {k: v for k, v in variables.items() if k != "params"}
-    params = dequantized_base(traverse_util.flatten_dict(variables["params"]), shapes)
+    stored = traverse_util.flatten_dict(variables["params"])
+    params = dequantized_base(stored, shapes)
     params, merged, match = _merge_lora(config, model, (inputs, inputs_as), params, state)
     _check_fits(params, shapes, run_dir)
-    return MergedRun(run_dir, config, step, data, task, model, inputs, inputs_as, params, state, merged, match)
+    return MergedRun(run_dir, config, step, data, task, model, inputs, inputs_as, params, state, merged, match,
+                     stored)
 
 
 def _read_run(run_dir: str | os.PathLike, overrides: Sequence[str] = ()) -> tuple[str, Any, int]:
@@ -218,11 +222,7 @@ def _merge_lora(config: Any, model: Any, sample: tuple[Any, str], params: Flat, 
     pairs = adapter_pairs(params)
     if not pairs:
         return params, (), None
-    lora = config.finetune.lora
-    if lora.rank is None:
-        raise ExportError("the checkpoint has LoRA adapters and the run's config no finetune.lora section (rank, "
-                          "alpha): they cannot be merged")
-    spec = LoRA(rank=lora.rank, alpha=lora.alpha, targets=tuple(lora.targets), dropout=0.0).checked()
+    spec = run_lora(config, "merged")
     scale = spec.alpha / spec.rank
     adapted = finetune_model(nnx.clone(model) if isinstance(model, nnx.Module) else model, FineTune(lora=spec),
                              *sample)
@@ -242,6 +242,16 @@ def _merge_lora(config: Any, model: Any, sample: tuple[Any, str], params: Flat, 
         merged[weight] = w + scale * lora_delta(layout, w.shape, a_value, b_value)
     match = _match(with_adapters, _apply(bind(model, "fp32"), sample, state), tree, params, merged, pairs)
     return merged, tuple("/".join(k) for k in pairs), match
+
+
+def run_lora(config: Any, purpose: str) -> LoRA:
+    """The LoRA spec (rank, alpha, targets) a run's checkpoint's adapters were trained with, without
+    dropout; :class:`ExportError` if its config has none (the adapters cannot be ``purpose``)."""
+    lora = config.finetune.lora
+    if lora.rank is None:
+        raise ExportError(f"the checkpoint has LoRA adapters and the run's config no finetune.lora section (rank, "
+                          f"alpha): they cannot be {purpose}")
+    return LoRA(rank=lora.rank, alpha=lora.alpha, targets=tuple(lora.targets), dropout=0.0).checked()
 
 
 def _match(with_adapters: Any, base: Any, tree: dict, params: Flat, merged: Flat, pairs: dict) -> float:

@@ -14,7 +14,7 @@ import sys
 __all__ = ["USAGE", "main"]
 
 USAGE = ("python -m train sample RUN [--prompt TEXT | --prompt-file F] [--tokens N] [--temperature T] [--top-k K] "
-         "[--top-p P] [--seed S] [--batch B] [--dtype bf16|f16|f32|int8] [--kv-dtype bf16|f16|int8|fp8] [--diagnose]")
+         "[--top-p P] [--seed S] [--batch B] [--dtype bf16|f16|f32|int8|nf4] [--kv-dtype bf16|f16|int8|fp8] [--diagnose]")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -22,7 +22,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m train sample", usage=USAGE,
         description="Generate text from RUN (a workdir of this framework, an export of one, or a Hugging Face "
                     "directory with its tokenizer): its weights in DTYPE (the run's float32 islands kept; int8: "
-                    "weight-only, a scale per output channel), a KV cache in KV_DTYPE, the prompt in one compiled "
+                    "weight-only, a scale per output channel; nf4: a QLoRA run's base codes and unmerged adapters), a KV cache in KV_DTYPE, the prompt in one compiled "
                     "pass and each token in one compiled step, sampling in float32 (docs/serving.md).")
     parser.add_argument("run", metavar="RUN", help="a run's workdir, an export, or a Hugging Face directory")
     prompt = parser.add_mutually_exclusive_group()
@@ -36,7 +36,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="sample among the fewest likeliest tokens whose probability reaches P")
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="the sampling seed (default 0)")
     parser.add_argument("--batch", type=int, default=1, metavar="B", help="rows sampled at once (default 1)")
-    parser.add_argument("--dtype", default="bf16", metavar="DTYPE", help="the weights: bf16 (default), f16, f32, int8")
+    parser.add_argument("--dtype", default="bf16", metavar="DTYPE",
+                        help="the weights: bf16 (default), f16, f32, int8; nf4: a run fine-tuned on an nf4 base "
+                             "(QLoRA), as it stored it")
     parser.add_argument("--kv-dtype", metavar="KV_DTYPE",
                         help="the KV cache: bf16, f16, int8, fp8 (int8/fp8: a scale per head and position; "
                              "default: the dtype the model computes in)")

@@ -34,7 +34,7 @@ def diagnose_decoding(generator: Any, prompt: str) -> dict[str, precision.Diagno
     ids = generator.source.tokenizer.encode(prompt)
     length = generator.cache_length(len(ids), 1, True)
     decoder = generator.decoder
-    params = float32_weights(generator.params, generator.source.params)
+    params = float32_weights(generator.params, generator.float_params)
     tokens = jnp.asarray(ids[None], jnp.int32)
     empty = _float32(decoder.init(1, length))
     found = {"prefill": _diagnose(decoder.call(params, empty, tokens, jnp.int32(0)))}

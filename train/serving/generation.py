@@ -69,11 +69,17 @@ class Generator:
                  cache: bool = True):
         self.source = source if isinstance(source, Source) else load_source(source)
         inputs = sample_inputs(self.source)
-        compute = SERVING_DTYPES[serving_dtype(dtype)][1]
-        self.served: ServedWeights = serve_weights(self.source.model, self.source.params, self.source.rules(compute),
-                                                   dtype, inputs, self.source.state)
+        key = serving_dtype(dtype)
+        compute = SERVING_DTYPES[key][1]
+        #: the model served and its float32 weights: a stored base's (adapters unmerged) for nf4
+        self.model, self.float_params, codes = self.source.model, self.source.params, None
+        if key == "nf4":
+            base = _nf4_base(self.source)
+            self.model, self.float_params, codes = base.model, base.params, base.codes
+        self.served: ServedWeights = serve_weights(self.model, self.float_params, self.source.rules(compute), key,
+                                                   inputs, self.source.state, codes)
         self.kv = kv_dtype(kv_dtype_name, self.served.compute)
-        self.decoder: Decoder = decoder_for(self.source.model, self.served, self.kv, self.source.state, cache)
+        self.decoder: Decoder = decoder_for(self.model, self.served, self.kv, self.source.state, cache)
         self.params = jax.device_put(self.served.params)
         self._programs: dict[tuple, Any] = {}
         self.compile_seconds = 0.0
@@ -179,12 +185,24 @@ def generate(source: "Source | str", prompt: str | Sequence[int], *, tokens: int
              ) -> Generation:
     """Generates ``tokens`` new tokens after ``prompt`` from the model ``source`` holds (a run, an
     export or a Hugging Face directory; or a :class:`Source`), ``batch`` rows, weights in
-    ``dtype`` (``bf16``, ``f16``, ``f32``, ``int8``), the KV cache in ``kv_dtype`` (``bf16``,
+    ``dtype`` (``bf16``, ``f16``, ``f32``, ``int8``; ``nf4``: a QLoRA run as stored), the KV cache in ``kv_dtype`` (``bf16``,
     ``f16``, ``int8``, ``fp8``; None: the compute dtype), sampled in float32 at ``temperature``
     (0: greedy) from the ``top_k`` / ``top_p`` tokens, keyed by ``seed``. The prompt goes in one
     compiled pass, each token in one compiled step. Raises :class:`SampleError` (one line)."""
     generator = Generator(source, dtype, kv_dtype, cache)
     return generator.generate(prompt, tokens, Sampling(temperature, top_k, top_p, seed), batch, window)
+
+
+def _nf4_base(source: Source) -> Any:
+    """``source``'s weights as stored in nf4 codes, or :class:`SampleError` naming what it holds."""
+    base = source.base
+    if base is not None and base.code == "nf4":
+        return base
+    holds = (f"its base in {base.code} codes" if base is not None else
+             "merged float weights" if source.kind == "export" else "no weights in codes")
+    raise SampleError(f"--dtype nf4 serves a run fine-tuned on an nf4 base (finetune.base: nf4) as it stored it; "
+                      f"{source.path} holds {holds}: give bf16, f16, f32 or int8 (weight-only, a scale per output "
+                      f"channel)")
 
 
 def _size(n: float) -> str:

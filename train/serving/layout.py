@@ -22,6 +22,8 @@ import numpy as np
 from flax import struct
 
 from precision.channel_weights import ChannelInt8, dequantize_channels, is_channel_int8
+from precision.block_codes import dequantize_blocks, is_block_codes
+from precision.quantized_weights import dequantize_weight, is_quantized
 
 __all__ = ["ContractedLast", "laid_out", "is_stored_weight", "read_weight", "in_model_layout", "stored_bytes"]
 
@@ -61,14 +63,19 @@ def _transposed(value: Any, order: tuple[int, ...]) -> Any:
 
 
 def is_stored_weight(x: Any) -> bool:
-    """An ``is_leaf`` for tree maps that see served weights whole (laid out or int8)."""
-    return isinstance(x, ContractedLast) or is_channel_int8(x)
+    """An ``is_leaf`` for tree maps that see served weights whole (laid out, int8, or in the
+    blocks of a stored base: :class:`precision.QuantizedWeight`, laid out or not)."""
+    return isinstance(x, ContractedLast) or is_channel_int8(x) or is_quantized(x) or is_block_codes(x)
 
 
 def read_weight(x: Any, dtype: Any = None) -> Any:
-    """A served weight as the model reads it: int8 dequantized (in ``dtype``; default its own),
-    transposed back to the model's layout; any other leaf as it is."""
+    """A served weight as the model reads it: int8 or a stored base's codes dequantized (in
+    ``dtype``; default its own), transposed back to the model's layout; any other leaf as it is."""
     x = in_model_layout(x)
+    if is_quantized(x):
+        return dequantize_weight(x if dtype is None else x.replace(dtype=np.dtype(dtype)))
+    if is_block_codes(x):
+        return dequantize_blocks(x, dtype)
     return dequantize_channels(x, dtype) if is_channel_int8(x) else x
 
 
@@ -87,7 +94,9 @@ def stored_bytes(x: Any) -> int:
     """Bytes a served weight is stored in (int8 codes and their scales; an array's own)."""
     if isinstance(x, ContractedLast):
         return stored_bytes(x.stored)
-    if isinstance(x, ChannelInt8):
+    if isinstance(x, ChannelInt8) or is_block_codes(x):
         return x.nbytes
+    if is_quantized(x):
+        return int(np.size(x.codes)) * np.dtype(x.codes.dtype).itemsize + int(np.size(x.scales)) * 4
     return int(np.size(x)) * np.dtype(x.dtype).itemsize
 

@@ -3,7 +3,8 @@
 - **a run** of this framework (``config.yaml`` and ``checkpoints/``): its newest weights as
   ``python -m train export`` reads them (float32 masters, a quantized base read back, LoRA
   adapters merged: :func:`train.inspections.export.merged_run`), its model and data from
-  its config;
+  its config; a base in codes also as stored, adapters unmerged (``--dtype nf4``:
+  :mod:`train.serving.stored_base`);
 - **an export** (``params.safetensors`` and ``export.json``; an int8 one read back): the
   weights it holds, and the model and data of the run it came from (``export.json`` names it);
 - **a Hugging Face directory** (``config.json`` and Flax weights, ``save_pretrained``'s or an
@@ -31,6 +32,7 @@ from train.data import DataError
 from train.experiment.builders import build_experiment
 from train.inspections.export import ExportError, export_rules, merged_run
 from train.models.gpt import GPT
+from train.serving.stored_base import StoredBase, stored_base
 from train.serving.tokenizer import CharTokenizer, SampleError, huggingface_tokenizer
 from train.weights import huggingface
 from train.weights.export import MANIFEST, PARAMS_FILE
@@ -48,7 +50,8 @@ class Source(NamedTuple):
     """A model to serve: the (unbound) ``model``, its float32 ``params`` (nested dicts of numpy
     arrays) and other collections (``state``), ``rules(dtype)`` (its float32 islands served in
     ``dtype``), its ``tokenizer``, ``context`` (positions it was made for; None: unknown, and
-    what says so), the run's ``data`` (None for a Hugging Face directory) and ``step``."""
+    what says so), the run's ``data`` (None for a Hugging Face directory) and ``step``; ``base``:
+    the weights as a run fine-tuned on a base in codes stored them (``--dtype nf4``), else None."""
 
     path: str
     kind: str  # "run", "export" or "huggingface"
@@ -61,6 +64,7 @@ class Source(NamedTuple):
     context_from: str
     data: Any
     step: int | None
+    base: StoredBase | None = None
 
     def describe(self) -> str:
         step = f" (step {self.step})" if self.step is not None else ""
@@ -91,7 +95,8 @@ def load_source(path: str | os.PathLike) -> Source:
     _check_language_model(run.task, run.data, path)
     params = traverse_util.unflatten_dict({k: np.asarray(v, np.float32) if _floating(v) else np.asarray(v)
                                            for k, v in run.params.items()})
-    return _from_run(path, "run", run.config, run.data, run.model, params, run.state, run.step)
+    return _from_run(path, "run", run.config, run.data, run.model, params, run.state, run.step)._replace(
+        base=stored_base(run))
 
 
 def _export(path: str) -> Source:

@@ -1,4 +1,4 @@
-"""The weights a model is served in: ``--dtype bf16|f16|f32|int8``.
+"""The weights a model is served in: ``--dtype bf16|f16|f32|int8|nf4``.
 
 ``bf16``, ``f16``, ``f32``: every param cast to the dtype but those the run's precision
 rules keep in float32 (its float32 islands: norms by default), by the framework's own
@@ -8,7 +8,9 @@ logits in float32. ``int8``: the same in bfloat16, then the matmuls' weights as 
 scale per output channel (:mod:`train.weights.int8`), handed to the model as they are
 (:func:`model_reads`): the model's autocast multiplies their codes and scales the product,
 ``(x . codes) * scales`` (:mod:`precision.autocast.frozen_reads`), one GEMM reading each code
-once. Whatever the dtype, each matmul's weight is stored with the axes it contracts last
+once. ``nf4``: a run fine-tuned on an nf4 base, as it stored it (:mod:`train.serving.stored_base`):
+the base matrices in their codes and block scales, the LoRA adapters unmerged, the rest as in
+``bf16``. Whatever the dtype, each matmul's weight is stored with the axes it contracts last
 (:mod:`train.serving.layout`), so a decode step reads it once.
 """
 
@@ -23,6 +25,8 @@ from flax import traverse_util
 
 import precision
 from precision.channel_weights import is_channel_int8
+from precision.block_codes import block_codes, is_block_codes
+from precision.quantized_weights import is_quantized
 from precision.contractions import read_axes
 from train.serving.layout import (ContractedLast, in_model_layout, is_stored_weight, laid_out, read_weight,
                                   stored_bytes)
@@ -36,7 +40,7 @@ __all__ = ["SERVING_DTYPES", "ServedWeights", "serving_dtype", "serve_weights", 
 
 #: ``--dtype`` names: the dtype weights are stored in, and the one the model computes in.
 SERVING_DTYPES = {"bf16": ("bfloat16", "bfloat16"), "f16": ("float16", "float16"), "f32": ("float32", "float32"),
-                  "int8": ("int8", "bfloat16")}
+                  "int8": ("int8", "bfloat16"), "nf4": ("nf4", "bfloat16")}
 _ALIASES = {"bfloat16": "bf16", "float16": "f16", "fp16": "f16", "float32": "f32", "fp32": "f32"}
 
 
@@ -68,25 +72,30 @@ class ServedWeights(NamedTuple):
     def describe(self) -> str:
         flat = [x.stored if isinstance(x, ContractedLast) else x
                 for x in jax.tree_util.tree_leaves(self.params, is_leaf=is_stored_weight)]
-        kept = sum(1 for x in flat if not is_channel_int8(x) and np.dtype(x.dtype) == np.float32)
+        kept = sum(1 for x in flat if not (is_channel_int8(x) or is_quantized(x) or is_block_codes(x))
+                   and np.dtype(x.dtype) == np.float32)
         int8 = sum(1 for x in flat if is_channel_int8(x))
         parts = [f"{int8} int8 (a scale per output channel)"] if int8 else []
+        coded = [x for x in flat if is_quantized(x) or is_block_codes(x)]
+        if coded:
+            parts.append(f"{len(coded)} in {coded[0].code} codes as stored (a scale per 64 values)")
         parts.append(f"{kept} float32" if self.compute != "float32" else "all float32")
         return f"{self.dtype} weights ({', '.join(parts)}), computing in {self.compute}"
 
 
 def serving_dtype(name: str) -> str:
-    """The ``--dtype`` key ``name`` stands for (``bf16``, ``f16``, ``f32``, ``int8``)."""
+    """The ``--dtype`` key ``name`` stands for (``bf16``, ``f16``, ``f32``, ``int8``, ``nf4``)."""
     key = _ALIASES.get(str(name).strip().lower(), str(name).strip().lower())
     if key not in SERVING_DTYPES:
-        raise SampleError(f"--dtype {name!r}: give bf16, f16, f32 or int8")
+        raise SampleError(f"--dtype {name!r}: give bf16, f16, f32, int8 or nf4")
     return key
 
 
-def serve_weights(model: Any, params: Any, rules: Any, dtype: str, inputs: Any, state: dict | None = None
-                  ) -> ServedWeights:
+def serve_weights(model: Any, params: Any, rules: Any, dtype: str, inputs: Any, state: dict | None = None,
+                  codes: dict | None = None) -> ServedWeights:
     """``params`` (float32) as served in ``dtype`` under ``rules`` (the run's float32 islands),
-    and ``model`` bound to the serving policy; ``inputs``: a batch to trace the model with."""
+    and ``model`` bound to the serving policy; ``inputs``: a batch to trace the model with;
+    ``codes`` (``nf4``): ``{path: QuantizedWeight}``, the weights served in the codes they were stored in."""
     key = serving_dtype(dtype)
     stored, compute = SERVING_DTYPES[key]
     policy = precision.Policy(compute, compute, "float32")
@@ -97,11 +106,28 @@ def serve_weights(model: Any, params: Any, rules: Any, dtype: str, inputs: Any, 
     mode = mode_kwargs(bound, False)
     cast = traverse_util.flatten_dict(cast_variables(bound, {"params": tree, **state}, inputs, **mode)["params"])
     apply = lambda p: model.apply({"params": p, **state}, inputs, **mode)  # noqa: E731 - the model's own reads
-    axes, only_looked_up = map(traverse_util.flatten_dict, read_axes(apply, tree, [(False, True), (True, False)]))
+    axes, only_looked_up, read_by_either = map(traverse_util.flatten_dict, read_axes(
+        apply, tree, [(False, True), (True, False), (True, True)]))
     looked_up = frozenset(path for path, a in only_looked_up.items() if a is not None)
     if stored == "int8":
         cast = int8_weights(traverse_util.flatten_dict(tree), cast, axes)
-    return ServedWeights(traverse_util.unflatten_dict(laid_out(cast, axes)), policy, rules, key, compute, looked_up)
+    codes = codes or {}
+    if stored == "nf4" and not codes:
+        raise SampleError("--dtype nf4 serves weights stored in nf4 codes as they are: none given; give bf16, f16, "
+                          "f32 or int8")
+    served = laid_out(cast, {path: a for path, a in axes.items() if path not in codes})
+    served.update({path: decoding_codes(q.replace(dtype=np.dtype(cast[path].dtype)), read_by_either.get(path))
+                   for path, q in codes.items()})
+    return ServedWeights(traverse_util.unflatten_dict(served), policy, rules, key, compute, looked_up)
+
+
+def decoding_codes(q: Any, contracted: tuple[int, ...] | None) -> Any:
+    """A stored base's weight ``q`` as served: laid out for decoding
+    (:class:`precision.block_codes.BlockCodes`: each code read once by a decode step's product)
+    where matmuls contracting one axis of it, and lookups of slices along that axis, read it
+    (``contracted``: a tied embedding's too), else as stored."""
+    laid = block_codes(q, contracted[0]) if contracted is not None and len(contracted) == 1 else None
+    return q if laid is None else laid
 
 
 def materialized(params: Any) -> Any:
@@ -112,7 +138,7 @@ def materialized(params: Any) -> Any:
 
 def model_reads(params: Any) -> Any:
     """``params`` as a served step hands them to the model: each laid-out one transposed back, each
-    int8 one as its codes and scales (read by the model's autocast inside the matmuls)."""
+    int8 or nf4 one as its codes and scales (read by the model's autocast inside the matmuls)."""
     return jax.tree_util.tree_map(in_model_layout, params, is_leaf=is_stored_weight)
 
 
@@ -122,7 +148,8 @@ def float32_weights(served: Any, params: Any) -> Any:
     compares the serving dtypes with these)."""
     def full(x, source):
         inner = x.stored if isinstance(x, ContractedLast) else x
-        return read_weight(x, jnp.float32) if is_channel_int8(inner) else jnp.asarray(source, jnp.float32)
+        coded = is_channel_int8(inner) or is_quantized(inner) or is_block_codes(inner)
+        return read_weight(x, jnp.float32) if coded else jnp.asarray(source, jnp.float32)
 
     return jax.tree_util.tree_map(full, served, params, is_leaf=is_stored_weight)
 
