@@ -404,3 +404,18 @@ def test_a_bad_blockwise_setting_is_one_line_naming_the_key_and_the_valid_ones(t
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "precision.blockwise_loss: 'maybe'; valid: auto" in proc.stderr and "true" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_a_nested_program_closing_over_an_array_is_flattened_with_it():
+    # From jax 0.11 a Jaxpr is also a ClosedJaxpr holding its constants: taken as a bare Jaxpr, the nf4
+    # read's closed-over shifts became an input and every QLoRA step on an nf4 base failed (KeyError)
+    from precision.blockwise.program import flatten, read, run
+
+    q = precision.quantize_weight(jax.random.normal(jax.random.key(0), (64, 96)), "nf4")
+    x = jax.random.normal(jax.random.key(1), (3, 64))
+    f = lambda q, x: x @ precision.quantized_weights.read_in_program({"w": q})["w"]  # noqa: E731
+    closed = jax.make_jaxpr(f)(q, x)
+    program = flatten(closed)
+    env = dict(zip(program.inputs, jax.tree_util.tree_leaves((q, x)))) | program.consts
+    run(program.ops, env)
+    np.testing.assert_array_equal(np.asarray(read(env, program.outputs[0])), np.asarray(jax.jit(f)(q, x)))

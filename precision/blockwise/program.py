@@ -138,10 +138,13 @@ def _inline(jaxpr: Jaxpr, names: dict, ops: list[Op], counter: Any, avals: dict)
 
 
 def _callee(eqn: Any) -> ClosedJaxpr | None:
+    """The program a call runs, with its constants. A closed one first: from jax 0.11 a
+    ``Jaxpr`` is also a ``ClosedJaxpr`` holding its own constants, which ``ClosedJaxpr(call, ())``
+    would turn into inputs (a program closing over an array, an nf4 weight's read, then failed)."""
     call = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-    if isinstance(call, Jaxpr):
-        return ClosedJaxpr(call, ())
-    return call if isinstance(call, ClosedJaxpr) else None
+    if isinstance(call, ClosedJaxpr):
+        return call
+    return ClosedJaxpr(call, ()) if isinstance(call, Jaxpr) else None
 
 
 class _Pseudo(NamedTuple):
