@@ -34,9 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from precision.quantized_weights import BLOCK, NF4_LEVELS, QuantizedWeight, _nf4_levels
+from precision.normal_float import BLOCK, NF4_LEVELS, nf4_levels
 
-__all__ = ["BlockCodes", "block_codes", "dequantize_blocks", "block_product", "is_block_codes", "BLOCK_READS",
+__all__ = ["BlockCodes", "block_codes", "dequantize_blocks", "dequantize_rows", "block_product", "is_block_codes", "BLOCK_READS",
            "read_blocks", "FEW_ROWS"]
 
 #: Rows of input up to which a matmul reads a :class:`BlockCodes` weight in its codes
@@ -74,10 +74,10 @@ def is_block_codes(x: Any) -> bool:
     return isinstance(x, BlockCodes)
 
 
-def block_codes(q: QuantizedWeight, contracted: int) -> BlockCodes | None:
-    """``q``'s codes and scales laid out for products contracting its axis ``contracted`` (on the
-    host: the same values, reordered), or None where its blocks are not whole runs of 64 along one
-    row (not 2-D, or the minor axis not a multiple of 64)."""
+def block_codes(q: Any, contracted: int) -> BlockCodes | None:
+    """``q``'s (a :class:`precision.QuantizedWeight`) codes and scales laid out for products
+    contracting its axis ``contracted`` (on the host: the same values, reordered), or None where
+    its blocks are not whole runs of 64 along one row (not 2-D, or the minor axis not a multiple of 64)."""
     if len(q.shape) != 2 or q.shape[1] % BLOCK or contracted not in (0, 1):
         return None
     rows, blocks = q.shape[0], q.shape[1] // BLOCK
@@ -104,7 +104,7 @@ def _units(codes: jax.Array, scales: jax.Array, code: str, axis: int) -> tuple[j
     (a tree of selects on the nibbles, no gather)."""
     if code == "int8":
         return codes.astype(jnp.float32), scales * np.float32(1 / 127)
-    return _nf4_levels(_nibbles(codes, axis)), scales
+    return nf4_levels(_nibbles(codes, axis)), scales
 
 
 def dequantize_blocks(b: BlockCodes, dtype: Any = None) -> jax.Array:
@@ -117,6 +117,15 @@ def dequantize_blocks(b: BlockCodes, dtype: Any = None) -> jax.Array:
         unit, steps = _units(b.codes, b.scales, b.code, 2)
         values = (unit * steps[..., None]).reshape(unit.shape[0], -1)
     return values.astype(dtype or b.dtype)
+
+
+def dequantize_rows(codes: jax.Array, scales: jax.Array, code: str, rows: jax.Array) -> jax.Array:
+    """Rows ``rows`` (indices, clipped into range) of the weight ``(out, in)`` in ``codes`` and
+    ``scales`` (a :class:`BlockCodes`' leaves, contracted on axis 1), in float32: the values
+    :func:`dequantize_blocks` computes for them, from their codes alone."""
+    picked = jnp.take(codes, rows, axis=0, mode="clip"), jnp.take(scales, rows, axis=0, mode="clip")
+    unit, steps = _units(*picked, code, 2)
+    return (unit * steps[..., None]).reshape(unit.shape[0], -1)
 
 
 def block_product(x: jax.Array, codes: jax.Array, scales: jax.Array, code: str, contracted: int, dtype: Any

@@ -22,7 +22,6 @@ small to pay (biases, norms) stay floating: :func:`quantizable` says which.
 from __future__ import annotations
 
 import math
-import statistics
 from typing import Any
 
 import jax
@@ -30,32 +29,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from precision.block_codes import dequantize_blocks, is_block_codes, read_blocks
 from precision.channel_weights import dequantize_channels, is_channel_int8, read_channels
+from precision.normal_float import BLOCK, NF4_LEVELS, nf4_levels
 
 __all__ = ["BLOCK", "CODES", "QuantizedWeight", "quantizable", "quantize_weight", "dequantize_weight",
            "dequantized", "read_in_program", "READ", "is_quantized", "logical_size", "NF4_LEVELS"]
 
-#: Values per block (one float32 scale each), as QLoRA's.
-BLOCK = 64
 #: The codes a weight can be stored in.
 CODES = ("int8", "nf4")
 #: Weights with fewer values, or fewer than two dimensions, stay floating.
 MIN_SIZE = 4096
-
-
-def _normal_float_levels(bits: int = 4) -> np.ndarray:
-    """2**bits levels in [-1, 1], 0 among them, at quantiles of N(0, 1): one more
-    positive level than negative ones (QLoRA, section 3), normalised by the largest."""
-    normal = statistics.NormalDist()
-    offset = 0.5 * (1 / 32 + 1 / 30)  # the outermost quantile kept away from infinity
-    positive = [normal.inv_cdf(p) for p in np.linspace(1 - offset, 0.5, 2 ** (bits - 1) + 1)[:-1]]
-    negative = [-normal.inv_cdf(p) for p in np.linspace(1 - offset, 0.5, 2 ** (bits - 1))[:-1]]
-    levels = np.sort(np.array(positive + [0.0] + negative))
-    return (levels / np.abs(levels).max()).astype(np.float32)
-
-
-#: NormalFloat4's 16 levels, ascending, from -1 to 1.
-NF4_LEVELS = _normal_float_levels()
 
 
 @struct.dataclass
@@ -105,7 +89,7 @@ def dequantize_weight(q: QuantizedWeight) -> jax.Array:
     if q.code == "int8":  # one product per value, by each block's step: no order for XLA to rearrange
         unit, scales = q.codes.astype(jnp.float32), q.scales * np.float32(1 / 127)
     else:
-        unit, scales = _nf4_levels(_nibbles(q.codes)), q.scales
+        unit, scales = nf4_levels(_nibbles(q.codes)), q.scales
     values = (unit * scales[:, None]).reshape(-1)[:q.size]
     return values.reshape(q.shape).astype(q.dtype)
 
@@ -117,16 +101,6 @@ def _nibbles(codes: jax.Array) -> jax.Array:
     return ((codes[..., None] >> shifts) & 15).reshape(codes.shape[0], -1)
 
 
-def _nf4_levels(index: jax.Array) -> jax.Array:
-    """NormalFloat4's level of each index, by a tree of selects on its bits (elementwise, where a
-    lookup in a table of 16 is a gather, which XLA computes into a buffer of its own)."""
-    levels = [jnp.float32(v) for v in NF4_LEVELS]
-    for bit in range(4):  # pairs of candidates narrowed by bit 0, then bit 1...
-        set_ = (index >> bit) & 1 == 1
-        levels = [jnp.where(set_, hi, lo) for lo, hi in zip(levels[0::2], levels[1::2])]
-    return levels[0]
-
-
 def is_quantized(x: Any) -> bool:
     """Whether ``x`` is a :class:`QuantizedWeight` (an ``is_leaf`` for tree maps that see weights whole)."""
     return isinstance(x, QuantizedWeight)
@@ -135,8 +109,6 @@ def is_quantized(x: Any) -> bool:
 def _in_codes(x: Any) -> bool:
     """A weight stored in codes: a :class:`QuantizedWeight`, a :class:`precision.ChannelInt8` or
     a :class:`precision.block_codes.BlockCodes`."""
-    from precision.block_codes import is_block_codes
-
     return is_quantized(x) or is_channel_int8(x) or is_block_codes(x)
 
 
@@ -145,8 +117,6 @@ def dequantized(tree: Any) -> Any:
     read as its floating weight (other leaves as they are)."""
     if not any(_in_codes(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=_in_codes)):
         return tree
-    from precision.block_codes import dequantize_blocks, is_block_codes
-
     return jax.tree_util.tree_map(
         lambda x: dequantize_weight(x) if is_quantized(x) else dequantize_channels(x) if is_channel_int8(x)
         else dequantize_blocks(x) if is_block_codes(x) else x, tree, is_leaf=_in_codes)
@@ -174,8 +144,6 @@ def read_in_program(tree: Any) -> Any:
     autocast's programs read a frozen base, so that a matmul reading a weight finds its codes."""
     if not any(_in_codes(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=_in_codes)):
         return tree
-    from precision.block_codes import is_block_codes, read_blocks
-
     return jax.tree_util.tree_map(lambda x: _read(x) if is_quantized(x) else read_channels(x) if is_channel_int8(x)
                                   else read_blocks(x) if is_block_codes(x) else x, tree, is_leaf=_in_codes)
 

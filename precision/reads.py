@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from precision.autocast.scaled.fp8_quantize import E4M3, FP8_READ
-from precision.autocast.program import HALF_DTYPES, MOVES
+from precision.autocast.program import HALF_DTYPES, MOVES, scan_counts
 
 __all__ = ["read_dtypes"]
 
@@ -103,10 +103,7 @@ def _leaving(jaxpr: Any, eqn: Any, sub: Any, reads: set) -> set:
 def _scan_unsliced(params: dict[str, Any]) -> int:
     """How many of a scan's operands pass into its body whole (its constants and carry):
     ``num_consts + num_carry`` before jax 0.11, the first two parts of ``ft_in`` since."""
-    if "num_consts" in params:
-        return params["num_consts"] + params["num_carry"]
-    consts, carry, _ = params["ft_in"].unpack()
-    return len(consts) + len(carry)
+    return sum(scan_counts(params))
 
 
 def _inner_binders(eqn: Any, positions: list[int]) -> list[tuple[Any, Any, bool]]:

@@ -65,3 +65,22 @@ def test_a_decode_step_multiplies_the_codes_and_a_prompt_the_weight_dequantized(
         assert chosen[0].params["branches_platforms"] == (("cuda", "rocm"), None) and dots == [0, 1]
     else:
         assert not chosen
+
+
+class _Embedded(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+        return nn.Embed(300, 128, name="tokens")(ids).sum(-1)
+
+
+def test_rows_looked_up_come_from_their_codes_alone_with_the_same_values():
+    model = _Embedded()
+    ids = jnp.asarray([[0, 5, 299], [7, 7, 123]])
+    table = model.init(jax.random.key(0), ids)["params"]["tokens"]["embedding"]
+    q = _quantize(table, "nf4").replace(dtype=np.dtype(jnp.bfloat16))
+    bound = precision.with_policy(model, "params=bf16,compute=bf16,output=f32")
+    apply = lambda p, ids: bound.apply({"params": {"tokens": {"embedding": p}}}, ids)  # noqa: E731
+    np.testing.assert_array_equal(np.asarray(apply(block_codes(q, 1), ids)), np.asarray(apply(q, ids)))
+    # the compiled program never makes the whole table (as stored, the gather read it dequantized)
+    for weight, tables in ((q, 1), (block_codes(q, 1), 0)):
+        assert jax.jit(apply).lower(weight, ids).compile().as_text().count("[300,128]") == tables

@@ -25,6 +25,7 @@ from jax.extend import linear_util as lu
 
 from precision.autocast import frozen_reads, fused_attention
 from precision.autocast.interpreter import Context, Rule, Site, bind, evaluate, log, outputs
+from precision.autocast.program import scan_counts
 from precision.autocast.regions import module_path, region_dtype, region_fp8, region_int8, region_matmul
 from precision.autocast.tracing import evaluate_call
 from precision.autocast.values import Kind, Val, cast, const_val
@@ -209,16 +210,9 @@ def _loop_body(jaxpr: Any, consts: Sequence[Any], fixed: list[Spec], carry: list
     return closed, carry, out_specs, records
 
 
-def _scan_counts(params: dict) -> tuple[int, int]:
-    if "num_consts" in params:  # JAX < 0.11
-        return params["num_consts"], params["num_carry"]
-    consts, carry, _ = params["ft_in"].unpack()  # JAX >= 0.11: flat-tree of (consts, carry, xs)
-    return len(consts), len(carry)
-
-
 def _scan(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
     params = site.eqn.params
-    n_consts, n_carry = _scan_counts(params)
+    n_consts, n_carry = scan_counts(params)
     specs = [Spec.of(v) for v in ins]
     fixed, carry = specs[:n_consts], specs[n_consts:n_consts + n_carry]
     xs = [s._replace(shape=s.shape[1:]) for s in specs[n_consts + n_carry:]]

@@ -146,6 +146,7 @@ def _run(eqn: Any, env: dict, demanded: set, ctx: Context) -> None:
     with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
         outs = rewrite_eqn(site, ins, ctx)
         frozen_reads.follow(site, ins, outs)  # a weight stored in codes, moved or cast: still made from them
+        frozen_reads.lookup(site, ins, outs)  # rows of a table in codes: from their codes alone
     leaf, const = _keeps_leaf(site, ins), all(v.const for v in ins)
     for val in outs:
         val.leaf = val.leaf or leaf  # a param reshaped, cast or sliced is still a param as a layer reads it

@@ -19,7 +19,7 @@ from precision.autocast.matmul_precision import precision_name
 from precision.autocast.regions import module_path, scope_names
 
 __all__ = ["Op", "binders", "retyped_update_jaxpr", "iter_ops", "MatmulOp", "matmul_ops", "matmul_flops", "MATMUL_PRIMITIVES", "HALF_DTYPES",
-           "MOVES", "platform_branch", "host_platform"]
+           "MOVES", "platform_branch", "host_platform", "scan_counts"]
 
 MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated", "ragged_dot_general")
 HALF_DTYPES = frozenset(np.dtype(d) for d in ("float16", "bfloat16"))
@@ -53,6 +53,15 @@ class Op(NamedTuple):
 def binders(jaxpr: Any) -> list[Any]:
     """A program's constvars then invars (``Jaxpr.all_invars`` where JAX has it)."""
     return list(jaxpr.all_invars) if hasattr(jaxpr, "all_invars") else [*jaxpr.constvars, *jaxpr.invars]
+
+
+def scan_counts(params: dict) -> tuple[int, int]:
+    """How many of a ``scan``'s operands are its constants and its carry (the rest: what it slices):
+    ``num_consts`` and ``num_carry`` before jax 0.11, the first two parts of ``ft_in`` since."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
 
 
 def platform_branch(eqn: Any, platform: str | None) -> int | None:

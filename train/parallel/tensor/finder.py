@@ -21,6 +21,7 @@ from typing import Any
 
 from jax.extend.core import DropVar, Literal
 
+from precision.autocast.program import scan_counts
 from precision.autocast.regions import module_path, scope_names
 from train.parallel.tensor.dims import dot_roles
 from train.parallel.tensor.groups import Groups
@@ -293,7 +294,7 @@ class _Finder(Groups):
 
     def scan(self, eqn: Any, facts: list, body: Any, loc: tuple, scope: tuple, opaque: bool, module: str) -> list:
         """A loop's body (a scan over layers): its params sliced along their first dimension."""
-        consts, carry = eqn.params["num_consts"], eqn.params["num_carry"]
+        consts, carry = scan_counts(eqn.params)
         inner = {}
         for i, (v, f) in enumerate(zip(body.invars, facts)):
             if isinstance(f, Label):

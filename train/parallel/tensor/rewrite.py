@@ -34,6 +34,7 @@ from jax.extend.core import DropVar, Literal
 from jax.sharding import NamedSharding, PartitionSpec
 
 import precision
+from precision.autocast.program import scan_counts
 from train.parallel.tensor.dims import dot_roles
 from train.parallel.tensor.parts import parts_of
 from train.parallel.tensor.sites import Column, Embedding, Row, Unfuse
@@ -155,9 +156,8 @@ class Rewrite:
         raise TypeError(f"no sites expected inside {name}")
 
     def scan(self, eqn: Any, ins: list, loc: tuple) -> list:
-        p = eqn.params
-        consts, carry = ins[:p["num_consts"]], ins[p["num_consts"]:p["num_consts"] + p["num_carry"]]
-        xs = ins[p["num_consts"] + p["num_carry"]:]
+        p, (n_consts, n_carry) = eqn.params, scan_counts(eqn.params)
+        consts, carry, xs = ins[:n_consts], ins[n_consts:n_consts + n_carry], ins[n_consts + n_carry:]
         body = p["jaxpr"]
 
         def step(c, x):
