@@ -178,11 +178,11 @@ class _Collector:
 
     def scan(self, step: Step, ins: list, env: dict, locator: tuple) -> list:
         """A scan run as a scan: its body probed, statistics stacked per iteration."""
-        from precision.autocast.higher_order import _scan_counts
+        from precision.autocast.program import scan_counts
 
         self.flush()  # the body reads the finiteness of the values before it
         params, body = step.eqn.params, step.body
-        n_consts, n_carry = _scan_counts(params)
+        n_consts, n_carry = scan_counts(params)
         consts, carry, xs = ins[:n_consts], ins[n_consts:n_consts + n_carry], ins[n_consts + n_carry:]
         traced: list[_Collector] = []
 
