@@ -36,13 +36,14 @@ from flax import struct
 
 from precision.normal_float import BLOCK, NF4_LEVELS, nf4_levels
 
-__all__ = ["BlockCodes", "block_codes", "dequantize_blocks", "dequantize_rows", "block_product", "is_block_codes", "BLOCK_READS",
-           "read_blocks", "FEW_ROWS"]
+__all__ = ["BlockCodes", "block_codes", "dequantize_blocks", "dequantize_rows", "block_product", "is_block_codes",
+           "BLOCK_READS", "read_blocks", "FEW_ROWS"]
 
 #: Rows of input up to which a matmul reads a :class:`BlockCodes` weight in its codes
-#: (:func:`block_product`): the products then run on the vector units, 2 FLOPs per value per row
-#: (an H100's 67 TFLOP/s of float32 stream 0.56-byte codes at 3.35 TB/s for ~6 rows and pass
-#: dequantizing the weight once and a GEMM, ~8x the codes' bytes, near 40); past it, the latter.
+#: (:func:`block_product`), past which it dequantizes the weight for a GEMM. The sum runs on the
+#: vector units, 2 FLOPs per value per row: by an H100's datasheet (67 TFLOP/s of float32, 3.35
+#: TB/s) it keeps pace with streaming the 0.56-byte codes up to ~6 rows and costs less than the
+#: dequantized weight's ~8x the codes' bytes up to ~40. An estimate, not a measurement.
 FEW_ROWS = 16
 
 

@@ -14,7 +14,8 @@ import sys
 __all__ = ["USAGE", "main"]
 
 USAGE = ("python -m train sample RUN [--prompt TEXT | --prompt-file F] [--tokens N] [--temperature T] [--top-k K] "
-         "[--top-p P] [--seed S] [--batch B] [--dtype bf16|f16|f32|int8|nf4] [--kv-dtype bf16|f16|int8|fp8] [--diagnose]")
+         "[--top-p P] [--seed S] [--batch B] [--dtype bf16|f16|f32|int8|nf4] [--kv-dtype bf16|f16|int8|fp8] "
+         "[--diagnose]")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -22,8 +23,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m train sample", usage=USAGE,
         description="Generate text from RUN (a workdir of this framework, an export of one, or a Hugging Face "
                     "directory with its tokenizer): its weights in DTYPE (the run's float32 islands kept; int8: "
-                    "weight-only, a scale per output channel; nf4: a QLoRA run's base codes and unmerged adapters), a KV cache in KV_DTYPE, the prompt in one compiled "
-                    "pass and each token in one compiled step, sampling in float32 (docs/serving.md).")
+                    "weight-only, a scale per output channel; nf4: a QLoRA run's base codes and unmerged adapters), "
+                    "a KV cache in KV_DTYPE, the prompt in one compiled pass and each token in one compiled step, "
+                    "sampling in float32 (docs/serving.md).")
     parser.add_argument("run", metavar="RUN", help="a run's workdir, an export, or a Hugging Face directory")
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", metavar="TEXT", default=None, help="the text to continue (default: a newline)")
