@@ -34,7 +34,7 @@ from precision.channel_weights import dequantize_channels, is_channel_int8, read
 from precision.normal_float import BLOCK, NF4_LEVELS, nf4_levels
 
 __all__ = ["BLOCK", "CODES", "QuantizedWeight", "quantizable", "quantize_weight", "dequantize_weight",
-           "dequantized", "read_in_program", "READ", "is_quantized", "logical_size", "NF4_LEVELS"]
+           "dequantized", "read_in_program", "READ", "is_quantized", "in_codes", "logical_size", "NF4_LEVELS"]
 
 #: The codes a weight can be stored in.
 CODES = ("int8", "nf4")
@@ -57,6 +57,11 @@ class QuantizedWeight:
     def size(self) -> int:
         """Values of the weight (not of its codes)."""
         return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes it is stored in: its codes and their scales."""
+        return int(np.size(self.codes)) * np.dtype(self.codes.dtype).itemsize + 4 * int(np.size(self.scales))
 
 
 def quantizable(x: Any) -> bool:
@@ -106,20 +111,21 @@ def is_quantized(x: Any) -> bool:
     return isinstance(x, QuantizedWeight)
 
 
-def _in_codes(x: Any) -> bool:
-    """A weight stored in codes: a :class:`QuantizedWeight`, a :class:`precision.ChannelInt8` or
-    a :class:`precision.block_codes.BlockCodes`."""
+def in_codes(x: Any) -> bool:
+    """Whether ``x`` is a weight stored in codes: a :class:`QuantizedWeight`, a
+    :class:`precision.ChannelInt8` or a :class:`precision.block_codes.BlockCodes` (an ``is_leaf``
+    for tree maps that see such weights whole)."""
     return is_quantized(x) or is_channel_int8(x) or is_block_codes(x)
 
 
 def dequantized(tree: Any) -> Any:
     """``tree`` with every weight stored in codes (:class:`QuantizedWeight`, :class:`precision.ChannelInt8`)
     read as its floating weight (other leaves as they are)."""
-    if not any(_in_codes(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=_in_codes)):
+    if not any(in_codes(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=in_codes)):
         return tree
     return jax.tree_util.tree_map(
         lambda x: dequantize_weight(x) if is_quantized(x) else dequantize_channels(x) if is_channel_int8(x)
-        else dequantize_blocks(x) if is_block_codes(x) else x, tree, is_leaf=_in_codes)
+        else dequantize_blocks(x) if is_block_codes(x) else x, tree, is_leaf=in_codes)
 
 
 #: The name of the sub-program that dequantizes one weight in a traced program (:func:`read_in_program`).
@@ -142,10 +148,10 @@ def read_in_program(tree: Any) -> Any:
     :class:`precision.block_codes.BlockCodes`: one of :data:`precision.block_codes.BLOCK_READS`) and widened to
     float32 (exactly: autocast traces programs in float32 and casts where they compute): how
     autocast's programs read a frozen base, so that a matmul reading a weight finds its codes."""
-    if not any(_in_codes(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=_in_codes)):
+    if not any(in_codes(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=in_codes)):
         return tree
     return jax.tree_util.tree_map(lambda x: _read(x) if is_quantized(x) else read_channels(x) if is_channel_int8(x)
-                                  else read_blocks(x) if is_block_codes(x) else x, tree, is_leaf=_in_codes)
+                                  else read_blocks(x) if is_block_codes(x) else x, tree, is_leaf=in_codes)
 
 
 def logical_size(x: Any) -> int:

@@ -167,10 +167,11 @@ def _moved(channel: Channel | None, eqn: Any) -> Channel | None:
 
 
 def lookup(site: Any, ins: list[Val], outs: list[Val]) -> None:
-    """Makes the rows a ``gather`` takes of a table in blocks of codes along its rows
-    (:class:`Blocks` contracted on axis 1: an embedding) from those rows' codes and scales alone,
-    the same values (each computed and rounded as the whole table's read computes it): the
-    gather of the dequantized table read all of it (an nf4 Llama-3-8B embedding: 295 MB a token)."""
+    """Replaces ``outs[0]`` by the rows a ``gather`` takes of a table in blocks of codes along its
+    rows (:class:`Blocks` contracted on axis 1: an embedding), made from those rows' codes and
+    scales alone, the same values (each computed and rounded as the whole table's read computes
+    it): the gather of the dequantized table read all of it (an nf4 Llama-3-8B embedding: 295 MB
+    a token)."""
     if site.name != "gather" or len(outs) != 1 or len(ins) != 2 or ins[0].source is None:
         return
     blocks, params, table = ins[0].source.blocks, site.eqn.params, np.shape(ins[0].array)
@@ -188,8 +189,7 @@ def lookup(site: Any, ins: list[Val], outs: list[Val]) -> None:
         inside = (rows >= 0) & (rows < table[0])
         values = jax.numpy.where(inside[..., None], values, jax.numpy.asarray(np.nan if fill is None else fill,
                                                                                 out.dtype))
-    outs[0].array, outs[0].source = values, None
-    outs[0]._casts = {}
+    outs[0] = Val(outs[0].kind, values, outs[0].path)
 
 
 def _moved_blocks(blocks: Blocks | None, eqn: Any) -> Blocks | None:

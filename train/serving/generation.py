@@ -186,9 +186,10 @@ def generate(source: "Source | str", prompt: str | Sequence[int], *, tokens: int
     """Generates ``tokens`` new tokens after ``prompt`` from the model ``source`` holds (a run, an
     export or a Hugging Face directory; or a :class:`Source`), ``batch`` rows, weights in
     ``dtype`` (``bf16``, ``f16``, ``f32``, ``int8``; ``nf4``: a QLoRA run as stored), the KV
-    cache in ``kv_dtype`` (``bf16``, ``f16``, ``int8``, ``fp8``; None: the compute dtype), sampled in float32 at ``temperature``
-    (0: greedy) from the ``top_k`` / ``top_p`` tokens, keyed by ``seed``. The prompt goes in one
-    compiled pass, each token in one compiled step. Raises :class:`SampleError` (one line)."""
+    cache in ``kv_dtype`` (``bf16``, ``f16``, ``int8``, ``fp8``; None: the compute dtype),
+    sampled in float32 at ``temperature`` (0: greedy) from the ``top_k`` / ``top_p`` tokens,
+    keyed by ``seed``. The prompt goes in one compiled pass, each token in one compiled step.
+    Raises :class:`SampleError` (one line)."""
     generator = Generator(source, dtype, kv_dtype, cache)
     return generator.generate(prompt, tokens, Sampling(temperature, top_k, top_p, seed), batch, window)
 

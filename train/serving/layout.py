@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from precision.channel_weights import ChannelInt8, dequantize_channels, is_channel_int8
 from precision.block_codes import dequantize_blocks, is_block_codes
-from precision.quantized_weights import dequantize_weight, is_quantized
+from precision.channel_weights import ChannelInt8, dequantize_channels, is_channel_int8
+from precision.quantized_weights import dequantize_weight, in_codes, is_quantized
 
 __all__ = ["ContractedLast", "laid_out", "is_stored_weight", "read_weight", "in_model_layout", "stored_bytes"]
 
@@ -65,7 +65,7 @@ def _transposed(value: Any, order: tuple[int, ...]) -> Any:
 def is_stored_weight(x: Any) -> bool:
     """An ``is_leaf`` for tree maps that see served weights whole (laid out, int8, or in the
     blocks of a stored base: :class:`precision.QuantizedWeight`, laid out or not)."""
-    return isinstance(x, ContractedLast) or is_channel_int8(x) or is_quantized(x) or is_block_codes(x)
+    return isinstance(x, ContractedLast) or in_codes(x)
 
 
 def read_weight(x: Any, dtype: Any = None) -> Any:
@@ -94,9 +94,7 @@ def stored_bytes(x: Any) -> int:
     """Bytes a served weight is stored in (int8 codes and their scales; an array's own)."""
     if isinstance(x, ContractedLast):
         return stored_bytes(x.stored)
-    if isinstance(x, ChannelInt8) or is_block_codes(x):
+    if in_codes(x):
         return x.nbytes
-    if is_quantized(x):
-        return int(np.size(x.codes)) * np.dtype(x.codes.dtype).itemsize + int(np.size(x.scales)) * 4
     return int(np.size(x)) * np.dtype(x.dtype).itemsize
 

@@ -23,7 +23,7 @@ from precision.quantized_weights import QuantizedWeight
 from train.finetune import FineTune, finetune_model
 from train.inspections.export import MergedRun, run_lora
 from train.serving.tokenizer import SampleError
-from train.weights.export import ExportError, adapter_pairs, dequantized_base
+from train.weights.export import ExportError, adapter_pairs, dequantized_base, stored_codes
 
 __all__ = ["StoredBase", "stored_base"]
 
@@ -48,16 +48,10 @@ class StoredBase(NamedTuple):
 def stored_base(run: MergedRun) -> StoredBase | None:
     """The weights of ``run`` as its checkpoint stores them, when it stores a base in codes (a
     fine-tuning with ``finetune.base`` int8 or nf4); None for a run that stores floats."""
-    shapes = {path: np.shape(run.params[path]) for path in {k[:-1] for k in run.stored if k[-1] == "codes"}
-              if path in run.params}
-    if not shapes:
+    shapes = {path: np.shape(value) for path, value in run.params.items()}  # merged: the base's own shapes
+    codes = stored_codes(run.stored, shapes)
+    if not codes:
         return None
-    codes = {}
-    for path, shape in shapes.items():
-        values = np.asarray(run.stored[path + ("codes",)])
-        code = "int8" if values.dtype == np.int8 else "nf4"
-        codes[path] = QuantizedWeight(values, np.asarray(run.stored[path + ("scales",)], np.float32), tuple(shape),
-                                      np.dtype(np.float32), code)
     flat = {k: np.asarray(v, np.float32) if np.issubdtype(np.asarray(v).dtype, np.floating) else np.asarray(v)
             for k, v in dequantized_base(run.stored, shapes).items()}
     pairs = adapter_pairs(flat)

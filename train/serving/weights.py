@@ -24,10 +24,10 @@ import numpy as np
 from flax import traverse_util
 
 import precision
+from precision.block_codes import block_codes
 from precision.channel_weights import is_channel_int8
-from precision.block_codes import block_codes, is_block_codes
-from precision.quantized_weights import is_quantized
 from precision.contractions import read_axes
+from precision.quantized_weights import in_codes
 from train.serving.layout import (ContractedLast, in_model_layout, is_stored_weight, laid_out, read_weight,
                                   stored_bytes)
 from train.serving.tokenizer import SampleError
@@ -72,11 +72,10 @@ class ServedWeights(NamedTuple):
     def describe(self) -> str:
         flat = [x.stored if isinstance(x, ContractedLast) else x
                 for x in jax.tree_util.tree_leaves(self.params, is_leaf=is_stored_weight)]
-        kept = sum(1 for x in flat if not (is_channel_int8(x) or is_quantized(x) or is_block_codes(x))
-                   and np.dtype(x.dtype) == np.float32)
+        kept = sum(1 for x in flat if not in_codes(x) and np.dtype(x.dtype) == np.float32)
         int8 = sum(1 for x in flat if is_channel_int8(x))
         parts = [f"{int8} int8 (a scale per output channel)"] if int8 else []
-        coded = [x for x in flat if is_quantized(x) or is_block_codes(x)]
+        coded = [x for x in flat if in_codes(x) and not is_channel_int8(x)]
         if coded:
             parts.append(f"{len(coded)} in {coded[0].code} codes as stored (a scale per 64 values)")
         parts.append(f"{kept} float32" if self.compute != "float32" else "all float32")
@@ -148,8 +147,7 @@ def float32_weights(served: Any, params: Any) -> Any:
     compares the serving dtypes with these)."""
     def full(x, source):
         inner = x.stored if isinstance(x, ContractedLast) else x
-        coded = is_channel_int8(inner) or is_quantized(inner) or is_block_codes(inner)
-        return read_weight(x, jnp.float32) if coded else jnp.asarray(source, jnp.float32)
+        return read_weight(x, jnp.float32) if in_codes(inner) else jnp.asarray(source, jnp.float32)
 
     return jax.tree_util.tree_map(full, served, params, is_leaf=is_stored_weight)
 

@@ -97,11 +97,12 @@ def export_dtype(name: str) -> str:
     return EXPORT_DTYPES[key]
 
 
-def dequantized_base(flat: Flat, shapes: dict[tuple[str, ...], tuple[int, ...]]) -> Flat:
-    """``flat`` (a checkpoint's params, flattened) with each weight saved as 8/4-bit codes
-    (``<path>/codes`` and ``<path>/scales``) read back as float32, of the shape the model
-    gives its ``path`` (``shapes``): int8 codes are ``int8``, nf4 ones two per ``uint8``."""
-    out = {k: v for k, v in flat.items() if k[-1] not in ("codes", "scales") or k[:-1] not in shapes}
+def stored_codes(flat: Flat, shapes: dict[tuple[str, ...], tuple[int, ...]]) -> dict[tuple[str, ...], QuantizedWeight]:
+    """Each weight ``flat`` (a checkpoint's params, flattened) saved as 8/4-bit codes
+    (``<path>/codes`` and ``<path>/scales``), as the :class:`QuantizedWeight` of the shape the
+    model gives its ``path`` (``shapes``), read as float32: int8 codes are ``int8``, nf4 ones
+    two per ``uint8``."""
+    out = {}
     for path in {k[:-1] for k in flat if k[-1] == "codes" and k[:-1] in shapes}:
         codes, scales = np.asarray(flat[path + ("codes",)]), np.asarray(flat[path + ("scales",)], np.float32)
         code = "int8" if codes.dtype == np.int8 else "nf4"
@@ -110,8 +111,15 @@ def dequantized_base(flat: Flat, shapes: dict[tuple[str, ...], tuple[int, ...]])
         if codes.ndim != 2 or codes.shape[1] != per_block or codes.shape[0] * 64 < math.prod(shape):
             raise ExportError(f"{'/'.join(path)}: codes of shape {codes.shape} do not hold the model's {shape} "
                               f"weight in {code} blocks of 64")
-        weight = QuantizedWeight(codes, scales, shape, np.dtype(np.float32), code)
-        out[path] = np.asarray(dequantize_weight(weight), np.float32)
+        out[path] = QuantizedWeight(codes, scales, shape, np.dtype(np.float32), code)
+    return out
+
+
+def dequantized_base(flat: Flat, shapes: dict[tuple[str, ...], tuple[int, ...]]) -> Flat:
+    """``flat`` (a checkpoint's params, flattened) with each weight saved as 8/4-bit codes
+    (:func:`stored_codes`) read back as float32."""
+    out = {k: v for k, v in flat.items() if k[-1] not in ("codes", "scales") or k[:-1] not in shapes}
+    out.update({path: np.asarray(dequantize_weight(q), np.float32) for path, q in stored_codes(flat, shapes).items()})
     return out
 
 
