@@ -71,7 +71,7 @@ def plan(jaxpr: Any, consts: dict, ctx: Any) -> dict[int, Fusion]:
     for att in found:
         path, dtype = _where(jaxpr, att, ctx)
         why = _why_not(att, dtype, ctx)
-        fusion, how = (None, f"not fused: {why}") if why is not None else _fusion(graph, att, dtype)
+        fusion, how = (None, f"not fused: {why}") if why is not None else _fusion(graph, att, dtype, path)
         if fusion is not None:
             chosen[att.last] = fusion
         _log(ctx, path, dtype, how)
@@ -134,9 +134,9 @@ def _log(ctx: Any, path: tuple, dtype: np.dtype, reason: str) -> None:
         ctx.log.append(Record(path, ATTENTION, dtype, reason))
 
 
-def _fusion(graph: Graph, att: Attention, dtype: np.dtype) -> tuple[Fusion | None, str]:
+def _fusion(graph: Graph, att: Attention, dtype: np.dtype, path: tuple = ()) -> tuple[Fusion | None, str]:
     """The fused calls for ``att`` in ``dtype`` (built abstractly), by platform, and what
-    explain says of them; no fusion where no kernel can take it."""
+    explain says of them; no fusion where no kernel can take it. ``path``: the module it is in."""
     logits = _logits_shape(graph.jaxpr, att)
     heads = att.q_dims[3] is not None
     reads: dict = {}
@@ -161,7 +161,7 @@ def _fusion(graph: Graph, att: Attention, dtype: np.dtype) -> tuple[Fusion | Non
         held = dtype if role in fused_attention.QKV or role == "bias" else var.aval.dtype
         specs[role] = jax.eval_shape(make, jax.ShapeDtypeStruct(var.aval.shape, held))
     static = {"scale": att.scale, "is_causal": att.is_causal}
-    kernels, tpu_why = fused_attention.fused_kernels(tuple(specs), static, list(specs.values()))
+    kernels, tpu_why = fused_attention.fused_kernels(tuple(specs), static, list(specs.values()), module=path)
     return (Fusion(att, dtype, kernels, reads) if kernels else None), _how(att, kernels, tpu_why)
 
 

@@ -227,17 +227,19 @@ def cudnn_function(names: tuple[str, ...], static: dict, arrays: list) -> Callab
     return attend
 
 
-def fused_kernels(names: tuple[str, ...], static: dict, arrays: list, cudnn: bool = True) -> tuple[dict, str]:
+def fused_kernels(names: tuple[str, ...], static: dict, arrays: list, cudnn: bool = True,
+                  module: tuple[str, ...] = ()) -> tuple[dict, str]:
     """The fused kernels that can compute ``jax.nn.dot_product_attention(**dict(zip(names,
     arrays)), **static)``, by platform (``cuda``: cuDNN's, unless ``cudnn`` is False; ``tpu``:
     the Pallas flash attention, where libtpu is installed), and why the TPU's cannot ("" if it
-    can or is not considered)."""
+    can or is not considered). ``module``: the path of the module the call is in, which the
+    TPU kernel's passes are named in (see :func:`precision.autocast.tpu_flash.flash`)."""
     from precision.autocast import tpu_attention
 
     kernels = {"cuda": cudnn_function(names, static, arrays) if cudnn else None}
     tpu_why = ""
     if tpu_attention.available():
-        kernels["tpu"], tpu_why = tpu_attention.flash_function(names, static, arrays)
+        kernels["tpu"], tpu_why = tpu_attention.flash_function(names, static, arrays, module)
     return {p: k for p, k in kernels.items() if k is not None}, tpu_why
 
 

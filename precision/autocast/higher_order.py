@@ -150,7 +150,8 @@ def _fused_attention(site: Site, ins: list[Val], ctx: Context) -> list[Val] | No
         i = names.index("bias")
         arrays[i] = cast(arrays[i], site.region, saturate=True)
     kernels, _ = fused_attention.fused_kernels(names, fused_attention.call_static(site.eqn), arrays,
-                                               cudnn=fused_attention.wants_cudnn(site.eqn, site.region))
+                                               cudnn=fused_attention.wants_cudnn(site.eqn, site.region),
+                                               module=site.path)
     if not kernels:
         return None
     jaxpr, consts = _closed_parts(site.eqn.params["jaxpr"])

@@ -54,17 +54,19 @@ def available() -> bool:
     return importlib.util.find_spec("libtpu") is not None
 
 
-def flash_function(names: tuple[str, ...], static: dict, arrays: list) -> tuple[Callable[..., list] | None, str]:
+def flash_function(names: tuple[str, ...], static: dict, arrays: list,
+                   module: tuple[str, ...] = ()) -> tuple[Callable[..., list] | None, str]:
     """``jax.nn.dot_product_attention(**dict(zip(names, arrays)), **static)`` as the TPU's
     Pallas flash attention: ``(function of the arrays returning its outputs as a list, "")``,
-    or ``(None, why not)`` where the kernel would not compute the same thing or cannot take it."""
+    or ``(None, why not)`` where the kernel would not compute the same thing or cannot take it.
+    ``module``: the path of the module it is in, which its passes are named in."""
     why = _why_not(names, static, arrays)
     if why:
         return None, why
 
     def attend(*values):
         given = dict(zip(names, values, strict=True))
-        return [_flash(given, static)]
+        return [_flash(given, static, module=module)]
 
     try:
         specs = [jax.ShapeDtypeStruct(np.shape(v), v.dtype) for v in arrays]
@@ -98,7 +100,7 @@ def _why_not(names: tuple[str, ...], static: dict, arrays: list) -> str:
     return ""
 
 
-def _flash(given: dict, static: dict, check: bool = False) -> jax.Array:
+def _flash(given: dict, static: dict, check: bool = False, module: tuple[str, ...] = ()) -> jax.Array:
     """The call computed by the Pallas kernel, in ``jax.nn``'s layout and dtype; ``check``:
     builds the kernel's passes for these shapes instead (:func:`tpu_flash.check`)."""
     query, key, value = given["query"], given["key"], given["value"]
@@ -119,7 +121,8 @@ def _flash(given: dict, static: dict, check: bool = False) -> jax.Array:
         tpu_flash.check(heads_first(query), heads_first(key), heads_first(value), bias, causal=causal, scale=scale)
         return query
     # in jax.nn's layout, so its residuals are the arrays cuDNN's and XLA's attention keep too
-    return tpu_flash.flash(query, key, value, bias, causal=causal, scale=scale, heads_second=True).astype(query.dtype)
+    return tpu_flash.flash(query, key, value, bias, causal=causal, scale=scale, heads_second=True,
+                           module=module).astype(query.dtype)
 
 
 def _pull_back(fn: Any, args: tuple) -> Any:

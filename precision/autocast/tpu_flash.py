@@ -21,15 +21,18 @@ them leaves the attention unfused, and ``explain`` says so).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 from jax.sharding import PartitionSpec
+
+from precision.autocast.regions import module_tag
 
 __all__ = ["check", "flash", "one_device_p", "on_one_device", "FORWARD_SCOPE", "BACKWARD_SCOPE"]
 
@@ -40,15 +43,18 @@ _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # the kernel's own fill 
 
 
 def flash(q: jax.Array, k: jax.Array, v: jax.Array, ab: jax.Array | None, causal: bool, scale: float,
-          heads_second: bool = False) -> jax.Array:
+          heads_second: bool = False, module: tuple[str, ...] = ()) -> jax.Array:
     """``flash_attention(q, k, v, ab, causal=causal, sm_scale=scale)`` over ``(batch, heads,
     length, head size)`` operands (``ab``: ``(batch, heads, T, S)`` float32, or None),
     differentiable; per device under a mesh in context. ``heads_second``: ``q``, ``k``, ``v``
     and the result in ``jax.nn``'s ``(batch, length, heads, head size)`` instead, and so the
     residuals kept for the backward pass: those of the other platforms' attention (cuDNN's,
     XLA's) are the same arrays, so a program holding every platform's branch keeps them once
-    (a ``cond``'s branches share residual slots of one shape and dtype)."""
-    attention = _attention(causal, scale, ab is not None, heads_second)
+    (a ``cond``'s branches share residual slots of one shape and dtype). ``module``: the path
+    of the module the call is in, named again inside each pass: the compiled program's readers
+    find the kernel's module there (JAX 0.11 lowers the forward pass inside ``shard_map``
+    without its caller's name stack)."""
+    attention = _attention(causal, scale, ab is not None, heads_second, tuple(module))
     args = (q, k, v) if ab is None else (q, k, v, ab)
     batch, heads = _split_axes(q.shape[0], q.shape[1])
     if not batch and not heads:
@@ -96,14 +102,20 @@ def _swap(x: jax.Array) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=None)
-def _attention(causal: bool, scale: float, biased: bool, heads_second: bool = False) -> Callable:
+def _attention(causal: bool, scale: float, biased: bool, heads_second: bool = False,
+               module: tuple[str, ...] = ()) -> Callable:
     forward = functools.partial(_kernel_fwd, causal, scale, biased)
     backward = functools.partial(_kernel_bwd, causal, scale, biased)
     forward_xla = functools.partial(_xla_fwd, causal, scale, biased)
     backward_xla = functools.partial(_xla_bwd, causal, scale, biased)
 
+    @contextlib.contextmanager
+    def named(scope: str) -> Iterator[None]:  # the module's tag (see `flash`), then the pass's scope
+        with jax.named_scope(module_tag(module)) if module else contextlib.nullcontext(), jax.named_scope(scope):
+            yield
+
     def run_forward(*args):
-        with jax.named_scope(FORWARD_SCOPE):
+        with named(FORWARD_SCOPE):
             return choose(*args, kernel=forward, fallback=forward_xla)
 
     @jax.custom_vjp
@@ -115,7 +127,7 @@ def _attention(causal: bool, scale: float, biased: bool, heads_second: bool = Fa
         return out, (*args, out, l, m)
 
     def bwd(residuals, do):
-        with jax.named_scope(BACKWARD_SCOPE):
+        with named(BACKWARD_SCOPE):
             return tuple(choose(*residuals, do, kernel=backward, fallback=backward_xla))
 
     if heads_second:  # operands, result and residuals in jax.nn's layout; the kernel in its own
