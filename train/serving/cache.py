@@ -48,7 +48,7 @@ _HALF = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 #: What each kind of decoder is, for the end line.
 CACHE_KINDS = {"gpt": "KV cache (this project's GPT)", "huggingface": "KV cache (the Hugging Face model's own)",
                "linen": "KV cache (the model's Flax decode cache)",
-               "none": "no KV cache: the whole prefix each token"}
+               "none": "no KV cache (the whole prefix each token), token ids"}
 
 
 class Decoder(NamedTuple):

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 import precision
 from train.serving.weights import float32_weights
+from train.training.binding import doctor_subject
 from train.training.diagnose import summary_line
 
 __all__ = ["diagnose_decoding", "format_diagnosis"]
@@ -59,7 +60,10 @@ def _float32(cache: Any) -> Any:
 
 def _diagnose(call: tuple[Any, tuple, dict, dict]) -> precision.Diagnosis:
     model, args, variables, kwargs = call
-    return precision.diagnose(model, *args, variables=variables, **kwargs)
+    target, variables, mode = doctor_subject(model, variables, False)
+    if target is not model:  # an NNX module merged with its variables: its own call's keywords, not apply's
+        kwargs = mode
+    return precision.diagnose(target, *args, variables=variables, **kwargs)
 
 
 def format_diagnosis(found: dict[str, precision.Diagnosis | None]) -> str:

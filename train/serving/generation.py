@@ -80,6 +80,9 @@ class Generator:
                                                    inputs, self.source.state, codes)
         self.kv = kv_dtype(kv_dtype_name, self.served.compute)
         self.decoder: Decoder = decoder_for(self.model, self.served, self.kv, self.source.state, cache)
+        if kv_dtype_name is not None and cache and not self.decoder.cached:
+            raise SampleError(f"--kv-dtype {kv_dtype_name}: {type(self.source.model).__name__} keeps no KV cache "
+                              f"(it samples the whole prefix each token, without one); leave --kv-dtype out")
         self.params = jax.device_put(self.served.params)
         self._programs: dict[tuple, Any] = {}
         self.compile_seconds = 0.0

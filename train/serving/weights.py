@@ -104,7 +104,8 @@ def serve_weights(model: Any, params: Any, rules: Any, dtype: str, inputs: Any, 
     tree = jax.tree_util.tree_map(np.asarray, params)  # cast on the host: no program per shape and dtype
     mode = mode_kwargs(bound, False)
     cast = traverse_util.flatten_dict(cast_variables(bound, {"params": tree, **state}, inputs, **mode)["params"])
-    apply = lambda p: model.apply({"params": p, **state}, inputs, **mode)  # noqa: E731 - the model's own reads
+    own = bind(model, precision.Policy("float32", "float32", "float32"), (), autocast=False)  # as written
+    apply = lambda p: own.apply({"params": p, **state}, inputs, **mode_kwargs(own, False))  # noqa: E731
     axes, only_looked_up, read_by_either = map(traverse_util.flatten_dict, read_axes(
         apply, tree, [(False, True), (True, False), (True, True)]))
     looked_up = frozenset(path for path, a in only_looked_up.items() if a is not None)

@@ -27,15 +27,17 @@ import inspect
 import types
 from typing import Any
 
-import jax
 import flax.linen as nn
+import jax
+import numpy as np
 from flax import nnx
 
 import precision
+from precision.quantized_weights import in_codes
 from train.data.model_inputs import inputs_as
 
 __all__ = ["NNXModel", "bind", "rebind", "cast_variables", "mode_kwargs", "call_mode_kwargs", "call_signature",
-           "inputs_as_for", "TRAIN_KEYWORDS"]
+           "inputs_as_for", "doctor_subject", "TRAIN_KEYWORDS"]
 
 #: Call keywords by which models learn that they are training, and their value when training.
 TRAIN_KEYWORDS = {"train": True, "training": True, "is_training": True, "deterministic": False}
@@ -61,6 +63,15 @@ def mode_kwargs(model: Any, train: bool) -> dict[str, bool]:
         return {"train": train}
     module = getattr(model, "module", model)
     return call_mode_kwargs(type(module).__call__, train)
+
+
+def doctor_subject(model: Any, variables: dict, train: bool) -> tuple[Any, Any, dict]:
+    """What :func:`precision.diagnose` takes for a bound model holding ``variables``: ``(target,
+    variables, mode kwargs)``; an NNX module is given merged with them (the doctor takes NNX
+    modules as they are, not the Linen contract :class:`NNXModel` adds)."""
+    if isinstance(model, NNXModel):
+        return model.merge(variables, train=train), None, call_mode_kwargs(model.module_type.__call__, train)
+    return model, variables, mode_kwargs(model, train)
 
 
 def call_signature(model: Any) -> inspect.Signature | None:
@@ -277,6 +288,8 @@ def cast_variables(model: Any, variables: Any, *sample_args: Any, **sample_kwarg
     that has not run yet and whose rules match class names."""
     if isinstance(model, NNXModel):
         stored = model.init()["params"]
-        params = jax.tree_util.tree_map(lambda v, ref: v.astype(ref.dtype), variables["params"], stored)
+        params = jax.tree_util.tree_map(  # a frozen base in codes stays in them, read back in the param dtype
+            lambda v, ref: v.replace(dtype=np.dtype(ref.dtype)) if in_codes(v) else v.astype(ref.dtype),
+            variables["params"], stored, is_leaf=in_codes)
         return {**variables, "params": params}
     return model.cast_params(variables, *sample_args, **sample_kwargs)

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 import precision
-from train.training.binding import NNXModel, call_mode_kwargs, mode_kwargs
+from train.training.binding import doctor_subject
 from train.data.model_inputs import call_arguments
 from train.training.inference import cast_for_inference, full_precision_params
 from train.training.state import TrainState
@@ -44,7 +44,7 @@ def diagnose_state(state: TrainState, batch: dict, task: Any, *, verify: bool = 
     def loss_fn(outputs: Any) -> jax.Array:
         return task.loss(outputs, batch)[0]
 
-    target, variables, kwargs = _subject(state.model, params, state.model_state, train=True)
+    target, variables, kwargs = doctor_subject(state.model, {"params": params, **state.model_state}, True)
     scale = jax.device_get(state.loss_scale) if loss_scale is None else loss_scale
     args, inputs = call_arguments(batch["inputs"], state.inputs_as)  # one input, or several (model_inputs)
     return precision.diagnose(target, *args, variables=variables, loss_fn=loss_fn, loss_scale=scale,
@@ -61,21 +61,13 @@ def diagnose_inference(state: TrainState, batch: dict, dtype: Any, *, rules: Any
     masters, activations of an eval-mode forward; with ``verify``, the rules that fix it."""
     served = cast_for_inference(state, dtype, rules).model
     params = full_precision_params(state)  # the float32 params served (cast by the doctor, as served)
-    target, variables, kwargs = _subject(served, params, state.model_state, train=False)
+    target, variables, kwargs = doctor_subject(served, {"params": params, **state.model_state}, False)
     args, inputs = call_arguments(_arrays(batch)["inputs"], state.inputs_as)
     return precision.diagnose(target, *args, variables=variables, verify=verify, **inputs, **kwargs)
 
 
 def _arrays(batch: dict) -> dict:
     return jax.tree_util.tree_map(lambda v: v if isinstance(v, jax.Array) else np.asarray(v), batch)
-
-
-def _subject(model: Any, params: Any, model_state: dict, *, train: bool) -> tuple[Any, Any, dict]:
-    """What :func:`precision.diagnose` takes for a state's model: ``(target, variables, mode kwargs)``."""
-    if isinstance(model, NNXModel):
-        return (model.merge({"params": params, **model_state}, train=train), None,
-                call_mode_kwargs(model.module_type.__call__, train))
-    return model, {"params": params, **model_state}, mode_kwargs(model, train)
 
 
 def write_diagnosis(workdir: str, diagnosis: precision.Diagnosis, step: int, reason: str,
