@@ -40,7 +40,7 @@ def test_every_projection_mlp_and_head_matmul_is_an_int8_mxu_op_on_v5e_forward_a
     # each one a Pallas kernel quantizing its 16-bit operand in VMEM (precision.autocast.scaled.int8_pallas)
     assert sum(f"/{SCOPE}/" in k.op_name for k in matmuls) == 15 and "block_0/Dense_0" in {k.module for k in matmuls}
     assert report.int8.share == 1.0 and report.int8.outside == () and report.fits
-    assert "int8 share of matmul FLOPs (attention aside): 100.0%" in str(report)
+    assert "int8 share of matmul FLOPs (fused attention aside): 100.0%" in str(report)
     assert report.modeled.matmul_flops["s8"] == report.int8.int8_flops and report.modeled.xla_cycles > 0
 
 

@@ -141,3 +141,19 @@ def test_an_int8_kernel_is_an_int8_matmul_timed_by_its_cost_estimate():
     assert int8_share(tpu_kernels(KERNEL_HLO)).share == 1.0
     (kernel,) = read_tpu_kernels(KERNEL_HLO)
     assert (kernel.kind, kernel.operands, kernel.result) == ("tpu_matmul", ("s8", "s8"), "s32")
+
+
+@pytest.mark.parametrize("window,labels,lhs,rhs,out", [
+    # XLA:TPU's batched matmul (batch 32 x heads 4, 32 x 16 by 16 x 32): the window spans the batch over an
+    # input dilated by as much, one tap meeting a value per output (its forward and its backward form)
+    ("size=32x4 stride=31x3 lhs_dilate=32x4", "0b1f_0o1i->01bf", (32, 32, 4, 16), (32, 32, 4, 16), (32, 4, 32, 32)),
+    ("size=32x4 stride=32x4 pad=31_31x3_3 lhs_dilate=31x3 rhs_reversal=1x1", "0f1b_01oi->01fb",
+     (32, 32, 4, 32), (32, 4, 16, 32), (32, 4, 32, 16)),
+])
+def test_a_batched_matmul_written_as_a_dilated_convolution_counts_its_products_once(window, labels, lhs, rhs, out):
+    from train.inspections.hlo_kernels import conv_flops
+
+    assert conv_flops(out, rhs, f"window={{{window}}}, dim_labels={labels}", lhs) == 2 * 32 * 4 * 32 * 32 * 16
+    # a plain 3 x 3 convolution counts its whole window, padding taps included (as XLA does)
+    assert conv_flops((8, 8, 8, 32), (3, 3, 16, 32), "window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f",
+                      (8, 8, 8, 16)) == 2 * 8 * 8 * 8 * 32 * 9 * 16

@@ -22,6 +22,8 @@ import math
 import re
 from typing import Iterator, NamedTuple
 
+import numpy as np
+
 from train.inspections.gpu_kernels import INSTRUCTION as _INSTR, attribute, f32_algorithm, module_of, operand_names
 from train.parallel.communication import group_size, sent_fraction
 
@@ -359,14 +361,46 @@ def dot_flops(out: tuple[int, ...], lhs: tuple[int, ...], rest: str) -> float:
     return 2.0 * math.prod(out) * math.prod(lhs[d] for d in contracting if d < len(lhs))
 
 
-def conv_flops(out: tuple[int, ...], rhs: tuple[int, ...], rest: str) -> float:
-    """2 x output elements x the kernel's size per output of a convolution (its ``dim_labels``)."""
-    labels = re.search(r"dim_labels=\w+_(\w+)->", rest)
-    if labels is None or len(labels.group(1)) != len(rhs):
+def conv_flops(out: tuple[int, ...], rhs: tuple[int, ...], rest: str, lhs: tuple[int, ...] | None = None) -> float:
+    """2 x output elements x the kernel's size per output of a convolution (its ``dim_labels``).
+    Over an input dilated by ``lhs_dilate`` (``lhs``: its shape) only the taps meeting an input
+    value count: XLA:TPU writes a batched matmul as such a convolution, its window spanning the
+    batch, one tap in the window's size meeting a value."""
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", rest)
+    if labels is None or len(labels.group(2)) != len(rhs):
         return 0.0
-    per_output = math.prod(size for size, label in zip(rhs, labels.group(1)) if label != "o")
+    lhs_labels, rhs_labels, out_labels = labels.groups()
+    window = re.search(r"window=\{([^}]*)\}", rest)
+    dilated = lhs is not None and window is not None and "lhs_dilate=" in window.group(1) and \
+        len(lhs) == len(lhs_labels) and len(out) == len(out_labels)
+    per_output, spatial_out = 1, 1
+    for size, label in zip(rhs, rhs_labels):
+        if dilated and label.isdigit():  # taps meeting values, summed over the outputs along this dim
+            spatial = _window_field(window.group(1), int(label))
+            per_output *= _taps(out[out_labels.index(label)], lhs[lhs_labels.index(label)], size, **spatial)
+            spatial_out *= out[out_labels.index(label)]
+        elif label != "o":
+            per_output *= size
     groups = re.search(r"batch_group_count=(\d+)", rest)
-    return 2.0 * math.prod(out) * per_output / (int(groups.group(1)) if groups else 1)
+    return 2.0 * math.prod(out) / spatial_out * per_output / (int(groups.group(1)) if groups else 1)
+
+
+def _window_field(window: str, dim: int) -> dict[str, int]:
+    """A window's stride, low padding and input dilation along spatial ``dim`` (XLA's defaults: 1, 0, 1)."""
+    def field(name: str, default: int) -> int:
+        m = re.search(name + r"=([\d_x\-]+)", window)
+        if m is None:
+            return default
+        parts = m.group(1).split("x")
+        return int(parts[dim].split("_")[0]) if dim < len(parts) else default
+
+    return {"stride": field("stride", 1), "pad": field("pad", 0), "dilate": field("lhs_dilate", 1)}
+
+
+def _taps(outputs: int, inputs: int, size: int, stride: int, pad: int, dilate: int) -> int:
+    """Over ``outputs`` positions, the window taps that meet one of ``inputs`` values dilated by ``dilate``."""
+    at = np.arange(outputs)[:, None] * stride + np.arange(size)[None, :] - pad
+    return int(np.count_nonzero((at >= 0) & (at % dilate == 0) & (at // dilate < inputs)))
 
 
 def _gemm_flops(result: str, operands: list[str], rest: str) -> float:
@@ -374,7 +408,7 @@ def _gemm_flops(result: str, operands: list[str], rest: str) -> float:
 
 
 def _conv_flops(result: str, operands: list[str], rest: str) -> float:
-    return conv_flops(_dims(result), _dims(operands[1]), rest) if len(operands) >= 2 else 0.0
+    return conv_flops(_dims(result), _dims(operands[1]), rest, _dims(operands[0])) if len(operands) >= 2 else 0.0
 
 
 def _attention_flops(target: str, operands: list[str], rest: str) -> float:
