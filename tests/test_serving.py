@@ -219,3 +219,16 @@ def test_a_token_reads_one_row_of_a_table_only_looked_up_and_all_of_a_tied_one()
     tables = sum(int(np.size(x)) * 2 for x in (SOURCE.params["tokens"]["embedding"],
                                                SOURCE.params["positions"]["embedding"]))
     assert served.token_bytes == served.bytes - tables + 2 * 2 * SOURCE.params["tokens"]["embedding"].shape[1]
+
+
+def test_a_vocabulary_without_a_newline_is_prompted_with_its_first_character_and_says_it_has_no_whitespace():
+    from train.serving import SampleError
+    from train.serving.tokenizer import CharTokenizer
+
+    synthetic, plays = CharTokenizer("ĀāĂă"), CharTokenizer("\n !ABab")
+    assert (synthetic.default_prompt, plays.default_prompt) == ("Ā", "\n")
+    with pytest.raises(SampleError, match=r"\('\\n', 'x'; the first at position 1\); it knows 4 characters: "
+                                          r"'ĀāĂă' \(no whitespace\)$"):
+        synthetic.encode("Āx\n")
+    with pytest.raises(SampleError, match=r"it knows 7 characters: '!ABab' and the whitespace '\\n '$"):
+        plays.encode("é")

@@ -28,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
                     "sampling in float32 (docs/serving.md).")
     parser.add_argument("run", metavar="RUN", help="a run's workdir, an export, or a Hugging Face directory")
     prompt = parser.add_mutually_exclusive_group()
-    prompt.add_argument("--prompt", metavar="TEXT", default=None, help="the text to continue (default: a newline)")
+    prompt.add_argument("--prompt", metavar="TEXT", default=None, help="the text to continue (default: a newline; a vocabulary without one: its first character)")
     prompt.add_argument("--prompt-file", metavar="F", help="a UTF-8 file holding the text to continue")
     parser.add_argument("--tokens", type=int, default=200, metavar="N", help="new tokens per row (default 200)")
     parser.add_argument("--temperature", type=float, default=0.8, metavar="T",
@@ -64,6 +64,7 @@ def main(argv: list[str]) -> int:
     try:
         text = _prompt(args)
         generator = Generator(args.run, args.dtype, args.kv_dtype, cache=not args.no_cache)
+        text = generator.source.tokenizer.default_prompt if text is None else text
         sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
         out = generator.generate(text, args.tokens, sampling, args.batch, window=not args.no_window)
         diagnosis = _diagnose(generator, text) if args.diagnose else None
@@ -77,11 +78,11 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _prompt(args: argparse.Namespace) -> str:
+def _prompt(args: argparse.Namespace) -> str | None:
     from train.serving.tokenizer import SampleError
 
     if args.prompt_file is None:
-        return "\n" if args.prompt is None else args.prompt
+        return args.prompt  # None: the tokenizer's default
     try:
         with open(args.prompt_file, encoding="utf-8") as f:
             return f.read()

@@ -38,15 +38,23 @@ class CharTokenizer:
     def describe(self) -> str:
         return f"its {self.size} characters"
 
+    @property
+    def default_prompt(self) -> str:
+        """What ``sample`` continues without a prompt: a newline, or the vocabulary's first character
+        where it has no newline (a synthetic text's)."""
+        return "\n" if "\n" in self.vocab else self.vocab[0]
+
     def encode(self, text: str) -> np.ndarray:
         """The ids of ``text``; :class:`SampleError` for a character the vocabulary lacks."""
         missing = sorted(set(text) - set(self.vocab))
         if missing:
-            where = text.index(missing[0])
+            where = next(i for i, c in enumerate(text) if c in missing)
             shown = "".join(c for c in self.vocab if c.isprintable() and not c.isspace())
+            spaces = "".join(c for c in self.vocab if c.isspace())
             raise SampleError(f"the prompt has {len(missing)} character{'s' * (len(missing) > 1)} outside the "
-                              f"model's vocabulary ({', '.join(repr(c) for c in missing[:5])}; the first at "
-                              f"position {where}); it knows {self.size} characters: {shown!r} and whitespace")
+                              f"model's vocabulary ({', '.join(repr(c) for c in missing[:5])}; the first "
+                              f"at position {where}); it knows {self.size} characters: {shown!r}"
+                              + (f" and the whitespace {spaces!r}" if spaces else " (no whitespace)"))
         return encode(text, self.vocab)
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -63,6 +71,9 @@ class HuggingFaceTokenizer:
 
     def describe(self) -> str:
         return f"the tokenizer in {self.directory} ({self.size} tokens)"
+
+    #: What ``sample`` continues without a prompt.
+    default_prompt = "\n"
 
     def encode(self, text: str) -> np.ndarray:
         ids = self.tokenizer(text)["input_ids"]
