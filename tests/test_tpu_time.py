@@ -151,7 +151,7 @@ def test_an_int8_kernel_is_an_int8_matmul_timed_by_its_cost_estimate():
      (32, 32, 4, 32), (32, 4, 16, 32), (32, 4, 32, 16)),
 ])
 def test_a_batched_matmul_written_as_a_dilated_convolution_counts_its_products_once(window, labels, lhs, rhs, out):
-    from train.inspections.hlo_kernels import conv_flops
+    from train.inspections.matmul_flops import conv_flops
 
     assert conv_flops(out, rhs, f"window={{{window}}}, dim_labels={labels}", lhs) == 2 * 32 * 4 * 32 * 32 * 16
     # a plain 3 x 3 convolution counts its whole window, padding taps included (as XLA does)
