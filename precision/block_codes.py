@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from precision.normal_float import BLOCK, NF4_LEVELS, nf4_levels
+from precision.normal_float import BLOCK, NF4_LEVELS, block_units, nibbles
 
 __all__ = ["BlockCodes", "block_codes", "dequantize_blocks", "dequantize_rows", "block_product", "is_block_codes",
            "BLOCK_READS", "read_blocks", "FEW_ROWS"]
@@ -90,32 +90,14 @@ def block_codes(q: Any, contracted: int) -> BlockCodes | None:
                       np.dtype(q.dtype), q.code, contracted)
 
 
-def _nibbles(codes: jax.Array, axis: int) -> jax.Array:
-    """nf4 level indices of ``codes``, two per byte (low nibble first) along ``axis`` (1 or 2 of 3)."""
-    index = (codes[:, :, None, :] if axis == 1 else codes[..., None]) >> jnp.array([0, 4], jnp.uint8).reshape(
-        (2, 1) if axis == 1 else (2,))
-    shape = list(codes.shape)
-    shape[axis] *= 2
-    return (index & 15).reshape(shape)
-
-
-def _units(codes: jax.Array, scales: jax.Array, code: str, axis: int) -> tuple[jax.Array, jax.Array]:
-    """Float32 units of ``codes`` (a block's along ``axis``) and the step each block's unit is
-    worth, as :func:`precision.quantized_weights.dequantize_weight` computes them: elementwise
-    (a tree of selects on the nibbles, no gather)."""
-    if code == "int8":
-        return codes.astype(jnp.float32), scales * np.float32(1 / 127)
-    return nf4_levels(_nibbles(codes, axis)), scales
-
-
 def dequantize_blocks(b: BlockCodes, dtype: Any = None) -> jax.Array:
     """The weight ``b`` stores, in the model's layout, in ``dtype`` (default: its own): the values
     of its :class:`QuantizedWeight`, bit for bit."""
     if b.contracted == 0:
-        unit, steps = _units(b.codes, b.scales, b.code, 1)
+        unit, steps = block_units(b.codes, b.scales, b.code, 1)
         values = (unit * steps[:, None, :]).reshape(-1, unit.shape[2]).T
     else:
-        unit, steps = _units(b.codes, b.scales, b.code, 2)
+        unit, steps = block_units(b.codes, b.scales, b.code, 2)
         values = (unit * steps[..., None]).reshape(unit.shape[0], -1)
     return values.astype(dtype or b.dtype)
 
@@ -125,7 +107,7 @@ def dequantize_rows(codes: jax.Array, scales: jax.Array, code: str, rows: jax.Ar
     ``scales`` (a :class:`BlockCodes`' leaves, contracted on axis 1), in float32: the values
     :func:`dequantize_blocks` computes for them, from their codes alone."""
     picked = jnp.take(codes, rows, axis=0, mode="clip"), jnp.take(scales, rows, axis=0, mode="clip")
-    unit, steps = _units(*picked, code, 2)
+    unit, steps = block_units(*picked, code, 2)
     return (unit * steps[..., None]).reshape(unit.shape[0], -1)
 
 
@@ -139,7 +121,7 @@ def block_product(x: jax.Array, codes: jax.Array, scales: jax.Array, code: str, 
         levels, steps = codes.astype(dtype), scales * np.float32(1 / 127)
     else:  # a lookup in the 16 levels: XLA fuses it into the sum (a tree of selects, it did not: 768 x 768 at
         #  batch 1 on an H100 wrote the products in float32, 15x the codes' bytes)
-        levels, steps = jnp.asarray(NF4_LEVELS, dtype)[_nibbles(codes, axis)], scales
+        levels, steps = jnp.asarray(NF4_LEVELS, dtype)[nibbles(codes, axis)], scales
     x = x.astype(dtype).astype(jnp.float32)
     if contracted == 0:  # y[b, j] = sum_i x[i] S[b, i] L[b, j, i]
         y = jnp.sum(x[..., None, None, :] * steps[:, None, :] * levels, axis=-1)

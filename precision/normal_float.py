@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["BLOCK", "NF4_LEVELS", "nf4_levels"]
+__all__ = ["BLOCK", "NF4_LEVELS", "nf4_levels", "nibbles", "block_units"]
 
 #: Values per block of codes (one float32 scale each), as QLoRA's.
 BLOCK = 64
@@ -43,3 +43,23 @@ def nf4_levels(index: jax.Array) -> jax.Array:
         set_ = (index >> bit) & 1 == 1
         levels = [jnp.where(set_, hi, lo) for lo, hi in zip(levels[0::2], levels[1::2])]
     return levels[0]
+
+
+def nibbles(codes: jax.Array, axis: int = -1) -> jax.Array:
+    """nf4 level indices of ``codes``, two per byte along ``axis`` (low nibble first), each byte
+    read twice with a shift: a broadcast, not a concatenation."""
+    axis = axis % codes.ndim
+    shifts = jnp.array([0, 4], jnp.uint8).reshape((2,) + (1,) * (codes.ndim - 1 - axis))
+    index = (jnp.expand_dims(codes, axis + 1) >> shifts) & 15
+    shape = list(codes.shape)
+    shape[axis] *= 2
+    return index.reshape(shape)
+
+
+def block_units(codes: jax.Array, scales: jax.Array, code: str, axis: int = -1) -> tuple[jax.Array, jax.Array]:
+    """Float32 units of ``codes`` (``int8`` values, or ``nf4`` levels two a byte along ``axis``) and
+    the step each block's unit is worth (its scale over 127 for int8): the weight is their product.
+    Elementwise (levels by a tree of selects, no gather), as XLA fuses it into what reads it."""
+    if code == "int8":  # one product per value, by each block's step: no order for XLA to rearrange
+        return codes.astype(jnp.float32), scales * np.float32(1 / 127)
+    return nf4_levels(nibbles(codes, axis)), scales

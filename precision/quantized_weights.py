@@ -31,7 +31,7 @@ from flax import struct
 
 from precision.block_codes import dequantize_blocks, is_block_codes, read_blocks
 from precision.channel_weights import dequantize_channels, is_channel_int8, read_channels
-from precision.normal_float import BLOCK, NF4_LEVELS, nf4_levels
+from precision.normal_float import BLOCK, NF4_LEVELS, block_units
 
 __all__ = ["BLOCK", "CODES", "QuantizedWeight", "quantizable", "quantize_weight", "dequantize_weight",
            "dequantized", "read_in_program", "READ", "is_quantized", "in_codes", "logical_size", "NF4_LEVELS"]
@@ -91,19 +91,9 @@ def dequantize_weight(q: QuantizedWeight) -> jax.Array:
     """The weight ``q`` stores, in its floating dtype. Elementwise from the codes (no gather,
     no unpacked indices), so XLA computes it inside each op that reads it, as it does a cast:
     a step never holds a weight's dequantized values, or its unpacked 4-bit indices, whole."""
-    if q.code == "int8":  # one product per value, by each block's step: no order for XLA to rearrange
-        unit, scales = q.codes.astype(jnp.float32), q.scales * np.float32(1 / 127)
-    else:
-        unit, scales = nf4_levels(_nibbles(q.codes)), q.scales
+    unit, scales = block_units(q.codes, q.scales, q.code)
     values = (unit * scales[:, None]).reshape(-1)[:q.size]
     return values.reshape(q.shape).astype(q.dtype)
-
-
-def _nibbles(codes: jax.Array) -> jax.Array:
-    """``[blocks, BLOCK]`` 4-bit level indices of ``[blocks, BLOCK // 2]`` bytes (low nibble first),
-    each byte read twice with a shift: a broadcast, not a concatenation."""
-    shifts = jnp.array([0, 4], jnp.uint8)
-    return ((codes[..., None] >> shifts) & 15).reshape(codes.shape[0], -1)
 
 
 def is_quantized(x: Any) -> bool:

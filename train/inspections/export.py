@@ -38,8 +38,8 @@ from train.training.diagnose import diagnose_inference, summary_line, write_diag
 from train.training.inference import inference_report
 from train.training.state import create_train_state
 from train.weights.export import (MANIFEST, ExportError, ExportReport, adapter_layouts, adapter_pairs, dequantized_base,
-                                  export_dtype, lora_delta, pick_layout, staged, write_huggingface, write_manifest,
-                                  write_params)
+                                  export_dtype, lora_delta, pick_layout, staged, stored_codes, write_huggingface,
+                                  write_manifest, write_params)
 from train.weights.huggingface import TokenIds
 from train.weights.int8 import channel_arrays, int8_weights
 from train.weights.pretrained import PretrainedError, checkpoint_steps, find_pretrained, load_pretrained
@@ -102,8 +102,9 @@ class MergedRun(NamedTuple):
     keys) with a quantized base read back and LoRA adapters merged; ``state`` its other
     collections; the run's ``config``, ``data``, ``task`` and (unbound) ``model``; ``inputs``
     a batch of the data's inputs (a dict of them passed to the model as ``inputs_as`` says);
-    the adapted weights (``merged``) and the merge's check; ``stored``: the params as the checkpoint
-    holds them (flat: a quantized base as ``<path>/codes`` and ``<path>/scales``, adapters unmerged)."""
+    the adapted weights (``merged``) and the merge's check; ``unmerged``: ``params`` before the
+    merge (the base read back, the adapters beside it); ``codes``: the base as the checkpoint
+    holds it (``{path: QuantizedWeight}``; empty for a run that stores floats)."""
 
     path: str
     config: Any
@@ -117,7 +118,8 @@ class MergedRun(NamedTuple):
     state: dict
     merged: tuple[str, ...]
     lora_match: float | None
-    stored: Flat
+    unmerged: Flat
+    codes: dict
 
     @property
     def sample(self) -> tuple[Any, str]:
@@ -140,11 +142,12 @@ def merged_run(run_dir: str | os.PathLike, overrides: Sequence[str] = ()) -> Mer
     shapes = _param_shapes(bind(model, "fp32"), inputs, inputs_as)
     state = {k: v for k, v in variables.items() if k != "params"}
     stored = traverse_util.flatten_dict(variables["params"])
-    params = dequantized_base(stored, shapes)
-    params, merged, match = _merge_lora(config, model, (inputs, inputs_as), params, state)
+    codes = stored_codes(stored, shapes)
+    unmerged = dequantized_base(stored, shapes, codes)
+    params, merged, match = _merge_lora(config, model, (inputs, inputs_as), unmerged, state)
     _check_fits(params, shapes, run_dir)
     return MergedRun(run_dir, config, step, data, task, model, inputs, inputs_as, params, state, merged, match,
-                     stored)
+                     unmerged, codes)
 
 
 def _read_run(run_dir: str | os.PathLike, overrides: Sequence[str] = ()) -> tuple[str, Any, int]:

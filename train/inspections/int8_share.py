@@ -44,8 +44,8 @@ class Int8Share(NamedTuple):
 
     def lines(self, top: int = 6) -> list[str]:
         """The report's lines: the share, then the largest matmuls that are not int8, by module."""
-        out = [f"int8 matmuls: {self.int8_ops} of {self.total_ops}; int8 share of matmul FLOPs (fused attention aside): "
-               f"{100 * self.share:.1f}% of {self.total_flops / 1e12:.3f} TFLOP"]
+        out = [f"int8 matmuls: {self.int8_ops} of {self.total_ops}; int8 share of matmul FLOPs (fused attention "
+               f"aside): {100 * self.share:.1f}% of {self.total_flops / 1e12:.3f} TFLOP"]
         for module, dtype, flops in self.outside[:top]:
             out.append(f"  not int8: {module or '(outside any module)'} ({dtype}, "
                        f"{100 * flops / self.total_flops:.2f}% of the FLOPs)")

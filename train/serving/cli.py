@@ -28,7 +28,8 @@ def _parser() -> argparse.ArgumentParser:
                     "sampling in float32 (docs/serving.md).")
     parser.add_argument("run", metavar="RUN", help="a run's workdir, an export, or a Hugging Face directory")
     prompt = parser.add_mutually_exclusive_group()
-    prompt.add_argument("--prompt", metavar="TEXT", default=None, help="the text to continue (default: a newline; a vocabulary without one: its first character)")
+    prompt.add_argument("--prompt", metavar="TEXT", default=None,
+                        help="the text to continue (default: a newline; a vocabulary without one: its first character)")
     prompt.add_argument("--prompt-file", metavar="F", help="a UTF-8 file holding the text to continue")
     parser.add_argument("--tokens", type=int, default=200, metavar="N", help="new tokens per row (default 200)")
     parser.add_argument("--temperature", type=float, default=0.8, metavar="T",

@@ -23,7 +23,7 @@ from precision.quantized_weights import QuantizedWeight
 from train.finetune import FineTune, finetune_model
 from train.inspections.export import MergedRun, run_lora
 from train.serving.tokenizer import SampleError
-from train.weights.export import ExportError, adapter_pairs, dequantized_base, stored_codes
+from train.weights.export import ExportError, adapter_pairs
 
 __all__ = ["StoredBase", "stored_base"]
 
@@ -48,12 +48,10 @@ class StoredBase(NamedTuple):
 def stored_base(run: MergedRun) -> StoredBase | None:
     """The weights of ``run`` as its checkpoint stores them, when it stores a base in codes (a
     fine-tuning with ``finetune.base`` int8 or nf4); None for a run that stores floats."""
-    shapes = {path: np.shape(value) for path, value in run.params.items()}  # merged: the base's own shapes
-    codes = stored_codes(run.stored, shapes)
-    if not codes:
+    if not run.codes:
         return None
     flat = {k: np.asarray(v, np.float32) if np.issubdtype(np.asarray(v).dtype, np.floating) else np.asarray(v)
-            for k, v in dequantized_base(run.stored, shapes).items()}
+            for k, v in run.unmerged.items()}
     pairs = adapter_pairs(flat)
     model = run.model
     if pairs:
@@ -63,4 +61,4 @@ def stored_base(run: MergedRun) -> StoredBase | None:
             raise SampleError(f"{run.path}: {e}") from None
         model = finetune_model(nnx.clone(model) if isinstance(model, nnx.Module) else model, FineTune(lora=spec),
                                *run.sample)
-    return StoredBase(model, traverse_util.unflatten_dict(flat), codes, len(pairs))
+    return StoredBase(model, traverse_util.unflatten_dict(flat), run.codes, len(pairs))

@@ -115,11 +115,13 @@ def stored_codes(flat: Flat, shapes: dict[tuple[str, ...], tuple[int, ...]]) -> 
     return out
 
 
-def dequantized_base(flat: Flat, shapes: dict[tuple[str, ...], tuple[int, ...]]) -> Flat:
+def dequantized_base(flat: Flat, shapes: dict[tuple[str, ...], tuple[int, ...]],
+                     codes: dict[tuple[str, ...], QuantizedWeight] | None = None) -> Flat:
     """``flat`` (a checkpoint's params, flattened) with each weight saved as 8/4-bit codes
-    (:func:`stored_codes`) read back as float32."""
+    (:func:`stored_codes`, or ``codes`` where the caller has them) read back as float32."""
+    codes = stored_codes(flat, shapes) if codes is None else codes
     out = {k: v for k, v in flat.items() if k[-1] not in ("codes", "scales") or k[:-1] not in shapes}
-    out.update({path: np.asarray(dequantize_weight(q), np.float32) for path, q in stored_codes(flat, shapes).items()})
+    out.update({path: np.asarray(dequantize_weight(q), np.float32) for path, q in codes.items()})
     return out
 
 
