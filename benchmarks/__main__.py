@@ -21,7 +21,7 @@ import jax
 
 from benchmarks import report, suite
 from train.experiment import compile_cache
-from benchmarks.workloads import LARGE_VOCABULARY, MODELS, POLICY_NAMES, SIZES, default_models, workload
+from benchmarks.workloads import DEFAULT_POLICY_NAMES, LARGE_VOCABULARY, MODELS, POLICY_NAMES, SIZES, default_models, workload
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,11 +32,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--models", nargs="+", choices=MODELS,
                    help=f"default: all; at quick size all but {', '.join(LARGE_VOCABULARY)} (their 50,304-token "
                         f"vocabulary is a full-size workload)")
-    p.add_argument("--policies", nargs="+", choices=POLICY_NAMES, default=list(POLICY_NAMES))
+    p.add_argument("--policies", nargs="+", choices=POLICY_NAMES, default=list(DEFAULT_POLICY_NAMES),
+                   help=f"default: {', '.join(DEFAULT_POLICY_NAMES)}")
     p.add_argument("--steps", type=int, help="timed steps per median (default 20; at least 20)")
     p.add_argument("--rounds", type=int, help="alternating rounds per ratio (default 10; 20 on a GPU)")
     p.add_argument("--out", help=f"results directory (default: {report.RESULTS.relative_to(report.RESULTS.parent.parent)} "
                                  f"for full sizes, runs/benchmarks for quick ones)")
+    p.add_argument("--save-programs", metavar="DIR", help="write each compiled step's optimized HLO there "
+                                                              "(<model>-<policy>-<loss scale>-<rules|norules>.hlo, "
+                                                              "hand_written-<model>.hlo)")
     p.add_argument("--cache-dir", help=f"persistent compilation cache (default: ${compile_cache.ENV}, "
                                        f"$JAX_COMPILATION_CACHE_DIR or ~/.cache/flax-mixed-precision/jax)")
     p.add_argument("--no-cache", action="store_true", help="compile everything afresh, cache nothing")
@@ -55,7 +59,8 @@ def main(argv: list[str] | None = None) -> dict:
     rounds, per_round = {"quick": (10, 3), "full": (10, 2), "gpu": (20, 5)}[size]
     models = tuple(args.models) if args.models else default_models(size)
     settings = suite.Settings(size=size, steps=args.steps or 20, rounds=args.rounds or rounds,
-                              steps_per_round=per_round, models=models, policies=tuple(args.policies))
+                              steps_per_round=per_round, models=models, policies=tuple(args.policies),
+                              programs=args.save_programs)
     print(f"compilation cache: {cache or 'off'}", flush=True)
     start = time.perf_counter()
     results = suite.run(settings, log=lambda line: print(line, flush=True))

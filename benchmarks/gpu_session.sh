@@ -1,31 +1,36 @@
 #!/usr/bin/env bash
-# One short lease of a GPU (issues 36, 58), in one command, every phase under its own
+# One short lease of a GPU (issues 36, 58, 71), in one command, every phase under its own
 # time limit so that a phase that hangs or fails leaves the others their time:
-#   1. the machine (nvidia-smi, versions), its two ceilings measured (benchmarks.ceilings:
-#      a bf16 8192^3 product, a copy) and the tests marked gpu, on the GPU;
+#   1. the machine (nvidia-smi, versions) and its ceilings measured (benchmarks.ceilings: a bf16,
+#      an int8 and an FP8 8192^3 product, a copy);
 #   2. the benchmark rows of GPT-2 small at its real vocabulary (MODELS, default gpt2_small:
-#      fp32, mixed_bf16, mixed_f16; MFU both ways; the modeled time beside each measured
-#      one; ours against the hand-written step; the loss scale's cost): python -m benchmarks;
+#      fp32, mixed_bf16, mixed_f16, mixed_int8; every step waited for and back to back; MFU both
+#      ways; the modeled time beside each measured one; ours against the hand-written step,
+#      alternating, back to back and waited; the loss scale's cost): python -m benchmarks.
+#      Meanwhile, while it compiles, the tests that failed on the GPU last time
+#      (benchmarks/gpu_failures.txt), with tracebacks, in a second process;
 #   3. the top kernels of our mixed_bf16 step and of the hand-written one (benchmarks.profile_step);
-#   4. FP8 against bf16 at 1.34B parameters (benchmarks.fp8_speed --shapes gpt_1b3;
-#      FP8_ARGS="--scaling rowwise" and the like pass options to it);
-#   5. the tests that failed on the GPU last time (benchmarks/gpu_failures.txt), with tracebacks;
-#   6. with the time left, the whole suite on the GPU, one line per test as it ends
-#      (-v under xdist), so a run cut at its limit still names its failures;
-# and, meanwhile on the CPU cores at low priority, the whole suite on this
-# machine's JAX (JAX_PLATFORMS=cpu): the only place our tests meet jax 0.11.
+#   4. FP8 against bf16 at Llama-3-8B's shape, lean state (benchmarks.fp8_speed --shapes
+#      llama3_8b; FP8_SHAPES, FP8_ARGS="--scaling rowwise" and the like change it);
+#   5. closed-form norms and the loss in blocks, each switched off in turn: time, memory plan,
+#      the largest batch each allows, run (benchmarks.norms_and_loss);
+#   6. with the time left, FP8 at 1.35B as before (FP8_MORE) and the whole suite on the GPU, one
+#      line per test as it ends (-v under xdist), so a run cut at its limit still names its failures;
+# and, with CPU_SUITE=1, meanwhile on the CPU cores at low priority, the whole suite on this
+# machine's JAX (JAX_PLATFORMS=cpu).
 # Results go to $OUT/session.log (as they come) and $OUT/results.tgz (at the end):
 # the lease brings back at most 8 files.
 #
-#   bash benchmarks/gpu_session.sh [SECONDS]   (default 540)
+#   bash benchmarks/gpu_session.sh [SECONDS]   (default 560)
 #
-# SIZE=quick FP8_SHAPES=tiny CPU_SUITE=0 bash benchmarks/gpu_session.sh 300 checks the
+# SIZE=quick FP8_SHAPES=llama_tiny FP8_MORE=tiny bash benchmarks/gpu_session.sh 400 checks the
 # script itself on a CPU in a few minutes.
 #
-# Missing packages travel as wheels in .whl/ (docs/results.md, "On a GPU").
+# Missing packages travel as wheels in .whl/: bash benchmarks/gpu_wheels.sh makes it (carry .whl).
 set -u
-SECONDS_TOTAL=${1:-540}
-SIZE=${SIZE:-gpu} FP8_SHAPES=${FP8_SHAPES:-gpt_1b3} MODELS=${MODELS:-gpt2_small} CPU_SUITE=${CPU_SUITE:-1} FP8_ARGS=${FP8_ARGS:-}
+SECONDS_TOTAL=${1:-560}
+SIZE=${SIZE:-gpu} FP8_SHAPES=${FP8_SHAPES:-llama3_8b} FP8_MORE=${FP8_MORE:-gpt_1b3} MODELS=${MODELS:-gpt2_small}
+CPU_SUITE=${CPU_SUITE:-0} FP8_ARGS=${FP8_ARGS:-}
 OUT=${OUT:-runs/gpu_session}
 RES=$(mktemp -d)  # everything but the log, packed into $OUT/results.tgz at the end
 mkdir -p "$OUT"
@@ -49,29 +54,46 @@ if ls .whl/*.whl > /dev/null 2>&1; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 MP_COMPILE_CACHE_DIR=/tmp/mp-jax-cache
+# Everything below imports the project: a missing package stops the lease here, in seconds,
+# rather than failing every phase (2026-11-29: no pydantic, the wheels left behind).
+if ! python3 -c "import precision, train, benchmarks.suite, benchmarks.fp8_speed, benchmarks.norms_and_loss" \
+        > "$OUT/preflight.log" 2>&1; then
+    tail -n 3 "$OUT/preflight.log" | tee -a "$LOG"
+    echo "== stopped: the project does not import here. Run 'bash benchmarks/gpu_wheels.sh' on your machine and" \
+         "carry .whl in the device call." | tee -a "$LOG"
+    exit 3
+fi
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
     python3 -c "import sys, jax, flax, optax, chex; print(sys.version.split()[0], 'jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())"
 } 2>&1 | tee -a "$LOG"
-phase "ceilings" 40 python3 -m benchmarks.ceilings $([ "$SIZE" = quick ] && echo --size 512 --copy-gib 0.01) --out "$RES"
+phase "ceilings" 40 python3 -m benchmarks.ceilings --narrow int8 fp8 $([ "$SIZE" = quick ] && echo --size 512 --copy-gib 0.01) \
+    --out "$RES"
 
 ((CPU_SUITE)) && (JAX_PLATFORMS=cpu XLA_PYTHON_CLIENT_PREALLOCATE=false nice -n 19 timeout -k 5 $((SECONDS_TOTAL - 30)) python3 -m pytest -n 8 -p no:cacheprovider \
     -m "not gpu and not gpu_compile" -v -o console_output_style=classic --tb=line > "$RES/pytest_cpu.log" 2>&1) &
 cpu_suite=$!
 
-phase "tests marked gpu" 90 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
-phase "benchmarks" 240 python3 -m benchmarks --size "$SIZE" --models $MODELS --policies fp32 mixed_bf16 mixed_f16 \
-    --rounds 10 --out "$RES/bench"
+# The tests that failed on the GPU last time, with their tracebacks, while the benchmarks compile
+# (a minute and more of CPU work): done before the benchmarks time anything.
+(env JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 80 python3 -m pytest -q -n 3 -p no:cacheprovider \
+    --tb=short -rf $(sed -e 's/#.*//' benchmarks/gpu_failures.txt) > "$RES/gpu_failures.log" 2>&1; \
+    echo "== last time's GPU failures: rc $? ($(tail -n 1 "$RES/gpu_failures.log"))" | tee -a "$LOG") &
+failures=$!
+phase "benchmarks" 220 python3 -m benchmarks --size "$SIZE" --models $MODELS --policies fp32 mixed_bf16 mixed_f16 mixed_int8 \
+    --rounds 10 --out "$RES/bench" --save-programs "$RES/programs"
+wait "$failures"
 phase "profile, ours" 45 python3 -m benchmarks.profile_step --model ${MODELS%% *} --size "$SIZE" --out "$RES/profile"
 phase "profile, hand-written" 45 python3 -m benchmarks.profile_step --model ${MODELS%% *} --size "$SIZE" --hand-written \
     --out "$RES/profile"
-phase "fp8" 200 python3 -m benchmarks.fp8_speed --shapes "$FP8_SHAPES" --steps 20 --rounds 2 --out "$RES/fp8" $FP8_ARGS
-# The tests that failed on the GPU last time (2026-11-28, --tb=line cut short), with their tracebacks first.
-phase "last time's GPU failures" 90 env JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -n 3 \
-    -p no:cacheprovider --tb=short -rf $(sed -e 's/#.*//' benchmarks/gpu_failures.txt)
+phase "fp8 at 8B" 200 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 -m benchmarks.fp8_speed --shapes "$FP8_SHAPES" \
+    --steps 5 --rounds 3 --profile --out "$RES/fp8" $FP8_ARGS
+phase "norms and loss" 130 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 -m benchmarks.norms_and_loss --rounds 6 \
+    $([ "$SIZE" = quick ] && echo --size quick --limit-gib 0.3) --out "$RES/norms"
+phase "fp8 as before" 170 python3 -m benchmarks.fp8_speed --shapes "$FP8_MORE" --steps 20 --rounds 2 --out "$RES/fp8_more" $FP8_ARGS
 phase "suite on the GPU" 600 env JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -v -n 6 \
     -p no:cacheprovider -m "not gpu_compile" --tb=line -o console_output_style=classic > "$RES/pytest_cuda.log"
-grep -E "(FAILED|ERROR) " "$RES/pytest_cuda.log" | sed -E 's/^.*(FAILED|ERROR) /\1 /' | sort | head -60
+grep -E "(FAILED|ERROR) " "$RES/pytest_cuda.log" 2>/dev/null | sed -E 's/^.*(FAILED|ERROR) /\1 /' | sort | head -60
 
 if ((CPU_SUITE)); then
     wait "$cpu_suite"

@@ -17,7 +17,8 @@ from typing import NamedTuple
 
 from train.inspections.hlo_kernels import conv_flops, dot_flops
 
-HALF_TYPES = ("f16", "bf16", "f8e4m3fn", "f8e5m2", "f8e4m3", "f8e5m2fnuz", "f8e4m3fnuz")
+#: Every input type below 32 bits (int8 GEMMs count as reduced precision too).
+HALF_TYPES = ("f16", "bf16", "f8e4m3fn", "f8e5m2", "f8e4m3", "f8e5m2fnuz", "f8e4m3fnuz", "s8")
 
 _SHAPE = r"([a-z][a-z0-9]*)\[([0-9,]*)\]"
 _INSTRUCTION = re.compile(

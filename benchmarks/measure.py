@@ -79,7 +79,8 @@ def alternating_ratio(a: Callable[[Any], Any], a_carry: Any, b: Callable[[Any], 
         a_times.append(ta)
         b_times.append(tb)
     return {"ratio": statistics.median(ratios), "ratios": ratios,
-            "a_seconds": statistics.median(a_times), "b_seconds": statistics.median(b_times)}
+            "a_seconds": statistics.median(a_times), "b_seconds": statistics.median(b_times),
+            "a_carry": a_carry, "b_carry": b_carry}
 
 
 def _residuals_api() -> Callable[..., list[tuple[Any, str]]] | None:

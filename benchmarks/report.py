@@ -114,7 +114,12 @@ def pinned_table(results: dict[str, Any]) -> str:
 def _overhead_times(o: dict[str, Any]) -> str:
     if "ours_seconds" not in o:
         return ""
-    text = f" [ours {o['ours_seconds'] * 1e3:.2f} ms, hand-written {o['hand_written_seconds'] * 1e3:.2f} ms"
+    text = f" [alternating: ours {o['ours_seconds'] * 1e3:.2f} ms, hand-written {o['hand_written_seconds'] * 1e3:.2f} ms"
+    if "back_to_back_ratio" in o:
+        text += (f"; each on its own, back to back {o['ours_back_to_back_seconds'] * 1e3:.2f} / "
+                 f"{o['hand_written_back_to_back_seconds'] * 1e3:.2f} ms = {o['back_to_back_ratio']:.3f}, waited "
+                 f"{o['ours_waited_seconds'] * 1e3:.2f} / {o['hand_written_waited_seconds'] * 1e3:.2f} ms "
+                 f"= {o['waited_ratio']:.3f}")
     ours, hand = o.get("ours_modeled"), o.get("hand_written_modeled")
     if ours and hand and "error" not in ours and "error" not in hand:
         text += (f"; modeled {ours['seconds'] * 1e3:.2f} / {hand['seconds'] * 1e3:.2f} ms, "

@@ -95,20 +95,55 @@ class _LlamaBlock(nn.Module):
     heads: int
     dtype: Any
     attention_fn: Callable
+    kv_heads: int | None = None  # grouped-query attention (None: as many as ``heads``)
+    mlp: int | None = None  # the MLP's width (None: 4 x width)
 
     @nn.compact
     def __call__(self, x):
-        size = self.width // self.heads
+        size, kv_heads = self.width // self.heads, self.kv_heads or self.heads
         h = _RMSNorm(self.dtype, name="attn_norm")(x)
-        q, k, v = (nn.DenseGeneral((self.heads, size), use_bias=False, dtype=self.dtype, name=n)(h)
-                   for n in ("q", "k", "v"))
+        q = nn.DenseGeneral((self.heads, size), use_bias=False, dtype=self.dtype, name="q")(h)
+        k, v = (nn.DenseGeneral((kv_heads, size), use_bias=False, dtype=self.dtype, name=n)(h) for n in ("k", "v"))
+        k, v = (jnp.repeat(t, self.heads // kv_heads, axis=2) for t in (_rotary(k), v))
         mask = nn.make_causal_mask(x[..., 0])
-        out = self.attention_fn(_rotary(q), _rotary(k), v, mask=mask, dtype=self.dtype)
+        out = self.attention_fn(_rotary(q), k, v, mask=mask, dtype=self.dtype)
         x = x + nn.DenseGeneral(self.width, axis=(-2, -1), use_bias=False, dtype=self.dtype, name="o")(out)
         h = _RMSNorm(self.dtype, name="mlp_norm")(x)
-        gate = nn.Dense(4 * self.width, use_bias=False, dtype=self.dtype, name="gate")(h)
-        up = nn.Dense(4 * self.width, use_bias=False, dtype=self.dtype, name="up")(h)
+        gate = nn.Dense(self.mlp or 4 * self.width, use_bias=False, dtype=self.dtype, name="gate")(h)
+        up = nn.Dense(self.mlp or 4 * self.width, use_bias=False, dtype=self.dtype, name="up")(h)
         return x + nn.Dense(self.width, use_bias=False, dtype=self.dtype, name="down")(nn.silu(gate) * up)
+
+
+class _ScannedLlamaBlock(_LlamaBlock):
+    """A block as :func:`flax.linen.scan` calls it: ``(carry, x) -> (carry, y)``."""
+
+    def __call__(self, x, _):  # type: ignore[override]
+        return super().__call__(x), None
+
+
+class ScannedLlama(nn.Module):
+    """A Llama-style decoder whose layers are one block scanned ``layers`` times (as MaxText
+    writes them): the compiled program holds one layer, so an 8B model compiles as fast as a
+    small one. Grouped-query attention and the MLP's width as Llama 3 has them."""
+
+    vocab_size: int
+    width: int = 128
+    heads: int = 4
+    kv_heads: int = 2
+    layers: int = 2
+    mlp: int = 352
+    dtype: Any = jnp.float32
+    attention_fn: Callable = nn.dot_product_attention
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(self.vocab_size, self.width, dtype=self.dtype, name="embed")(tokens)
+        stack = nn.scan(_ScannedLlamaBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+                        length=self.layers)
+        x, _ = stack(self.width, self.heads, self.dtype, self.attention_fn, self.kv_heads, self.mlp, name="layers")(
+            x, None)
+        return nn.Dense(self.vocab_size, use_bias=False, dtype=self.dtype, name="head")(
+            _RMSNorm(self.dtype, name="norm")(x))
 
 
 class Llama(nn.Module):

@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import hashlib
 import os
+import pathlib
 import time
 from typing import Any, Callable
 
@@ -51,7 +52,17 @@ class Settings:
     steps_per_round: int = 3
     models: tuple[str, ...] = MODELS
     policies: tuple[str, ...] = tuple(p.name for p in POLICIES)
-    compile_threads: int = min(os.cpu_count() or 1, 4)
+    compile_threads: int = min(os.cpu_count() or 1, 8)
+    programs: str | None = None  # a directory to write each compiled step's optimized HLO to
+
+
+def _save_program(settings: Settings, name: str, compiled: Any) -> None:
+    """Writes ``compiled``'s optimized HLO to ``<settings.programs>/<name>.hlo`` (when asked):
+    the very program the device ran, for fitting :mod:`train.inspections.gpu_time` on it."""
+    if settings.programs:
+        directory = pathlib.Path(settings.programs)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / f"{name}.hlo").write_text(compiled.as_text())
 
 
 def _optimizer() -> optax.GradientTransformation:
@@ -222,9 +233,18 @@ def overhead(w: Workload, settings: Settings, prepared: tuple[Prepared, Prepared
     timing = measure.alternating_ratio(lambda c: hand.step(c, batch)[0], hand_state,
                                        lambda s: ours.step(s, batch)[0], ours_state,
                                        settings.rounds, settings.steps_per_round, settings.warmup)
+    # Each on its own too, a longer run back to back (as training runs it) and steps waited for one by one.
+    hand_b2b, hand_state = measure.back_to_back_seconds(lambda c: hand.step(c, batch)[0], timing["a_carry"], settings.steps)
+    ours_b2b, ours_state = measure.back_to_back_seconds(lambda s: ours.step(s, batch)[0], timing["b_carry"], settings.steps)
+    hand_waited, _ = measure.median_seconds(lambda c: hand.step(c, batch)[0], hand_state, settings.steps)
+    ours_waited, _ = measure.median_seconds(lambda s: ours.step(s, batch)[0], ours_state, settings.steps)
     device = jax.devices()[0]
     return {"model": w.name, "ratio": timing["ratio"], "ours_seconds": timing["b_seconds"],
             "hand_written_seconds": timing["a_seconds"], "ratios": timing["ratios"],
+            "ours_back_to_back_seconds": ours_b2b, "hand_written_back_to_back_seconds": hand_b2b,
+            "back_to_back_ratio": ours_b2b / hand_b2b,
+            "ours_waited_seconds": ours_waited, "hand_written_waited_seconds": hand_waited,
+            "waited_ratio": ours_waited / hand_waited,
             "first_step_loss_difference": same_loss,
             "ours_modeled": measure.modeled_step(ours.step.as_text(), device),
             "hand_written_modeled": measure.modeled_step(hand.step.as_text(), device)}
@@ -290,9 +310,17 @@ def run(settings: Settings, log: Callable[[str], None] = print) -> dict[str, Any
             cases = {p: pool.submit(prepare_case, w, policy_case(p), variables) for p in settings.policies}
             over = pool.submit(prepare_overhead, w, variables)
             unscaled = pool.submit(prepare_unscaled, w, variables)
-            cases = {p: f.result() for p, f in cases.items()}
+            cases = {p: _compiled_or_none(f, p, log) for p, f in cases.items()}
+            cases = {p: c for p, c in cases.items() if c is not None}
             over, unscaled = over.result(), unscaled.result()
         log(f"  compiled {2 * len(cases) + 3} programs in {time.perf_counter() - start:.1f} s")
+        for policy, prepared in cases.items():
+            case = policy_case(policy)
+            _save_program(settings, f"{name}-{case.policy}-{case.loss_scale}-{'norules' if w.rules == () else 'rules'}",
+                          prepared.step)
+        _save_program(settings, f"{name}-mixed_bf16-none-norules", over[0].step)
+        _save_program(settings, f"hand_written-{name}", over[1].step)
+        _save_program(settings, f"{name}-mixed_f16-none-rules", unscaled.step)
         for policy, prepared in cases.items():
             row, prepared.state = measure_case(w, policy_case(policy), settings, prepared)
             rows.append(row)
@@ -301,7 +329,10 @@ def run(settings: Settings, log: Callable[[str], None] = print) -> dict[str, Any
                 f"{row['activations']['bytes'] / 2 ** 20:8.2f} MiB")
         overheads.append(_once(timed, ("overhead", over[0].program, over[1].program), name,
                                functools.partial(overhead, w, settings, over)))
-        scaled = cases.get("mixed_f16") or prepare_case(w, policy_case("mixed_f16"), variables)
+        scaled = cases.get("mixed_f16")
+        if scaled is None:
+            scaled = prepare_case(w, policy_case("mixed_f16"), variables)
+            _save_program(settings, f"{name}-mixed_f16-dynamic-{'norules' if w.rules == () else 'rules'}", scaled.step)
         scale_overheads.append(_once(timed, ("loss_scale", unscaled.program, scaled.program), name,
                                      functools.partial(loss_scale_overhead, w, settings, unscaled, scaled)))
         log(f"  train_step / hand-written {overheads[-1]['ratio']:.3f}, dynamic / no loss scale "
@@ -318,6 +349,16 @@ def run(settings: Settings, log: Callable[[str], None] = print) -> dict[str, Any
         "loss_scale_overhead_ratio": max(o["ratio"] for o in scale_overheads),
         "memory_ratio": mem["ratio"],
     }
+
+
+def _compiled_or_none(future: concurrent.futures.Future, policy: str, log: Callable[[str], None]) -> Prepared | None:
+    """A case's compiled programs, or None (said in one line) where the backend cannot build them:
+    one policy failing leaves the others their rows."""
+    try:
+        return future.result()
+    except Exception as err:  # noqa: BLE001 - reported, and the rest of the suite goes on
+        log(f"  {policy}: not measured, compiling failed: {type(err).__name__}: {str(err).splitlines()[0][:300]}")
+        return None
 
 
 def _once(timed: dict, programs: tuple[str, ...], model: str, measure_ratio: Callable[[], dict]) -> dict:

@@ -162,12 +162,17 @@ POLICIES = (
     PolicyCase("pure_bf16", "pure_bf16", "none", None, "bf16 params and compute, f32 master weights"),
     PolicyCase("O2", "O2", "dynamic", None, "f16 params with f32 master weights, f32 norms, dynamic scale"),
 )
-POLICY_NAMES = tuple(p.name for p in POLICIES)
+#: Rows measured only when asked for (``--policies``): int8 GEMMs need a GPU or TPU to mean anything.
+EXTRA_POLICIES = (
+    PolicyCase("mixed_int8", "mixed_int8", "none", None, "f32 params, int8 matmuls (per-row scales), the rest bf16"),
+)
+DEFAULT_POLICY_NAMES = tuple(p.name for p in POLICIES)
+POLICY_NAMES = DEFAULT_POLICY_NAMES + tuple(p.name for p in EXTRA_POLICIES)
 
 
 def policy_case(name: str) -> PolicyCase:
     """The policy row called ``name``."""
-    for case in POLICIES:
+    for case in POLICIES + EXTRA_POLICIES:
         if case.name == name:
             return case
     raise ValueError(f"unknown benchmark policy {name!r}; valid: {', '.join(POLICY_NAMES)}")

@@ -286,9 +286,13 @@ def test_ceilings_measure_a_product_and_a_copy_and_save_them(tmp_path, capsys):
 
     from benchmarks import ceilings
 
-    result = ceilings.main(["--size", "128", "--copy-gib", "0.001", "--out", str(tmp_path)])
+    result = ceilings.main(["--size", "128", "--copy-gib", "0.001", "--narrow", "int8", "fp8", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "ceilings.json").read_text())
     assert saved["matmul"]["n"] == 128 and saved["matmul"]["flops_per_second"] > 0
+    for narrow in ("int8", "fp8"):
+        assert saved["narrow_matmul"][narrow]["ops_per_second"] > 0
+        assert saved["narrow_matmul"][narrow]["vs_bf16"] == pytest.approx(
+            saved["narrow_matmul"][narrow]["ops_per_second"] / saved["matmul"]["flops_per_second"])
     assert saved["copy"]["bytes_per_second"] == result["copy"]["bytes_per_second"] > 0
     assert saved["matmul"]["datasheet_dense_bf16"] is None  # a CPU has no datasheet peak
     assert "TFLOP/s" in capsys.readouterr().out
@@ -325,3 +329,52 @@ def test_tensor_parallel_extrapolates_each_quantity_linearly_in_depth():
     assert guess["sent_by_kind"] == {"all-gather bf16": 320.0, "reduce-scatter f32": 1.0}
     [over] = table_rows({row_key("8b-tensor8", 2): row(2, 10), row_key("8b-tensor8", 4): row(4, 16)})
     assert not over["fits"]  # 10 GiB + 30 x 3 GiB
+
+
+def test_the_int8_chain_of_the_ceilings_never_decays_to_zeros():
+    """Each product is narrowed back to int8 for the next: the shift keeps its entries spread
+    like the first operand's, so the timed products never meet zeros (which run faster)."""
+    import math
+
+    n = 256
+    a = jax.random.randint(jax.random.key(3), (n, n), -127, 128, jnp.int32).astype(jnp.int8)
+    shift = max(1, round(math.log2(73 * 73 * math.sqrt(n) / 64)))
+    x = a
+    for _ in range(5):
+        y = jax.lax.dot(x, a, preferred_element_type=jnp.int32)
+        x = jnp.clip(jax.lax.shift_right_arithmetic(y, shift), -127, 127).astype(jnp.int8)
+    assert 30 < float(jnp.std(x.astype(jnp.float32))) < 127 and float(jnp.mean(x == 0)) < 0.05
+
+
+def test_the_suite_times_ours_against_hand_written_three_ways_and_saves_the_programs(tmp_path):
+    """Alternating rounds, each back to back on its own, and each step waited for; with
+    ``programs`` set, every compiled step's optimized HLO is written under the names
+    ``benchmarks.model_calibration --programs`` reads."""
+    settings = suite.Settings(size="quick", steps=2, warmup=1, rounds=2, steps_per_round=1, models=("mlp",),
+                              policies=("fp32",), compile_threads=2, programs=str(tmp_path))
+    result = suite.run(settings, log=lambda line: None)
+    (over,) = result["overhead"]
+    for key in ("ratio", "back_to_back_ratio", "waited_ratio"):
+        assert over[key] > 0
+    assert over["back_to_back_ratio"] == pytest.approx(over["ours_back_to_back_seconds"]
+                                                       / over["hand_written_back_to_back_seconds"])
+    assert {p.name for p in tmp_path.glob("*.hlo")} == {
+        "mlp-fp32-none-rules.hlo", "mlp-mixed_bf16-none-norules.hlo", "hand_written-mlp.hlo",
+        "mlp-mixed_f16-none-rules.hlo", "mlp-mixed_f16-dynamic-rules.hlo"}
+    assert "HloModule" in (tmp_path / "hand_written-mlp.hlo").read_text()
+
+
+def test_norms_and_loss_times_each_switch_and_runs_the_largest_batch_each_allows(tmp_path):
+    from benchmarks import norms_and_loss
+
+    result = norms_and_loss.main(["--size", "quick", "--model", "gpt", "--rounds", "1", "--steps", "1",
+                                  "--limit-gib", "0.06", "--out", str(tmp_path)])
+    variants = result["variants"]
+    assert list(variants) == ["as shipped", "fuse_norms off", "blockwise_loss off"]
+    for v in variants.values():
+        assert v["step_seconds"] > 0 and v["plan_bytes_double"] > v["plan_bytes"] > 0
+        assert v["largest_rows"] >= 1
+        assert v["largest"]["ran"] and v["largest"]["rows"] == v["largest_rows"]
+        assert v["largest"]["plan_bytes"] <= 0.06 * 2 ** 30
+    text = (tmp_path / "norms-and-loss-cpu.md").read_text()
+    assert "| fuse_norms off |" in text and "largest batch" in text
