@@ -378,3 +378,45 @@ def test_norms_and_loss_times_each_switch_and_runs_the_largest_batch_each_allows
         assert v["largest"]["plan_bytes"] <= 0.06 * 2 ** 30
     text = (tmp_path / "norms-and-loss-cpu.md").read_text()
     assert "| fuse_norms off |" in text and "largest batch" in text
+
+
+def test_model_calibration_fits_our_profile_and_checks_the_rest_on_the_programs_given(tmp_path):
+    """Given the programs a lease ran, its profiles and its rows, the fit gives our step's
+    GEMMs exactly their measured time, and every other step and the ratio ours / hand-written
+    are checked against the model."""
+    import json
+
+    from benchmarks import model_calibration
+    from benchmarks.profile_step import profile_kind
+    from train.inspections.gpu_time import CALIBRATION, datasheet
+    from train.inspections.hlo_kernels import read_hlo_kernels
+    from train.inspections.targets import get_target
+
+    programs = tmp_path / "programs"
+    measured = suite.run(suite.Settings(size="quick", steps=2, warmup=1, rounds=1, steps_per_round=1, models=("mlp",),
+                                        policies=("fp32", "mixed_bf16"), compile_threads=2, programs=str(programs)),
+                         log=lambda line: None)
+    measured["environment"] = {"jax": "0.0", "device": "a GPU", "date": "today"}
+    (tmp_path / "measured.json").write_text(json.dumps(measured, default=float))
+    sheet = datasheet(get_target("h200"))
+    for name, program in (("ours", "mlp-mixed_bf16-none-rules"), ("hand", "hand_written-mlp")):
+        kernels = read_hlo_kernels((programs / f"{program}.hlo").read_text())
+        memory = json.loads(model_calibration.MEMORY.read_text())  # what the fit takes for memory-bound kernels
+        at_half = CALIBRATION._replace(gemm_efficiency=0.01, min_kernel_seconds=memory["latency_seconds"],
+                                       bandwidth_efficiency=memory["share"])  # GEMMs this small: compute-bound at 1%
+        by_kind = {kind: model_calibration._busy([k for k in kernels if profile_kind(k) == kind], sheet, at_half)
+                   for kind in model_calibration.PROFILE_KINDS}
+        busy = sum(by_kind.values())
+        (tmp_path / f"{name}.json").write_text(json.dumps({"by_kind": by_kind, "busy_seconds": busy,
+                                                             "step_seconds_traced": 1.1 * busy,
+                                                             "environment": {"date": "today"}}))
+    result = model_calibration.main(["--programs", str(programs), "--model", "mlp", "--profile",
+                                     str(tmp_path / "ours.json"), "--hand-profile", str(tmp_path / "hand.json"),
+                                     "--measured", str(tmp_path / "measured.json"), "--out", str(tmp_path)])
+    assert result["calibration"]["gemm_efficiency"] == pytest.approx(0.01, rel=1e-3)
+    gemm = next(k for k in result["kinds"] if k["kind"] == "gemm")
+    assert gemm["modeled"] == pytest.approx(gemm["measured"], rel=1e-3)
+    notes = [s["note"] for s in result["steps"]]
+    assert "ours on its own, back to back" in notes and "hand-written, alternating with ours" in notes
+    assert {"modeled", "measured_alternating", "measured_back_to_back", "profiles_busy"} <= set(result["ratio"])
+    assert "Ours / hand-written: modeled" in (tmp_path / "model-calibration.md").read_text()
