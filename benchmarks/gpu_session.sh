@@ -6,15 +6,16 @@
 #   2. the benchmark rows of GPT-2 small at its real vocabulary (MODELS, default gpt2_small:
 #      fp32, mixed_bf16, mixed_f16, mixed_int8; every step waited for and back to back; MFU both
 #      ways; the modeled time beside each measured one; ours against the hand-written step,
-#      alternating, back to back and waited; the loss scale's cost): python -m benchmarks.
-#      Meanwhile, while it compiles, the tests that failed on the GPU last time
-#      (benchmarks/gpu_failures.txt), with tracebacks, in a second process;
+#      alternating, back to back and waited; the loss scale's cost): python -m benchmarks;
 #   3. the top kernels of our mixed_bf16 step and of the hand-written one (benchmarks.profile_step);
 #   4. FP8 against bf16 at Llama-3-8B's shape, lean state (benchmarks.fp8_speed --shapes
 #      llama3_8b; FP8_SHAPES, FP8_ARGS="--scaling rowwise" and the like change it);
 #   5. closed-form norms and the loss in blocks, each switched off in turn: time, memory plan,
 #      the largest batch each allows, run (benchmarks.norms_and_loss);
-#   6. with the time left, FP8 at 1.35B as before (FP8_MORE) and the whole suite on the GPU, one
+#   6. the tests that failed on the GPU last time (benchmarks/gpu_failures.txt), with tracebacks;
+#      decoding at batch 1, bf16 and int8 weights, timed beside the model of the program it ran
+#      (benchmarks.decode_speed: 2 and 4 layers 4,096 wide, what one layer adds);
+#   7. with the time left, FP8 at 1.35B as before (FP8_MORE) and the whole suite on the GPU, one
 #      line per test as it ends (-v under xdist), so a run cut at its limit still names its failures;
 # and, with CPU_SUITE=1, meanwhile on the CPU cores at low priority, the whole suite on this
 # machine's JAX (JAX_PLATFORMS=cpu).
@@ -56,7 +57,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 MP_COMPILE_CACHE_DIR=/tmp/mp-jax-cache
 # Everything below imports the project: a missing package stops the lease here, in seconds,
 # rather than failing every phase (2026-11-29: no pydantic, the wheels left behind).
-if ! python3 -c "import precision, train, benchmarks.suite, benchmarks.fp8_speed, benchmarks.norms_and_loss" \
+if ! python3 -c "import precision, train, jmp, benchmarks.suite, benchmarks.fp8_speed, benchmarks.norms_and_loss, benchmarks.decode_speed" \
         > "$OUT/preflight.log" 2>&1; then
     tail -n 3 "$OUT/preflight.log" | tee -a "$LOG"
     echo "== stopped: the project does not import here. Run 'bash benchmarks/gpu_wheels.sh' on your machine and" \
@@ -74,15 +75,8 @@ phase "ceilings" 40 python3 -m benchmarks.ceilings --narrow int8 fp8 $([ "$SIZE"
     -m "not gpu and not gpu_compile" -v -o console_output_style=classic --tb=line > "$RES/pytest_cpu.log" 2>&1) &
 cpu_suite=$!
 
-# The tests that failed on the GPU last time, with their tracebacks, while the benchmarks compile
-# (a minute and more of CPU work): done before the benchmarks time anything.
-(env JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 80 python3 -m pytest -q -n 3 -p no:cacheprovider \
-    --tb=short -rf $(sed -e 's/#.*//' benchmarks/gpu_failures.txt) > "$RES/gpu_failures.log" 2>&1; \
-    echo "== last time's GPU failures: rc $? ($(tail -n 1 "$RES/gpu_failures.log"))" | tee -a "$LOG") &
-failures=$!
 phase "benchmarks" 220 python3 -m benchmarks --size "$SIZE" --models $MODELS --policies fp32 mixed_bf16 mixed_f16 mixed_int8 \
     --rounds 10 --out "$RES/bench" --save-programs "$RES/programs"
-wait "$failures"
 phase "profile, ours" 45 python3 -m benchmarks.profile_step --model ${MODELS%% *} --size "$SIZE" --out "$RES/profile"
 phase "profile, hand-written" 45 python3 -m benchmarks.profile_step --model ${MODELS%% *} --size "$SIZE" --hand-written \
     --out "$RES/profile"
@@ -90,6 +84,12 @@ phase "fp8 at 8B" 200 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 -m benchma
     --steps 5 --rounds 3 --profile --out "$RES/fp8" $FP8_ARGS
 phase "norms and loss" 130 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 -m benchmarks.norms_and_loss --rounds 6 \
     $([ "$SIZE" = quick ] && echo --size quick --limit-gib 0.3) --out "$RES/norms"
+# The tests that failed on the GPU last time, with their tracebacks (not beside a benchmark: XLA
+# autotunes its GEMMs on the device while it compiles, and other work there would sway its choices).
+phase "last time's GPU failures" 60 env JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -n 3 \
+    -p no:cacheprovider --tb=short -rf $(sed -e 's/#.*//' benchmarks/gpu_failures.txt)
+phase "decode" 110 python3 -m benchmarks.decode_speed --shapes $([ "$SIZE" = quick ] && echo tiny,tiny_4 || echo wide_2,wide_4) \
+    --out "$RES/decode"
 phase "fp8 as before" 170 python3 -m benchmarks.fp8_speed --shapes "$FP8_MORE" --steps 20 --rounds 2 --out "$RES/fp8_more" $FP8_ARGS
 phase "suite on the GPU" 600 env JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -v -n 6 \
     -p no:cacheprovider -m "not gpu_compile" --tb=line -o console_output_style=classic > "$RES/pytest_cuda.log"

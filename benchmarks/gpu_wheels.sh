@@ -9,9 +9,12 @@
 #   bash benchmarks/gpu_wheels.sh            (run here, with pip and the registry)
 set -eu
 cd "$(dirname "$0")/.."
+# The image's Python packages that this project depends on (of its full list, as read there):
+IMAGE_HAS=(jax flax optax chex numpy pyyaml scikit-learn orbax-checkpoint tqdm safetensors absl-py etils protobuf
+           cloudpickle opt-einsum packaging pytest pytest-xdist hypothesis transformers tokenizers)
 WHEELS=(pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
         typing-extensions==4.16.0 grain==0.2.18 array-record==0.8.6 portpicker==1.6.0 qwix==0.1.8
-        tensorboardX==2.6.5)
+        tensorboardX==2.6.5 jmp==0.0.4)
 PLATFORMS=()
 for tag in manylinux_2_35 manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 \
            manylinux2014 manylinux1; do PLATFORMS+=(--platform "${tag}_x86_64"); done

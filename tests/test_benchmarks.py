@@ -2,6 +2,7 @@
 bytes, timing ratios, reports and the parity comparison. The suite itself is
 run by hand (`python -m benchmarks --quick`), not in tests: only its command line is."""
 
+import pathlib
 import time
 
 import jax
@@ -420,3 +421,37 @@ def test_model_calibration_fits_our_profile_and_checks_the_rest_on_the_programs_
     assert "ours on its own, back to back" in notes and "hand-written, alternating with ours" in notes
     assert {"modeled", "measured_alternating", "measured_back_to_back", "profiles_busy"} <= set(result["ratio"])
     assert "Ours / hand-written: modeled" in (tmp_path / "model-calibration.md").read_text()
+
+
+def test_a_gpu_lease_carries_every_dependency_its_machine_lacks():
+    """benchmarks/gpu_wheels.sh names, for each package this project and its tests need, either
+    the lent machine's image (IMAGE_HAS) or a wheel to carry (WHEELS): a dependency added without
+    its wheel would stop a lease at its first import (2026-11-29: pydantic)."""
+    import re
+    import tomllib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    script = (root / "benchmarks" / "gpu_wheels.sh").read_text()
+    listed = {name.lower().replace("_", "-") for key in ("IMAGE_HAS", "WHEELS")
+              for name in re.findall(r"([A-Za-z][\w.-]*?)(?:==[\w.]+)?(?=[\s)])",
+                                     re.search(key + r"=\(([^)]*)\)", script).group(1) + " ")}
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    needed = project["dependencies"] + project["optional-dependencies"]["test-core"]
+    names = {re.match(r"[A-Za-z0-9_.-]+", spec).group(0).lower().replace("_", "-") for spec in needed}
+    assert names - listed == set()
+    assert "python3 -c \"import precision, train" in (root / "benchmarks" / "gpu_session.sh").read_text()
+
+
+def test_decode_speed_times_tokens_and_takes_what_one_layer_adds_from_two_depths(tmp_path):
+    from benchmarks import decode_speed
+
+    result = decode_speed.main(["--shapes", "tiny,tiny_4", "--dtypes", "bf16", "--prompt", "8", "--tokens", "8",
+                                "--out", str(tmp_path)])
+    shallow, deep = result["rows"]
+    assert deep["token_bytes"] > shallow["token_bytes"] and shallow["seconds_per_token"] > 0
+    assert shallow["bandwidth"] == pytest.approx(shallow["token_bytes"] / shallow["seconds_per_token"])
+    (layer,) = result["per_layer"]
+    assert layer["layer_bytes"] == pytest.approx((deep["token_bytes"] - shallow["token_bytes"]) / 2)
+    assert layer["deep_bytes"] == pytest.approx(shallow["token_bytes"] + 30 * layer["layer_bytes"])
+    assert shallow["trace"]["wall_seconds"] > 0
+    assert "What one layer adds" in (tmp_path / "decode-speed-cpu.md").read_text()
