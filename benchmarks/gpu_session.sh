@@ -7,7 +7,9 @@
 #      fp32, mixed_bf16, mixed_f16, mixed_int8; every step waited for and back to back; MFU both
 #      ways; the modeled time beside each measured one; ours against the hand-written step,
 #      alternating, back to back and waited; the loss scale's cost): python -m benchmarks;
-#   3. the top kernels of our mixed_bf16 step and of the hand-written one (benchmarks.profile_step);
+#   3. the top kernels of our mixed_bf16 step and of the hand-written one (benchmarks.profile_step),
+#      and the loss's reduction over GPT-2 small's logits five ways (benchmarks.loss_variants: ours
+#      took 1.85 ms on 2026-11-28 where the hand-written step's two passes took 1.19);
 #   4. FP8 against bf16 at Llama-3-8B's shape, lean state (benchmarks.fp8_speed --shapes
 #      llama3_8b; FP8_SHAPES, FP8_ARGS="--scaling rowwise" and the like change it);
 #   5. closed-form norms and the loss in blocks, each switched off in turn: time, memory plan,
@@ -57,7 +59,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 MP_COMPILE_CACHE_DIR=/tmp/mp-jax-cache
 # Everything below imports the project: a missing package stops the lease here, in seconds,
 # rather than failing every phase (2026-11-29: no pydantic, the wheels left behind).
-if ! python3 -c "import precision, train, jmp, benchmarks.suite, benchmarks.fp8_speed, benchmarks.norms_and_loss, benchmarks.decode_speed" \
+if ! python3 -c "import precision, train, jmp, benchmarks.suite, benchmarks.fp8_speed, benchmarks.norms_and_loss, benchmarks.decode_speed, benchmarks.loss_variants" \
         > "$OUT/preflight.log" 2>&1; then
     tail -n 3 "$OUT/preflight.log" | tee -a "$LOG"
     echo "== stopped: the project does not import here. Run 'bash benchmarks/gpu_wheels.sh' on your machine and" \
@@ -80,6 +82,8 @@ phase "benchmarks" 220 python3 -m benchmarks --size "$SIZE" --models $MODELS --p
 phase "profile, ours" 45 python3 -m benchmarks.profile_step --model ${MODELS%% *} --size "$SIZE" --out "$RES/profile"
 phase "profile, hand-written" 45 python3 -m benchmarks.profile_step --model ${MODELS%% *} --size "$SIZE" --hand-written \
     --out "$RES/profile"
+phase "loss variants" 40 python3 -m benchmarks.loss_variants $([ "$SIZE" = quick ] && echo --shape 4,64,512) \
+    --out "$RES/loss"
 phase "fp8 at 8B" 200 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 -m benchmarks.fp8_speed --shapes "$FP8_SHAPES" \
     --steps 5 --rounds 3 --profile --out "$RES/fp8" $FP8_ARGS
 phase "norms and loss" 130 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 -m benchmarks.norms_and_loss --rounds 6 \

@@ -5,6 +5,7 @@ run by hand (`python -m benchmarks --quick`), not in tests: only its command lin
 import pathlib
 import time
 
+import chex
 import jax
 import jax.numpy as jnp
 import pytest
@@ -455,3 +456,25 @@ def test_decode_speed_times_tokens_and_takes_what_one_layer_adds_from_two_depths
     assert layer["deep_bytes"] == pytest.approx(shallow["token_bytes"] + 30 * layer["layer_bytes"])
     assert shallow["trace"]["wall_seconds"] > 0
     assert "What one layer adds" in (tmp_path / "decode-speed-cpu.md").read_text()
+
+
+def test_the_loss_variants_agree_with_the_shipped_loss_on_ties_and_masked_logits(tmp_path):
+    """Each candidate reduction of benchmarks.loss_variants gives the shipped loss and, but the
+    loss alone, its correctness (the first largest logit), also where logits tie or are -inf."""
+    from benchmarks import loss_variants
+    from precision import losses
+
+    logits = jax.random.normal(jax.random.key(1), (3, 5, 40), jnp.float32)
+    logits = logits.at[0, :, 7:].set(-jnp.inf)  # a masked vocabulary
+    logits = logits.at[1, 2].set(1.0).at[1, 3, :20].set(2.0)  # a row of equal logits; a tie for the largest
+    labels = jnp.array([[3] * 5, [0, 0, 5, 0, 19], [1, 2, 3, 4, 39]], jnp.int32)
+    loss, correct = losses.cross_entropy(logits, labels)
+    assert bool(correct[1, 3]) and not bool(correct[1, 2])  # of tied maxima, the first (position 0) counts
+    for name, ce in loss_variants.VARIANTS.items():
+        got_loss, got_correct = jax.jit(ce)(logits, labels)
+        chex.assert_trees_all_close(got_loss, loss, rtol=1e-5, atol=1e-6)
+        if "alone" not in name:
+            assert bool(jnp.all(got_correct == correct)), name
+    result = loss_variants.main(["--shape", "2,8,64", "--calls", "2", "--out", str(tmp_path)])
+    assert [r["variant"] for r in result["rows"]] == list(loss_variants.VARIANTS)
+    assert all(r["loss_error"] < 1e-5 and r["with_gradient_seconds"] > 0 for r in result["rows"])
