@@ -5,6 +5,8 @@ module written here and on programs XLA:CPU compiles; the model on its own
 arithmetic. The H100 programs themselves are read by ``tests/test_step_cost.py``.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -218,3 +220,15 @@ def test_a_loop_carrying_six_or_more_values_counts_its_kernels_once_per_iteratio
     assert "/*index=5*/" in text
     gemms = [k for k in read_hlo_kernels(text) if k.flops]
     assert gemms and all(k.launches == 4 for k in gemms), gemms
+
+
+def test_backend_configs_read_the_same_compact_or_spaced():
+    """JAX writes a cuDNN attention's backend config with json.dumps' spaces; a GPU that compiled
+    it prints it compact, as XLA prints every other config (the H200 of 2026-11-28 modeled its
+    causal attention at twice the FLOPs: the mask went unread). Both read the same kernels."""
+    compact = re.sub(r'":\s+', '":', re.sub(r",\s+", ",", HLO))
+    spaced = re.sub(r'":(?=[\["{\d])', '": ', HLO)
+    assert compact != HLO and spaced != HLO
+    for text in (compact, spaced):
+        assert {k.name: k for k in read_hlo_kernels(text)} == _by_name()
+    assert _by_name()["fmha.1"].causal and _by_name()["loop_tanh_fusion"].launches == 3

@@ -227,9 +227,9 @@ def fp8_accumulation(kind: str, operands: tuple[str, ...], rest: str) -> str:
         return ""
     if kind != "cublaslt_fp8":
         return "fast" if kind == "triton_gemm" else ""
-    config = re.search(r'"precision_config":\{([^}]*)\}', rest)
+    config = re.search(r'"precision_config"\s*:\s*\{([^}]*)\}', rest)
     text = config.group(1) if config else ""
-    algorithm = re.search(r'"algorithm":"(\w+)"', text)
+    algorithm = re.search(r'"algorithm"\s*:\s*"(\w+)"', text)
     if algorithm and algorithm.group(1) not in ("ALG_UNSET", ""):
         return "fast" if algorithm.group(1).endswith("_FAST_ACCUM") else "float32"
     precisions = re.findall(r'"(DEFAULT|HIGH|HIGHEST)"', text)
@@ -254,12 +254,12 @@ def f32_algorithm(kind: str, operands: tuple[str, ...], rest: str) -> str:
     """
     if kind not in GEMM_KINDS or set(operands) != {"f32"} or len(operands) != 2:
         return ""
-    named = re.search(r"\balgorithm=dot_(\w+)", rest) or re.search(r'"algorithm":"ALG_DOT_(\w+)"', rest)
+    named = re.search(r"\balgorithm=dot_(\w+)", rest) or re.search(r'"algorithm"\s*:\s*"ALG_DOT_(\w+)"', rest)
     if named:
         return _ALGORITHMS.get(named.group(1).lower(), named.group(1).lower())
     if kind == "xla_dot":
         return "f32"
-    asked = re.search(r"operand_precision=\{([^}]*)\}", rest) or re.search(r'"operand_precision":\[([^\]]*)\]', rest)
+    asked = re.search(r"operand_precision=\{([^}]*)\}", rest) or re.search(r'"operand_precision"\s*:\s*\[([^\]]*)\]', rest)
     names = re.findall(r"\w+", asked.group(1).lower()) if asked else []
     top = max((_RANK.get(n, 0) for n in names), default=0)
     if top == 2 or (top == 1 and kind == "triton_gemm"):
@@ -268,5 +268,5 @@ def f32_algorithm(kind: str, operands: tuple[str, ...], rest: str) -> str:
 
 
 def _fusion_kind(rest: str) -> str:
-    m = re.search(r'"kind":"([^"]+)"', rest)
+    m = re.search(r'"kind"\s*:\s*"([^"]+)"', rest)
     return m.group(1) if m else ""

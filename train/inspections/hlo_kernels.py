@@ -56,6 +56,9 @@ _PARAM = re.compile(r"%?([\w.\-]+):\s*(\([^()]*\)|[a-z][a-z0-9]*\[[0-9,]*\](?:\{
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
 #: A layout's memory space other than device memory: a TPU's VMEM ``S(1)``, its sync flags ``S(2)``, SMEM...
 _ON_CHIP = re.compile(r"S\([1-9]\d*\)")
+# A cuDNN attention's mask, as JAX writes its backend config (json.dumps: '"mask_type": "CAUSAL"') and as
+# XLA prints it again once a GPU compiled it (compact: '"mask_type":"CAUSAL"'); with padding too.
+_CAUSAL = re.compile(r'"mask_type"\s*:\s*"(?:PADDING_)?CAUSAL"')
 #: Asynchronous moves between memory spaces (a TPU's prefetch of an operand, or of a slice of one, into
 #: VMEM; an eviction back to HBM), and where in their result tuple the destination is.
 _ASYNC_MOVES = {"copy-start": 0, "slice-start": -2}
@@ -157,7 +160,7 @@ def _called(rest: str, key: str) -> list[str]:
 
 
 def _trip_count(rest: str) -> int:
-    m = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+    m = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"', rest)
     return int(m.group(1)) if m else 1
 
 
@@ -204,7 +207,7 @@ def _kernel(instr: _Instr, comp: _Comp, comps: dict[str, _Comp], launches: int, 
                              dtype=_dtype(operand_types[0]), precision=precision, **base)
         if target.startswith("__cudnn$fmha"):
             return HloKernel(kind="attention", bytes=moved, flops=_attention_flops(target, operand_types, instr.rest),
-                             dtype=_dtype(operand_types[0]), causal='"mask_type": "CAUSAL"' in instr.rest, **base)
+                             dtype=_dtype(operand_types[0]), causal=bool(_CAUSAL.search(instr.rest)), **base)
         if target.startswith("__cudnn$conv"):
             return HloKernel(kind="conv", bytes=moved, flops=_conv_flops(instr.type, operand_types, instr.rest),
                              dtype=_dtype(operand_types[0]), **base)
@@ -242,7 +245,7 @@ def _sent(instr: _Instr, devices: int) -> float:
 def _fusion(instr: _Instr, operand_types: list[str], comps: dict[str, _Comp], base: dict) -> HloKernel:
     called = _called(instr.rest, "calls")
     inner = comps.get(called[0]) if called else None
-    kind_m = re.search(r'"kind":"([^"]+)"', instr.rest)
+    kind_m = re.search(r'"kind"\s*:\s*"([^"]+)"', instr.rest)
     fusion_kind = kind_m.group(1) if kind_m else ""
     if inner is None:
         return HloKernel(kind="fusion", bytes=sum(_bytes(t) for t in operand_types) + _bytes(instr.type),
@@ -358,7 +361,7 @@ def _conv_flops(result: str, operands: list[str], rest: str) -> float:
 def _attention_flops(target: str, operands: list[str], rest: str) -> float:
     """The two (forward) or five (backward, with the recomputed scores) products of
     ``softmax(q k^T) v`` over the intermediate ``[batch, heads, q, k]`` scores."""
-    m = re.search(r'"intermediate_tensor_shape":\s*\{[^{}]*?"dimensions":\s*\[([^\]]*)\]', rest)
+    m = re.search(r'"intermediate_tensor_shape"\s*:\s*\{[^{}]*?"dimensions"\s*:\s*\[([^\]]*)\]', rest)
     if not m or not operands:
         return 0.0
     scores = math.prod(_ints(m.group(1)))

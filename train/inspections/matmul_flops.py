@@ -25,7 +25,7 @@ def dot_flops(out: tuple[int, ...], lhs: tuple[int, ...], rest: str) -> float:
     """2 x output elements x contracted size of a dot (its ``lhs_contracting_dims``) or of a
     GEMM library call (the ``lhs_contracting_dimensions`` of its backend config)."""
     m = re.search(r"lhs_contracting_dims=\{([^}]*)\}", rest) or \
-        re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', rest)
+        re.search(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]', rest)
     contracting = ints(m.group(1)) if m else []
     return 2.0 * math.prod(out) * math.prod(lhs[d] for d in contracting if d < len(lhs))
 

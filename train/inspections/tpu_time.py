@@ -158,7 +158,7 @@ def xla_estimated_cycles(text: str) -> int:
 
 def _cost_estimate(line: str) -> tuple[float, float] | None:
     """(FLOPs, bytes accessed) a Pallas kernel's ``cost_estimate`` declares in its backend config."""
-    m = re.search(r'"cost_estimate":\{([^}]*)\}', line)
+    m = re.search(r'"cost_estimate"\s*:\s*\{([^}]*)\}', line)
     fields = dict(re.findall(r'"(\w+)":"?(\d+)"?', m.group(1))) if m else {}  # any key order, quoted or not
     return (float(fields["flops"]), float(fields["bytes_accessed"])) if {"flops", "bytes_accessed"} <= fields.keys() \
         else None
