@@ -372,7 +372,7 @@ def test_norms_and_loss_times_each_switch_and_runs_the_largest_batch_each_allows
     result = norms_and_loss.main(["--size", "quick", "--model", "gpt", "--rounds", "1", "--steps", "1",
                                   "--limit-gib", "0.06", "--out", str(tmp_path)])
     variants = result["variants"]
-    assert list(variants) == ["as shipped", "fuse_norms off", "blockwise_loss off"]
+    assert list(variants) == ["as shipped", "fuse_norms off", "blockwise_loss on", "blockwise_loss off"]
     for v in variants.values():
         assert v["step_seconds"] > 0 and v["plan_bytes_double"] > v["plan_bytes"] > 0
         assert v["largest_rows"] >= 1
