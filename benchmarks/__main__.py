@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import shlex
 import sys
 import time
@@ -37,7 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="timed steps per median (default 20; at least 20)")
     p.add_argument("--rounds", type=int, help="alternating rounds per ratio (default 10; 20 on a GPU)")
     p.add_argument("--out", help=f"results directory (default: {report.RESULTS.relative_to(report.RESULTS.parent.parent)} "
-                                 f"for full sizes, runs/benchmarks for quick ones)")
+                                 f"for full sizes, runs/benchmarks for quick ones); given, it also holds "
+                                 f"partial.json, rewritten after each row and ratio")
     p.add_argument("--save-programs", metavar="DIR", help="write each compiled step's optimized HLO there "
                                                               "(<model>-<policy>-<loss scale>-<rules|norules>.hlo, "
                                                               "hand_written-<model>.hlo)")
@@ -60,7 +62,8 @@ def main(argv: list[str] | None = None) -> dict:
     models = tuple(args.models) if args.models else default_models(size)
     settings = suite.Settings(size=size, steps=args.steps or 20, rounds=args.rounds or rounds,
                               steps_per_round=per_round, models=models, policies=tuple(args.policies),
-                              programs=args.save_programs)
+                              programs=args.save_programs,
+                              partial=str(pathlib.Path(args.out) / "partial.json") if args.out else None)
     print(f"compilation cache: {cache or 'off'}", flush=True)
     start = time.perf_counter()
     results = suite.run(settings, log=lambda line: print(line, flush=True))

@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import json
 import os
 import pathlib
 import time
@@ -54,6 +55,7 @@ class Settings:
     policies: tuple[str, ...] = tuple(p.name for p in POLICIES)
     compile_threads: int = min(os.cpu_count() or 1, 8)
     programs: str | None = None  # a directory to write each compiled step's optimized HLO to
+    partial: str | None = None  # a JSON file rewritten with the results so far after each row and ratio
 
 
 def _save_program(settings: Settings, name: str, compiled: Any) -> None:
@@ -63,6 +65,16 @@ def _save_program(settings: Settings, name: str, compiled: Any) -> None:
         directory = pathlib.Path(settings.programs)
         directory.mkdir(parents=True, exist_ok=True)
         (directory / f"{name}.hlo").write_text(compiled.as_text())
+
+
+def _write_partial(settings: Settings, rows: list, overheads: list, scale_overheads: list) -> None:
+    """The results so far, to ``settings.partial`` (when asked): a run stopped at a time limit
+    (a GPU lease's phase) keeps what it measured."""
+    if settings.partial:
+        path = pathlib.Path(settings.partial)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"rows": rows, "overhead": overheads, "loss_scale_overhead": scale_overheads},
+                                   indent=1, default=str) + "\n")
 
 
 def _optimizer() -> optax.GradientTransformation:
@@ -324,17 +336,20 @@ def run(settings: Settings, log: Callable[[str], None] = print) -> dict[str, Any
         for policy, prepared in cases.items():
             row, prepared.state = measure_case(w, policy_case(policy), settings, prepared)
             rows.append(row)
+            _write_partial(settings, rows, overheads, scale_overheads)
             log(f"  {policy:13s} step {row['step_seconds'] * 1e3:9.2f} ms  fwd {row['forward_seconds'] * 1e3:9.2f} ms"
                 f"  {row['items_per_second']:12.0f} {row['items']}/s  activations "
                 f"{row['activations']['bytes'] / 2 ** 20:8.2f} MiB")
         overheads.append(_once(timed, ("overhead", over[0].program, over[1].program), name,
                                functools.partial(overhead, w, settings, over)))
+        _write_partial(settings, rows, overheads, scale_overheads)
         scaled = cases.get("mixed_f16")
         if scaled is None:
             scaled = prepare_case(w, policy_case("mixed_f16"), variables)
             _save_program(settings, f"{name}-mixed_f16-dynamic-{'norules' if w.rules == () else 'rules'}", scaled.step)
         scale_overheads.append(_once(timed, ("loss_scale", unscaled.program, scaled.program), name,
                                      functools.partial(loss_scale_overhead, w, settings, unscaled, scaled)))
+        _write_partial(settings, rows, overheads, scale_overheads)
         log(f"  train_step / hand-written {overheads[-1]['ratio']:.3f}, dynamic / no loss scale "
             f"{scale_overheads[-1]['ratio']:.3f}  ({time.perf_counter() - start:.1f} s for {name})")
         del cases, over, unscaled, scaled

@@ -353,7 +353,8 @@ def test_the_suite_times_ours_against_hand_written_three_ways_and_saves_the_prog
     ``programs`` set, every compiled step's optimized HLO is written under the names
     ``benchmarks.model_calibration --programs`` reads."""
     settings = suite.Settings(size="quick", steps=2, warmup=1, rounds=2, steps_per_round=1, models=("mlp",),
-                              policies=("fp32",), compile_threads=2, programs=str(tmp_path))
+                              policies=("fp32",), compile_threads=2, programs=str(tmp_path),
+                              partial=str(tmp_path / "partial" / "so-far.json"))
     result = suite.run(settings, log=lambda line: None)
     (over,) = result["overhead"]
     for key in ("ratio", "back_to_back_ratio", "waited_ratio"):
@@ -364,6 +365,10 @@ def test_the_suite_times_ours_against_hand_written_three_ways_and_saves_the_prog
         "mlp-fp32-none-rules.hlo", "mlp-mixed_bf16-none-norules.hlo", "hand_written-mlp.hlo",
         "mlp-mixed_f16-none-rules.hlo", "mlp-mixed_f16-dynamic-rules.hlo"}
     assert "HloModule" in (tmp_path / "hand_written-mlp.hlo").read_text()
+    import json  # what a run stopped at a time limit would have kept: here, all of it
+    so_far = json.loads((tmp_path / "partial" / "so-far.json").read_text())
+    assert [r["policy"] for r in so_far["rows"]] == ["fp32"] and len(so_far["loss_scale_overhead"]) == 1
+    assert so_far["overhead"][0]["back_to_back_ratio"] == pytest.approx(over["back_to_back_ratio"])
 
 
 def test_norms_and_loss_times_each_switch_and_runs_the_largest_batch_each_allows(tmp_path):
