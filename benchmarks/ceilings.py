@@ -47,28 +47,32 @@ def matmul_flops(n: int, calls: int = 10) -> float:
     return 2 * n ** 3 / _median_seconds(chain, a, calls)
 
 
-def narrow_matmul_ops(n: int, dtype: str, calls: int = 10) -> float:
-    """Operations per second of an ``n x n x n`` product of ``dtype`` ("int8": int32
-    accumulation; "fp8": E4M3 operands, bf16 result) on random data, each product's result
-    narrowed back to ``dtype`` for the next (that pass is in the time: a train step's int8
-    and FP8 GEMMs pay a like one to quantize)."""
+def narrow_product(n: int, dtype: str) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
+    """A random ``n x n`` operand of ``dtype`` ("int8" or "fp8", E4M3) and the product that
+    multiplies it by a fixed random matrix (int8: int32 accumulation; FP8: a bf16 result) and
+    narrows the result back to ``dtype``, spread like the operand, so that a chain of them
+    never meets zeros (which run faster than data)."""
     key_a, key_b = jax.random.key(3), jax.random.key(4)
     if dtype == "int8":
         a = jax.random.randint(key_a, (n, n), -127, 128, jnp.int32).astype(jnp.int8)
         b = jax.random.randint(key_b, (n, n), -127, 128, jnp.int32).astype(jnp.int8)
         # Entries of a @ b spread about 73^2 sqrt(n) (uniform int8 entries spread about 73): shifted
-        # to spread about 64 again, so no product meets zeros (which run faster than data).
+        # to spread about 64 again.
         shift = max(1, round(math.log2(73 * 73 * math.sqrt(n) / 64)))
 
         def product(x):
             y = jax.lax.dot(x, b, preferred_element_type=jnp.int32)
             return jnp.clip(jax.lax.shift_right_arithmetic(y, shift), -127, 127).astype(jnp.int8)
-    else:
-        a = jax.random.normal(key_a, (n, n), jnp.float32).astype(jnp.float8_e4m3fn)
-        b = (jax.random.normal(key_b, (n, n), jnp.float32) / jnp.sqrt(n)).astype(jnp.float8_e4m3fn)
+        return a, product
+    a = jax.random.normal(key_a, (n, n), jnp.float32).astype(jnp.float8_e4m3fn)
+    b = (jax.random.normal(key_b, (n, n), jnp.float32) / jnp.sqrt(n)).astype(jnp.float8_e4m3fn)
+    return a, lambda x: jax.lax.dot(x, b, preferred_element_type=jnp.bfloat16).astype(jnp.float8_e4m3fn)
 
-        def product(x):
-            return jax.lax.dot(x, b, preferred_element_type=jnp.bfloat16).astype(jnp.float8_e4m3fn)
+
+def narrow_matmul_ops(n: int, dtype: str, calls: int = 10) -> float:
+    """Operations per second of a chain of :func:`narrow_product` (the narrowing pass is in the
+    time: a train step's int8 and FP8 GEMMs pay a like one to quantize)."""
+    a, product = narrow_product(n, dtype)
     chain = jax.jit(lambda x: jax.lax.fori_loop(0, CHAIN, lambda _, y: product(y), x))
     return 2 * n ** 3 / _median_seconds(chain, a, calls)
 

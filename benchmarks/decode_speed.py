@@ -26,10 +26,7 @@ On a CPU it runs (``--shapes tiny``); its times are the CPU's. Writes
 from __future__ import annotations
 
 import argparse
-import collections
 import sys
-import tempfile
-import time
 import types
 from typing import Any
 
@@ -37,8 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.profile_step import kernel_times, kind_of
+from benchmarks.profile_step import traced
 from benchmarks.report import RESULTS, device_slug, environment, write_tables
+from benchmarks.serving import Ids
 from train.inspections.export import export_rules
 from train.models import GPT
 from train.serving import Generator, Sampling, Source
@@ -50,17 +48,6 @@ SHAPES = {"tiny": (2, 2, 64, 256, 256, False), "tiny_4": (4, 2, 64, 256, 256, Fa
           "wide_2": (2, 32, 4096, 128256, 4096, False), "wide_4": (4, 32, 4096, 128256, 4096, False)}
 #: (shallow, deep, depth to take them to) for the per-layer figures
 DEPTHS = {"wide": ("wide_2", "wide_4", 32), "tiny": ("tiny", "tiny_4", 32)}
-_BANDWIDTH = {"h100": 3.35e12, "h200": 4.8e12}  # datasheet HBM bytes/s
-
-
-class _Ids:
-    """Token ids as text (random weights: nothing to read)."""
-
-    def __init__(self, size: int):
-        self.size = size
-
-    def decode(self, ids: Any) -> str:
-        return " ".join(str(int(i)) for i in np.ravel(ids))
 
 
 def source(name: str) -> Source:
@@ -70,17 +57,18 @@ def source(name: str) -> Source:
                 scan_layers=scanned)
     params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
     rules = types.SimpleNamespace(policy="mixed_bf16", rules=None)
-    return Source(f"random {name}", "export", model, params, {}, lambda dtype: export_rules(rules, dtype), _Ids(vocab),
+    return Source(f"random {name}", "export", model, params, {}, lambda dtype: export_rules(rules, dtype), Ids(vocab),
                   positions, "block_size", None, None)
 
 
-def _device_model() -> tuple[str | None, Any]:
+def _device_model() -> Any:
+    """The modeled target this device is (an H100 or H200), or None."""
     kind = jax.devices()[0].device_kind.lower()
     name = next((n for n in ("h100", "h200") if n in kind), None)
     if name is None or jax.default_backend() != "gpu":
-        return None, None
+        return None
     from train.inspections.targets import get_target
-    return name, get_target(name)
+    return get_target(name)
 
 
 def _traced(generator: Generator, step: Any, length: int, start: int, steps: int = 16) -> dict[str, Any]:
@@ -88,18 +76,17 @@ def _traced(generator: Generator, step: Any, length: int, start: int, steps: int
     cache = generator.decoder.init(1, length)
     token, cache = step(generator.params, cache, jnp.zeros((1, 1), jnp.int32), np.int32(start), np.uint32(0))  # warm
     jax.block_until_ready(token)
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir):
-            begin = time.perf_counter()
-            for i in range(steps):
-                token, cache = step(generator.params, cache, token[:, None], np.int32(start + 1 + i), np.uint32(0))
-            jax.block_until_ready(token)
-            wall = (time.perf_counter() - begin) / steps
-        totals, where = kernel_times(trace_dir)
-    by_kind: dict[str, float] = collections.Counter()
-    for name, seconds in totals.items():
-        by_kind[kind_of(name)] += seconds / steps
-    return {"source": where, "wall_seconds": wall, "busy_seconds": sum(by_kind.values()), "by_kind": dict(by_kind)}
+    carry = {"token": token, "cache": cache}
+
+    def run():
+        for i in range(steps):
+            carry["token"], carry["cache"] = step(generator.params, carry["cache"], carry["token"][:, None],
+                                                  np.int32(start + 1 + i), np.uint32(0))
+        return carry["token"]
+
+    t = traced(run, steps)
+    return {"source": t["source"], "wall_seconds": t["wall_seconds"], "busy_seconds": t["busy_seconds"],
+            "by_kind": t["by_kind"]}
 
 
 def measure(name: str, src: Source, dtype: str, prompt: int, tokens: int) -> dict[str, Any]:
@@ -117,13 +104,13 @@ def measure(name: str, src: Source, dtype: str, prompt: int, tokens: int) -> dic
            "tokens_per_second": out.tokens_per_second, "time_to_first_token": out.first_token_seconds,
            "weight_bytes": generator.served.token_bytes, "cache_bytes": cache_bytes, "token_bytes": token_bytes,
            "bandwidth": token_bytes / per_token}
-    target_name, target = _device_model()
+    target = _device_model()
     step = generator.program("step", 1, length, 1, Sampling(temperature=0))
     if target is not None:
-        from train.inspections.gpu_time import model_step
-        modeled = model_step(step.as_text(), target)
-        row.update(datasheet_bandwidth=_BANDWIDTH[target_name], limit_ratio=per_token * _BANDWIDTH[target_name]
-                   / token_bytes, modeled_seconds=modeled.seconds, modeled_launches=modeled.launches,
+        from train.inspections.gpu_time import datasheet, model_step
+        modeled, bandwidth = model_step(step.as_text(), target), datasheet(target).bandwidth
+        row.update(datasheet_bandwidth=bandwidth, limit_ratio=per_token * bandwidth / token_bytes,
+                   modeled_seconds=modeled.seconds, modeled_launches=modeled.launches,
                    model_vs_measured=modeled.seconds / per_token)
     row["trace"] = _traced(generator, step, length, prompt)
     return row

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import statistics
-import tempfile
 import time
 from collections import Counter
 from typing import Any
@@ -32,12 +31,12 @@ import numpy as np
 import optax
 
 import precision
-from benchmarks.measure import alternating_ratio
-from benchmarks.profile_step import kernel_times, kind_of
+from benchmarks.measure import alternating_ratio, in_tree_of
+from benchmarks.profile_step import kind_of, traced
 from benchmarks.report import RESULTS, device_slug, environment, write_tables
+from benchmarks.step_models import ScannedLlama
 from train import create_train_state, make_train_step
 from train.inspections.gpu_kernels import read_kernels
-from benchmarks.step_models import ScannedLlama
 from train.models import GPT
 
 #: name -> (layers, heads, d_model, sequence, batch, vocabulary): the project's GPT at that shape
@@ -83,12 +82,9 @@ def _model_and_data(name: str) -> tuple[Any, dict[str, jax.Array], str]:
 
 
 def _create(model: Any, policy: str, data: dict[str, jax.Array], fp8: dict[str, Any], like: Any = None):
-    """The train state under ``policy``; given ``like`` (its ``jax.eval_shape``, which a step was
-    compiled for), in that tree, whose static parts (the optimizer's functions) the step matches."""
+    """The train state under ``policy``; given ``like``, in its tree (:func:`benchmarks.measure.in_tree_of`)."""
     state = create_train_state(model, policy, optax.adamw(3e-4), jax.random.PRNGKey(0), data["inputs"][:1], fp8=fp8)
-    if like is None:
-        return state
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), jax.tree_util.tree_leaves(state))
+    return state if like is None else in_tree_of(like, state)
 
 
 def _one_after_the_other(model: Any, data: dict, abstract: dict, compiled: dict, steps: int, rounds: int,
@@ -120,18 +116,17 @@ def _one_after_the_other(model: Any, data: dict, abstract: dict, compiled: dict,
 
 def _profiled(step: Any, state: Any, data: dict, steps: int = 2) -> tuple[Any, dict[str, Any]]:
     """Traces ``steps`` steps: the device's busy time a step by kernel kind, and the top kernels."""
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir):
-            for _ in range(steps):
-                state, _ = step(state, data)
-            jax.block_until_ready(state)
-        totals, source = kernel_times(trace_dir)
-    by_kind: dict[str, float] = Counter()
-    for name, t in totals.items():
-        by_kind[kind_of(name)] += t / steps
-    top = sorted(totals.items(), key=lambda item: -item[1])[:12]
-    return state, {"source": source, "busy_seconds": sum(by_kind.values()), "by_kind": dict(by_kind),
-                   "top": [{"kernel": name[:120], "kind": kind_of(name), "seconds": t / steps} for name, t in top]}
+    carry = {"state": state}
+
+    def run():
+        for _ in range(steps):
+            carry["state"], _ = step(carry["state"], data)
+        return carry["state"]
+
+    t = traced(run, steps)
+    top = sorted(t["per_step"].items(), key=lambda item: -item[1])[:12]
+    return carry["state"], {"source": t["source"], "busy_seconds": t["busy_seconds"], "by_kind": t["by_kind"],
+                            "top": [{"kernel": name[:120], "kind": kind_of(name), "seconds": s} for name, s in top]}
 
 
 def measure(name: str, steps: int, rounds: int, fp8: dict[str, Any], profile: bool = False) -> dict[str, Any]:
@@ -207,6 +202,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                            "trained with lean state)")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
+    unknown = [s for s in args.shapes.split(",") if s not in SHAPES and s not in LLAMA_SHAPES]
+    if unknown:
+        p.error(f"unknown shape {', '.join(unknown)}; give some of {', '.join([*SHAPES, *LLAMA_SHAPES])}")
     env = environment()
     fp8 = {"min_size": args.min_size, "scaling": args.scaling, "attention": args.attention}
     result = {"environment": env, "device": jax.devices()[0].device_kind,

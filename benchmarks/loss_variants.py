@@ -171,7 +171,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
-    shape = tuple(int(d) for d in args.shape.split(","))
+    try:
+        shape = tuple(int(d) for d in args.shape.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) < 2 or min(shape) < 1:
+        p.error(f"--shape {args.shape!r}: give positive sizes, the vocabulary last, e.g. 16,1024,50304")
     env = environment()
     result = {"environment": env, "device": jax.devices()[0].device_kind, "shape": list(shape),
               "rows": measure(shape, args.calls),

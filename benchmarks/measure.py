@@ -46,6 +46,13 @@ def back_to_back_seconds(call: Callable[[Any], Any], carry: Any, steps: int, rou
     return statistics.median(times), carry
 
 
+def in_tree_of(like: Any, state: Any) -> Any:
+    """``state``'s arrays in the tree of ``like`` (its ``jax.eval_shape``, which a step was compiled
+    for): a state created again has new static parts (an optimizer's functions) that a compiled
+    step, matching its tree exactly, would refuse."""
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), jax.tree_util.tree_leaves(state))
+
+
 def alternating_ratio(a: Callable[[Any], Any], a_carry: Any, b: Callable[[Any], Any], b_carry: Any,
                       rounds: int, steps_per_round: int, warmup: int = 2) -> dict[str, Any]:
     """Median over rounds of (time of ``b``) / (time of ``a``), the two timed in turn.

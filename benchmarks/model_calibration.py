@@ -38,7 +38,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from benchmarks import suite
 from benchmarks.profile_step import profile_kind

@@ -38,6 +38,7 @@ import optax
 
 import precision
 import train
+from benchmarks.measure import compiled_memory, in_tree_of
 from benchmarks.report import RESULTS, device_slug, environment, write_tables
 from benchmarks.workloads import Workload, model_flops_per_step, workload
 
@@ -54,14 +55,11 @@ def _at_rows(w: Workload, rows: int) -> Workload:
 
 
 def _state(w: Workload, ops: dict[str, Any], like: Any = None) -> Any:
-    """The train state of ``w`` under ``ops``; given ``like`` (its ``jax.eval_shape``, which a step
-    was compiled for), in that tree, whose static parts (the optimizer's functions) the step matches."""
+    """The train state of ``w`` under ``ops``; given ``like``, in its tree (:func:`benchmarks.measure.in_tree_of`)."""
     state = train.create_train_state(w.model, "mixed_bf16", optax.adamw(1e-3, weight_decay=1e-4), jax.random.key(0),
                                      jnp.zeros((1,) + w.inputs.shape[1:], w.inputs.dtype), loss_scale="none",
                                      ops=precision.op_lists(**ops))
-    if like is None:
-        return state
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), jax.tree_util.tree_leaves(state))
+    return state if like is None else in_tree_of(like, state)
 
 
 def _compiled(w: Workload, ops: dict[str, Any], rows: int) -> dict[str, Any]:
@@ -70,11 +68,9 @@ def _compiled(w: Workload, ops: dict[str, Any], rows: int) -> dict[str, Any]:
     like = jax.eval_shape(lambda: _state(w, ops))
     batch = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), w.batch())
     compiled = train.make_train_step(donate=True).lower(like, batch).compile()
-    stats = compiled.memory_analysis()
-    plan = (int(stats.argument_size_in_bytes) + int(stats.output_size_in_bytes) - int(stats.alias_size_in_bytes)
-            + int(stats.temp_size_in_bytes))
-    return {"step": compiled, "like": like, "w": w, "ops": ops, "plan_bytes": plan,
-            "temp_bytes": int(stats.temp_size_in_bytes), "rows": rows}
+    plan = compiled_memory(compiled)
+    return {"step": compiled, "like": like, "w": w, "ops": ops, "plan_bytes": int(plan["total"]),
+            "temp_bytes": int(plan["temps"]), "rows": rows}
 
 
 def _ready(p: dict[str, Any]) -> dict[str, Any]:

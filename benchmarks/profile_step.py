@@ -21,7 +21,7 @@ import collections
 import pathlib
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 
@@ -89,6 +89,23 @@ def kernel_times(trace_dir: str) -> tuple[dict[str, float], str]:
     return {}, "no events"
 
 
+def traced(run: Callable[[], Any], steps: int) -> dict[str, Any]:
+    """Runs ``run`` (``steps`` steps; it returns what to wait for) under the profiler: the wall
+    seconds a step, and the device's busy seconds a step by kernel name and by kind."""
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            start = time.perf_counter()
+            jax.block_until_ready(run())
+            wall = (time.perf_counter() - start) / steps
+        totals, source = kernel_times(trace_dir)
+    per_step = {name: seconds / steps for name, seconds in totals.items()}
+    by_kind: dict[str, float] = collections.Counter()
+    for name, seconds in per_step.items():
+        by_kind[kind_of(name)] += seconds
+    return {"source": source, "wall_seconds": wall, "busy_seconds": sum(per_step.values()), "per_step": per_step,
+            "by_kind": dict(sorted(by_kind.items(), key=lambda item: -item[1]))}
+
+
 def profile(model: str, size: str, policy: str, steps: int, hand_written: bool = False) -> dict[str, Any]:
     """Traces ``steps`` train steps of ``model`` under ``policy`` (``hand_written``: the suite's
     hand-written JAX + optax bf16 step instead of ours); the kernels' times per step."""
@@ -102,24 +119,19 @@ def profile(model: str, size: str, policy: str, steps: int, hand_written: bool =
     for _ in range(3):  # warm-up: autotuning and first-call work stay out of the trace
         state, _ = step(state, batch)
     jax.block_until_ready(state)
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir):
-            start = time.perf_counter()
-            for _ in range(steps):
-                state, _ = step(state, batch)
-            jax.block_until_ready(state)
-            wall = (time.perf_counter() - start) / steps
-        totals, source = kernel_times(trace_dir)
-    per_step = {name: seconds / steps for name, seconds in totals.items()}
-    busy = sum(per_step.values())
-    by_kind: dict[str, float] = collections.Counter()
-    for name, seconds in per_step.items():
-        by_kind[kind_of(name)] += seconds
-    top = sorted(per_step.items(), key=lambda item: -item[1])
-    return {"model": model, "size": size, "policy": policy, "steps": steps, "source": source,
-            "step_seconds_traced": wall, "busy_seconds": busy, "kernels": len(per_step),
-            "modeled": modeled(step.as_text(), jax.devices()[0].device_kind),
-            "by_kind": dict(sorted(by_kind.items(), key=lambda item: -item[1])),
+
+    def run():
+        nonlocal state
+        for _ in range(steps):
+            state, _ = step(state, batch)
+        return state
+
+    t = traced(run, steps)
+    busy = t["busy_seconds"]
+    top = sorted(t["per_step"].items(), key=lambda item: -item[1])
+    return {"model": model, "size": size, "policy": policy, "steps": steps, "source": t["source"],
+            "step_seconds_traced": t["wall_seconds"], "busy_seconds": busy, "kernels": len(t["per_step"]),
+            "modeled": modeled(step.as_text(), jax.devices()[0].device_kind), "by_kind": t["by_kind"],
             "top": [{"kernel": name, "kind": kind_of(name), "seconds": seconds, "share": seconds / busy if busy else 0.0}
                     for name, seconds in top]}
 

@@ -61,8 +61,8 @@ LLAMA3_8B_LAYERS = 32
 GOALS = {"bf16_changed_greedy_max": 0.01, "int8_perplexity_vs_bf16_max": 0.01, "h100_ratio_max": 1.5}
 
 
-class _Ids:
-    """A tokenizer for ids alone (the random GPT-2: no tokenizer is needed to time it)."""
+class Ids:
+    """A tokenizer for ids alone (random weights: no tokenizer is needed to time them)."""
 
     def __init__(self, size: int):
         self.size = size
@@ -83,7 +83,7 @@ def _gpt2_small() -> Source:
     params = jax.device_get(transformers.FlaxGPT2LMHeadModel(config, seed=0).params)
     rules = type("Section", (), {"policy": "mixed_bf16", "rules": None})
     return Source(directory, "huggingface", huggingface.model(directory), params, {},
-                  lambda dtype: export_rules(rules, dtype), _Ids(config.vocab_size), config.n_positions,
+                  lambda dtype: export_rules(rules, dtype), Ids(config.vocab_size), config.n_positions,
                   "n_positions", None, None)
 
 
@@ -107,7 +107,7 @@ def llama_source(layers: int, vocab: int, shape: dict | None = None) -> Source:
         else (0.02 * rng.standard_normal(x.shape, np.float32)).astype(jnp.bfloat16), shapes)
     rules = type("Section", (), {"policy": "mixed_bf16", "rules": None})
     return Source(directory, "huggingface", huggingface.model(directory), params, {},
-                  lambda dtype: export_rules(rules, dtype), _Ids(config.vocab_size), config.max_position_embeddings,
+                  lambda dtype: export_rules(rules, dtype), Ids(config.vocab_size), config.max_position_embeddings,
                   "max_position_embeddings", None, None)
 
 

@@ -333,19 +333,19 @@ def test_tensor_parallel_extrapolates_each_quantity_linearly_in_depth():
     assert not over["fits"]  # 10 GiB + 30 x 3 GiB
 
 
-def test_the_int8_chain_of_the_ceilings_never_decays_to_zeros():
-    """Each product is narrowed back to int8 for the next: the shift keeps its entries spread
-    like the first operand's, so the timed products never meet zeros (which run faster)."""
-    import math
+def test_the_narrow_chains_of_the_ceilings_never_decay_to_zeros():
+    """Each product is narrowed back to int8 (or FP8) for the next: its entries stay spread like
+    the first operand's, so the timed products never meet zeros (which run faster)."""
+    from benchmarks.ceilings import narrow_product
 
-    n = 256
-    a = jax.random.randint(jax.random.key(3), (n, n), -127, 128, jnp.int32).astype(jnp.int8)
-    shift = max(1, round(math.log2(73 * 73 * math.sqrt(n) / 64)))
-    x = a
-    for _ in range(5):
-        y = jax.lax.dot(x, a, preferred_element_type=jnp.int32)
-        x = jnp.clip(jax.lax.shift_right_arithmetic(y, shift), -127, 127).astype(jnp.int8)
-    assert 30 < float(jnp.std(x.astype(jnp.float32))) < 127 and float(jnp.mean(x == 0)) < 0.05
+    for dtype in ("int8", "fp8"):
+        x, product = narrow_product(256, dtype)
+        for _ in range(5):
+            x = product(x)
+        values = x.astype(jnp.float32)
+        spread = float(jnp.std(values))
+        assert (30 < spread < 127 if dtype == "int8" else 0.3 < spread < 3), (dtype, spread)
+        assert float(jnp.mean(values == 0)) < 0.05, dtype
 
 
 def test_the_suite_times_ours_against_hand_written_three_ways_and_saves_the_programs(tmp_path):
