@@ -174,6 +174,22 @@ def test_autocast_function_grads_track_float32_and_bf16_backward_has_no_int8():
         assert sum(m.int8 for m in ops if m.backward) == backward_int8
 
 
+def test_a_params_int8_gradient_is_made_in_the_fallback_dtype_or_reduce_dtype():
+    # as mixed_bf16's matmul makes it on the cast weight: a float32 weight gradient would be written and
+    # read at twice the bytes (on a TPU, 1.7 ms a layer at Llama-7B's width); reduce_dtype still decides
+    k = jax.random.split(jax.random.PRNGKey(3), 2)
+    w, x = 0.05 * jax.random.normal(k[0], (64, 128)), jax.random.normal(k[1], (32, 64))
+    loss = lambda w: jnp.mean(jnp.tanh(x @ w))  # noqa: E731
+
+    def bf16_weight_gradient(**kw) -> bool:  # a bf16 value of the weight's shape in the gradient's program
+        text = str(jax.make_jaxpr(jax.grad(precision.autocast(loss, "mixed_int8", int8=EVERY, **kw)))(w))
+        return "bf16[64,128] = " in text
+
+    assert bf16_weight_gradient() and not bf16_weight_gradient(reduce_dtype="f32")
+    grad = jax.grad(precision.autocast(loss, "mixed_int8", int8=EVERY))(w)
+    assert grad.dtype == jnp.float32 and _rel(grad, jax.grad(loss)(w)) < 0.03
+
+
 def test_compute_in_int8_region_and_policy_rules_into_int8():
     def fn(x, w):
         with precision.compute_in("int8"):

@@ -46,6 +46,9 @@ def test_the_row_kernel_is_the_recipes_product_bit_for_bit(small, monkeypatch): 
     q_w, s_w = quantized_along(w, (0,))
     got = int8_pallas.rows_matmul(x, q_w, s_w, jnp.bfloat16, interpret=True)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(int8_product(jnp.bfloat16)(x, w, DIMS)))
+    # the weight given as its rows (N, K), as the input's gradient reads it: the same values
+    rows = int8_pallas.rows_matmul(x, q_w.T, s_w, jnp.bfloat16, interpret=True, weight_rows=True)
+    np.testing.assert_array_equal(np.asarray(rows), np.asarray(got))
 
 
 def test_the_tiled_weight_gradient_is_close_to_the_recipes_and_to_the_exact_one():

@@ -144,7 +144,7 @@ def _scaled(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
     return _quantize(x, scale), scale
 
 
-def _rows_kernel(x_ref, qw_ref, sw_ref, o_ref, qx_ref, sx_ref):
+def _rows_kernel(x_ref, qw_ref, sw_ref, o_ref, qx_ref, sx_ref, *, weight_rows: bool):
     @pl.when(pl.program_id(1) == 0)  # the row block quantized once, reused by every column block
     def _():
         k = x_ref.shape[1]
@@ -156,7 +156,8 @@ def _rows_kernel(x_ref, qw_ref, sw_ref, o_ref, qx_ref, sx_ref):
             qx_ref[:, a:b] = _quantize(x_ref[:, a:b], scale)
         sx_ref[...] = scale
 
-    acc = jnp.dot(qx_ref[...], qw_ref[...], preferred_element_type=INT32)
+    contract = 1 if weight_rows else 0  # the weight block's axis the product contracts
+    acc = jax.lax.dot_general(qx_ref[...], qw_ref[...], (((1,), (contract,)), ((), ())), preferred_element_type=INT32)
     o_ref[...] = (acc.astype(F32) * (sx_ref[...] * sw_ref[...])).astype(o_ref.dtype)
 
 
@@ -166,21 +167,26 @@ def _compiler_params(semantics: tuple[str, ...]) -> Any:
     return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=_VMEM_LIMIT)
 
 
-def rows_matmul(x: jax.Array, q_w: jax.Array, s_w: jax.Array, out_dtype: Any, interpret: bool = False
-                ) -> jax.Array:
+def rows_matmul(x: jax.Array, q_w: jax.Array, s_w: jax.Array, out_dtype: Any, interpret: bool = False,
+                weight_rows: bool = False) -> jax.Array:
     """``x (M, K) . w (K, N)`` into ``out_dtype``: ``x`` (16 or 32 bits) quantized per row in the
     kernel, ``q_w`` the weight in int8 per column and ``s_w`` its ``(1, N)`` float32 scales
-    (:func:`.int8_quantize.quantized_along` over ``K``); needs :func:`rows_blocks`."""
-    (m, k), n = x.shape, q_w.shape[1]
+    (:func:`.int8_quantize.quantized_along` over ``K``); needs :func:`rows_blocks`.
+    ``weight_rows``: ``q_w`` given as ``(N, K)``, its rows contracted (``x . q_wᵀ``): the input's
+    gradient ``g . wᵀ`` reads the weight in the layout it is stored in, where a transposed copy
+    would cost XLA a pass over the float32 master."""
+    (m, k), n = x.shape, q_w.shape[0 if weight_rows else 1]
     bm, bn = rows_blocks(m, k, n, x.dtype.itemsize)
     out_bytes = np.dtype(out_dtype).itemsize
     cost = pl.CostEstimate(flops=2 * m * k * n, transcendentals=0,
                            bytes_accessed=m * k * x.dtype.itemsize + (1 if bn == n else m // bm) * (k * n + 4 * n)
                            + m * n * out_bytes)
-    ins = [pl.BlockSpec((bm, k), lambda i, j: (i, 0)), pl.BlockSpec((k, bn), lambda i, j: (0, j)),
-           pl.BlockSpec((1, bn), lambda i, j: (0, j))]
-    return _call(_rows_kernel, ROWS, (m // bm, _cdiv(n, bn)), ins, pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-                 ((m, n), out_dtype), _scratch((bm, k), INT8, (bm, 1), F32, interpret), ("parallel", "arbitrary"),
+    weight = (pl.BlockSpec((bn, k), lambda i, j: (j, 0)) if weight_rows
+              else pl.BlockSpec((k, bn), lambda i, j: (0, j)))
+    ins = [pl.BlockSpec((bm, k), lambda i, j: (i, 0)), weight, pl.BlockSpec((1, bn), lambda i, j: (0, j))]
+    return _call(functools.partial(_rows_kernel, weight_rows=weight_rows), ROWS, (m // bm, _cdiv(n, bn)), ins,
+                 pl.BlockSpec((bm, bn), lambda i, j: (i, j)), ((m, n), out_dtype),
+                 _scratch((bm, k), INT8, (bm, 1), F32, interpret), ("parallel", "arbitrary"),
                  cost, interpret, x, q_w, s_w)
 
 

@@ -88,11 +88,12 @@ def int8_op(site: Any, ins: list, run: Int8Run, target: np.dtype, out_dtype: np.
     island's result) and a constant take ``target`` first, so the backward saves
     activations in 16 bits, as the fallback's matmul would. The backward's
     products run in int8 or in ``target``, as the options say; a param's
-    gradient is made in ``reduce_dtype`` (when given).
+    gradient is made in ``reduce_dtype`` when given, else in ``target``, as
+    the fallback's matmul makes it (on the cast param), then reaches the master
+    in its own dtype: never written and read back in float32 at twice the bytes.
     """
     lhs, rhs = (_operand(v, target) for v in ins)
-    grads = tuple(reduce_dtype if reduce_dtype is not None and v.leaf else np.dtype(x.dtype)
-                  for v, x in zip(ins, (lhs, rhs)))
+    grads = tuple(_gradient_dtype(v, x, target, reduce_dtype) for v, x in zip(ins, (lhs, rhs)))
     options = run.options
     backward = Backward(options.int8_backward, options.stochastic_rounding, np.dtype(target),
                         run.next_salt() if options.stochastic_rounding else 0,
@@ -100,3 +101,14 @@ def int8_op(site: Any, ins: list, run: Int8Run, target: np.dtype, out_dtype: np.
     if site.name == "conv_general_dilated":
         return int8_conv(lhs, rhs, site.eqn.params, out_dtype, backward, grads), INT8_CONV
     return int8_dot(lhs, rhs, site.eqn.params["dimension_numbers"], out_dtype, backward, grads), INT8_MATMUL
+
+
+def _gradient_dtype(v: Any, x: Any, target: np.dtype, reduce_dtype: np.dtype | None) -> np.dtype:
+    """The dtype an operand's gradient product is made in: a param's in ``reduce_dtype`` (when
+    given), else no wider than ``target``; an activation's in its own dtype."""
+    own = np.dtype(x.dtype)
+    if not v.leaf:
+        return own
+    if reduce_dtype is not None:
+        return reduce_dtype
+    return target if own.itemsize > np.dtype(target).itemsize else own

@@ -96,8 +96,8 @@ def _input_gradient(dy: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array:
     where a row is too wide for a block (``n``: a vocabulary), in tiles along ``n``."""
     (m, n), k = dy.shape, w.shape[0]
     q_w, s_w = quantized_along(w, (1,))  # w's rows over N: what dx contracts
-    if rows_blocks(m, n, k, np.dtype(dy.dtype).itemsize):
-        return rows_matmul(dy, q_w.T, s_w.T, out_dtype)
+    if rows_blocks(m, n, k, np.dtype(dy.dtype).itemsize):  # w's rows read as stored: no transposed copy
+        return rows_matmul(dy, q_w, s_w.reshape(1, k), out_dtype, weight_rows=True)
     return row_tiles_matmul(dy, q_w, s_w.T, out_dtype)
 
 
