@@ -7,6 +7,7 @@ runs them in the compile-only environment. The rest run everywhere.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,8 @@ def test_every_projection_mlp_and_head_matmul_is_an_int8_mxu_op_on_v5e_forward_a
     assert report.int8.share == 1.0 and report.int8.outside == () and report.fits
     assert "int8 share of matmul FLOPs (fused attention aside): 100.0%" in str(report)
     assert report.modeled.matmul_flops["s8"] == report.int8.int8_flops and report.modeled.xla_cycles > 0
+    # a param's int8 gradient made in bf16 (as mixed_bf16 makes it), not written and read in float32
+    assert set(re.findall(r"%int8_tiles_matmul[.\d]* = (\w+)\[", report.hlo_text)) == {"bf16"}
 
 
 @pytest.mark.gpu_compile

@@ -5,6 +5,7 @@ where the kernels are not used (stochastic rounding's backward, shapes their blo
 take). That they are in a program compiled for a v5e: tests/test_int8_compile.py."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -99,6 +100,10 @@ def test_int8_dot_through_the_kernels_values_and_gradients(kernels_on_cpu):
     exact = jnp.dot(x.astype(jnp.float32).T, g.astype(jnp.float32))
     err = lambda a: float(jnp.linalg.norm(a - exact) / jnp.linalg.norm(exact))  # noqa: E731
     assert err(dw) < 0.015 and err(dw) <= 1.05 * err(dw0)  # as close to x^T g as the recipe's
+    # the input's gradient reads the int8 weight's rows as stored: transposing them, XLA transposed the
+    # float32 master weight (the codes' producer) in a copy of its own each step
+    jaxpr = str(jax.make_jaxpr(lambda *a: _value_and_grads(Backward(fallback=np.dtype(jnp.bfloat16)), *a))(x, w, g))
+    assert "int8_rows_matmul" in jaxpr and not re.search(r"i8\[384,256\] = transpose", jaxpr)
 
 
 def test_stochastic_rounding_keeps_the_recipes_backward_and_odd_shapes_keep_the_recipe(kernels_on_cpu):
