@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from precision.autocast.scaled.fp8_matmul import Histories, rowwise_dot, scaled_dot
-from precision.autocast.scaled.products import attention_or_size
+from precision.autocast.scaled.products import attention_or_size, gradient_dtypes
 from precision.autocast.values import Kind
 from precision.fp8 import Fp8Options
 
@@ -96,9 +96,7 @@ def fp8_dot(site: Any, ins: list, run: Fp8Run, target: np.dtype, out_dtype: np.d
     devices, :mod:`precision.autocast.split_sums`).
     """
     lhs, rhs = (v.as_dtype(target) if v.kind is Kind.NEUTRAL else v.array for v in ins)
-    grads = tuple(reduce_dtype if reduce_dtype is not None and v.leaf else
-                  input_grad if input_grad is not None and not v.leaf else np.dtype(x.dtype)
-                  for v, x in zip(ins, (lhs, rhs)))
+    grads = gradient_dtypes(ins, (lhs, rhs), reduce_dtype, input_grad)
     histories, reason = run.histories(site.path)
     dims = site.eqn.params["dimension_numbers"]
     if run.options.rowwise:

@@ -21,7 +21,7 @@ import numpy as np
 from precision.autocast.scaled.int8_conv import conv_int8_problem, int8_conv
 from precision.autocast.scaled.int8_matmul import Backward, int8_dot
 from precision.autocast.scaled.int8_quantize import INT8, RECORDING
-from precision.autocast.scaled.products import attention_or_size
+from precision.autocast.scaled.products import attention_or_size, gradient_dtypes
 from precision.autocast.values import Kind
 from precision.int8 import Int8Options
 
@@ -93,7 +93,7 @@ def int8_op(site: Any, ins: list, run: Int8Run, target: np.dtype, out_dtype: np.
     in its own dtype: never written and read back in float32 at twice the bytes.
     """
     lhs, rhs = (_operand(v, target) for v in ins)
-    grads = tuple(_gradient_dtype(v, x, target, reduce_dtype) for v, x in zip(ins, (lhs, rhs)))
+    grads = gradient_dtypes(ins, (lhs, rhs), reduce_dtype, param_target=target)
     options = run.options
     backward = Backward(options.int8_backward, options.stochastic_rounding, np.dtype(target),
                         run.next_salt() if options.stochastic_rounding else 0,
@@ -102,13 +102,3 @@ def int8_op(site: Any, ins: list, run: Int8Run, target: np.dtype, out_dtype: np.
         return int8_conv(lhs, rhs, site.eqn.params, out_dtype, backward, grads), INT8_CONV
     return int8_dot(lhs, rhs, site.eqn.params["dimension_numbers"], out_dtype, backward, grads), INT8_MATMUL
 
-
-def _gradient_dtype(v: Any, x: Any, target: np.dtype, reduce_dtype: np.dtype | None) -> np.dtype:
-    """The dtype an operand's gradient product is made in: a param's in ``reduce_dtype`` (when
-    given), else no wider than ``target``; an activation's in its own dtype."""
-    own = np.dtype(x.dtype)
-    if not v.leaf:
-        return own
-    if reduce_dtype is not None:
-        return reduce_dtype
-    return target if own.itemsize > np.dtype(target).itemsize else own

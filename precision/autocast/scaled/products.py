@@ -11,7 +11,7 @@ import numpy as np
 from jax import lax
 
 __all__ = ["Product", "transpose_lhs", "transpose_rhs", "matmul_sizes", "in_output_layout", "remaining",
-           "attention_or_size", "operand_dtypes"]
+           "attention_or_size", "operand_dtypes", "gradient_dtypes"]
 
 Product = Callable[[jax.Array, jax.Array, Any], jax.Array]  # (a, b, dims) -> dot_general(a, b, dims), however made
 
@@ -106,3 +106,22 @@ def operand_dtypes(lhs: jax.Array, rhs: jax.Array, grad_dtypes: tuple[Any, Any] 
     default the operands')): a scaled product's static ``in_dtypes``."""
     own = (np.dtype(lhs.dtype), np.dtype(rhs.dtype))
     return own, own if grad_dtypes is None else tuple(np.dtype(d) for d in grad_dtypes)
+
+
+def gradient_dtypes(ins: list, arrays: tuple, reduce_dtype: Any = None, input_grad: Any = None,
+                    param_target: Any = None) -> tuple:
+    """The dtypes a scaled product's two gradients are made in, for operands ``ins`` (autocast's
+    values) read as ``arrays``: a param's in ``reduce_dtype`` when given, else no wider than
+    ``param_target`` (when given: the fallback's dtype, as its matmul makes it on the cast param);
+    another operand's in ``input_grad`` when given (a sum split across devices); else each in
+    its operand's own dtype."""
+    def one(v: Any, x: Any) -> np.dtype:
+        own = np.dtype(x.dtype)
+        if not v.leaf:
+            return own if input_grad is None else np.dtype(input_grad)
+        if reduce_dtype is not None:
+            return np.dtype(reduce_dtype)
+        narrower = param_target is not None and own.itemsize > np.dtype(param_target).itemsize
+        return np.dtype(param_target) if narrower else own
+
+    return tuple(one(v, x) for v, x in zip(ins, arrays))
