@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from precision.rounding_bits import hashed_bits
+
 __all__ = ["BLOCK", "MIN_SIZE", "Blockwise", "quantize", "dequantize"]
 
 #: Values per block (one float32 scale each).
@@ -51,7 +53,7 @@ def _stochastic_code(x: jax.Array, key: jax.Array) -> jax.Array:
     where the code is normal: random bits below its mantissa, then truncation)."""
     drop = 23 - _CODE_MANTISSA
     bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    noise = jax.random.bits(key, x.shape, jnp.uint32) >> (32 - drop)
+    noise = hashed_bits(key, x.shape) >> (32 - drop)
     kept = jnp.uint32(0xFFFFFFFF ^ ((1 << drop) - 1))
     return jax.lax.bitcast_convert_type((bits + noise) & kept, jnp.float32).astype(_CODE)
 

@@ -12,8 +12,10 @@ round only the store:
 - :func:`stochastic_round`: round up with probability equal to the distance to
   the value below, so the stored value is right on average (an update of a
   tenth of an ulp moves the weight one ulp one time in ten). The random bits are
-  a pure function of a key in the train state (:func:`step_key`): resume is
-  bit-exact, and JAX's partitionable threefry makes them the same on any mesh.
+  a pure function of a key in the train state (:func:`step_key`) and each value's
+  index (:func:`precision.rounding_bits.hashed_bits`: a few integer operations a
+  value, where threefry's took most of a large model's update): resume is bit-exact,
+  and a sharded value gets the same bits on any mesh.
 - :func:`kahan_add`: a bfloat16 compensation buffer holds what the rounded sum
   lost and adds it back next step (deterministic, 2 more bytes per param).
 - :func:`stored_in`: any optax transformation with its float state stored in
@@ -30,6 +32,7 @@ import numpy as np
 import optax
 
 from precision.quantized import MIN_SIZE, Blockwise, dequantize, quantize
+from precision.rounding_bits import hashed_bits
 
 __all__ = ["ROUNDINGS", "StoredState", "StoredMasters", "stochastic_round", "kahan_add", "step_key", "stored_in", "loaded", "round_to",
            "init_masters", "master_updates", "accumulate"]
@@ -62,7 +65,7 @@ def stochastic_round(x: jax.Array, key: jax.Array, dtype: Any = BF16) -> jax.Arr
         raise ValueError(f"stochastic rounding stores float32 values as bfloat16, not {np.dtype(dtype)}")
     x = jnp.asarray(x, jnp.float32)
     bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    noise = jax.random.bits(key, x.shape, jnp.uint32) >> 16
+    noise = hashed_bits(key, x.shape) >> 16
     rounded = jax.lax.bitcast_convert_type((bits + noise) & jnp.uint32(0xFFFF0000), jnp.float32)
     return jnp.where(jnp.isfinite(x), rounded, x).astype(BF16)
 

@@ -483,3 +483,16 @@ def test_the_loss_variants_agree_with_the_shipped_loss_on_ties_and_masked_logits
     result = loss_variants.main(["--shape", "2,8,64", "--calls", "2", "--out", str(tmp_path)])
     assert [r["variant"] for r in result["rows"]] == list(loss_variants.VARIANTS)
     assert all(r["loss_error"] < 1e-5 and r["with_gradient_seconds"] > 0 for r in result["rows"])
+
+
+def test_the_rounding_cost_times_the_lean_update_with_each_generator_and_restores_the_shipped_one(tmp_path):
+    from benchmarks import rounding_cost
+    from precision import stored
+    shipped = stored.hashed_bits
+    result = rounding_cost.main(["--params", str(4096 * 4), "--calls", "2", "--out", str(tmp_path)])
+    assert [r["bits"] for r in result["rows"]] == list(rounding_cost.GENERATORS)
+    assert all(r["update_seconds"] > 0 and r["round_seconds"] > 0 for r in result["rows"])
+    assert stored.hashed_bits is shipped
+    assert "| hashed (shipped) |" in (tmp_path / "rounding-cost-cpu.md").read_text()
+    with pytest.raises(SystemExit):
+        rounding_cost.main(["--params", "1000", "--out", str(tmp_path)])
