@@ -25,11 +25,15 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.
     Equal to optax's ``softmax_cross_entropy_with_integer_labels`` (and ``argmax``), written
     for the memory a language model's ``[tokens, vocabulary]`` logits cost (3.3 GB in float32
     at GPT-2-small's vocabulary and 16 x 1024 tokens, each pass over them a millisecond on an
-    H100): the forward reads them once (maximum, sum of exponentials and first maximum in one
-    online-softmax reduction, where ``max``, ``logsumexp`` and ``argmax`` are a pass each), and
-    the gradient ``softmax - one_hot(labels)`` is one elementwise expression that XLA fuses
-    with what reads it (the head's bias and weight gradients) rather than a float32 array
-    written, scattered into (the label's gather transposed) and read again.
+    H100): the forward reads them twice, the maximum and its first position in one reduction
+    (correctness without an ``argmax`` pass of its own), then the sum of exponentials against
+    that maximum, one exponential a logit. One online-softmax pass (the three folded together)
+    reads them once but evaluates two exponentials a logit: on an H200 it took 1.685 ms forward,
+    2.250 ms with the gradient, the two passes 1.223 and 2.017 ms (GPT-2 small's bf16 logits,
+    ``benchmarks/results/loss-variants-nvidia-h200-2026-11-30.md``). The gradient
+    ``softmax - one_hot(labels)`` is one elementwise expression that XLA fuses with what reads
+    it (the head's bias and weight gradients) rather than a float32 array written, scattered
+    into (the label's gather transposed) and read again.
     """
     with jax.named_scope(CROSS_ENTROPY_SCOPE):  # precision.blockwise_loss computes it a block of rows at a time
         return _cross_entropy(logits.astype(jnp.float32), labels.astype(jnp.int32))
@@ -58,15 +62,14 @@ _cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
 def _log_sum_exp_and_first(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Over the last axis, in one reduction: ``logsumexp`` and the first position of the
-    maximum. Each element folds into a running (maximum, sum of ``exp(x - maximum)``, first
-    position of the maximum), the sum rescaled when the maximum grows (online softmax)."""
+    """Over the last axis, in two passes: the maximum and its first position in one (variadic)
+    reduction, then ``logsumexp`` against that maximum. A row all -inf gives -inf (its loss
+    NaN, as optax's); a +inf or NaN logit gives NaN, as one online-softmax pass did."""
     positions = _positions(logits)
-    init = (jnp.asarray(-jnp.inf, logits.dtype), jnp.zeros([], logits.dtype),
-            jnp.asarray(logits.shape[-1], jnp.int32))
-    peak, total, first = jax.lax.reduce((logits, jnp.ones_like(logits), positions), init, _fold,
-                                        (logits.ndim - 1,))
-    return peak + jnp.log(total), first
+    init = (jnp.asarray(-jnp.inf, logits.dtype), jnp.asarray(logits.shape[-1], jnp.int32))
+    peak, first = jax.lax.reduce((logits, positions), init, _first_maximum, (logits.ndim - 1,))
+    shift = jnp.where(peak == -jnp.inf, 0.0, peak)  # exp(-inf - -inf) is NaN
+    return shift + jnp.log(jnp.sum(jnp.exp(logits - shift[..., None]), axis=-1)), first
 
 
 def _positions(logits: jax.Array) -> jax.Array:
@@ -78,13 +81,11 @@ def _positions(logits: jax.Array) -> jax.Array:
     return iota + jnp.isnan(logits).astype(jnp.int32)
 
 
-def _fold(a: tuple, b: tuple) -> tuple:
-    (peak_a, total_a, first_a), (peak_b, total_b, first_b) = a, b
-    peak = jnp.maximum(peak_a, peak_b)
-    # exp(-inf - -inf) is nan: a side that has seen nothing (or only -inf) adds nothing
-    rescale = lambda p, t: jnp.where(p == -jnp.inf, 0.0, t * jnp.exp(p - peak))  # noqa: E731
+def _first_maximum(a: tuple, b: tuple) -> tuple:
+    """The larger of two (maximum, first position) pairs; of equal maxima, the first position."""
+    (peak_a, first_a), (peak_b, first_b) = a, b
     first = jnp.where(peak_a == peak_b, jnp.minimum(first_a, first_b), jnp.where(peak_a > peak_b, first_a, first_b))
-    return peak, rescale(peak_a, total_a) + rescale(peak_b, total_b), first
+    return jnp.maximum(peak_a, peak_b), first
 
 
 def cross_entropy_core(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -10,6 +10,9 @@ hand-written step does not make, and XLA's split-K GEMM reductions it then keeps
 float16 the hand-written step's per-leaf ``jmp.all_finite`` costs more than our check. Both
 are below the hand-written step since each LayerNorm's backward is computed in closed form
 (``precision.autocast.norm_fusion``: four kernels where Flax's op-by-op backward takes six).
+The loss reads its logits twice since 2026-11-30 (1.65 GB more than one pass, bytes ratio 0.89
+-> 0.92): an H200 ran the two passes faster than the one-pass fold, whose two exponentials a
+logit the model, which counts bytes, does not see.
 """
 
 import pytest
@@ -26,15 +29,15 @@ def _needs_plugin():
 
 
 @gpu_compile
-@pytest.mark.parametrize("policy,kernels,bytes_moved", [("mixed_bf16", 0.97, 0.9), ("mixed_f16", 0.77, 0.9)])
+@pytest.mark.parametrize("policy,kernels,bytes_moved", [("mixed_bf16", 0.97, 0.93), ("mixed_f16", 0.77, 0.93)])
 def test_our_gpt2_small_step_launches_and_moves_no_more_than_the_hand_written_one(policy, kernels, bytes_moved):
     from benchmarks.step_cost import compare, models
 
     row = compare(models()["gpt"], policy, get_target("h100"), _device())
     assert row["kernels_ratio"] <= kernels, (row["ours"]["kernels"], row["hand_written"]["kernels"])
     assert row["bytes_ratio"] <= bytes_moved, row["bytes_ratio"]
-    # below the hand-written step: the loss reads its logits once and fuses its gradient
-    assert row["ours"]["modeled_seconds"] <= 0.93 * row["hand_written"]["modeled_seconds"]
+    # below the hand-written step: the loss fuses its gradient, the norms are differentiated in closed form
+    assert row["ours"]["modeled_seconds"] <= 0.95 * row["hand_written"]["modeled_seconds"]
 
 
 @gpu_compile
