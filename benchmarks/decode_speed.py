@@ -3,8 +3,9 @@ modeled time of the very program the device ran beside it (issue 70's bandwidth 
 
 For this project's GPT with its KV cache and random weights, per served weights dtype (bf16,
 int8), at batch 1: the prompt (``--prompt`` tokens) read in one pass, then ``--tokens`` tokens
-decoded back to back through :class:`train.serving.Generator` (the program ``python -m train
-sample`` runs). Reported: time per token, the bytes a token must read (every weight once, one
+decoded back to back through :class:`train.serving.Generator` (the programs ``python -m train
+sample`` runs: 16 tokens a dispatch since 2026-11-30, when the H200 showed one dispatch a token
+bound by the host's 1.3 ms). Reported: time per token, the bytes a token must read (every weight once, one
 row of each table, the cache at its length) and the bandwidth that makes, against the device's
 datasheet; :mod:`train.inspections.gpu_time`'s modeled time of the compiled decode step (on an
 H100 or H200) and its ratio to the measured one; the kernels of a traced stretch of decoding by

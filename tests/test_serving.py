@@ -51,15 +51,27 @@ def test_the_decode_step_compiles_once_whatever_the_number_of_tokens():
     listener = lambda event, seconds, **kw: compiles.append(event)  # noqa: E731
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
-        generator = Generator(gpt_source(block_size=16), "bf16")
-        generator.generate("ROMEO:", 16, Sampling(seed=1))  # the prefill, the step, the slid window's prefill
+        generator = Generator(gpt_source(block_size=32), "bf16")
+        generator.generate("ROMEO:", 40, Sampling(seed=1))  # the prefill, the step, the chunk, the slid prefill
         first = compiles.count("/jax/core/compile/backend_compile_duration")
-        out = generator.generate("ROMEO:", 60, Sampling(seed=2))  # four times the tokens, six slides
+        out = generator.generate("ROMEO:", 160, Sampling(seed=2))  # four times the tokens, eight slides
         again = compiles.count("/jax/core/compile/backend_compile_duration") - first
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
-    assert again == 0 and out.slides == 6 and out.tokens.shape == (1, 60)
-    assert sorted(k[0] for k in generator._programs) == ["prefill", "prefill", "step"]
+    assert again == 0 and out.slides == 8 and out.tokens.shape == (1, 160)
+    assert sorted(k[0] for k in generator._programs) == ["chunk", "prefill", "prefill", "step"]
+
+
+def test_tokens_decoded_a_chunk_a_dispatch_are_the_tokens_decoded_one_at_a_time(monkeypatch):
+    """The chunk program scans the step on the device: sampled tokens, keyed by position, are the
+    same bit for bit, across the window's slides too."""
+    import train.serving.generation as generation
+    generator = Generator(gpt_source(block_size=32), "f32")
+    chunked = generator.generate("ROMEO:", 70, Sampling(temperature=1.0, top_k=20, seed=3))
+    monkeypatch.setattr(generation, "DECODE_CHUNK", 10 ** 9)
+    single = generator.generate("ROMEO:", 70, Sampling(temperature=1.0, top_k=20, seed=3))
+    assert chunked.slides == single.slides == 3 and "chunk" in [k[0] for k in generator._programs]
+    np.testing.assert_array_equal(chunked.tokens, single.tokens)
 
 
 WINDOWS = np.random.default_rng(0).integers(0, len(VOCAB), (4, 32))
