@@ -2,6 +2,7 @@
 deterministic in the key, and a few integer operations a value rather than threefry's hundred."""
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -61,7 +62,7 @@ def test_rounding_a_large_array_draws_no_threefry_stream_of_its_size(store):
     def equations(jaxpr):
         for eqn in jaxpr.eqns:
             yield eqn
-            for sub in jax.core.jaxprs_in_params(eqn.params):
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
                 yield from equations(sub)
 
     drawn = [int(np.prod(v.aval.shape)) for e in equations(jaxpr.jaxpr)
