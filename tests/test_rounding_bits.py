@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from precision.autocast.scaled.int8_quantize import stochastic_noise
 from precision.quantized import quantize
 from precision.rounding_bits import hashed_bits, mix32
 from precision.stored import step_key, stochastic_round
@@ -52,10 +53,12 @@ def test_mix32_is_a_bijection_that_flips_about_half_the_bits_for_one_flipped_bit
     assert 10 < np.mean(flipped) < 22
 
 
-@pytest.mark.parametrize("store", [lambda x, k: stochastic_round(x, k), lambda x, k: quantize(x, k).codes])
+@pytest.mark.parametrize("store", [lambda x, k: stochastic_round(x, k), lambda x, k: quantize(x, k).codes,
+                                   lambda x, k: stochastic_noise(x, 1)], ids=["bf16", "8-bit blocks", "int8 gradient"])
 def test_rounding_a_large_array_draws_no_threefry_stream_of_its_size(store):
     """threefry2x32 over every value made the bfloat16 update compute-bound on an H200 (76 ms
-    of a 469 ms step at 8B): only the two seed words may come from ``jax.random``."""
+    of a 469 ms step at 8B): only the two seed words may come from ``jax.random`` (int8
+    training's gradient noise too)."""
     x = jnp.ones((512, 512), jnp.float32)
     jaxpr = jax.make_jaxpr(store)(x, step_key(jnp.uint32(0)))
 
