@@ -52,10 +52,9 @@ def _fold_two_exps(a: tuple, b: tuple) -> tuple:
     """The online-softmax fold as shipped until 2026-11-30: each side's sum rescaled to the
     larger maximum, two exponentials; a side that has seen only -inf adds nothing."""
     (peak_a, total_a, first_a), (peak_b, total_b, first_b) = a, b
-    peak = jnp.maximum(peak_a, peak_b)
+    peak, first = losses._first_maximum((peak_a, first_a), (peak_b, first_b))
     # exp(-inf - -inf) is nan: a side that has seen nothing (or only -inf) adds nothing
     rescale = lambda p, t: jnp.where(p == -jnp.inf, 0.0, t * jnp.exp(p - peak))  # noqa: E731
-    first = jnp.where(peak_a == peak_b, jnp.minimum(first_a, first_b), jnp.where(peak_a > peak_b, first_a, first_b))
     return peak, rescale(peak_a, total_a) + rescale(peak_b, total_b), first
 
 
@@ -63,12 +62,11 @@ def _fold_one_exp(a: tuple, b: tuple) -> tuple:
     """The online-softmax fold with one exponential: the smaller side's sum is scaled by
     ``exp(-|peak_a - peak_b|)``; a side that has seen only -inf adds nothing."""
     (peak_a, total_a, first_a), (peak_b, total_b, first_b) = a, b
-    peak = jnp.maximum(peak_a, peak_b)
+    peak, first = losses._first_maximum((peak_a, first_a), (peak_b, first_b))
     scale = jnp.exp(jnp.where(peak_a == peak_b, 0.0, -jnp.abs(peak_a - peak_b)))
     total_a = jnp.where(peak_a == -jnp.inf, 0.0, total_a)
     total_b = jnp.where(peak_b == -jnp.inf, 0.0, total_b)
     total = jnp.where(peak_a >= peak_b, total_a + total_b * scale, total_a * scale + total_b)
-    first = jnp.where(peak_a == peak_b, jnp.minimum(first_a, first_b), jnp.where(peak_a > peak_b, first_a, first_b))
     return peak, total, first
 
 

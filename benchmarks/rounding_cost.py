@@ -17,14 +17,13 @@ CPU has no spare arithmetic to hide it behind memory either); a GPU's is the one
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from benchmarks.measure import back_to_back_seconds
 from benchmarks.report import RESULTS, command, device_slug, environment, write_tables
 from precision import stored
 
@@ -46,17 +45,10 @@ def _update(params: dict, grads: dict) -> Callable:
     return jax.jit(step, donate_argnums=(0, 1)), opt.init(params)
 
 
-def _seconds(fn: Callable, carry: tuple, calls: int, rounds: int = 3) -> float:
-    carry = fn(*carry)  # compile and warm up
-    jax.block_until_ready(carry)
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            carry = fn(*carry)
-        jax.block_until_ready(carry)
-        times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times)
+def _seconds(fn: Callable, carry: tuple, calls: int) -> float:
+    """Seconds per call of ``carry = fn(*carry)`` back to back, after one call to compile."""
+    carry = jax.block_until_ready(fn(*carry))
+    return back_to_back_seconds(lambda c: fn(*c), carry, calls)[0]
 
 
 def measure(size: int, calls: int) -> list[dict[str, Any]]:
