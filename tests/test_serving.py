@@ -62,11 +62,13 @@ def test_the_decode_step_compiles_once_whatever_the_number_of_tokens():
     assert sorted(k[0] for k in generator._programs) == ["chunk", "prefill", "prefill", "step"]
 
 
-def test_tokens_decoded_a_chunk_a_dispatch_are_the_tokens_decoded_one_at_a_time(monkeypatch):
+@pytest.mark.parametrize("make", [lambda: gpt_source(block_size=32), decoding_source], ids=["gpt", "flax-decode"])
+def test_tokens_decoded_a_chunk_a_dispatch_are_the_tokens_decoded_one_at_a_time(make, monkeypatch):
     """The chunk program scans the step on the device: sampled tokens, keyed by position, are the
-    same bit for bit, across the window's slides too."""
+    same bit for bit, across the window's slides too (a Flax ``decode`` model through its own
+    cache collection as well)."""
     import train.serving.generation as generation
-    generator = Generator(gpt_source(block_size=32), "f32")
+    generator = Generator(make(), "f32")
     chunked = generator.generate("ROMEO:", 70, Sampling(temperature=1.0, top_k=20, seed=3))
     monkeypatch.setattr(generation, "DECODE_CHUNK", 10 ** 9)
     single = generator.generate("ROMEO:", 70, Sampling(temperature=1.0, top_k=20, seed=3))
