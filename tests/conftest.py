@@ -61,7 +61,8 @@ LONGEST_FIRST = ("test_the_8_device_tests_pass_on_forced_host_devices",
 #: The slowest tests (node ids, or their start: every case of a parametrized test), marked ``slow``:
 #: the README's test command leaves them out (pyproject's addopts: -m 'not slow') so that it runs in
 #: under 15 minutes on 2 cores; CI runs them in a step of its own (``python -m pytest -m slow``).
-#: Seconds on 2 idle cores (2026-11-29, the README's command with --durations): about 520 of 2,070.
+#: Seconds on 2 idle cores (2026-11-29, the README's command with --durations): about 520 of 2,070;
+#: the benchmark scripts and the cases below (2026-11-30) about 145 more.
 SLOW = (
     "tests/test_distributed.py::test_the_8_device_tests_pass_on_forced_host_devices",  # 109
     "tests/test_distributed.py::test_two_processes_train_checkpoint_resume_and_match_one_process",  # 26
@@ -80,6 +81,22 @@ SLOW = (
     "tests/test_blockwise_loss.py::test_any_block_size_gives_the_whole_computation_in_float32",  # 15
     "tests/test_user_experiments.py::test_a_user_linen_lm_without_train_is_interrupted_and_resumes",  # 24
     "tests/test_serving.py::test_the_doctor_names_what_overflows_only_when_decoding_in_float16",  # 13
+    # Benchmark scripts (2026-11-30: the README's command took 14:41 on 2 idle cores): each is a
+    # script a lease or a results table runs, checked here end to end at its smallest size.
+    "tests/test_benchmarks.py::test_norms_and_loss_times_each_switch_and_runs_the_largest_batch_each_allows",  # 29
+    "tests/test_benchmarks.py::test_model_calibration_fits_our_profile_and_checks_the_rest_on_the_programs_given",  # 13
+    "tests/test_benchmarks.py::test_decode_speed_times_tokens_and_takes_what_one_layer_adds_from_two_depths",  # 12
+    "tests/test_benchmarks.py::test_the_suite_times_ours_against_hand_written_three_ways_and_saves_the_programs",  # 10
+    "tests/test_docs.py::test_shown_commands_run[python -m benchmarks.state_memory-]",  # 12
+    "tests/test_docs.py::test_shown_commands_run[python -m benchmarks.diagnose_cost-]",  # 10
+    "tests/test_docs.py::test_shown_commands_run[python -m benchmarks.underflow-]",  # 10
+    "tests/test_docs.py::test_shown_commands_run[python -m benchmarks.fp8_speed --shapes gpt2_small,llama_1b-]",  # 9
+    # Cases whose subject the default suite checks in another case as well:
+    "tests/test_docs.py::test_shown_commands_run[XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m train "
+    "examples/user_models/hf_style.yaml mesh.tensor=4 mesh.fsdp=2 --explain-]",  # 9: the same run without --explain
+    "tests/test_diagnose_models.py::test_healthy_models_written_elsewhere_diagnose_clean[ViT-style",  # 8
+    "tests/test_diagnose_models.py::test_healthy_models_written_elsewhere_diagnose_clean[NNX LM",  # 7
+    "tests/test_serving_nf4.py::test_a_qlora_run_of_a_hugging_face_gpt2_decodes_its_conv1d_codes_through_its_own_cache",  # 15
 )
 
 
