@@ -88,6 +88,24 @@ def by_kind(text: str) -> dict[str, float]:
     return dict(out)
 
 
+def by_op(text: str) -> dict[str, float]:
+    """Modeled seconds of the step by module kind, op kind and op name (numbers stripped: the 12
+    layers' ``copy_add_fusion.N`` are one entry), so two policies' programs can be set side by side."""
+    out: dict[str, float] = defaultdict(float)
+    for op in op_times(text, "v5e"):
+        kind = next(name for name, pattern in KINDS if re.search(pattern, op.kernel.module))
+        out[f"{kind} / {op.kernel.kind} {re.sub(r'[.0-9]+$', '', op.kernel.name)}"] += op.seconds
+    return dict(out)
+
+
+def differences(bf16: dict[str, float], int8: dict[str, float], top: int = 10) -> list[tuple[str, float, float]]:
+    """The ``top`` entries of :func:`by_op` where the int8 program's modeled time differs most from the
+    bf16 program's, either way: (entry, bf16 seconds, int8 seconds)."""
+    keys = set(bf16) | set(int8)
+    ranked = sorted(keys, key=lambda k: -abs(int8.get(k, 0.0) - bf16.get(k, 0.0)))
+    return [(k, bf16.get(k, 0.0), int8.get(k, 0.0)) for k in ranked[:top]]
+
+
 def in_blocks(text: str, matmul_speedup: float = 1.0) -> float:
     """Modeled seconds of the ops a layer's module path names (``block_N``): the layers' share of the step."""
     return sum(op.seconds for op in op_times(text, "v5e", matmul_speedup=matmul_speedup)
@@ -97,8 +115,10 @@ def in_blocks(text: str, matmul_speedup: float = 1.0) -> float:
 def case_row(case: str, cache: pathlib.Path | None) -> dict[str, Any]:
     """Both policies' modeled steps of one case, the bf16 step's Amdahl bound, the breakdown."""
     row: dict[str, Any] = {"case": case, "layers": CASES[case][1], "overrides": list(CASES[case][0])}
+    ops = {}
     for policy in POLICIES:
         text, plan = compiled_text(case, policy, cache)
+        ops[policy] = by_op(text)
         modeled = model_tpu_step(text, "v5e")
         row[policy] = {"modeled": modeled.to_json(), "roofline_seconds": model_tpu_step(text, "v5e",
                                                                                          xla_estimates=False).seconds,
@@ -108,6 +128,7 @@ def case_row(case: str, cache: pathlib.Path | None) -> dict[str, Any]:
             row["amdahl"], row["amdahl_roofline"] = amdahl_bound(text, "v5e"), amdahl_bound(text, "v5e", False)
             row["amdahl_per_layer"] = in_blocks(text, 2.0) / row["layers"] / row[policy]["per_layer"]
     row["ratio"] = row["mixed_int8"]["modeled"]["seconds"] / row["mixed_bf16"]["modeled"]["seconds"]
+    row["differences"] = differences(ops["mixed_bf16"], ops["mixed_int8"])
     print(f"{case}: bf16 {row['mixed_bf16']['modeled']['seconds'] * 1e3:.1f} ms, int8 "
           f"{row['mixed_int8']['modeled']['seconds'] * 1e3:.1f} ms ({row['ratio']:.3f}x), Amdahl bound "
           f"{row['amdahl']:.3f}", flush=True)
@@ -186,6 +207,15 @@ def markdown(result: dict[str, Any]) -> str:
         for name, _ in KINDS:
             lines.append(f"| {name} | {_ms(r['mixed_bf16']['by_kind'].get(name, 0.0))} | "
                          f"{_ms(r['mixed_int8']['by_kind'].get(name, 0.0))} |")
+    gpt2 = next((r for r in result["rows"] if r["case"] == "gpt2-small" and r.get("differences")), None)
+    if gpt2 is not None:
+        lines += ["", "Where gpt2-small's int8 step differs most from its bf16 step, op by op (modeled ms; module "
+                  "kind / op kind and name, the layers' ops summed): a Pallas kernel is a custom call XLA cannot fuse "
+                  "into, so the elementwise work bf16's matmul fusions carry (a bias, a layout change, the GELU, a "
+                  "LayerNorm and its gradient, the logits' float32 copy) runs as ops of its own, through HBM.", "",
+                  "| op | bf16 | int8 | int8 - bf16 |", "|---|---:|---:|---:|"]
+        for name, b, i in gpt2["differences"]:
+            lines.append(f"| {name} | {_ms(b)} | {_ms(i)} | {(i - b) * 1e3:+.1f} |")
     env = result["environment"]
     lines += ["", f"jax {env['jax']}, libtpu's compile-only client on {env['device']}, {env['date']}; "
               f"reproduce: `{result['command']}`", ""]

@@ -10,7 +10,7 @@ same logits (bf16, read as float32), forward alone and forward with the gradient
 - ``online softmax, two exps``: that one-pass fold (``precision.losses.cross_entropy`` until
   2026-11-30), the sum rescaled by ``exp(peak_a - peak)`` and ``exp(peak_b - peak)``;
 - ``online softmax, one exp``: the same fold with the smaller side rescaled by
-  ``exp(-|peak_a - peak_b|)``, one exponential a logit;
+  ``exp(-|peak_a - peak_b|)``, one exponential a logit (``precision.losses`` on a TPU);
 - ``first maximum, then logsumexp`` (``precision.losses.cross_entropy`` as shipped): a
   (maximum, first position) reduction, then the sum of exponentials against that maximum: two
   passes, one exponential a logit;
@@ -56,18 +56,6 @@ def _fold_two_exps(a: tuple, b: tuple) -> tuple:
     # exp(-inf - -inf) is nan: a side that has seen nothing (or only -inf) adds nothing
     rescale = lambda p, t: jnp.where(p == -jnp.inf, 0.0, t * jnp.exp(p - peak))  # noqa: E731
     return peak, rescale(peak_a, total_a) + rescale(peak_b, total_b), first
-
-
-def _fold_one_exp(a: tuple, b: tuple) -> tuple:
-    """The online-softmax fold with one exponential: the smaller side's sum is scaled by
-    ``exp(-|peak_a - peak_b|)``; a side that has seen only -inf adds nothing."""
-    (peak_a, total_a, first_a), (peak_b, total_b, first_b) = a, b
-    peak, first = losses._first_maximum((peak_a, first_a), (peak_b, first_b))
-    scale = jnp.exp(jnp.where(peak_a == peak_b, 0.0, -jnp.abs(peak_a - peak_b)))
-    total_a = jnp.where(peak_a == -jnp.inf, 0.0, total_a)
-    total_b = jnp.where(peak_b == -jnp.inf, 0.0, total_b)
-    total = jnp.where(peak_a >= peak_b, total_a + total_b * scale, total_a * scale + total_b)
-    return peak, total, first
 
 
 def _online(fold: Callable) -> Callable:
@@ -120,7 +108,7 @@ def _loss_alone(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Ar
 
 
 VARIANTS = {"online softmax, two exps": _with_lse(_online(_fold_two_exps)),
-            "online softmax, one exp": _with_lse(_online(_fold_one_exp)),
+            "online softmax, one exp": _with_lse(_online(losses._fold_one_exp)),
             "first maximum, then logsumexp (shipped)": losses.cross_entropy,
             "maximum, logsumexp, first position: three plain passes": _with_lse(_three_plain_passes),
             "loss alone (no correctness)": _loss_alone}

@@ -29,6 +29,7 @@ logit is float32's. Writes ``benchmarks/results/serving.{json,md}`` (``serving-M
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import tempfile
 import time
@@ -148,6 +149,21 @@ def _decode_row(step: Any) -> dict[str, Any]:
             "h100_hlo_bytes": step.modeled.bytes, "gemms": step.gemms, **_decode_parts(step)}
 
 
+def layer_kernels(step: Any, layer: int = 1) -> list[dict[str, Any]]:
+    """The kernels one layer of a compiled decode step launches, in program order: from the first to the
+    last kernel whose module path names ``layers/<layer>`` (a GEMM XLA names no module for, between them,
+    is the layer's too), each with its kind, module, MB and modeled microseconds."""
+    kernels = list(step.modeled.kernels)
+    inside = [i for i, m in enumerate(kernels) if re.search(rf"layers/{layer}(/|$)", m.kernel.module)]
+    if not inside:
+        return []
+    return [{"kind": m.kernel.kind, "name": m.kernel.name,
+             "module": (re.sub(rf"^.*layers/{layer}/?", "", m.kernel.module) or "(the layer)") if m.kernel.module
+             else "-",
+             "mb": m.kernel.bytes * m.kernel.launches / 1e6, "us": m.seconds * 1e6}
+            for m in kernels[inside[0]:inside[-1] + 1]]
+
+
 def measure_decode_only(target: str) -> list[dict[str, Any]]:
     """The Llama-3-8B-shaped rows: the decode step compiled at (layers, vocabulary) (1, V/4), (2, V/4) and
     (1, V/2), taken to (32, V) linearly (see the module's docstring)."""
@@ -156,7 +172,8 @@ def measure_decode_only(target: str) -> list[dict[str, Any]]:
     for name, (layers, size) in points.items():
         source = with_nf4_base(llama_source(layers, size))
         for dtype, kv in ROWS["llama3_8b"]:
-            steps[(dtype, kv, name)] = _decode_row(compile_decode_step(Generator(source, dtype, kv), target))
+            step = compile_decode_step(Generator(source, dtype, kv), target)
+            steps[(dtype, kv, name)] = _decode_row(step) | {"layer_kernels": layer_kernels(step) if layers > 1 else []}
         del source
     linear = ("bytes_per_token", "cache_bytes", "h100_modeled_us", "h100_limit_us", "h100_launches",
               "h100_hlo_bytes", "streaming_us", "launch_us", "compute_us")
@@ -168,7 +185,8 @@ def measure_decode_only(target: str) -> list[dict[str, Any]]:
         row |= {"model": "llama3_8b", "weights": dtype, "cache": kv, "perplexity": None, "length": base["length"],
                 "compiled": {f"{layers} layers, vocabulary {size}": steps[(dtype, kv, name)]
                              for name, (layers, size) in points.items()},
-                "same_kernels_at_both_vocabularies": base["h100_launches"] == wider["h100_launches"]}
+                "same_kernels_at_both_vocabularies": base["h100_launches"] == wider["h100_launches"],
+                "layer_kernels": deeper["layer_kernels"]}
         rows.append(row)
         print(_row_line(row), flush=True)
     return rows
@@ -258,6 +276,13 @@ def markdown(result: dict[str, Any]) -> str:
     lines += [_row_line(r) for r in result["rows"]]
     lines += ["", "Goals: " + "; ".join(f"{k} {v}" for k, v in result["goals"].items()), ""]
     lines += [f"- {line}" for line in result["verdicts"]]
+    for r in result["rows"]:
+        if r.get("layer_kernels"):
+            lines += ["", f"The kernels one layer of {r['model']}'s decode step launches, {r['weights']} weights "
+                      f"({len(r['layer_kernels'])}; the second layer of the 2-layer program, in program order; "
+                      "modeled on an H100):", "", "| kind | kernel | module | MB | modeled us |", "|---|---|---|---:|---:|"]
+            lines += [f"| {k['kind']} | {k['name']} | {k['module']} | {k['mb']:.3f} | {k['us']:.1f} |"
+                      for k in r["layer_kernels"]]
     return "\n".join(lines) + "\n"
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.lax import platform_dependent
 
 __all__ = ["CROSS_ENTROPY_SCOPE", "cross_entropy", "cross_entropy_core"]
 
@@ -30,7 +31,10 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.
     that maximum, one exponential a logit. One online-softmax pass (the three folded together)
     reads them once but evaluates two exponentials a logit: on an H200 it took 1.685 ms forward,
     2.250 ms with the gradient, the two passes 1.223 and 2.017 ms (GPT-2 small's bf16 logits,
-    ``benchmarks/results/loss-variants-nvidia-h200-2026-11-30.md``). The gradient
+    ``benchmarks/results/loss-variants-nvidia-h200-2026-11-30.md``). On a TPU the one pass (with one
+    exponential a logit) stays: there XLA fuses it with the head's matmul output as it fuses the
+    maximum alone, and by its own cost model the second pass adds 2.9% to GPT-2 small's v5e step
+    (no TPU has timed either). The gradient
     ``softmax - one_hot(labels)`` is one elementwise expression that XLA fuses with what reads
     it (the head's bias and weight gradients) rather than a float32 array written, scattered
     into (the label's gather transposed) and read again.
@@ -62,14 +66,47 @@ _cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
 def _log_sum_exp_and_first(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Over the last axis, in two passes: the maximum and its first position in one (variadic)
-    reduction, then ``logsumexp`` against that maximum. A row all -inf gives -inf (its loss
-    NaN, as optax's); a +inf or NaN logit gives NaN, as one online-softmax pass did."""
+    """``logsumexp`` over the last axis and the first position of its maximum: in one pass on a
+    TPU (:func:`_one_pass`), in two everywhere else (:func:`_two_passes`). A row all -inf gives
+    -inf (its loss NaN, as optax's); a +inf or NaN logit gives NaN."""
+    return platform_dependent(logits, tpu=_one_pass, default=_two_passes)
+
+
+def _two_passes(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The maximum and its first position in one (variadic) reduction, then ``logsumexp``
+    against that maximum: one exponential a logit, the logits read twice (what an H200 ran
+    fastest, :func:`cross_entropy`)."""
     positions = _positions(logits)
     init = (jnp.asarray(-jnp.inf, logits.dtype), jnp.asarray(logits.shape[-1], jnp.int32))
     peak, first = jax.lax.reduce((logits, positions), init, _first_maximum, (logits.ndim - 1,))
     shift = jnp.where(peak == -jnp.inf, 0.0, peak)  # exp(-inf - -inf) is NaN
     return shift + jnp.log(jnp.sum(jnp.exp(logits - shift[..., None]), axis=-1)), first
+
+
+def _one_pass(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Logsumexp and the first maximum in one (online-softmax) reduction: each logit folds into a
+    running (maximum, sum of ``exp(x - maximum)``, first position) by :func:`_fold_one_exp`. The
+    logits are read once, for one exponential a logit. On a TPU XLA fuses this fold with the head's
+    matmul output as it fuses the maximum alone, where the second pass of :func:`_two_passes` is a
+    fusion of its own (GPT-2 small's v5e step: 7.7 of 263 ms, by XLA's own estimate)."""
+    positions = _positions(logits)
+    ones = jnp.where(jnp.isnan(logits), 1.0, 1.0).astype(logits.dtype)  # each logit a sum of 1 at its own maximum
+    init = (jnp.asarray(-jnp.inf, logits.dtype), jnp.zeros([], logits.dtype), jnp.asarray(logits.shape[-1], jnp.int32))
+    peak, total, first = jax.lax.reduce((logits, ones, positions), init, _fold_one_exp, (logits.ndim - 1,))
+    return jnp.where(peak == jnp.inf, jnp.nan, peak + jnp.log(total)), first
+
+
+def _fold_one_exp(a: tuple, b: tuple) -> tuple:
+    """Two (maximum, sum of exponentials against it, first position) triples as one: the smaller
+    side's sum scaled by ``exp(-|peak_a - peak_b|)``, one exponential; a side that has seen only
+    -inf adds nothing."""
+    (peak_a, total_a, first_a), (peak_b, total_b, first_b) = a, b
+    peak, first = _first_maximum((peak_a, first_a), (peak_b, first_b))
+    scale = jnp.exp(jnp.where(peak_a == peak_b, 0.0, -jnp.abs(peak_a - peak_b)))
+    total_a = jnp.where(peak_a == -jnp.inf, 0.0, total_a)
+    total_b = jnp.where(peak_b == -jnp.inf, 0.0, total_b)
+    total = jnp.where(peak_a >= peak_b, total_a + total_b * scale, total_a * scale + total_b)
+    return peak, total, first
 
 
 def _positions(logits: jax.Array) -> jax.Array:

@@ -315,6 +315,35 @@ def test_int8_tpu_step_extrapolates_a_depth_from_two_compiled_depths():
     assert e["amdahl"] == pytest.approx((0.5 + 24 * 0.25) / 12.5)
 
 
+def test_int8_tpu_step_sets_the_ops_that_differ_most_side_by_side_either_way():
+    from benchmarks.int8_tpu_step import differences
+
+    bf16 = {"MLP in / conv fusion": 5.0, "qkv / copy copy": 4.0, "rest / fusion fusion": 1.0}
+    int8 = {"MLP in / gemm int8_rows_matmul": 3.0, "qkv / copy copy": 4.5, "rest / fusion fusion": 1.0,
+            "qkv / fusion copy_add_fusion": 6.0}
+    top = differences(bf16, int8, top=3)
+    assert top == [("qkv / fusion copy_add_fusion", 0.0, 6.0), ("MLP in / conv fusion", 5.0, 0.0),
+                   ("MLP in / gemm int8_rows_matmul", 0.0, 3.0)]
+    assert len(differences(bf16, int8)) == 5  # every entry of either, when fewer than top
+
+
+def test_serving_lists_one_layers_decode_kernels_in_program_order_unnamed_gemms_included():
+    from types import SimpleNamespace as NS
+
+    from benchmarks.serving import layer_kernels
+
+    def k(module, name, kind="fusion"):
+        return NS(kernel=NS(kind=kind, name=name, module=module, bytes=2e6, launches=1), seconds=4e-6)
+
+    program = [k("model/layers/0/mlp", "a"), k("model/layers/1/input_layernorm", "b", "reduction"),
+               k("", "gemm.1", "gemm"), k("model/layers/1", "c"), k("model/layers/10/mlp", "d"), k("lm_head", "e")]
+    listed = layer_kernels(NS(modeled=NS(kernels=program)))
+    assert [x["name"] for x in listed] == ["b", "gemm.1", "c"]  # layers/10 is not layers/1
+    assert [x["module"] for x in listed] == ["input_layernorm", "-", "(the layer)"]
+    assert listed[0] == {"kind": "reduction", "name": "b", "module": "input_layernorm", "mb": 2.0, "us": 4.0}
+    assert layer_kernels(NS(modeled=NS(kernels=program)), layer=3) == []
+
+
 def test_tensor_parallel_extrapolates_each_quantity_linearly_in_depth():
     """A case compiled at 2 and 4 layers stands for its 32 with each quantity's per-layer slope."""
     from benchmarks.tensor_parallel import LINEAR, row_key, table_rows

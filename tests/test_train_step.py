@@ -228,11 +228,21 @@ def _exponentials_per_logit(jaxpr, shape, folding=False) -> int:
     return count
 
 
-def test_cross_entropy_evaluates_one_exponential_per_logit_forward_and_one_more_for_the_gradient():
-    """The forward's sum of exponentials is against the maximum already found: one ``exp`` a
-    logit, where one online-softmax pass (its sum rescaled as the maximum grows) evaluated two,
-    slower on an H200 (1.685 ms against 1.223 at GPT-2 small's logits); the gradient's softmax
-    is the one more."""
+def _on(platform, monkeypatch):
+    """The cross-entropy's reduction as lowered for ``platform`` (``"tpu"``: one pass; else two), here."""
+    import precision.losses
+
+    monkeypatch.setattr(precision.losses, "platform_dependent",
+                        lambda *args, tpu, default: (tpu if platform == "tpu" else default)(*args))
+
+
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+def test_cross_entropy_evaluates_one_exponential_per_logit_forward_and_one_more_for_the_gradient(platform, monkeypatch):
+    """The forward's sum of exponentials is against the maximum already found (two passes) or
+    scales only the smaller side's sum (a TPU's one pass): one ``exp`` a logit, where the
+    online-softmax pass shipped until 2026-11-30 (both sides rescaled) evaluated two, slower on an
+    H200 (1.685 ms against 1.223 at GPT-2 small's logits); the gradient's softmax is the one more."""
+    _on(platform, monkeypatch)
     logits, labels = jnp.zeros((4, 16, 128), jnp.bfloat16), jnp.zeros((4, 16), jnp.int32)
     forward = jax.make_jaxpr(lambda x: cross_entropy(x, labels))(logits).jaxpr
     assert _exponentials_per_logit(forward, logits.shape) == 1
@@ -240,12 +250,30 @@ def test_cross_entropy_evaluates_one_exponential_per_logit_forward_and_one_more_
     assert _exponentials_per_logit(grad, logits.shape) == 2
 
 
+def test_lowered_for_a_tpu_the_cross_entropy_reads_the_logits_once_and_elsewhere_twice():
+    """A TPU program folds maximum, sum and first position into one reduction over the logits (XLA
+    fuses it with the head's output there, :func:`precision.cross_entropy`); a GPU or CPU program
+    reduces them twice. Lowered here for each platform (``jax.export``: no TPU needed)."""
+    logits, labels = jnp.zeros((4, 16, 128), jnp.float32), jnp.zeros((4, 16), jnp.int32)
+
+    def over_logits(platform):
+        exported = jax.export.export(jax.jit(lambda x: cross_entropy(x, labels)[0]), platforms=(platform,))(logits)
+        return [line for line in exported.mlir_module().splitlines() if "stablehlo.reduce" in line and "4x16x128" in line]
+
+    [fold] = over_logits("tpu")
+    assert fold.count("tensor<4x16x128x") == 3, fold  # logits, their sums of 1, positions
+    assert len(over_logits("cuda")) == len(over_logits("cpu")) == 2
+
+
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_cross_entropy_is_a_float64_references_loss_and_correctness_with_ties_and_minus_inf(dtype):
+def test_cross_entropy_is_a_float64_references_loss_and_correctness_with_ties_and_minus_inf(dtype, platform,
+                                                                                            monkeypatch):
     """Loss and correctness against numpy in float64 (logsumexp from the row's maximum, the
     first largest logit the prediction) on random logits, rows of tied maxima, rows with -inf
     logits (the label's kept, and the label's -inf: an infinite loss) and a row all -inf (NaN,
-    predicted position 0)."""
+    predicted position 0); as a TPU computes it (one pass) and as a GPU does (two)."""
+    _on(platform, monkeypatch)
     rng = np.random.default_rng(7)
     logits = np.asarray(jnp.asarray(3 * rng.standard_normal((4, 6, 300)), dtype).astype(jnp.float32), np.float64)
     labels = rng.integers(0, 300, (4, 6))
