@@ -37,7 +37,7 @@ from collections import defaultdict
 from typing import Any
 
 from benchmarks.report import RESULTS, command, environment, write_tables
-from train.inspections.tpu_time import amdahl_bound, model_tpu_step, op_times
+from train.inspections.tpu_time import TpuOpTime, amdahl_bound, model_tpu_step, op_times
 
 CONFIG = pathlib.Path(__file__).resolve().parent.parent / "configs" / "gpu" / "gpt2_small_mixed_bf16.yaml"
 _D2048 = ("model.d_model=2048", "model.num_heads=16", "data.seq_len=2048", "data.batch_size=8",
@@ -80,21 +80,26 @@ def compiled_text(case: str, policy: str, cache: pathlib.Path | None) -> tuple[s
     return step.hlo_text, plan
 
 
-def by_kind(text: str) -> dict[str, float]:
-    """Modeled seconds of the step by module kind (:data:`KINDS`)."""
+def _kind(op: TpuOpTime) -> str:
+    """The module kind (:data:`KINDS`) of an op's module path."""
+    return next(name for name, pattern in KINDS if re.search(pattern, op.kernel.module))
+
+
+def by_kind(ops: list[TpuOpTime]) -> dict[str, float]:
+    """Modeled seconds of the step (its :func:`op_times`) by module kind (:data:`KINDS`)."""
     out: dict[str, float] = defaultdict(float)
-    for op in op_times(text, "v5e"):
-        out[next(name for name, pattern in KINDS if re.search(pattern, op.kernel.module))] += op.seconds
+    for op in ops:
+        out[_kind(op)] += op.seconds
     return dict(out)
 
 
-def by_op(text: str) -> dict[str, float]:
-    """Modeled seconds of the step by module kind, op kind and op name (numbers stripped: the 12
-    layers' ``copy_add_fusion.N`` are one entry), so two policies' programs can be set side by side."""
+def by_op(ops: list[TpuOpTime]) -> dict[str, float]:
+    """Modeled seconds of the step (its :func:`op_times`) by module kind, op kind and op name (numbers
+    stripped: the 12 layers' ``copy_add_fusion.N`` are one entry), so two policies' programs can be
+    set side by side."""
     out: dict[str, float] = defaultdict(float)
-    for op in op_times(text, "v5e"):
-        kind = next(name for name, pattern in KINDS if re.search(pattern, op.kernel.module))
-        out[f"{kind} / {op.kernel.kind} {re.sub(r'[.0-9]+$', '', op.kernel.name)}"] += op.seconds
+    for op in ops:
+        out[f"{_kind(op)} / {op.kernel.kind} {re.sub(r'[.0-9]+$', '', op.kernel.name)}"] += op.seconds
     return dict(out)
 
 
@@ -106,29 +111,31 @@ def differences(bf16: dict[str, float], int8: dict[str, float], top: int = 10) -
     return [(k, bf16.get(k, 0.0), int8.get(k, 0.0)) for k in ranked[:top]]
 
 
-def in_blocks(text: str, matmul_speedup: float = 1.0) -> float:
-    """Modeled seconds of the ops a layer's module path names (``block_N``): the layers' share of the step."""
-    return sum(op.seconds for op in op_times(text, "v5e", matmul_speedup=matmul_speedup)
-               if re.search(r"block_\d+", op.kernel.module))
+def in_blocks(ops: list[TpuOpTime]) -> float:
+    """Modeled seconds of the ops (:func:`op_times`) a layer's module path names (``block_N``): the
+    layers' share of the step."""
+    return sum(op.seconds for op in ops if re.search(r"block_\d+", op.kernel.module))
 
 
 def case_row(case: str, cache: pathlib.Path | None) -> dict[str, Any]:
     """Both policies' modeled steps of one case, the bf16 step's Amdahl bound, the breakdown."""
     row: dict[str, Any] = {"case": case, "layers": CASES[case][1], "overrides": list(CASES[case][0])}
-    ops = {}
+    ops_by_name = {}
     for policy in POLICIES:
         text, plan = compiled_text(case, policy, cache)
-        ops[policy] = by_op(text)
+        ops = op_times(text, "v5e")  # read once: the program is megabytes of text
+        ops_by_name[policy] = by_op(ops)
         modeled = model_tpu_step(text, "v5e")
         row[policy] = {"modeled": modeled.to_json(), "roofline_seconds": model_tpu_step(text, "v5e",
                                                                                          xla_estimates=False).seconds,
-                       "peak_bytes": plan["memory"]["peak"], "by_kind": by_kind(text),
-                       "per_layer": in_blocks(text) / row["layers"]}
+                       "peak_bytes": plan["memory"]["peak"], "by_kind": by_kind(ops),
+                       "per_layer": in_blocks(ops) / row["layers"]}
         if policy == "mixed_bf16":
             row["amdahl"], row["amdahl_roofline"] = amdahl_bound(text, "v5e"), amdahl_bound(text, "v5e", False)
-            row["amdahl_per_layer"] = in_blocks(text, 2.0) / row["layers"] / row[policy]["per_layer"]
+            faster = in_blocks(op_times(text, "v5e", matmul_speedup=2.0))
+            row["amdahl_per_layer"] = faster / row["layers"] / row[policy]["per_layer"]
     row["ratio"] = row["mixed_int8"]["modeled"]["seconds"] / row["mixed_bf16"]["modeled"]["seconds"]
-    row["differences"] = differences(ops["mixed_bf16"], ops["mixed_int8"])
+    row["differences"] = differences(ops_by_name["mixed_bf16"], ops_by_name["mixed_int8"])
     print(f"{case}: bf16 {row['mixed_bf16']['modeled']['seconds'] * 1e3:.1f} ms, int8 "
           f"{row['mixed_int8']['modeled']['seconds'] * 1e3:.1f} ms ({row['ratio']:.3f}x), Amdahl bound "
           f"{row['amdahl']:.3f}", flush=True)
