@@ -1,6 +1,7 @@
 """The modeled TPU v5e step of ``mixed_int8`` against ``mixed_bf16``, and the best any int8 program could do.
 
-Each case is the GPT train step of ``configs/gpu/gpt2_small_mixed_bf16.yaml`` with overrides,
+Each case is the GPT train step of ``configs/gpu/gpt2_small_mixed_bf16.yaml`` with overrides
+(or of a user's GPT on Flax's own attention, ``examples/user_models/linen_gpt.yaml``, at the same shape),
 compiled for one v5e by libtpu's compile-only client (no TPU here:
 :func:`train.inspections.compile_for.compile_for`) under both policies, and modeled
 (:mod:`train.inspections.tpu_time`: each op the longest of its HBM time, its matrix time at the
@@ -45,19 +46,30 @@ _D2048 = ("model.d_model=2048", "model.num_heads=16", "data.seq_len=2048", "data
 #: d_model 4096 at 8 x 2048 tokens needs 16.5 GiB of temporaries, more than a v5e's 16: 2 x 2048 tokens
 _D4096 = ("model.d_model=4096", "model.num_heads=32", "data.seq_len=2048", "data.batch_size=2",
           "data.eval_batch_size=2")
-#: case -> (overrides of the GPT-2-small config, layers it has)
+#: case -> (overrides of its config, the GPT-2-small one unless CONFIG_OF names another; layers it has)
 CASES = {"gpt2-small": ((), 12),
          "gpt-1.3b-L1": (("model.num_layers=1", *_D2048), 1),
          "gpt-1.3b-L2": (("model.num_layers=2", *_D2048), 2),
          "gpt-d4096-L1": (("model.num_layers=1", *_D4096), 1),
          "gpt-d4096-L2": (("model.num_layers=2", *_D4096), 2)}
+#: Flax's own attention (``nn.SelfAttention``: DenseGeneral projections, the output one over heads and head
+#: features) in a user's GPT (examples/user_models/linen_gpt.py) at GPT-2 small's shape
+LINEN_GPT = CONFIG.parent.parent.parent / "examples" / "user_models" / "linen_gpt.yaml"
+_LINEN_GPT2_SMALL = ("model.width=768", "model.heads=12", "model.layers=12", "model.max_len=1024", "data.seq_len=1024",
+                     "data.batch_size=16", "data.num_classes=50304", "data.num_test=65536")
+CASES["flax-attention-gpt2-small"] = (_LINEN_GPT2_SMALL, 12)
+#: the same with its head tied to the embedding as an einsum (x . embeddingᵀ: benchmarks/einsum_head_gpt.py)
+CASES["flax-attention-einsum-head"] = (("model.name=benchmarks.einsum_head_gpt:GPT", *_LINEN_GPT2_SMALL), 12)
+#: the config of a case that is not the GPT-2-small config with overrides
+CONFIG_OF = {"flax-attention-gpt2-small": LINEN_GPT, "flax-attention-einsum-head": LINEN_GPT}
 #: depth extrapolations: name -> (the two cases, the depth judged)
 EXTRAPOLATIONS = {"gpt-1.3b (d 2048, 24 layers, from L1 and L2)": (("gpt-1.3b-L1", "gpt-1.3b-L2"), 24),
                   "gpt d 4096 (Llama-7B's width, 32 layers, from L1 and L2)": (("gpt-d4096-L1", "gpt-d4096-L2"), 32)}
 POLICIES = ("mixed_bf16", "mixed_int8")
 #: module kinds of the breakdown, by the first pattern their module path matches
-KINDS = (("head", r"^head"), ("qkv", r"attn/qkv"), ("attention proj", r"attn/proj"), ("MLP in", r"Dense_0"),
-         ("MLP out", r"Dense_1"), ("attention", r"attn"), ("norms", r"LayerNorm|ln_f"), ("rest", r""))
+KINDS = (("head", r"^head|^\w+,\w+->\w+$"), ("qkv", r"attn/(qkv|query|key|value)"),
+         ("attention proj", r"attn/(proj|out)"), ("MLP in", r"Dense_0|/up(/|$)"), ("MLP out", r"Dense_1|/down(/|$)"),
+         ("attention", r"attn"), ("norms", r"LayerNorm|ln_f|/ln\d"), ("rest", r""))
 
 
 def compiled_text(case: str, policy: str, cache: pathlib.Path | None) -> tuple[str, dict[str, Any]]:
@@ -71,7 +83,7 @@ def compiled_text(case: str, policy: str, cache: pathlib.Path | None) -> tuple[s
     from train.config import load_config
     from train.inspections.compile_for import compile_for
 
-    step = compile_for(load_config(CONFIG, overrides), "v5e")
+    step = compile_for(load_config(CONFIG_OF.get(case, CONFIG), overrides), "v5e")
     plan = {"memory": step.memory, "seconds": step.seconds, "experiment": step.experiment, "overrides": overrides}
     if cache is not None:
         cache.mkdir(parents=True, exist_ok=True)

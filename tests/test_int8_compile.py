@@ -47,6 +47,26 @@ def test_every_projection_mlp_and_head_matmul_is_an_int8_mxu_op_on_v5e_forward_a
     assert set(re.findall(r"%int8_tiles_matmul[.\d]* = (\w+)\[", report.hlo_text)) == {"bf16"}
 
 
+@pytest.mark.tpu_compile
+def test_flax_attentions_output_projection_and_its_gradients_are_int8_kernels_on_v5e():
+    """``nn.SelfAttention``'s output projection contracts heads and head features (a DenseGeneral over
+    two axes): a matmul once its operands are viewed as matrices, so a Pallas kernel like the rest
+    (it kept the XLA recipe, its operands quantized in passes of their own through HBM)."""
+    needs_libtpu()
+    config = load_config(ROOT / "examples" / "user_models" / "linen_gpt.yaml",
+                         ["workdir=/tmp/unused", "precision.policy=mixed_int8", "model.width=256", "model.heads=4",
+                          "model.layers=1", "model.max_len=256", "data.seq_len=256", "data.batch_size=8",
+                          "data.num_classes=1024"])
+    report = compile_for(config, "v5e")
+    matmuls = [k for k in report.kernels if k.gemm]
+    by_module = {}
+    for k in matmuls:
+        by_module.setdefault(k.module, []).append(f"/{SCOPE}/" in k.op_name)
+    assert by_module["block_0/attn/out"] == [True] * 3, by_module  # forward, the input's and the weight's gradients
+    assert all(all(kernels) for kernels in by_module.values()) and len(matmuls) == 3 * 7, by_module
+    assert {(k.operands, k.result) for k in matmuls} == {(("s8", "s8"), "s32")} and report.int8.share == 1.0
+
+
 @pytest.mark.gpu_compile
 def test_the_a100_program_has_int8_gemms_with_int32_results_and_no_xla_loop():
     needs_cuda_plugin()

@@ -138,3 +138,67 @@ def test_tpu_kernels_off_keeps_the_recipe_in_both_passes_and_the_config_key_reac
     assert config.precision.int8.options().tpu_kernels is False
     with pytest.raises(precision.PolicyError, match="tpu_kernels"):
         precision.int8_options(tpu_kernels="no")
+
+
+def test_the_kernels_take_a_product_that_is_a_matmul_once_its_operands_are_viewed_as_matrices():
+    Matmul, sizes = int8_tpu.Matmul, int8_tpu.kernel_sizes
+    x4, x3 = jnp.zeros((2, 8, 4, 16)), jnp.zeros((2, 8, 64))
+    # a DenseGeneral over heads and head features (Flax attention's output projection): (16, 64) x (64, 32)
+    assert sizes(x4, jnp.zeros((4, 16, 32)), (((2, 3), (0, 1)), ((), ()))) == Matmul(16, 64, 32)
+    # x . wᵀ (einsum "btd,vd->btv", a head tied to its embedding), the weight read as its rows
+    assert sizes(x3, jnp.zeros((100, 64)), (((2,), (1,)), ((), ()))) == Matmul(16, 64, 100, weight_rows=True)
+    assert sizes(x4, jnp.zeros((32, 4, 16)), (((2, 3), (1, 2)), ((), ()))) == Matmul(16, 64, 32, weight_rows=True)
+    # not a view: contracted axes out of order, or not the lhs's trailing ones; batch axes; a vector
+    assert sizes(x4, jnp.zeros((16, 4, 32)), (((2, 3), (1, 0)), ((), ()))) is None
+    assert sizes(x3, jnp.zeros((8, 32)), (((1,), (0,)), ((), ()))) is None
+    assert sizes(x3, jnp.zeros((2, 64, 32)), (((2,), (1,)), ((0,), (0,)))) is None
+    assert sizes(x3, jnp.zeros((64,)), (((2,), (0,)), ((), ()))) is None
+
+
+@pytest.mark.parametrize("form", ["dense_general", "weight_rows", "weight_rows_general"])
+def test_a_general_product_through_the_kernels_is_the_recipes(form, kernels_on_cpu):
+    """Values and both gradients through the kernels, against the recipe as a CPU runs it: the forward
+    product and the input's gradient bit for bit, the weight's gradient (tiles) as close to exact."""
+    x, w, g = _operands(512, 256, 384)
+    if form == "dense_general":  # (b, t, h, d) . (h, d, n)
+        x, w, dims = x.reshape(2, 256, 4, 64), w.reshape(4, 64, 384), (((2, 3), (0, 1)), ((), ()))
+        g = g.reshape(2, 256, 384)
+    elif form == "weight_rows":  # (b, t, d) . (n, d)ᵀ
+        x, w, dims = x.reshape(2, 256, 256), w.T, (((2,), (1,)), ((), ()))
+        g = g.reshape(2, 256, 384)
+    else:  # (b, t, d) . (n1, n2, d)ᵀ
+        x, w, dims = x.reshape(2, 256, 256), w.T.reshape(3, 128, 256), (((2,), (2,)), ((), ()))
+        g = g.reshape(2, 256, 3, 128)
+    backward = Backward(fallback=np.dtype(jnp.bfloat16))
+
+    def value_and_grads():
+        y, pull = jax.vjp(lambda a, b: int8_dot(a, b, dims, jnp.bfloat16, backward), x, w)
+        return (y, *pull(g))
+
+    y, dx, dw = value_and_grads()
+    jaxpr = str(jax.make_jaxpr(value_and_grads)())
+    assert jaxpr.count("pallas_call[") == 3 and "int8_rows_matmul" in jaxpr and "int8_tiles_matmul" in jaxpr
+    int8_tpu.choose, saved = int8_tpu._on_one_tpu, int8_tpu.choose  # the recipe, as a CPU runs it
+    try:
+        y0, dx0, dw0 = value_and_grads()
+    finally:
+        int8_tpu.choose = saved
+    assert y.shape == y0.shape and dx.shape == x.shape and dw.shape == w.shape == dw0.shape
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y0))
+    np.testing.assert_array_equal(np.asarray(dx), np.asarray(dx0))
+    exact = jax.vjp(lambda b: jax.lax.dot_general(x.astype(jnp.float32), b, dims), w)[1](g.astype(jnp.float32))[0]
+    err = lambda a: float(jnp.linalg.norm(a - exact) / jnp.linalg.norm(exact))  # noqa: E731
+    assert err(dw) < 0.015 and err(dw) <= 1.05 * err(dw0)
+
+
+def test_a_weight_held_as_rows_too_wide_for_a_block_takes_the_row_tiles_for_its_input_gradient(monkeypatch):
+    """``dy . w`` for ``w (n, k)`` where ``n`` (a vocabulary) is too wide for a row block: tiles along ``n``
+    of ``w``'s int8 columns, close to the recipe."""
+    monkeypatch.setattr(int8_tpu, "row_tiles_matmul", functools.partial(int8_pallas.row_tiles_matmul, interpret=True))
+    monkeypatch.setattr(int8_tpu, "rows_blocks", lambda *a: None)  # as for a vocabulary past a block
+    g, w = _operands(256, 2304, 256)[0], _operands(256, 2304, 256, seed=1)[1][:, :256]  # w (vocab, k)
+    got = int8_tpu._input_gradient(g, w, jnp.float32, weight_rows=True)
+    exact = jnp.dot(g.astype(jnp.float32), w)
+    recipe = int8_product(jnp.float32)(g, w, (((1,), (0,)), ((), ())))
+    err = lambda a: float(jnp.linalg.norm(a - exact) / jnp.linalg.norm(exact))  # noqa: E731
+    assert got.shape == (256, 256) and err(got) < 0.015 and err(got) <= 1.05 * err(recipe)

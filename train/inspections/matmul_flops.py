@@ -1,9 +1,12 @@
 """The FLOPs of a matmul or a convolution of an optimized HLO program, from its shapes and attributes.
 
 A dot's are 2 x its output's elements x its contracted size; a convolution's, 2 x its output's
-elements x the kernel's taps per output, where, over an input XLA dilated (``lhs_dilate``: how
-XLA:TPU writes a batched matmul, its window spanning the batch), only the taps that meet an
-input value count.
+elements x the kernel's taps per output that meet an input value, as XLA's own cost analysis
+counts them (``HloCostAnalysis::GetConvolutionFlops``): a tap on padding, or between the values of
+an input XLA dilated, multiplies nothing. XLA:TPU writes matmuls so: a batched one as a window
+spanning the batch over an input dilated by as much; a ``DenseGeneral`` onto heads (``(b, t, d) x
+(d, h, k)``) as a window of ``h`` taps over one input position padded by ``h - 1`` on each side,
+one tap of each output meeting it.
 """
 
 from __future__ import annotations
@@ -31,20 +34,17 @@ def dot_flops(out: tuple[int, ...], lhs: tuple[int, ...], rest: str) -> float:
 
 
 def conv_flops(out: tuple[int, ...], rhs: tuple[int, ...], rest: str, lhs: tuple[int, ...] | None = None) -> float:
-    """2 x output elements x the kernel's size per output of a convolution (its ``dim_labels``).
-    Over an input dilated by ``lhs_dilate`` (``lhs``: its shape) only the taps meeting an input
-    value count: XLA:TPU writes a batched matmul as such a convolution, its window spanning the
-    batch, one tap in the window's size meeting a value."""
+    """2 x output elements x the kernel's taps per output of a convolution (its ``dim_labels``) that
+    meet an input value (``lhs``: the input's shape; without it, every tap of the window)."""
     labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", rest)
     if labels is None or len(labels.group(2)) != len(rhs):
         return 0.0
     lhs_labels, rhs_labels, out_labels = labels.groups()
     window = re.search(r"window=\{([^}]*)\}", rest)
-    dilated = lhs is not None and window is not None and "lhs_dilate=" in window.group(1) and \
-        len(lhs) == len(lhs_labels) and len(out) == len(out_labels)
+    known = lhs is not None and window is not None and len(lhs) == len(lhs_labels) and len(out) == len(out_labels)
     per_output, spatial_out = 1, 1
     for size, label in zip(rhs, rhs_labels):
-        if dilated and label.isdigit():  # taps meeting values, summed over the outputs along this dim
+        if known and label.isdigit():  # taps meeting values, summed over the outputs along this dim
             spatial = _window_field(window.group(1), int(label))
             per_output *= _taps(out[out_labels.index(label)], lhs[lhs_labels.index(label)], size, **spatial)
             spatial_out *= out[out_labels.index(label)]
@@ -55,7 +55,8 @@ def conv_flops(out: tuple[int, ...], rhs: tuple[int, ...], rest: str, lhs: tuple
 
 
 def _window_field(window: str, dim: int) -> dict[str, int]:
-    """A window's stride, low padding and input dilation along spatial ``dim`` (XLA's defaults: 1, 0, 1)."""
+    """A window's stride, low padding, input and window dilation along spatial ``dim`` (XLA's defaults:
+    1, 0, 1, 1)."""
     def field(name: str, default: int) -> int:
         m = re.search(name + r"=([\d_x\-]+)", window)
         if m is None:
@@ -63,10 +64,17 @@ def _window_field(window: str, dim: int) -> dict[str, int]:
         parts = m.group(1).split("x")
         return int(parts[dim].split("_")[0]) if dim < len(parts) else default
 
-    return {"stride": field("stride", 1), "pad": field("pad", 0), "dilate": field("lhs_dilate", 1)}
+    return {"stride": field("stride", 1), "pad": field("pad", 0), "dilate": field("lhs_dilate", 1),
+            "spread": field("rhs_dilate", 1)}
 
 
-def _taps(outputs: int, inputs: int, size: int, stride: int, pad: int, dilate: int) -> int:
-    """Over ``outputs`` positions, the window taps that meet one of ``inputs`` values dilated by ``dilate``."""
-    at = np.arange(outputs)[:, None] * stride + np.arange(size)[None, :] - pad
+def _taps(outputs: int, inputs: int, size: int, stride: int, pad: int, dilate: int, spread: int = 1) -> int:
+    """Over ``outputs`` positions, the window taps (``spread`` apart) that meet one of ``inputs`` values
+    dilated by ``dilate``."""
+    if dilate == 1:  # per tap, the outputs whose input index o * stride + tap * spread - pad is in range
+        start = np.arange(size) * spread - pad
+        first = np.maximum(-(start // stride), 0)  # ceil(-start / stride), at least 0
+        last = np.minimum((inputs - 1 - start) // stride, outputs - 1)
+        return int(np.maximum(last - first + 1, 0).sum())
+    at = np.arange(outputs)[:, None] * stride + np.arange(size)[None, :] * spread - pad
     return int(np.count_nonzero((at >= 0) & (at % dilate == 0) & (at // dilate < inputs)))

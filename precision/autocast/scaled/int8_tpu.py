@@ -9,11 +9,15 @@ device (as the Pallas flash attention is: :mod:`precision.autocast.tpu_flash`): 
 Mosaic call is one custom call that XLA cannot split over devices, so a sharded
 program keeps the recipe. Under ``vmap`` the recipe runs too.
 
-The kernels take a plain matmul: the activation's last axis contracted with the
-weight's first, no batch axes (:func:`kernel_sizes`), sizes their blocks take
-(:func:`.int8_pallas.rows_blocks` and its siblings); anything else (a
-convolution, attention's batched products, a small or odd shape) keeps the
-recipe, and so does each backward product no kernel takes. The forward product
+The kernels take a product that is a matmul once its operands are viewed as
+matrices, without a copy (:func:`kernel_sizes`): no batch axes, the activation's
+trailing axes contracted with the weight's leading ones (``x . w``: a ``Dense``; a
+``DenseGeneral`` over several axes, as the output projection of Flax's
+``MultiHeadDotProductAttention`` contracts heads and head features) or with its
+trailing ones (``x . wᵀ``: ``einsum("btd,vd->btv")``, a tied embedding read as a
+head), in sizes their blocks take (:func:`.int8_pallas.rows_blocks` and its
+siblings); anything else (a convolution, attention's batched products, a small or
+odd shape) keeps the recipe, and so does each backward product no kernel takes. The forward product
 and the input's gradient are the recipe's values bit for bit; the weight's
 gradient is tiled along the tokens (:func:`.int8_pallas.tiles_matmul`), and a
 head's input gradient along its vocabulary (:func:`.int8_pallas.row_tiles_matmul`):
@@ -25,7 +29,7 @@ the recipe's scales).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -35,16 +39,33 @@ from precision.autocast.scaled.int8_pallas import (row_tiles_blocks, row_tiles_m
 from precision.autocast.scaled.int8_quantize import quantized_along
 from precision.autocast.tpu_flash import on_one_device
 
-__all__ = ["kernel_sizes", "forward", "backward", "choose"]
+__all__ = ["Matmul", "kernel_sizes", "forward", "backward", "choose"]
 
 
-def kernel_sizes(lhs: Any, rhs: Any, dims: Any) -> tuple[int, int, int] | None:
-    """(M, K, N) of ``dot_general(lhs, rhs, dims)`` where it is a plain matmul the kernels may take
-    (the lhs's last axis contracted with the rhs's first, no batch axes), else None."""
+class Matmul(NamedTuple):
+    """A ``dot_general`` viewed as the matmul ``(m, k) x (k, n)``; ``weight_rows``: the weight is held as
+    ``(n, k)`` (its trailing axes contracted: ``x . wᵀ``)."""
+
+    m: int
+    k: int
+    n: int
+    weight_rows: bool = False
+
+
+def kernel_sizes(lhs: Any, rhs: Any, dims: Any) -> Matmul | None:
+    """``dot_general(lhs, rhs, dims)`` as a matmul the kernels may take, or None: no batch axes, the
+    lhs's trailing axes contracted, in order, with the rhs's leading axes or its trailing ones (both
+    operands then reshape to matrices without moving a value), the weight at least 2-D."""
     (lhs_contract, rhs_contract), (lhs_batch, _) = dims
-    if lhs_batch or tuple(lhs_contract) != (lhs.ndim - 1,) or tuple(rhs_contract) != (0,) or rhs.ndim < 2:
+    c = len(lhs_contract)
+    if lhs_batch or not c or tuple(lhs_contract) != tuple(range(lhs.ndim - c, lhs.ndim)) or rhs.ndim <= c:
         return None
-    return math.prod(lhs.shape[:-1]), lhs.shape[-1], math.prod(rhs.shape[1:])
+    m, k = math.prod(lhs.shape[:-c]), math.prod(lhs.shape[-c:])
+    if tuple(rhs_contract) == tuple(range(c)):
+        return Matmul(m, k, math.prod(rhs.shape[c:]))
+    if tuple(rhs_contract) == tuple(range(rhs.ndim - c, rhs.ndim)):
+        return Matmul(m, k, math.prod(rhs.shape[:-c]), weight_rows=True)
+    return None
 
 
 def forward(recipe: Callable, lhs: jax.Array, rhs: jax.Array, dims: Any, out_dtype: Any, use_kernel: bool
@@ -52,14 +73,19 @@ def forward(recipe: Callable, lhs: jax.Array, rhs: jax.Array, dims: Any, out_dty
     """``recipe(lhs, rhs)`` (the XLA recipe's product), or on one TPU (where ``use_kernel``: not while the
     doctor records, nor with ``precision.int8.tpu_kernels`` off) the row kernel computing the same."""
     sizes = kernel_sizes(lhs, rhs, dims) if use_kernel else None
-    if sizes is None or not rows_blocks(*sizes, np.dtype(lhs.dtype).itemsize):
+    if sizes is None or not rows_blocks(sizes.m, sizes.k, sizes.n, np.dtype(lhs.dtype).itemsize):
         return recipe(lhs, rhs)
-    m, k, n = sizes
+    m, k, n, weight_rows = sizes
+    c = len(dims[0][0])  # the axes contracted
+    out_shape = (*lhs.shape[:-c], *(rhs.shape[:-c] if weight_rows else rhs.shape[c:]))
 
     def kernel(x, w):
+        if weight_rows:  # w (n, k): each row quantized over the k it contracts, read as stored
+            q_w, s_w = quantized_along(w.reshape(n, k), (1,))
+            y = rows_matmul(x.reshape(m, k), q_w, s_w.reshape(1, n), out_dtype, weight_rows=True)
+            return [y.reshape(out_shape)]
         q_w, s_w = quantized_along(w.reshape(k, n), (0,))
-        y = rows_matmul(x.reshape(m, k), q_w, s_w, out_dtype)
-        return [y.reshape(*x.shape[:-1], *w.shape[1:])]
+        return [rows_matmul(x.reshape(m, k), q_w, s_w, out_dtype).reshape(out_shape)]
 
     return choose(kernel, lambda x, w: [recipe(x, w)], lhs, rhs)[0]
 
@@ -73,32 +99,39 @@ def backward(recipe: Callable, lhs: jax.Array, rhs: jax.Array, g: jax.Array, dim
     sizes = kernel_sizes(lhs, rhs, dims) if use_kernels else None
     if sizes is None:
         return recipe(lhs, rhs, g)
-    m, k, n = sizes
+    m, k, n, weight_rows = sizes
     rows = rows_blocks(m, n, k, np.dtype(g.dtype).itemsize) or row_tiles_blocks(m, n, k)
-    tiles = tiles_blocks(m, k, n, np.dtype(lhs.dtype).itemsize, np.dtype(g.dtype).itemsize)
+    x_size, g_size = np.dtype(lhs.dtype).itemsize, np.dtype(g.dtype).itemsize
+    tiles = tiles_blocks(m, n, k, g_size, x_size) if weight_rows else tiles_blocks(m, k, n, x_size, g_size)
     if not rows and not tiles:
         return recipe(lhs, rhs, g)
     (lhs_dtype, rhs_dtype), (lhs_grad, rhs_grad) = grad_dtypes
 
     def kernels(x, w, dy):
         by_recipe = None if rows and tiles else recipe(x, w, dy)
+        x2, dy2 = x.reshape(m, k), dy.reshape(m, n)
         if rows:
-            dx = _input_gradient(dy.reshape(m, n), w.reshape(k, n), lhs_grad).reshape(x.shape).astype(lhs_dtype)
-        if tiles:
-            dw = tiles_matmul(x.reshape(m, k), dy.reshape(m, n), rhs_grad).reshape(w.shape).astype(rhs_dtype)
+            w2 = w.reshape(n, k) if weight_rows else w.reshape(k, n)
+            dx = _input_gradient(dy2, w2, lhs_grad, weight_rows).reshape(x.shape).astype(lhs_dtype)
+        if tiles:  # xᵀ . dy, or for a weight held as (n, k) dyᵀ . x
+            dw = tiles_matmul(dy2, x2, rhs_grad) if weight_rows else tiles_matmul(x2, dy2, rhs_grad)
+            dw = dw.reshape(w.shape).astype(rhs_dtype)
         return [dx if rows else by_recipe[0], dw if tiles else by_recipe[1]]
 
     return tuple(choose(kernels, lambda *a: list(recipe(*a)), lhs, rhs, g))
 
 
-def _input_gradient(dy: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array:
-    """``dy (m, n) . wᵀ``: ``dy``'s whole rows quantized in the row kernel (the recipe's values), or,
-    where a row is too wide for a block (``n``: a vocabulary), in tiles along ``n``."""
-    (m, n), k = dy.shape, w.shape[0]
-    q_w, s_w = quantized_along(w, (1,))  # w's rows over N: what dx contracts
-    if rows_blocks(m, n, k, np.dtype(dy.dtype).itemsize):  # w's rows read as stored: no transposed copy
-        return rows_matmul(dy, q_w, s_w.reshape(1, k), out_dtype, weight_rows=True)
-    return row_tiles_matmul(dy, q_w, s_w.T, out_dtype)
+def _input_gradient(dy: jax.Array, w: jax.Array, out_dtype: Any, weight_rows: bool = False) -> jax.Array:
+    """The input's gradient from ``dy (m, n)``: ``dy . wᵀ`` for a weight ``w (k, n)``, ``dy . w`` for one
+    held as ``w (n, k)`` (``weight_rows``); ``dy``'s whole rows quantized in the row kernel (the recipe's
+    values), or, where a row is too wide for a block (``n``: a vocabulary), in tiles along ``n``."""
+    m, n = dy.shape
+    k = w.shape[1] if weight_rows else w.shape[0]
+    q_w, s_w = quantized_along(w, (0,) if weight_rows else (1,))  # quantized over the n it contracts
+    s_w = s_w.reshape(1, k)
+    if rows_blocks(m, n, k, np.dtype(dy.dtype).itemsize):  # w read as stored: no transposed copy
+        return rows_matmul(dy, q_w, s_w, out_dtype, weight_rows=not weight_rows)
+    return row_tiles_matmul(dy, q_w.T if weight_rows else q_w, s_w, out_dtype)
 
 
 def _on_one_tpu(kernel: Callable, fallback: Callable, *args: jax.Array) -> list:
