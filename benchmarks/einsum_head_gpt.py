@@ -13,20 +13,13 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "user_models"))
-from linen_gpt import Block  # noqa: E402
+import linen_gpt  # noqa: E402
 
 __all__ = ["GPT"]
 
 
-class GPT(nn.Module):
-    """``linen_gpt.GPT`` with the head ``x . embeddingᵀ`` written as an einsum, no head of its own."""
-
-    vocab_size: int
-    max_len: int
-    width: int = 128
-    heads: int = 4
-    layers: int = 2
-    dropout: float = 0.0
+class GPT(linen_gpt.GPT):
+    """``linen_gpt.GPT`` (its fields, its blocks) with the head ``x . embeddingᵀ`` written as an einsum."""
 
     @nn.compact
     def __call__(self, tokens, deterministic: bool = True):
@@ -34,5 +27,5 @@ class GPT(nn.Module):
         positions = self.param("positions", nn.initializers.normal(0.02), (self.max_len, self.width))
         x = embed(tokens) + positions[None, :tokens.shape[1]]
         for i in range(self.layers):
-            x = Block(self.width, self.heads, self.dropout, name=f"block_{i}")(x, deterministic)
+            x = linen_gpt.Block(self.width, self.heads, self.dropout, name=f"block_{i}")(x, deterministic)
         return jnp.einsum("btd,vd->btv", nn.LayerNorm(name="ln_f")(x), embed.embedding)

@@ -79,13 +79,10 @@ def forward(recipe: Callable, lhs: jax.Array, rhs: jax.Array, dims: Any, out_dty
     c = len(dims[0][0])  # the axes contracted
     out_shape = (*lhs.shape[:-c], *(rhs.shape[:-c] if weight_rows else rhs.shape[c:]))
 
-    def kernel(x, w):
-        if weight_rows:  # w (n, k): each row quantized over the k it contracts, read as stored
-            q_w, s_w = quantized_along(w.reshape(n, k), (1,))
-            y = rows_matmul(x.reshape(m, k), q_w, s_w.reshape(1, n), out_dtype, weight_rows=True)
-            return [y.reshape(out_shape)]
-        q_w, s_w = quantized_along(w.reshape(k, n), (0,))
-        return [rows_matmul(x.reshape(m, k), q_w, s_w, out_dtype).reshape(out_shape)]
+    def kernel(x, w):  # w as (k, n), or (n, k) read as stored; quantized over the k it contracts
+        q_w, s_w = quantized_along(w.reshape((n, k) if weight_rows else (k, n)), (1,) if weight_rows else (0,))
+        y = rows_matmul(x.reshape(m, k), q_w, s_w.reshape(1, n), out_dtype, weight_rows=weight_rows)
+        return [y.reshape(out_shape)]
 
     return choose(kernel, lambda x, w: [recipe(x, w)], lhs, rhs)[0]
 
