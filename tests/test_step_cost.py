@@ -57,7 +57,8 @@ def test_the_resnet_step_launches_and_moves_less_than_the_hand_written_one():
 def test_the_step_cost_benchmark_writes_its_table(tmp_path):
     from benchmarks import step_cost
 
-    argv = ["--layers", "1", "--models", "llama,resnet", "--policies", "O2", "--out", str(tmp_path)]
+    # one model: the ResNet's row is the comparison test_the_resnet_step_... makes (20 s of CI's CPU)
+    argv = ["--layers", "1", "--models", "llama", "--policies", "O2", "--out", str(tmp_path)]
     assert step_cost.main(argv) == 0
     text = (tmp_path / "step-cost-h100.md").read_text()
-    assert "| llama | O2 |" in text and "| resnet | O2 |" in text and "not a measurement" in text
+    assert "| llama | O2 |" in text and "not a measurement" in text

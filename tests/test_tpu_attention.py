@@ -1,5 +1,5 @@
-"""Fused attention for a TPU: the Pallas flash attention in the TPU branch of every attention
-autocast fuses, where it computes what the model computes.
+"""Fused attention for a TPU: the Pallas flash (or splash) attention in the TPU branch of every
+attention autocast fuses, where it computes what the model computes.
 
 The kernel runs here, on the CPU, in Pallas's TPU interpret mode, with the lowering made to take
 the TPU branch; libtpu is stood in for (it is needed to compile for a TPU, not to trace the
@@ -72,6 +72,7 @@ MODELS = {
     "HF-style Llama, grouped kv heads": (lambda: hf_style.Llama(VOCAB, T, WIDTH, HEADS, 1, 1), lambda: (_tokens(),)),
     "jax.nn.dot_product_attention, a learned bias": (lambda: NNAttention(causal=False, with_bias=True),
                                                      lambda: (_inputs(),)),
+    "jax.nn.dot_product_attention, no mask": (lambda: NNAttention(causal=False), lambda: (_inputs(),)),
 }
 
 
@@ -119,6 +120,33 @@ def test_lowered_for_a_tpu_attention_runs_the_pallas_kernel_with_the_unfused_num
     assert np.abs(fused - reference).max() <= 1.5 * np.abs(unfused - reference).max() + 1e-3
     assert np.linalg.norm(fused_grads - unfused_grads) <= 0.05 * np.linalg.norm(unfused_grads)
     assert np.linalg.norm(fused_grads - exact) <= 1.5 * np.linalg.norm(unfused_grads - exact) + 1e-6
+
+
+@pytest.mark.parametrize("name,splash", [("Flax SelfAttention GPT (causal)", True),
+                                         ("jax.nn.dot_product_attention, no mask", True),
+                                         ("jax.nn.dot_product_attention, a learned bias", False)])
+def test_an_attention_without_a_bias_runs_the_splash_kernel_and_one_with_a_bias_the_flash_kernel(libtpu, name,
+                                                                                                  splash):
+    """The splash kernel keeps one logsumexp per query where the flash kernel keeps its statistics
+    repeated over 128 lanes (three 100 MB arrays a layer read by GPT-2 small's backward pass); it
+    takes no bias, so a biased attention keeps the flash kernel."""
+    make, inputs = MODELS[name]
+    model, args = make(), inputs()
+    variables = model.init(jax.random.key(1), *args)
+    wrapped = precision.with_policy(model, "mixed_bf16")
+
+    def loss(params):
+        return jnp.mean(wrapped.apply({**variables, "params": params}, *args).astype(jnp.float32) ** 2)
+
+    with pytest.MonkeyPatch.context() as m:
+        for module in (attention_fusion, higher_order):
+            m.setattr(module, "platform_dependent", _on("tpu"))
+        m.setattr(tpu_flash, "choose", lambda *a, kernel, fallback: kernel(*a))
+        traced = str(jax.make_jaxpr(jax.grad(loss))(variables["params"]))
+    kernels = {n for n in ("splash_mha_fwd_residuals", "splash_mha_dq_no_residuals", "splash_mha_dkv_no_residuals")
+               if n in traced}
+    assert "pallas_call" in traced and kernels == (set() if not splash else {
+        "splash_mha_fwd_residuals", "splash_mha_dq_no_residuals", "splash_mha_dkv_no_residuals"}), kernels
 
 
 def test_the_tpu_branch_holds_the_kernel_and_every_other_platform_what_it_had(libtpu):

@@ -49,7 +49,7 @@ def test_the_gpt_compiles_for_one_v5e_chip_with_every_matmul_in_bfloat16(tmp_pat
     assert isinstance(report.target, TpuTarget) and report.devices == 1 and report.fits
     matmuls = [k for k in report.kernels if k.gemm]
     # per layer: 4 projections, each forward and twice backward; the head's 3. The attention's
-    # products are in the Pallas flash attention: one kernel forward, two backward (dq; dk, dv).
+    # products are in the Pallas (splash) attention: one kernel forward, two backward (dq; dk, dv).
     assert len(matmuls) == 12 + 3 and {k.kind for k in matmuls} == {"tpu_matmul"}
     assert {k.operands for k in matmuls} == {("bf16", "bf16")} and report.f32_gemms() == {}
     assert _attention_kernels(report) == {("tpu_flash_attention", "block_0/attn"): 1,
@@ -91,7 +91,9 @@ def test_a_v5p_slice_of_eight_chips_gathers_fsdp_params_in_bfloat16():
     # each chip runs the fused attention on its own rows of the batch (the step's mesh in context)
     assert _attention_kernels(report) == {("tpu_flash_attention", "block_0/attn"): 1,
                                           ("tpu_flash_attention_backward", "block_0/attn"): 2}
-    assert "bf16[1,4,256,64]" in next(line for line in report.hlo_text.splitlines() if "pallas_flash_attention." in line)
+    # (the splash kernel, no bias: one chip's batch row of the 8, its 4 heads and 256 positions whole)
+    splash = next(line for line in report.hlo_text.splitlines() if "splash_mha_fwd_residuals." in line)
+    assert "bf16[4,256,64]" in splash
 
 
 def _attention_kernels(report):

@@ -143,6 +143,31 @@ def test_an_int8_kernel_is_an_int8_matmul_timed_by_its_cost_estimate():
     assert (kernel.kind, kernel.operands, kernel.result) == ("tpu_matmul", ("s8", "s8"), "s32")
 
 
+# The splash attention's backward dq kernel (precision.autocast.tpu_splash) as libtpu writes its custom call: its
+# kernel_metadata attribute holds line breaks, the instruction's metadata after them.
+SPLASH_HLO = """HloModule jit_step, is_scheduled=true
+
+ENTRY %main (q: bf16[16,12,1024,64], d: f32[16,12,8,1024]) -> bf16[16,12,1024,64] {
+  %q = bf16[16,12,1024,64]{3,2,1,0:T(8,128)(2,1)} parameter(0)
+  %d = f32[16,12,8,1024]{3,2,1,0:T(8,128)} parameter(1)
+  ROOT %splash_mha_dq_no_residuals.3 = bf16[16,12,1024,64]{3,2,1,0:T(8,128)(2,1)} custom-call(%q, %q, %q, %d, %q), \
+custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={
+"xprof_metadata":"{\\"block_q\\": 512, \\"block_kv\\": 512}"
+}}, metadata={op_name="jit(step)/precision.module=/block_3/precision.module=block_3/attn/pallas_flash_attention_bwd/\
+vmap(one)/splash_mha_dq_no_residuals/pallas_call"}, backend_config={"custom_call_config":{"body":"TUzv"}}
+}
+"""
+
+
+def test_a_splash_kernel_written_over_several_lines_is_one_attention_op_of_its_module():
+    (op,) = op_times(SPLASH_HLO, "v5e")
+    assert (op.kernel.kind, op.kernel.module) == ("attention", "block_3/attn")
+    assert op.kernel.flops == 2 * 3 * 16 * 12 * 1024 * 1024 * 64 and op.kernel.causal  # dq: three products, causal
+    assert op.kernel.bytes == 4 * 16 * 12 * 1024 * 64 * 2 + 16 * 12 * 8 * 1024 * 4 + 16 * 12 * 1024 * 64 * 2
+    (kernel,) = read_tpu_kernels(SPLASH_HLO)
+    assert (kernel.kind, kernel.module) == ("tpu_flash_attention_backward", "block_3/attn")
+
+
 @pytest.mark.parametrize("window,labels,lhs,rhs,out", [
     # XLA:TPU's batched matmul (batch 32 x heads 4, 32 x 16 by 16 x 32): the window spans the batch over an
     # input dilated by as much, one tap meeting a value per output (its forward and its backward form)

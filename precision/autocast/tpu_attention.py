@@ -6,7 +6,8 @@ probabilities to HBM (on the GPT-2-small step compiled for a v5e, 12.2 GiB of
 temporaries against 7.6 on an H100 with cuDNN's kernel). JAX ships a fused one
 for TPUs as a Pallas kernel (``jax.experimental.pallas.ops.tpu.flash_attention``:
 blocks of query and key in VMEM, softmax statistics in float32, never the
-logits). Autocast puts it in the TPU branch of the attention's
+logits; its splash attention where no bias is added, :mod:`.tpu_splash`).
+Autocast puts it in the TPU branch of the attention's
 ``jax.lax.platform_dependent`` (beside cuDNN's for CUDA), so a program lowered
 for a TPU runs it and every other platform keeps what it had.
 

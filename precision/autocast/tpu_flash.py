@@ -1,4 +1,8 @@
-"""JAX's Pallas flash attention for TPU, on one chip or each chip of a mesh.
+"""JAX's Pallas attention kernels for TPU, on one chip or each chip of a mesh.
+
+An attention with a bias runs JAX's flash attention kernel; one without, its
+splash attention kernel (:mod:`.tpu_splash`: less of HBM for the softmax's
+statistics). Both are "the kernel" below.
 
 A Pallas (Mosaic) kernel is one custom call that XLA cannot split over devices:
 in a program sharded over a TPU slice it fails to lower unless each device is
@@ -15,8 +19,8 @@ given its own part. So :func:`flash` runs the kernel
   rounding either way.
 
 The forward and backward passes are the kernel's own: the functions
-``flash_attention``'s ``custom_vjp`` is made of (private to JAX: a JAX without
-them leaves the attention unfused, and ``explain`` says so).
+``flash_attention``'s (or splash's) ``custom_vjp`` is made of (private to JAX: a
+JAX without them leaves the attention unfused, and ``explain`` says so).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 from jax.sharding import PartitionSpec
 
+from precision.autocast import tpu_splash
 from precision.autocast.regions import module_tag
 
 __all__ = ["check", "flash", "one_device_p", "on_one_device", "FORWARD_SCOPE", "BACKWARD_SCOPE"]
@@ -150,6 +155,8 @@ def _attention(causal: bool, scale: float, biased: bool, heads_second: bool = Fa
 
 
 def _kernel_fwd(causal: bool, scale: float, biased: bool, q, k, v, ab=None):
+    if not biased:  # the splash kernel: its statistics are not repeated over 128 lanes
+        return tpu_splash.forward(causal, scale, q, k, v)
     from jax.experimental.pallas.ops.tpu import flash_attention as pallas
 
     sizes = pallas.BlockSizes.get_default(*q.shape[:3], k.shape[2], q.shape[3])
@@ -162,6 +169,8 @@ def _kernel_bwd(causal: bool, scale: float, biased: bool, q, k, v, *rest):
     from jax.experimental.pallas.ops.tpu import flash_attention as pallas
 
     ab, (out, l, m, do) = (rest[0], rest[1:]) if biased else (None, rest)
+    if not biased:
+        return tpu_splash.backward(causal, scale, q, k, v, out, l, m, do)
     sizes = pallas.BlockSizes.get_default(*q.shape[:3], k.shape[2], q.shape[3])
     dq, dk, dv, dab, _ = pallas._flash_attention_bwd(False, causal, scale, sizes, False,
                                                      (q, k, v, ab, None, out, l, m), do)

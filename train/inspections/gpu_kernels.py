@@ -27,7 +27,7 @@ from urllib.parse import unquote
 from precision.autocast.regions import MODULE_PREFIX, REDUCE_SCOPE_PREFIX, TAG_PREFIX
 
 __all__ = ["Kernel", "read_kernels", "GEMM_KINDS", "module_of", "region_of", "fp8_accumulation", "f32_algorithm",
-           "operand_names", "attribute", "computations"]
+           "operand_names", "attribute", "computations", "instruction_lines"]
 
 #: Kernel kinds that are matrix multiplications.
 GEMM_KINDS = ("cublas", "cublaslt", "cublaslt_fp8", "triton_gemm", "xla_dot", "tpu_matmul")
@@ -87,11 +87,20 @@ class _Instr(NamedTuple):
     rest: str
 
 
+def instruction_lines(text: str) -> list[str]:
+    """An HLO module's text a line per instruction: a Pallas kernel's ``kernel_metadata``
+    attribute (splash attention's block sizes) holds line breaks, which are joined here."""
+    return _CONTINUED.sub("", text).splitlines()
+
+
+_CONTINUED = re.compile(r'\n(?="xprof_metadata"|\}\})')
+
+
 def computations(text: str) -> dict[str, dict]:
     """Computation name -> {"types": name -> element type, "instrs": [_Instr]}."""
     comps: dict[str, dict] = {}
     current = None
-    for line in text.splitlines():
+    for line in instruction_lines(text):
         header = _HEADER.match(line)
         if header and not line.startswith(" "):
             current = {"types": dict(_PARAM.findall(header.group("params"))), "instrs": []}

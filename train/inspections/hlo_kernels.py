@@ -22,7 +22,8 @@ import math
 import re
 from typing import Iterator, NamedTuple
 
-from train.inspections.gpu_kernels import INSTRUCTION as _INSTR, attribute, f32_algorithm, module_of, operand_names
+from train.inspections.gpu_kernels import (INSTRUCTION as _INSTR, attribute, f32_algorithm, instruction_lines,
+                                          module_of, operand_names)
 from train.inspections.matmul_flops import conv_flops, dot_flops, ints as _ints
 from train.parallel.communication import group_size, sent_fraction
 
@@ -132,7 +133,7 @@ def _dtype(type_text: str) -> str:
 def _parse(text: str) -> tuple[dict[str, _Comp], str]:
     comps: dict[str, _Comp] = {}
     entry, current = "", None
-    for line in text.splitlines():
+    for line in instruction_lines(text):
         header = _HEADER.match(line)
         if header and not line.startswith(" "):
             current = _Comp(dict(_PARAM.findall(header.group("params"))), [], [])

@@ -45,8 +45,9 @@ def read_tpu_kernels(text: str) -> list[Kernel]:
             op_name = attribute(instr.rest, "op_name")
             if instr.op == "custom-call" and f"/{FORWARD_SCOPE}" in op_name:
                 kind = "tpu_flash_attention_backward" if f"/{BACKWARD_SCOPE}/" in op_name else "tpu_flash_attention"
-                operands = tuple(comp["types"].get(o, "") for o in instr.operands[:3])
-                module = module_of(op_name).replace(f"/{BACKWARD_SCOPE}", "").replace(f"/{FORWARD_SCOPE}", "")
+                types = [comp["types"].get(o, "") for o in instr.operands]  # splash's mask tables (ints) first
+                operands = tuple(t for t in types if t.startswith(("bf", "f")))[:3]  # query, key, value
+                module = module_of(op_name).split(f"/{FORWARD_SCOPE}")[0]  # either pass's, the attention's module
                 kernels.append(Kernel(kind, operands, instr.dtype, module, op_name))
             if instr.op == "custom-call" and f"/{INT8_SCOPE}/" in op_name:  # quantizes in VMEM, then s8 x s8 -> s32
                 kernels.append(Kernel("tpu_matmul", ("s8", "s8"), "s32", int8_module(module_of(op_name)), op_name))

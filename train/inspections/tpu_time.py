@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 
 from precision.autocast.scaled.int8_pallas import SCOPE as INT8_SCOPE, module_path as int8_module
 from precision.autocast.tpu_flash import BACKWARD_SCOPE, FORWARD_SCOPE
-from train.inspections.gpu_kernels import attribute
+from train.inspections.gpu_kernels import attribute, instruction_lines
 from train.inspections.gpu_time import CALIBRATION
 from train.inspections.hlo_kernels import HloKernel, read_hlo_kernels
 
@@ -141,7 +141,7 @@ def xla_cycles_by_op(text: str) -> dict[str, int]:
     optimized program (its fusions, matmuls and copies; a fused computation's ops are its fusion's),
     by the op's name."""
     cycles, fused = {}, False
-    for line in text.splitlines():
+    for line in instruction_lines(text):
         if line and not line.startswith(" "):
             fused = line.startswith(("%fused", "fused")) or "fused_computation" in line.split("(")[0]
             continue
@@ -172,12 +172,14 @@ def tpu_kernels(text: str) -> list[HloKernel]:
     kernels = read_hlo_kernels(text)
     if FORWARD_SCOPE not in text and INT8_SCOPE not in text:
         return kernels
-    by_name = {m.group(1): m.group(2) for m in re.finditer(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$", text, re.M)}
+    by_name = {m.group(1): m.group(2) for m in re.finditer(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$",
+                                                           "\n".join(instruction_lines(text)), re.M)}
     out = []
     for k in kernels:
         line = by_name.get(k.name, "")
         if "custom-call(" in line and FORWARD_SCOPE in line:
-            k = k._replace(kind="attention", flops=_flash_flops(line), dtype="bf16", causal=True)
+            k = k._replace(kind="attention", flops=_flash_flops(line), dtype="bf16", causal=True,
+                           module=k.module.split(f"/{FORWARD_SCOPE}")[0])  # the attention's module, either pass
         elif "custom-call(" in line and f"/{INT8_SCOPE}/" in line and _cost_estimate(line):
             flops, moved = _cost_estimate(line)
             k = k._replace(kind="gemm", flops=flops, bytes=moved, dtype="s8",
