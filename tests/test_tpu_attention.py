@@ -193,6 +193,29 @@ def test_without_libtpu_nothing_of_the_tpu_kernel_is_traced_or_said(monkeypatch)
     assert "precision_tpu_flash_attention" not in traced
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "unmasked"])
+def test_the_splash_kernel_over_several_blocks_computes_the_fallbacks_values_and_gradients(monkeypatch, causal):
+    """Four blocks of 128 along queries and keys (the block tables of a causal mask skip those
+    above the diagonal), a scale that is not a power of two: the splash kernel's output, softmax
+    statistics and gradients (interpret mode) are the XLA fallback's, within bfloat16's rounding."""
+    from precision.autocast import tpu_splash
+
+    monkeypatch.setattr(tpu_splash, "BLOCK", 128)
+    tpu_splash._kernel.cache_clear()
+    length, scale = 512, 0.3
+    q, k, v, do = (jax.random.normal(jax.random.key(i), (1, 2, length, 16), jnp.bfloat16) for i in range(4))
+    with pltpu.force_tpu_interpret_mode():
+        out, l, m = tpu_splash.forward(causal, scale, q, k, v)
+        grads = tpu_splash.backward(causal, scale, q, k, v, out, l, m, do)
+    tpu_splash._kernel.cache_clear()
+    want_out, want_l, want_m = tpu_flash._xla_fwd(causal, scale, False, q, k, v)
+    want_grads = tpu_flash._xla_bwd(causal, scale, False, q, k, v, want_out, want_l, want_m, do)
+    np.testing.assert_allclose(np.float32(out), np.float32(want_out), atol=0.02)
+    np.testing.assert_allclose(np.asarray(m + jnp.log(l)), np.asarray(want_m + jnp.log(want_l)), atol=0.02)
+    for got, want in zip(grads, want_grads, strict=True):
+        assert np.linalg.norm(np.float32(got) - np.float32(want)) <= 0.02 * np.linalg.norm(np.float32(want))
+
+
 def test_the_primitive_lowers_xla_ops_for_a_program_on_several_devices_eagerly_and_under_vmap(monkeypatch):
     """Where the lowering is for more than one device (here pretended), the pass is XLA's ops:
     the same numbers as the kernel's computation written out, eagerly, under jit and vmap."""
