@@ -168,6 +168,45 @@ def test_a_splash_kernel_written_over_several_lines_is_one_attention_op_of_its_m
     assert (kernel.kind, kernel.module) == ("tpu_flash_attention_backward", "block_3/attn")
 
 
+# A scan over 12 layers as XLA:TPU writes its loop: no known_trip_count (XLA:GPU writes one), the
+# condition comparing the counter (tuple element 0, from 0) with a constant.
+SCAN_HLO = """HloModule jit_step, is_scheduled=true
+
+%body (p: (s32[], bf16[4096,1024])) -> (s32[], bf16[4096,1024]) {
+  %p = (s32[], bf16[4096,1024]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = bf16[4096,1024]{1,0} get-tuple-element(%p), index=1
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  %layer = bf16[4096,1024]{1,0} fusion(%x), kind=kLoop, calls=%tanh, metadata={op_name="jit(step)/while/body/tanh"}
+  ROOT %t = (s32[], bf16[4096,1024]{1,0}) tuple(%next, %layer)
+}
+
+%cond (c: (s32[], bf16[4096,1024])) -> pred[] {
+  %c = (s32[], bf16[4096,1024]{1,0}) parameter(0)
+  %bound = s32[]{:T(128)} constant(12)
+  %counter = s32[]{:T(128)} get-tuple-element(%c), index=0
+  ROOT %lt = pred[] compare(%counter, %bound), direction=LT
+}
+
+ENTRY %main (x: bf16[4096,1024]) -> (s32[], bf16[4096,1024]) {
+  %x = bf16[4096,1024]{1,0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[4096,1024]{1,0}) tuple(%zero, %x)
+  ROOT %while.8 = (s32[], bf16[4096,1024]{1,0}) while(%init), condition=%cond, body=%body
+}
+"""
+
+
+def test_a_tpu_loop_without_a_known_trip_count_runs_its_body_as_often_as_its_condition_counts():
+    """A scan over layers (``scan_layers=true``): the body's ops once per layer. Read once, a scanned
+    GPT-2 small's v5e step modeled at 89 ms where its unscanned twin models at 215.6."""
+    (layer,) = [k for k in read_hlo_kernels(SCAN_HLO) if k.name == "layer"]
+    assert layer.launches == 12
+    unknown = read_hlo_kernels(SCAN_HLO.replace("direction=LT", "direction=NE"))  # not a count: once
+    assert [k.launches for k in unknown if k.name == "layer"] == [1]
+
+
 @pytest.mark.parametrize("window,labels,lhs,rhs,out", [
     # XLA:TPU's batched matmul (batch 32 x heads 4, 32 x 16 by 16 x 32): the window spans the batch over an
     # input dilated by as much, one tap meeting a value per output (its forward and its backward form)

@@ -160,9 +160,24 @@ def _called(rest: str, key: str) -> list[str]:
     return re.findall(r"%?([\w.\-]+)", m.group(1)) if m.group(1) is not None else [m.group(2)]
 
 
-def _trip_count(rest: str) -> int:
+def _trip_count(rest: str, comps: dict[str, "_Comp"]) -> int:
+    """How many times a ``while`` runs its body: the ``known_trip_count`` XLA:GPU writes on it, else
+    its condition's ``counter < N`` (XLA:TPU writes no count: a scan over layers compares its
+    counter, which starts at 0, with a constant), else once."""
     m = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"', rest)
-    return int(m.group(1)) if m else 1
+    if m:
+        return int(m.group(1))
+    condition = comps.get(next(iter(_called(rest, "condition")), ""))
+    if condition is None or not condition.root:
+        return 1
+    by_name = {i.name: i for i in condition.instrs}
+    root = by_name.get(condition.root[-1])
+    if root is None or root.op != "compare" or "direction=LT" not in root.rest or len(root.operands) != 2:
+        return 1
+    counter, bound = (by_name.get(o) for o in root.operands)
+    value = re.match(r"(\d+)\)", bound.rest) if bound is not None and bound.op == "constant" else None
+    index = re.search(r"\bindex=0\b", counter.rest) if counter is not None and counter.op == "get-tuple-element" else None
+    return int(value.group(1)) if value and index else 1
 
 
 def read_hlo_kernels(text: str) -> list[HloKernel]:
@@ -178,7 +193,7 @@ def _walk(comps: dict[str, _Comp], name: str, launches: int, stack: set, devices
     comp = comps[name]
     for instr in comp.instrs:
         if instr.op == "while":
-            trips = launches * _trip_count(instr.rest)
+            trips = launches * _trip_count(instr.rest, comps)
             for key in ("condition", "body"):
                 for sub in _called(instr.rest, key):
                     yield from _walk(comps, sub, trips, stack | {name}, devices)
