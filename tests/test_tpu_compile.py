@@ -155,6 +155,23 @@ def test_compile_for_a_tpu_refuses_float16_in_one_line_naming_mixed_bf16(overrid
     assert code == 2 and where in err and "use precision.policy=mixed_bf16" in err and err.count("\n") == 1
 
 
+@tpu_compile
+def test_a_step_the_tpu_compiler_refuses_for_memory_does_not_fit_in_one_line_with_what_to_try(tmp_path, capsys):
+    """XLA:TPU does not compile a program past the chip's HBM (XLA:GPU plans one, and the report
+    says it does not fit): 512 x 1024 tokens of a one-layer GPT is the compiler's error, said as a
+    step that does not fit (exit 1, no report), not a traceback from inside JAX."""
+    from train.cli import main
+
+    code = main([str(GPT2_SMALL), "--compile-for", "v5e", f"workdir={tmp_path}", "model.num_layers=1",
+                 "model.d_model=256", "model.num_heads=4", "data.batch_size=512", "data.num_test=2048",
+                 "precision.blockwise_loss=false"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("error: one train step of gpt (26.9M params), policy mixed_bf16, batch 512 x 1024 tokens "
+                          "does not fit 1 v5e device(s)") and "exceeds available HBM" in err and "remat=full" in err
+    assert not (tmp_path / "compiled-v5e.json").exists()
+
+
 @pytest.mark.parametrize("policy,noted", [("mixed_f16", True), ("O2", True), ("mixed_bf16", False)])
 def test_a_run_on_a_tpu_notes_a_float16_policy_in_one_line(policy, noted):
     from train.experiment.loop import tpu_notes

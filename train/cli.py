@@ -309,12 +309,14 @@ def _mesh_overrides(text: str) -> list[str]:
 
 
 def _compile_for(path: _Origin, config, target: str, devices: int | None) -> int:
-    from train.inspections.compile_for import TargetError, compile_for, write_report
+    from train.inspections.compile_for import DoesNotFitError, TargetError, compile_for, write_report
 
     try:
         report = compile_for(config, target, devices)
     except TargetError as e:
         return _fail(str(e), 2)
+    except DoesNotFitError as e:  # the compiler refused it: exit 1, as a report that does not fit
+        return _fail(str(e), 1)
     except (ConfigError, DataError) as e:
         return _fail(path(e), 2)
     print(report)

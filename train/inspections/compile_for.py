@@ -62,7 +62,8 @@ from train.inspections.tpu_kernels import read_tpu_kernels
 from train.inspections.tpu_time import TpuModeledStep, model_tpu_step, tpu_kernels
 from train.config.tpu_policy import tpu_config_problem
 
-__all__ = ["CompiledStep", "compile_for", "compile_train_step", "write_report", "TargetError", "check_tpu_policy"]
+__all__ = ["CompiledStep", "compile_for", "compile_train_step", "write_report", "TargetError", "DoesNotFitError",
+           "check_tpu_policy"]
 
 _KIND_NAMES = {"cudnn_attention": "cuDNN fused attention", "cudnn_attention_backward": "cuDNN fused attention (bwd)",
                "cublas": "cuBLAS GEMM", "cublaslt": "cuBLASLt GEMM", "cublaslt_fp8": "cuBLASLt FP8 GEMM",
@@ -256,7 +257,10 @@ def compile_train_step(state: Any, batch: Any, layout: Layout, target: Target, *
     batch = _placed(batch, jax.tree_util.tree_map(lambda _: layout.batch(), batch))
     lowered = make_train_step(accum_steps=accum_steps, layout=layout, task=task).lower(state, batch)
     lowered_at = time.perf_counter()
-    compiled, partitioned = compile_partitioned(lowered)
+    try:
+        compiled, partitioned = compile_partitioned(lowered)
+    except jax.errors.JaxRuntimeError as e:
+        raise _refused(e, experiment, layout.mesh.devices.size, target) from None
     done = time.perf_counter()
     text, count = compiled.as_text(), layout.mesh.devices.size
     stage = "partitioned" if partitioned is not None else "compiled"
@@ -277,6 +281,24 @@ def compile_train_step(state: Any, batch: Any, layout: Layout, target: Target, *
         modeled=modeled, modeled_error=why,
         blockwise=blockwise_plan(state, batch, task=task, accum_steps=accum_steps, layout=layout),
         int8=int8_share(_hlo_kernels(text, target)) if scaled else None)
+
+
+class DoesNotFitError(ValueError):
+    """The target's compiler refused the step for its memory (XLA:TPU does, where XLA:GPU plans
+    past the device and the report says it does not fit): no program to report."""
+
+
+def _refused(error: Exception, experiment: str, devices: int, target: Target) -> Exception:
+    """The compiler's error as :class:`DoesNotFitError` where it ran out of device memory, else as it is."""
+    message = str(error)
+    if "RESOURCE_EXHAUSTED" not in message:
+        return error
+    said = message.split("RESOURCE_EXHAUSTED:", 1)[1].strip().splitlines()[0]
+    step = f"one train step of {experiment}" if experiment else "the train step"
+    return DoesNotFitError(f"{step} does not fit {devices} {target.name} device(s), "
+                           f"and XLA's compiler refused to compile it: {said} Less memory: model.remat=full, "
+                           f"a smaller data.batch_size, or the step split over more devices (--devices N with "
+                           f"mesh.fsdp=N)")
 
 
 def blocks_hint(plan: Any) -> str:
