@@ -176,8 +176,8 @@ def _trip_count(rest: str, comps: dict[str, "_Comp"]) -> int:
         return 1
     counter, bound = (by_name.get(o) for o in root.operands)
     value = re.match(r"(\d+)\)", bound.rest) if bound is not None and bound.op == "constant" else None
-    index = re.search(r"\bindex=0\b", counter.rest) if counter is not None and counter.op == "get-tuple-element" else None
-    return int(value.group(1)) if value and index else 1
+    first = counter is not None and counter.op == "get-tuple-element" and re.search(r"\bindex=0\b", counter.rest)
+    return int(value.group(1)) if value and first else 1
 
 
 def read_hlo_kernels(text: str) -> list[HloKernel]:
