@@ -39,11 +39,17 @@ from jax.sharding import PartitionSpec
 from precision.autocast import tpu_splash
 from precision.autocast.regions import module_tag
 
-__all__ = ["check", "flash", "one_device_p", "on_one_device", "FORWARD_SCOPE", "BACKWARD_SCOPE"]
+__all__ = ["check", "flash", "one_device_p", "on_one_device", "module_path", "FORWARD_SCOPE", "BACKWARD_SCOPE"]
 
 #: The scopes the kernel's passes are named in (what :mod:`train.inspections.tpu_kernels` reads).
 FORWARD_SCOPE = "pallas_flash_attention"
 BACKWARD_SCOPE = "pallas_flash_attention_bwd"
+def module_path(path: str) -> str:
+    """A kernel's module path (``block_0/attn/pallas_flash_attention_bwd/splash_mha_dq...``) as its
+    attention's (``block_0/attn``), for either pass."""
+    return path.split(f"/{FORWARD_SCOPE}")[0]
+
+
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # the kernel's own fill for masked logits
 
 

@@ -82,10 +82,9 @@ def backward(causal: bool, scale: float, q: jax.Array, k: jax.Array, v: jax.Arra
 
     kernel = _kernel(causal, q.shape[1], q.shape[2], k.shape[2])
     options = kernel.kwargs
-    dq_info, dkv_info = (_collapsed(i) for i in (kernel.dq_mask_info, kernel.dkv_mask_info))
 
-    def one(q, k, v, out, lse, do):
-        residuals = (q, k, v, None, None, out, lse, dq_info, dkv_info)
+    def one(q, k, v, out, lse, do):  # a static mask's block tables as the kernel holds them
+        residuals = (q, k, v, None, None, out, lse, kernel.dq_mask_info, kernel.dkv_mask_info)
         grads = splash._splash_attention_bwd(False, options["mask_value"], options["is_mqa"], options["block_sizes"],
                                              None, options["mask_function"], options["attn_logits_soft_cap"],
                                              options["interpret"], residuals, do)
@@ -95,9 +94,3 @@ def backward(causal: bool, scale: float, q: jax.Array, k: jax.Array, v: jax.Arra
     dq, dk, dv = jax.vmap(one)(_scaled(q, scale), k, v, out, lse, do)
     return (dq.astype(jnp.float32) * scale).astype(q.dtype), dk, dv
 
-
-def _collapsed(info: Any) -> Any:
-    """A mask's blocks as the kernels take them (as ``splash_attention._splash_attention`` passes them)."""
-    if info is None or info.partial_mask_blocks is None:
-        return info
-    return info._replace(partial_mask_blocks=info.partial_mask_blocks.reshape(-1, *info.partial_mask_blocks.shape[-2:]))

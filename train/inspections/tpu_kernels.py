@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 
 from precision.autocast.scaled.int8_pallas import SCOPE as INT8_SCOPE, module_path as int8_module
-from precision.autocast.tpu_flash import BACKWARD_SCOPE, FORWARD_SCOPE
+from precision.autocast.tpu_flash import BACKWARD_SCOPE, FORWARD_SCOPE, module_path as attention_module
 from train.inspections.gpu_kernels import Kernel, attribute, computations, module_of
 
 __all__ = ["read_tpu_kernels", "tpu_f32_algorithm"]
@@ -47,8 +47,7 @@ def read_tpu_kernels(text: str) -> list[Kernel]:
                 kind = "tpu_flash_attention_backward" if f"/{BACKWARD_SCOPE}/" in op_name else "tpu_flash_attention"
                 types = [comp["types"].get(o, "") for o in instr.operands]  # splash's mask tables (ints) first
                 operands = tuple(t for t in types if t.startswith(("bf", "f")))[:3]  # query, key, value
-                module = module_of(op_name).split(f"/{FORWARD_SCOPE}")[0]  # either pass's, the attention's module
-                kernels.append(Kernel(kind, operands, instr.dtype, module, op_name))
+                kernels.append(Kernel(kind, operands, instr.dtype, attention_module(module_of(op_name)), op_name))
             if instr.op == "custom-call" and f"/{INT8_SCOPE}/" in op_name:  # quantizes in VMEM, then s8 x s8 -> s32
                 kernels.append(Kernel("tpu_matmul", ("s8", "s8"), "s32", int8_module(module_of(op_name)), op_name))
             if instr.op not in _MATMUL_OPS:

@@ -40,7 +40,7 @@ import re
 from typing import Any, NamedTuple
 
 from precision.autocast.scaled.int8_pallas import SCOPE as INT8_SCOPE, module_path as int8_module
-from precision.autocast.tpu_flash import BACKWARD_SCOPE, FORWARD_SCOPE
+from precision.autocast.tpu_flash import BACKWARD_SCOPE, FORWARD_SCOPE, module_path as attention_module
 from train.inspections.gpu_kernels import attribute, instruction_lines
 from train.inspections.gpu_time import CALIBRATION
 from train.inspections.hlo_kernels import HloKernel, read_hlo_kernels
@@ -179,7 +179,7 @@ def tpu_kernels(text: str) -> list[HloKernel]:
         line = by_name.get(k.name, "")
         if "custom-call(" in line and FORWARD_SCOPE in line:
             k = k._replace(kind="attention", flops=_flash_flops(line), dtype="bf16", causal=True,
-                           module=k.module.split(f"/{FORWARD_SCOPE}")[0])  # the attention's module, either pass
+                           module=attention_module(k.module))
         elif "custom-call(" in line and f"/{INT8_SCOPE}/" in line and _cost_estimate(line):
             flops, moved = _cost_estimate(line)
             k = k._replace(kind="gemm", flops=flops, bytes=moved, dtype="s8",
