@@ -42,6 +42,24 @@ def _compiled(target, *overrides, devices=None):
 
 
 @tpu_compile
+def test_the_gpts_fused_query_key_value_is_made_part_by_part_without_layout_copies():
+    """The GPT makes q, k and v with one matmul and splits it (precision.autocast.projection_split): on one
+    TPU, at 64 x 256 tokens (past the size where it pays), each part is its own matmul, written heads-first,
+    and the copies laying the one matmul's result out for the attention kernel are gone."""
+    from train.inspections.tpu_time import op_times
+
+    def attention(report):
+        ops = [op for op in op_times(report.hlo_text, "v5e") if op.kernel.module.startswith("block_0/attn")]
+        qkv = [k for k in report.kernels if k.gemm and k.module == "block_0/attn/qkv"]
+        return len(qkv), sum(op.kernel.kind == "copy" for op in ops), sum(op.seconds for op in ops)
+
+    (parts, copies, seconds), (one, copies_whole, seconds_whole) = (
+        attention(_compiled("v5e", "data.batch_size=64", f"precision.split_projections={on}")) for on in ("true", "false"))
+    assert (parts, one) == (9, 3)  # forward and two backward products, of each part or of the whole
+    assert copies_whole - copies >= 3 and seconds < 0.97 * seconds_whole, (copies, copies_whole, seconds, seconds_whole)
+
+
+@tpu_compile
 def test_the_gpt_compiles_for_one_v5e_chip_with_every_matmul_in_bfloat16(tmp_path):
     from train.inspections.compile_for import write_report
 

@@ -28,8 +28,7 @@ it adds only the casts it needs, each value cast at most once per dtype.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -37,65 +36,19 @@ from jax.extend import source_info_util
 from jax.extend.core import DropVar, Literal
 
 from precision.autocast.derivatives import HALF_WITH_FLOAT32_DERIVATIVE
+from precision.autocast.context import Context, Site, site_of
 from precision.autocast.islands import demanded_vars
-from precision.autocast.op_lists import OpClass, OpLists
+from precision.autocast.op_lists import OpClass
 from precision.autocast.program import MATMUL_PRIMITIVES, binders, retyped_update_jaxpr
 from precision.autocast.scaled.dispatch import not_scaled, scaled_product
-from precision.autocast.scaled.fp8_sites import Fp8Run
-from precision.autocast.scaled.int8_sites import Int8Run
-from precision.autocast import attention_fusion, frozen_reads, matmul_precision, norm_fusion, reductions
-from precision.autocast.regions import (module_path, region_dtype, region_fp8, region_int8, region_matmul,
-                                        scope_names, within)
+from precision.autocast import (attention_fusion, frozen_reads, matmul_precision, norm_fusion, projection_split,
+                                reductions)
+from precision.autocast.regions import module_path, scope_names, within
 from precision.autocast.split_sums import SplitSums, wider_sums
 from precision.autocast.values import (AS_TRACED, DENIED, F32, FOLLOWS_F32, REGION, STATISTICS, UPCAST, Kind, Record,
                                        Val, is_policy_float, literal_val)
 
 __all__ = ["Context", "Site", "Rule", "evaluate", "bind", "log", "outputs"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Context:
-    """What every equation's rule needs: the root compute dtype, the op lists,
-    the rules for higher-order primitives, the scope of the enclosing equation,
-    and where to log decisions."""
-
-    root: np.dtype
-    ops: OpLists
-    rules: Mapping[str, "Rule"]  # primitive name -> rule (jit, scan, cond... see higher_order.RULES)
-    prefix: tuple[str, ...] = ()
-    log: list | None = None
-    root_fp8: bool = False  # the root's matmuls in FP8 (compute=f8)
-    fp8: Fp8Run = dataclasses.field(default_factory=Fp8Run)
-    reduce: np.dtype | None = None  # the dtype half ops' gradients are produced in (see .reductions)
-    root_matmul: str = "default"  # the precision of float32 matmuls outside any region saying otherwise
-    root_int8: bool = False  # the root's matmuls and convolutions in int8 (compute=int8)
-    int8: Int8Run = dataclasses.field(default_factory=Int8Run)
-
-    def at(self, prefix: tuple[str, ...], log: Any = ...) -> "Context":
-        """The context of a part of this program at scope ``prefix`` (``log``: where its decisions go)."""
-        return dataclasses.replace(self, prefix=prefix, log=self.log if log is ... else log)
-
-    def nested(self, prefix: tuple[str, ...], log: Any = ...) -> "Context":
-        """The context of a sub-program traced apart (a loop body...): FP8 state out of reach."""
-        return dataclasses.replace(self.at(prefix, log), fp8=self.fp8.nested())
-
-
-@dataclasses.dataclass
-class Site:
-    """One equation being rewritten, with where it sits."""
-
-    eqn: Any
-    scope: tuple[str, ...]
-    path: tuple[str, ...]
-    region: np.dtype
-    demanded: bool  # its floating outputs only feed float32 ops
-    fp8: bool = False  # in an FP8 region: its allow-listed matmul may be FP8
-    matmul: str = "default"  # the least precision of a float32 matmul here (see .matmul_precision)
-    int8: bool = False  # in an int8 region: its allow-listed matmul or convolution may be int8
-
-    @property
-    def name(self) -> str:
-        return self.eqn.primitive.name
 
 
 #: How a higher-order primitive is rewritten: (site, input Vals, context) -> output Vals.
@@ -113,6 +66,8 @@ def evaluate(jaxpr: Any, consts: Sequence[Val], args: Sequence[Val], ctx: Contex
     fused = {i for f in fusions.values() for i in f.attention.eqns}
     norms, later = norm_fusion.plan(jaxpr, known, ctx, fused)
     fused |= {i for n in norms.values() for i in n.eqns} | {j for js in later.values() for j in js}
+    splits = projection_split.plan(jaxpr, fused, ctx.ops.split_projections)
+    fused |= {i for s in splits.values() for i in s.eqns}
     for i, eqn in enumerate(jaxpr.eqns):
         if i in fusions:
             _fuse(jaxpr, fusions[i], env, demanded, ctx)
@@ -120,6 +75,8 @@ def evaluate(jaxpr: Any, consts: Sequence[Val], args: Sequence[Val], ctx: Contex
             _fuse_norm(jaxpr, norms[i], env, demanded, ctx)
             for j in later[i]:
                 _run(jaxpr.eqns[j], env, demanded, ctx)
+        elif i in splits:
+            _split(jaxpr, splits[i], env, demanded, ctx)
         elif i not in fused:
             _run(eqn, env, demanded, ctx)
     return [_read(env, v, module_path(ctx.prefix)) for v in jaxpr.outvars]
@@ -136,11 +93,8 @@ def _read(env: dict, var: Any, consumer: tuple[str, ...]) -> Val:
 
 def _run(eqn: Any, env: dict, demanded: set, ctx: Context) -> None:
     """Rewrites ``eqn`` reading its operands from ``env`` and writing its results there."""
-    scope = ctx.prefix + scope_names(eqn.source_info.name_stack)
-    path = module_path(scope)
-    site = Site(eqn, scope, path, region_dtype(scope, ctx.root),
-                any(v in demanded for v in eqn.outvars if not isinstance(v, DropVar)),
-                region_fp8(scope, ctx.root_fp8), region_matmul(scope, ctx.root_matmul), region_int8(scope, ctx.root_int8))
+    site = site_of(eqn, demanded, ctx)
+    path = site.path
     ins = [_read(env, v, path) for v in eqn.invars]
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
     with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
@@ -175,6 +129,26 @@ def _fuse(jaxpr: Any, fusion: Any, env: dict, demanded: set, ctx: Context) -> No
     name_stack = source_info_util.current_name_stack() + last.source_info.name_stack
     with source_info_util.user_context(last.source_info.traceback, name_stack=name_stack):
         env[att.out] = attention_fusion.emit(fusion, lambda var: _read(env, var, path), op_by_op, path)
+
+
+def _split(jaxpr: Any, split: Any, env: dict, demanded: set, ctx: Context) -> None:
+    """A fused projection's parts (:mod:`.projection_split`): one product each on a TPU."""
+    def as_written(log: Any) -> list[Val]:
+        local = {var: env[var].apart() for var in (split.x, split.w, split.bias) if var is not None}
+        for i in sorted(split.eqns):
+            _run(jaxpr.eqns[i], local, demanded, ctx.at(ctx.prefix, log))
+        return [local[var] for var in split.outs]
+
+    def rewritten(index: int, ins: list[Val]) -> Val:
+        eqn = jaxpr.eqns[index]
+        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+            return rewrite_eqn(site_of(eqn, demanded, ctx), ins, ctx.at(ctx.prefix, None))[0]
+
+    made = projection_split.emit(jaxpr, split, env, as_written, rewritten, ctx.log, site_of(
+        jaxpr.eqns[split.dot], demanded, ctx).int8) if projection_split.applies(jaxpr, split, env, ctx) else None
+    for var, val in (made or dict(zip(split.outs, as_written(ctx.log)))).items():
+        env[var] = val
 
 
 def _fuse_norm(jaxpr: Any, norm: Any, env: dict, demanded: set, ctx: Context) -> None:

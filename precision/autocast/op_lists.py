@@ -104,6 +104,9 @@ class OpLists:
     becomes one fused attention call (cuDNN's where lowered for CUDA);
     ``fuse_norms``: layer, RMS and batch norms written out get their backward in closed form
     (:mod:`precision.autocast.norm_fusion`: fewer, larger kernels; the same forward);
+    ``split_projections``: a fused projection split after its matmul (a query, key and value
+    made by one matmul) is one matmul per part where lowered for a TPU
+    (:mod:`precision.autocast.projection_split`: no copies to lay the parts out);
     ``blockwise_loss``: whether a train step computes a loss from large logits a block of
     rows at a time (:func:`precision.blockwise_loss`): ``"auto"`` from logits of
     :data:`precision.blockwise.AUTO_MIN_LOGITS_BYTES` (8 GiB in float32), ``"on"`` from
@@ -117,6 +120,7 @@ class OpLists:
     fuse_attention: bool = True
     blockwise_loss: str = "auto"
     fuse_norms: bool = True
+    split_projections: bool = True
 
     def classify(self, name: str) -> OpClass:
         """The class of primitive ``name`` under these lists."""
@@ -153,7 +157,7 @@ def _names(arg: Iterable[str] | str | None, what: str) -> frozenset[str]:
 def op_lists(allow: Iterable[str] | str | None = None, deny: Iterable[str] | str | None = None,
              follow: Iterable[str] | str | None = None, *, fuse_attention: bool | None = None,
              blockwise_loss: bool | str | None = None, fuse_norms: bool | None = None,
-             base: OpLists | None = None) -> OpLists:
+             split_projections: bool | None = None, base: OpLists | None = None) -> OpLists:
     """The default lists (or ``base``) with primitives moved between classes.
 
     Args:
@@ -172,6 +176,10 @@ def op_lists(allow: Iterable[str] | str | None = None, deny: Iterable[str] | str
       fuse_norms: ``False`` leaves layer, RMS and batch norms written out differentiated op by op;
         by default (``None``: ``base``'s, else ``True``) their backward is computed in
         closed form, in fewer kernels (the forward is unchanged).
+      split_projections: ``False`` leaves a fused projection split after its matmul (one
+        matmul making the query, key and value) as one matmul on a TPU too; by default
+        (``None``: ``base``'s, else ``True``) a program lowered for one TPU makes each part
+        with a matmul of its own (the same values; no layout copies).
 
     A name may appear in only one argument. Names are JAX primitive names
     (``jax.make_jaxpr`` shows them); an unknown name raises :class:`PolicyError`.
@@ -188,7 +196,8 @@ def op_lists(allow: Iterable[str] | str | None = None, deny: Iterable[str] | str
                    follow=(base.follow - allow_set - deny_set) | follow_set,
                    fuse_attention=base.fuse_attention if fuse_attention is None else bool(fuse_attention),
                    blockwise_loss=base.blockwise_loss if blockwise_loss is None else _blockwise_mode(blockwise_loss),
-                   fuse_norms=base.fuse_norms if fuse_norms is None else bool(fuse_norms))
+                   fuse_norms=base.fuse_norms if fuse_norms is None else bool(fuse_norms),
+                   split_projections=base.split_projections if split_projections is None else bool(split_projections))
 
 
 def _blockwise_mode(value: bool | str) -> str:

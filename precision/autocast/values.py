@@ -115,6 +115,14 @@ class Val:
             self._casts[dtype] = cast(self.array, dtype, saturate=self.kind is Kind.NEUTRAL)
         return self._casts[dtype]
 
+    def apart(self) -> "Val":
+        """The same value with casts of its own: a cast made in a branch traced apart stays there."""
+        return Val(self.kind, self.array, self.path, dict(self._casts), self.leaf, self.const, self.source)
+
+    def moved(self, array: Any) -> "Val":
+        """A slice or reshape of this value (``array``): a param so moved is still one."""
+        return Val(self.kind, array, self.path, leaf=self.leaf, const=self.const)
+
     def retag(self, kind: Kind, path: tuple[str, ...] | None = None) -> "Val":
         """The same array (and casts) under another kind or path."""
         return Val(kind, self.array, self.path if path is None else path, self._casts, self.leaf, self.const,

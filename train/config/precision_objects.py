@@ -15,11 +15,13 @@ __all__ = ["build_op_lists", "build_loss_scale"]
 
 def build_op_lists(p: Any) -> precision.OpLists | None:
     """The autocast op lists the precision section describes (None: the defaults)."""
-    if not (p.allow or p.deny or p.follow) and p.fuse_attention and p.fuse_norms and p.blockwise_loss == "auto":
+    if (not (p.allow or p.deny or p.follow) and p.fuse_attention and p.fuse_norms and p.blockwise_loss == "auto"
+            and p.split_projections):
         return None
     try:
         return precision.op_lists(allow=p.allow, deny=p.deny, follow=p.follow, fuse_attention=p.fuse_attention,
-                                  fuse_norms=p.fuse_norms, blockwise_loss=p.blockwise_loss)
+                                  fuse_norms=p.fuse_norms, blockwise_loss=p.blockwise_loss,
+                                  split_projections=p.split_projections)
     except (TypeError, precision.PolicyError) as e:
         raise ConfigError(f"precision.allow/deny/follow: {e}") from None
 

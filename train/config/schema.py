@@ -202,6 +202,9 @@ class PrecisionConfig(_Schema):
     fuse_norms: bool = Field(True, description="layer, RMS and batch norms a model writes out (Flax's "
                                                "LayerNorm, RMSNorm, BatchNorm, hand-written ones) differentiated in closed form: the "
                                                "same forward, a backward in fewer kernels")
+    split_projections: bool = Field(True, description="a fused projection split after its matmul (query, key and value "
+                                                      "made by one matmul) computed as one matmul per part in a program "
+                                                      "for one TPU: the same values, without layout copies")
     blockwise_loss: Annotated[Literal["auto"] | bool, BeforeValidator(_blockwise_mode)] = Field(
         "auto", description="a loss from large logits (a language model's) computed a block of rows at a time, the "
                             "logits never whole in either pass, where that is the same computation: auto from 8 GiB "

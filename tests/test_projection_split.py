@@ -1,0 +1,210 @@
+"""A fused projection split after its matmul (query, key and value made by one matmul) is one
+matmul per part where lowered for a TPU (precision.autocast.projection_split): the pattern as
+models write it, the same values and gradients either way, the other platforms' program and
+explain unchanged, and where it is left as written.
+
+The TPU branch runs on a CPU here by choosing it at trace time (``platform_dependent``
+replaced); tests/test_tpu_compile.py reads the v5e program's products.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend.core import jaxprs_in_params
+
+import precision
+from precision.autocast import projection_split
+from train.models.gpt import CausalSelfAttention
+
+B, T, C = 2, 16, 64
+
+
+class HuggingFaceStyle(nn.Module):
+    """GPT-2's attention input as Hugging Face's Flax GPT-2 writes it: a ``Conv1D`` kernel held
+    ``(features, in)`` and transposed, the bias added, split along features, each part to heads."""
+
+    heads: int = 4
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", nn.initializers.normal(0.05), (3 * C, C))
+        bias = self.param("bias", nn.initializers.normal(0.05), (3 * C,))
+        y = jax.lax.dot_general(x, kernel.T, (((x.ndim - 1,), (0,)), ((), ()))) + bias
+        q, k, v = (p.reshape(*x.shape[:2], self.heads, C // self.heads) for p in jnp.split(y, 3, axis=2))
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(x.shape)
+
+
+class GroupedQKV(nn.Module):
+    """One matmul making 4 query heads and 2 key and 2 value heads (grouped-query attention):
+    parts of unequal sizes, no bias."""
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.initializers.normal(0.05), (C, 8 * 16))
+        q, k, v = jnp.split((x @ w).reshape(*x.shape[:2], 8, 16), [4, 6], axis=2)
+        k, v = jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2)
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(*x.shape[:2], 64)
+
+
+class FusedKeptWhole(nn.Module):
+    """The fused result read whole as well as split: nothing to gain, left as written."""
+
+    @nn.compact
+    def __call__(self, x):
+        qkv = nn.Dense(3 * C)(x)
+        q, k, v = jnp.split(qkv.reshape(*x.shape[:2], 12, 16), 3, axis=2)
+        out = jax.nn.dot_product_attention(q, k, v).reshape(x.shape)
+        return out + qkv[..., :C]
+
+
+MODELS = {"this project's GPT (reshape, then split)": lambda: CausalSelfAttention(num_heads=4),
+          "Hugging Face's GPT-2 (split, then each part to heads)": HuggingFaceStyle,
+          "grouped query, key, value (unequal parts)": GroupedQKV}
+
+
+def _x(seed=0):
+    return jax.random.normal(jax.random.key(seed), (B, T, C))
+
+
+@pytest.fixture(autouse=True)
+def _any_size(monkeypatch):
+    """These models are far below the sizes where the split pays (test_small_products_...)."""
+    monkeypatch.setattr(projection_split, "MIN_ELEMENTS", 0)
+    monkeypatch.setattr(projection_split, "MIN_ROWS_PER_INPUT", 0)
+
+
+def _tpu_branch(*operands, default, **branches):
+    """``platform_dependent`` lowered for a TPU: every branch traced, the TPU's taken."""
+    default(*operands)
+    return branches["tpu"](*operands)
+
+
+def _autocast(model, policy, split):
+    x = _x()
+    params = model.init(jax.random.key(1), x)["params"]
+    return params, precision.autocast(lambda p: model.apply({"params": p}, x), policy,
+                                      ops=precision.op_lists(split_projections=split))
+
+
+def _run(model, policy, tpu, split=True):
+    """The model's output and its params' gradients under ``policy``, lowered as for a TPU or not."""
+    params, fn = _autocast(model, policy, split)
+
+    def loss(p):
+        out = fn(p)
+        return jnp.mean(out.astype(jnp.float32) ** 2), out
+
+    with pytest.MonkeyPatch.context() as m:
+        if tpu:
+            m.setattr(projection_split, "platform_dependent", _tpu_branch)
+        (_, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    return out, grads, _program(model, policy, tpu, split)
+
+
+def _program(model, policy, tpu, split=True, mesh=None):
+    """The autocast program, traced under ``mesh`` (abstract: no devices) when given."""
+    params, fn = _autocast(model, policy, split)
+    with pytest.MonkeyPatch.context() as m:
+        if tpu:
+            m.setattr(projection_split, "platform_dependent", _tpu_branch)
+        if mesh is None:
+            return jax.make_jaxpr(fn)(params)
+        with jax.sharding.use_abstract_mesh(mesh):
+            return jax.make_jaxpr(fn)(params)
+
+
+def _products(jaxpr):
+    """dot_general equations of a program, sub-programs included."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == "dot_general"
+        for sub in jaxprs_in_params(eqn.params):
+            count += _products(sub)
+    return count
+
+
+def _assert_close(actual, desired, rel):
+    """Each leaf within ``rel`` of its largest magnitude: XLA may sum a narrower product in another
+    order (rounding, then bfloat16's), never moves a column to another part's place."""
+    for a, d in zip(jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(desired), strict=True):
+        a, d = np.asarray(a, np.float32), np.asarray(d, np.float32)
+        assert np.max(np.abs(a - d)) <= rel * np.max(np.abs(d)), (np.max(np.abs(a - d)), np.max(np.abs(d)))
+
+
+def _plan(model):
+    x = _x()
+    params = model.init(jax.random.key(1), x)
+    return projection_split.plan(jax.make_jaxpr(lambda p: model.apply(p, x))(params).jaxpr, set())
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_pattern_is_found_as_models_write_it(name):
+    (split,) = _plan(MODELS[name]()).values()
+    assert len(split.columns) == 3 and split.columns[-1][1] == 8 * 16 if name.startswith("grouped") else 3 * C
+    assert [tuple(v.aval.shape[2:]) for v in split.outs] == ([(4, 16), (2, 16), (2, 16)] if name.startswith("grouped")
+                                                             else [(4, 16)] * 3)
+    assert (split.add is None) == name.startswith("grouped")
+
+
+def test_a_fused_result_read_whole_too_is_left_as_written():
+    assert _plan(FusedKeptWhole()) == {}
+
+
+@pytest.mark.parametrize("policy", ["mixed_bf16", "params=f32,compute=f16", "f32", "mixed_int8"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_parts_made_apart_give_the_same_values_and_gradients(name, policy):
+    out, grads, _ = _run(MODELS[name](), policy, tpu=False)
+    tpu_out, tpu_grads, tpu_jaxpr = _run(MODELS[name](), policy, tpu=True)
+    _, _, whole = _run(MODELS[name](), policy, tpu=True, split=False)
+    # each output is the same dot product, whichever matmul makes it
+    _assert_close((tpu_out, tpu_grads), (out, grads), 1e-5 if policy == "f32" else 2e-2)
+    assert not np.allclose(np.asarray(out, np.float32), 0)
+    # the TPU branch's program: one product per part, instead of the one (and the other branch's,
+    # unused: XLA drops it; int8: each product the recipe's own)
+    if policy == "mixed_int8":
+        assert _products(tpu_jaxpr) > _products(whole)
+    else:
+        assert _products(tpu_jaxpr) == _products(whole) + 3
+
+
+def test_other_platforms_run_the_program_as_written_and_explain_says_what_it_said():
+    model = CausalSelfAttention(num_heads=4)
+    x = _x()
+    params = model.init(jax.random.key(1), x)["params"]
+    lowered = {}
+    for split in (True, False):
+        ops = precision.op_lists(split_projections=split)
+        fn = jax.jit(precision.autocast(lambda p: model.apply({"params": p}, x), "mixed_bf16", ops=ops))
+        lowered[split] = (fn.lower(params).compile().as_text().count(" dot("), np.asarray(fn(params), np.float32))
+        explanation = precision.explain(model, x, policy="mixed_bf16", ops=ops)
+        lowered[split] += (str(explanation),)
+    assert lowered[True][0] == lowered[False][0] and lowered[True][2] == lowered[False][2]
+    np.testing.assert_array_equal(lowered[True][1], lowered[False][1])
+
+
+def test_left_as_written_for_fp8_products():
+    model = CausalSelfAttention(num_heads=4)  # an FP8 product's scaling state is its own: one product
+    assert _products(_program(model, "mixed_fp8", tpu=True)) == _products(_program(model, "mixed_fp8", True, False))
+
+
+def test_small_products_and_programs_over_several_devices_are_left_as_written(monkeypatch):
+    model = CausalSelfAttention(num_heads=4)
+    one = _program(model, "mixed_bf16", tpu=True)
+    sharded = _program(model, "mixed_bf16", tpu=True, mesh=jax.sharding.AbstractMesh((2,), ("data",)))
+    assert _products(sharded) == _products(one) - 3  # a sharded weight's columns would move between devices
+    # a product of 32 x 192 elements, of 32 rows for 64 inputs (modeled: the products and weight slices it
+    # adds cost more than the copies it saves below 10 Mi elements or 8 rows per input)
+    monkeypatch.setattr(projection_split, "MIN_ELEMENTS", 32 * 192 + 1)
+    assert _products(_program(model, "mixed_bf16", tpu=True)) == _products(one) - 3
+    monkeypatch.setattr(projection_split, "MIN_ELEMENTS", 0)
+    monkeypatch.setattr(projection_split, "MIN_ROWS_PER_INPUT", 1)
+    assert _products(_program(model, "mixed_bf16", tpu=True)) == _products(one) - 3
+
+
+def test_turned_off_it_is_one_product_on_a_tpu_too():
+    model = CausalSelfAttention(num_heads=4)
+    off, on = _program(model, "mixed_bf16", True, split=False), _program(model, "mixed_bf16", True)
+    assert _products(on) == _products(off) + 3
+    assert precision.op_lists().split_projections and not precision.op_lists(split_projections=False).split_projections
