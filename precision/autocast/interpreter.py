@@ -133,6 +133,12 @@ def _fuse(jaxpr: Any, fusion: Any, env: dict, demanded: set, ctx: Context) -> No
 
 def _split(jaxpr: Any, split: Any, env: dict, demanded: set, ctx: Context) -> None:
     """A fused projection's parts (:mod:`.projection_split`): one product each on a TPU."""
+    dot = site_of(jaxpr.eqns[split.dot], demanded, ctx)
+    if not projection_split.applies(split, env, dot.fp8):
+        for i in sorted(split.eqns):
+            _run(jaxpr.eqns[i], env, demanded, ctx)
+        return
+
     def as_written(log: Any) -> list[Val]:
         local = {var: env[var].apart() for var in (split.x, split.w, split.bias) if var is not None}
         for i in sorted(split.eqns):
@@ -145,10 +151,8 @@ def _split(jaxpr: Any, split: Any, env: dict, demanded: set, ctx: Context) -> No
         with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
             return rewrite_eqn(site_of(eqn, demanded, ctx), ins, ctx.at(ctx.prefix, None))[0]
 
-    made = projection_split.emit(jaxpr, split, env, as_written, rewritten, ctx.log, site_of(
-        jaxpr.eqns[split.dot], demanded, ctx).int8) if projection_split.applies(jaxpr, split, env, ctx) else None
-    for var, val in (made or dict(zip(split.outs, as_written(ctx.log)))).items():
-        env[var] = val
+    made = projection_split.emit(jaxpr, split, env, as_written, rewritten, ctx.log, dot.int8)
+    env.update(made if made is not None else dict(zip(split.outs, as_written(ctx.log))))
 
 
 def _fuse_norm(jaxpr: Any, norm: Any, env: dict, demanded: set, ctx: Context) -> None:

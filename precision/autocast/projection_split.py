@@ -39,7 +39,6 @@ from typing import Any, Callable
 import jax
 from jax.extend.core import Literal
 
-from precision.autocast.regions import region_fp8, scope_names
 from precision.autocast.values import Val
 
 __all__ = ["Split", "plan", "applies", "emit", "parts_of"]
@@ -73,7 +72,7 @@ class Split:
 def plan(jaxpr: Any, taken: set[int], enabled: bool = True) -> dict[int, Split]:
     """The fused projections of ``jaxpr`` to split, by the index of their ``split`` equation
     (none of their equations among ``taken``: those of other fusions)."""
-    if not enabled:
+    if not enabled or not any(e.primitive.name == "split" for e in jaxpr.eqns):
         return {}
     uses = Counter(v for e in jaxpr.eqns for v in e.invars if not isinstance(v, Literal))
     uses.update(v for v in jaxpr.outvars if not isinstance(v, Literal))
@@ -181,18 +180,17 @@ def _single_producer(eqns: list, var: Any, made: dict, uses: Counter, name: str)
 MIN_ELEMENTS, MIN_ROWS_PER_INPUT = 10 * 2**20, 8
 
 
-def applies(jaxpr: Any, split: Split, env: dict, ctx: Any) -> bool:
+def applies(split: Split, env: dict, fp8: bool) -> bool:
     """Whether ``split`` is made part by part on a TPU: a product large enough (:data:`MIN_ELEMENTS`,
-    :data:`MIN_ROWS_PER_INPUT`), not in FP8 (an FP8 product's scaling state is one per product), its
-    weight not read from codes, the program not split over devices (a mesh in context, as
-    :mod:`.tpu_flash` reads it: a sharded weight's columns would move between them)."""
-    scope = ctx.prefix + scope_names(jaxpr.eqns[split.dot].source_info.name_stack)
+    :data:`MIN_ROWS_PER_INPUT`), not in FP8 (``fp8``: its product's site is in an FP8 region, and an
+    FP8 product's scaling state is one per product), its weight not read from codes, the program not
+    split over devices (a mesh in context, as :mod:`.tpu_flash` reads it: a sharded weight's columns
+    would move between them)."""
     mesh = jax.sharding.get_abstract_mesh()
     x, w = env[split.x].array, env[split.w].array
     rows = math.prod(x.shape[:-1])
-    return (rows * w.shape[1] >= MIN_ELEMENTS and rows >= MIN_ROWS_PER_INPUT * x.shape[-1]
-            and not region_fp8(scope, ctx.root_fp8) and env[split.w].source is None
-            and (mesh is None or mesh.empty or mesh.size == 1))
+    return (rows * w.shape[1] >= MIN_ELEMENTS and rows >= MIN_ROWS_PER_INPUT * x.shape[-1] and not fp8
+            and env[split.w].source is None and (mesh is None or mesh.empty or mesh.size == 1))
 
 
 def emit(jaxpr: Any, split: Split, env: dict, as_written: Callable[[Any], list], rewritten: Callable, log: Any,

@@ -44,6 +44,8 @@ __all__ = ["check", "flash", "one_device_p", "on_one_device", "module_path", "FO
 #: The scopes the kernel's passes are named in (what :mod:`train.inspections.tpu_kernels` reads).
 FORWARD_SCOPE = "pallas_flash_attention"
 BACKWARD_SCOPE = "pallas_flash_attention_bwd"
+
+
 def module_path(path: str) -> str:
     """A kernel's module path (``block_0/attn/pallas_flash_attention_bwd/splash_mha_dq...``) as its
     attention's (``block_0/attn``), for either pass."""
