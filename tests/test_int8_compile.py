@@ -45,6 +45,20 @@ def test_every_projection_mlp_and_head_matmul_is_an_int8_mxu_op_on_v5e_forward_a
     assert report.modeled.matmul_flops["s8"] == report.int8.int8_flops and report.modeled.xla_cycles > 0
     # a param's int8 gradient made in bf16 (as mixed_bf16 makes it), not written and read in float32
     assert set(re.findall(r"%int8_tiles_matmul[.\d]* = (\w+)\[", report.hlo_text)) == {"bf16"}
+    # the attention's output read heads-first, as the attention kernel writes it, by the projection's forward
+    # and weight-gradient kernels; its input gradient written so (no layout copies between them)
+    assert len(_kernel_lines(report, "block_0/attn/proj", "bf16[8,4,256,64]")) == 2
+    assert len(_kernel_lines(report, "block_0/attn/proj", "bf16[8,4,256,64]", reads=False)) == 1
+
+
+def _kernel_lines(report, module, shape, reads=True):
+    """The int8 kernels' custom calls of ``module`` reading (else writing) an array of ``shape``."""
+    found = []
+    for line in report.hlo_text.splitlines():
+        if "tpu_custom_call" in line and f"{module}/" in line and f"/{SCOPE}/" in line:
+            operands = line.split("operand_layout_constraints=")[1].split(", frontend_attributes")[0]
+            found += [line] if (shape in operands if reads else f"= {shape}" in line.split("custom-call")[0]) else []
+    return found
 
 
 @pytest.mark.tpu_compile
@@ -65,6 +79,13 @@ def test_flax_attentions_output_projection_and_its_gradients_are_int8_kernels_on
     assert by_module["block_0/attn/out"] == [True] * 3, by_module  # forward, the input's and the weight's gradients
     assert all(all(kernels) for kernels in by_module.values()) and len(matmuls) == 3 * 7, by_module
     assert {(k.operands, k.result) for k in matmuls} == {(("s8", "s8"), "s32")} and report.int8.share == 1.0
+    # the query, key and value written heads-first (as the attention kernel reads them), the attention's output
+    # read so by the output projection (forward, weight gradient); the gradients the same way back
+    for name in ("query", "key", "value"):
+        assert len(_kernel_lines(report, f"block_0/attn/{name}", "bf16[8,4,256,64]", reads=False)) == 1, name
+        assert len(_kernel_lines(report, f"block_0/attn/{name}", "bf16[8,4,256,64]")) == 2, name
+    assert len(_kernel_lines(report, "block_0/attn/out", "bf16[8,4,256,64]")) == 2
+    assert len(_kernel_lines(report, "block_0/attn/out", "bf16[8,4,256,64]", reads=False)) == 1
 
 
 @pytest.mark.gpu_compile

@@ -202,3 +202,158 @@ def test_a_weight_held_as_rows_too_wide_for_a_block_takes_the_row_tiles_for_its_
     recipe = int8_product(jnp.float32)(g, w, (((1,), (0,)), ((), ())))
     err = lambda a: float(jnp.linalg.norm(a - exact) / jnp.linalg.norm(exact))  # noqa: E731
     assert got.shape == (256, 256) and err(got) < 0.015 and err(got) <= 1.05 * err(recipe)
+
+
+def test_a_bias_added_in_the_kernel_is_the_recipes_sum_and_its_gradient_the_gradients_sum(kernels_on_cpu):
+    """A projection's bias added by the row kernel (before its one rounding) against the recipe's product
+    and the model's add: float32 results the same sum; bfloat16 ones within a rounding; the bias's gradient
+    the output gradient's sum over the rows it was broadcast over."""
+    x, w, g = _operands(512, 256, 384)
+    x3, g3 = x.reshape(2, 256, 256), g.reshape(2, 256, 384)
+    b = jax.random.normal(jax.random.key(7), (1, 1, 384), jnp.float32)
+    dims = (((2,), (0,)), ((), ()))
+    backward = Backward(fallback=np.dtype(jnp.bfloat16))
+
+    def value_and_grads(out_dtype):
+        y, pull = jax.vjp(lambda a, c, d: int8_dot(a, c, dims, out_dtype, backward, bias=d), x3, w, b)
+        return (y, *pull(g3.astype(out_dtype)))
+
+    assert "int8_rows_matmul" in str(jax.make_jaxpr(lambda: value_and_grads(jnp.bfloat16))())
+    y, dx, dw, db = value_and_grads(jnp.float32)
+    y16 = value_and_grads(jnp.bfloat16)[0]
+    recipe = int8_product(jnp.float32)(x3, w, dims)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(recipe + b))
+    np.testing.assert_allclose(np.asarray(y16, np.float32), np.asarray(recipe + b), rtol=2**-8, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(db), np.asarray(g3, np.float32).sum((0, 1), keepdims=True), rtol=1e-5)
+    int8_tpu.choose, saved = int8_tpu._on_one_tpu, int8_tpu.choose  # the recipe and the add, as a CPU runs them
+    try:
+        y0, dx0, _, db0 = value_and_grads(jnp.float32)
+    finally:
+        int8_tpu.choose = saved
+    np.testing.assert_array_equal(np.asarray(y0), np.asarray(y))
+    np.testing.assert_array_equal(np.asarray(dx0), np.asarray(dx))
+    np.testing.assert_allclose(np.asarray(db0), np.asarray(db), rtol=1e-5)
+
+
+def test_a_product_to_heads_is_written_heads_first_with_the_same_values(kernels_on_cpu):
+    """A ``(batch, length, heads, head size)`` product (a DenseGeneral to heads, a fused query-key-value's
+    part) is written by the row kernel as ``(batch, heads, length, head size)``, the layout the attention
+    kernel reads, and viewed as traced: the same values as the rows' layout, bit for bit."""
+    x, w, g = _operands(512, 256, 384)
+    x3, w3, dims = x.reshape(2, 256, 256), w.reshape(256, 6, 64), (((2,), (0,)), ((), ()))
+    q_w, s_w = quantized_along(w, (0,))
+    rows = int8_pallas.rows_matmul(x, q_w, s_w, jnp.bfloat16, interpret=True)
+    heads = int8_pallas.rows_matmul(x, q_w, s_w, jnp.bfloat16, interpret=True, heads_first=(256, 6))
+    assert heads.shape == (2, 6, 256, 64)
+    np.testing.assert_array_equal(np.asarray(heads), np.asarray(rows.reshape(2, 256, 6, 64).transpose(0, 2, 1, 3)))
+    jaxpr = str(jax.make_jaxpr(lambda a, b: int8_dot(a, b, dims, jnp.bfloat16))(x3, w3))
+    assert "bf16[2,6,256,64]" in jaxpr  # the kernel's result, heads-first
+    y = int8_dot(x3, w3, dims, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(rows.reshape(2, 256, 6, 64)))
+    # the blocks: a row block within one sequence, whole heads of 128 columns or all of them
+    assert int8_pallas.heads_blocks(512, 256, 384, 256, 6) == (256, 6)
+    assert int8_pallas.heads_blocks(16384, 768, 768, 1024, 12) is not None
+    assert int8_pallas.heads_blocks(512, 256, 384, 100, 6) is None  # a sequence no row block divides
+
+
+def test_a_gradient_to_heads_is_read_heads_first_by_both_backward_kernels(kernels_on_cpu):
+    """The backward of a product to heads reads its output gradient heads-first (as the attention's backward
+    writes it): the input's gradient the same values as from the rows' layout, the weight's too (the same
+    tiles, each column's scales its own)."""
+    x, w, g = _operands(512, 256, 384)
+    x3, w3, g4 = x.reshape(2, 256, 256), w.reshape(256, 6, 64), g.reshape(2, 256, 6, 64)
+    dims = (((2,), (0,)), ((), ()))
+    backward = Backward(fallback=np.dtype(jnp.bfloat16))
+    pull = jax.vjp(lambda a, b: int8_dot(a, b, dims, jnp.bfloat16, backward), x3, w3)[1]
+    dx, dw = pull(g4)
+    jaxpr = str(jax.make_jaxpr(pull)(g4))
+    # the gradient transposed heads-first (a transpose XLA folds into the attention's), never laid out as rows
+    assert "bf16[2,6,256,64] = transpose" in jaxpr and "bf16[512,384]" not in jaxpr
+    rows_dx = int8_tpu._input_gradient(g, w, jnp.bfloat16)
+    rows_dw = int8_pallas.tiles_matmul(x, g, jnp.float32, interpret=True)
+    np.testing.assert_array_equal(np.asarray(dx), np.asarray(rows_dx.reshape(2, 256, 256)))
+    np.testing.assert_array_equal(np.asarray(dw, np.float32), np.asarray(rows_dw.reshape(256, 6, 64), np.float32))
+
+
+def test_an_attention_output_reshaped_into_its_projection_is_read_heads_first(kernels_on_cpu, monkeypatch):
+    """``out.reshape(batch, length, features)`` of an attention's output, then a Dense (this project's GPT,
+    nanoGPT): the int8 product reads the output before the reshape, contracting (heads, head size), so
+    that on a TPU its kernel reads it heads-first, as the attention kernel writes it; the same values and
+    gradients as the product of the reshaped input."""
+    from precision.autocast.scaled import int8_sites
+    from train.models.gpt import CausalSelfAttention
+
+    x = jax.random.normal(jax.random.key(0), (2, 256, 256))
+    model = CausalSelfAttention(num_heads=4)
+    params = model.init(jax.random.key(1), x)["params"]
+    def traced():
+        fn = precision.autocast(lambda p: model.apply({"params": p}, x), "mixed_int8")
+        return jax.value_and_grad(lambda p: jnp.mean(fn(p).astype(jnp.float32) ** 2))
+
+    loss = traced()
+    # the projection's forward and weight-gradient kernels read a 4-D (heads-first) input
+    assert _kernels_reading_heads(jax.make_jaxpr(loss)(params).jaxpr) == {"int8_rows_matmul": 1, "int8_tiles_matmul": 1}
+    value, grads = loss(params)
+    monkeypatch.setattr(int8_sites, "heads_inputs", lambda jaxpr: {})
+    loss = traced()
+    value0, grads0 = loss(params)
+    assert _kernels_reading_heads(jax.make_jaxpr(loss)(params).jaxpr) == {}
+    np.testing.assert_array_equal(np.asarray(value), np.asarray(value0))
+    for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(grads0)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _kernels_reading_heads(jaxpr) -> dict:
+    """How many Pallas calls of each kernel read a 4-D (heads-first) first operand, sub-programs included."""
+    from jax.extend.core import jaxprs_in_params
+
+    found: dict = {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call" and eqn.invars[0].aval.ndim == 4:
+            name = str(eqn.params["name"])
+            found[name] = found.get(name, 0) + 1
+        for sub in jaxprs_in_params(eqn.params):
+            for name, count in _kernels_reading_heads(sub).items():
+                found[name] = found.get(name, 0) + count
+    return found
+
+
+def test_a_dense_general_to_heads_adds_its_bias_in_its_kernel(kernels_on_cpu, monkeypatch):
+    """A DenseGeneral query, key or value (Flax's attention) and its bias: the int8 kernel adds the bias
+    before writing its result heads-first (after it, the add would be a pass of its own over that
+    layout); the same values as the add after the product, the bias's gradient summed in float32."""
+    import flax.linen as nn
+
+    from precision.autocast.scaled import int8_sites
+
+    x = jax.random.normal(jax.random.key(0), (2, 256, 256))
+    model = nn.DenseGeneral((4, 64), bias_init=nn.initializers.normal(0.5))
+    params = model.init(jax.random.key(1), x)["params"]
+
+    def traced():
+        fn = precision.autocast(lambda p: model.apply({"params": p}, x), "mixed_int8")
+        return jax.value_and_grad(lambda p: jnp.mean(jnp.sin(fn(p).astype(jnp.float32))))
+
+    assert _rows_kernels(jax.make_jaxpr(traced())(params).jaxpr) == [((2, 4, 256, 64), 4)]  # x, w, scales, bias
+    value, grads = traced()(params)
+    monkeypatch.setattr(int8_sites, "bias_epilogues", lambda jaxpr, taken: {})
+    assert _rows_kernels(jax.make_jaxpr(traced())(params).jaxpr) == [((2, 4, 256, 64), 3)]
+    value0, grads0 = traced()(params)
+    np.testing.assert_allclose(float(value), float(value0), rtol=1e-3)
+    for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(grads0)):
+        assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < 0.01  # one rounding of the result fewer
+
+
+def _rows_kernels(jaxpr) -> list:
+    """(result shape, operand count) of each forward row kernel (4-D results: heads-first), sub-programs
+    included."""
+    from jax.extend.core import jaxprs_in_params
+
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call" and "int8_rows_matmul" in str(eqn.params["name"]):
+            if eqn.outvars[0].aval.ndim == 4:
+                found.append((tuple(eqn.outvars[0].aval.shape), len(eqn.invars)))
+        for sub in jaxprs_in_params(eqn.params):
+            found += _rows_kernels(sub)
+    return found

@@ -208,3 +208,49 @@ def test_turned_off_it_is_one_product_on_a_tpu_too():
     off, on = _program(model, "mixed_bf16", True, split=False), _program(model, "mixed_bf16", True)
     assert _products(on) == _products(off) + 3
     assert precision.op_lists().split_projections and not precision.op_lists(split_projections=False).split_projections
+
+
+def _pallas_calls(jaxpr, name):
+    """The operand counts of the ``name`` Pallas calls of a program, sub-programs included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call" and name in str(eqn.params.get("name", "")):
+            found.append(len(eqn.invars))
+        for sub in jaxprs_in_params(eqn.params):
+            found += _pallas_calls(sub, name)
+    return found
+
+
+def test_an_int8_part_adds_its_bias_in_its_kernel_with_the_same_values_and_gradients(monkeypatch):
+    """On a TPU each int8 part's row kernel adds the part's bias before rounding its result (else XLA
+    adds it in a pass of its own, fused into the layout copy to heads-first at vector cost); values
+    and gradients as the program as written, on this CPU (the kernels interpreted)."""
+    import functools
+
+    from precision.autocast.scaled import int8_pallas, int8_tpu
+
+    x = jax.random.normal(jax.random.key(0), (2, 64, 128))
+    model = CausalSelfAttention(num_heads=4)
+    params = model.init(jax.random.key(1), x)["params"]
+
+    def loss(split):
+        ops = precision.op_lists(split_projections=split)
+        fn = precision.autocast(lambda p: model.apply({"params": p}, x), "mixed_int8", ops=ops)
+        return jax.value_and_grad(lambda p: jnp.mean(fn(p).astype(jnp.float32) ** 2))
+
+    exact = jax.value_and_grad(lambda p: jnp.mean(model.apply({"params": p}, x) ** 2))(params)[1]
+    monkeypatch.setattr(projection_split, "platform_dependent", _tpu_branch)
+    monkeypatch.setattr(int8_tpu, "choose", lambda kernel, fallback, *args: kernel(*args))
+    for name in ("rows_matmul", "tiles_matmul"):
+        monkeypatch.setattr(int8_tpu, name, functools.partial(getattr(int8_pallas, name), interpret=True))
+    rows = _pallas_calls(jax.make_jaxpr(loss(True))(params).jaxpr, "int8_rows_matmul")
+    # forward: the three parts with their biases, the output projection and the other branch's fused product
+    # (traced, unused) without; backward: four input gradients
+    assert sorted(rows) == [3] * 6 + [4] * 3
+    # against the same kernels on the one fused product, its bias added after (each column's scales are its
+    # own); the bias's gradient summed in float32 (by the model's add, in bfloat16): closer to float32's
+    (value, grads), (value0, grads0) = loss(True)(params), loss(False)(params)
+    bias, bias0 = grads["qkv"].pop("bias"), grads0["qkv"].pop("bias")
+    _assert_close((value, grads), (value0, grads0), 1e-2)
+    err = lambda g: float(jnp.linalg.norm(g - exact["qkv"]["bias"]) / jnp.linalg.norm(exact["qkv"]["bias"]))  # noqa
+    assert err(bias) <= err(bias0) < 0.02

@@ -58,6 +58,8 @@ class Site:
     fp8: bool = False  # in an FP8 region: its allow-listed matmul may be FP8
     matmul: str = "default"  # the least precision of a float32 matmul here (see .matmul_precision)
     int8: bool = False  # in an int8 region: its allow-listed matmul or convolution may be int8
+    bias: list | None = None  # [a bias Val] its int8 product adds itself, emptied where it does (.int8_sites)
+    heads_input: Any = None  # its input before (heads, head size) were merged: what an int8 product reads
 
     @property
     def name(self) -> str:

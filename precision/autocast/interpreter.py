@@ -28,6 +28,8 @@ it adds only the casts it needs, each value cast at most once per dtype.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any, Callable, Sequence
 
 import jax.numpy as jnp
@@ -38,8 +40,10 @@ from jax.extend.core import DropVar, Literal
 from precision.autocast.derivatives import HALF_WITH_FLOAT32_DERIVATIVE
 from precision.autocast.context import Context, Site, site_of
 from precision.autocast.islands import demanded_vars
+from precision.autocast.leaves import keeps_leaf, moves_a_leaf
 from precision.autocast.op_lists import OpClass
 from precision.autocast.program import MATMUL_PRIMITIVES, binders, retyped_update_jaxpr
+from precision.autocast.scaled import int8_sites
 from precision.autocast.scaled.dispatch import not_scaled, scaled_product
 from precision.autocast import (attention_fusion, frozen_reads, matmul_precision, norm_fusion, projection_split,
                                 reductions)
@@ -68,6 +72,9 @@ def evaluate(jaxpr: Any, consts: Sequence[Val], args: Sequence[Val], ctx: Contex
     fused |= {i for n in norms.values() for i in n.eqns} | {j for js in later.values() for j in js}
     splits = projection_split.plan(jaxpr, fused, ctx.ops.split_projections)
     fused |= {i for s in splits.values() for i in s.eqns}
+    heads = int8_sites.heads_inputs(jaxpr) if ctx.root_int8 else {}  # read by int8 products alone
+    biased = int8_sites.bias_epilogues(jaxpr, fused) if ctx.root_int8 else {}  # {add: its product}
+    fused |= set(biased.values())
     for i, eqn in enumerate(jaxpr.eqns):
         if i in fusions:
             _fuse(jaxpr, fusions[i], env, demanded, ctx)
@@ -77,8 +84,10 @@ def evaluate(jaxpr: Any, consts: Sequence[Val], args: Sequence[Val], ctx: Contex
                 _run(jaxpr.eqns[j], env, demanded, ctx)
         elif i in splits:
             _split(jaxpr, splits[i], env, demanded, ctx)
+        elif i in biased:
+            _with_bias(jaxpr, biased[i], i, env, demanded, ctx, heads.get(biased[i]))
         elif i not in fused:
-            _run(eqn, env, demanded, ctx)
+            _run(eqn, env, demanded, ctx, heads.get(i))
     return [_read(env, v, module_path(ctx.prefix)) for v in jaxpr.outvars]
 
 
@@ -91,17 +100,22 @@ def _read(env: dict, var: Any, consumer: tuple[str, ...]) -> Val:
     return val
 
 
-def _run(eqn: Any, env: dict, demanded: set, ctx: Context) -> None:
-    """Rewrites ``eqn`` reading its operands from ``env`` and writing its results there."""
+def _run(eqn: Any, env: dict, demanded: set, ctx: Context, heads_input: Any = None, bias: list | None = None
+         ) -> None:
+    """Rewrites ``eqn`` reading its operands from ``env`` and writing its results there (``heads_input``:
+    :func:`.int8_sites.heads_inputs`; ``bias``: ``[Val]`` an int8 product adds itself, emptied where it does)."""
     site = site_of(eqn, demanded, ctx)
     path = site.path
+    if heads_input is not None or bias is not None:
+        site = dataclasses.replace(site, heads_input=None if heads_input is None else _read(env, heads_input, path),
+                                   bias=bias)
     ins = [_read(env, v, path) for v in eqn.invars]
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
     with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
         outs = rewrite_eqn(site, ins, ctx)
         frozen_reads.follow(site, ins, outs)  # a weight stored in codes, moved or cast: still made from them
         frozen_reads.lookup(site, ins, outs)  # rows of a table in codes: from their codes alone
-    leaf, const = _keeps_leaf(site, ins), all(v.const for v in ins)
+    leaf, const = keeps_leaf(site, ins), all(v.const for v in ins)
     for val in outs:
         val.leaf = val.leaf or leaf  # a param reshaped, cast or sliced is still a param as a layer reads it
         val.const = const
@@ -145,14 +159,34 @@ def _split(jaxpr: Any, split: Any, env: dict, demanded: set, ctx: Context) -> No
             _run(jaxpr.eqns[i], local, demanded, ctx.at(ctx.prefix, log))
         return [local[var] for var in split.outs]
 
-    def rewritten(index: int, ins: list[Val]) -> Val:
+    def rewritten(index: int, ins: list[Val], bias: Val | None = None) -> tuple[Val, bool]:
         eqn = jaxpr.eqns[index]
+        site = dataclasses.replace(site_of(eqn, demanded, ctx), bias=None if bias is None else [bias])
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
         with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
-            return rewrite_eqn(site_of(eqn, demanded, ctx), ins, ctx.at(ctx.prefix, None))[0]
+            return rewrite_eqn(site, ins, ctx.at(ctx.prefix, None))[0], site.bias == []
 
-    made = projection_split.emit(jaxpr, split, env, as_written, rewritten, ctx.log, dot.int8)
+    # an int8 product adds the bias in its kernel where the model's add would be a half one
+    add = None if split.add is None else site_of(jaxpr.eqns[split.add], demanded, ctx)
+    bias_in_product = dot.int8 and add is not None and not add.demanded and env[split.bias].kind is Kind.HALF
+    made = projection_split.emit(jaxpr, split, env, as_written, rewritten, ctx.log, dot.int8, bias_in_product)
     env.update(made if made is not None else dict(zip(split.outs, as_written(ctx.log))))
+
+
+def _with_bias(jaxpr: Any, dot: int, add: int, env: dict, demanded: set, ctx: Context, heads_input: Any) -> None:
+    """A product to heads and the add of its bias (:func:`.int8_sites.bias_epilogues`): an int8 product
+    adds the bias itself; any other, or an add in float32, runs both equations as written."""
+    eqn = jaxpr.eqns[add]
+    site = site_of(eqn, demanded, ctx)
+    bias_var = next(v for v in eqn.invars if v is not jaxpr.eqns[dot].outvars[0])
+    bias = _read(env, bias_var, site.path)
+    holder = [bias] if bias.kind is Kind.HALF and not site.demanded else None
+    _run(jaxpr.eqns[dot], env, demanded, ctx, heads_input, holder)
+    if holder:  # not taken
+        _run(eqn, env, demanded, ctx)
+        return
+    made = env[jaxpr.eqns[dot].outvars[0]]
+    env[eqn.outvars[0]] = made.retag(made.kind, site.path)
 
 
 def _fuse_norm(jaxpr: Any, norm: Any, env: dict, demanded: set, ctx: Context) -> None:
@@ -203,7 +237,7 @@ def rewrite_eqn(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
     rule = ctx.rules.get(site.name)
     if rule is not None:
         return rule(site, ins, ctx)
-    if ctx.reduce is not None and _moves_a_leaf(site, ins):
+    if ctx.reduce is not None and moves_a_leaf(site, ins):
         return [_moved_leaf(site, ins)]
     if site.name == "convert_element_type":
         return [_convert(site, ins[0], ctx)]
@@ -254,32 +288,6 @@ def bind_reducing(site: Site, ins: list[Val], args: Sequence[Any], reduce_dtype:
     cotangent = None if split.forward is None else np.dtype(args[0].dtype)
     return reductions.bind(site.eqn.primitive, args, sources, _params(site, args, param_updates),
                            reduce_dtype if applies else None, input_grad=split.backward, cotangent=cotangent)
-
-
-def _keeps_leaf(site: Site, ins: list[Val]) -> bool:
-    """Whether the op's results are still the param its first operand is: it moves or
-    casts it, or looks it up at constant indices (a position table read at
-    ``arange(length)``: the same rows for every example, so its gradient is a
-    sum over the batch, like a bias's)."""
-    if not ins or not ins[0].leaf:
-        return False
-    return site.name in reductions.MOVES or (site.name == "gather" and ins[1].const)
-
-
-def _moves_a_leaf(site: Site, ins: list[Val]) -> bool:
-    """A reshape, slice, size-1 broadcast, narrowing cast or constant-index lookup of
-    a param (other operands: indices)."""
-    head = ins[0] if ins else None
-    if not _keeps_leaf(site, ins) or head.kind in (Kind.KEEP, Kind.NEUTRAL):
-        return False
-    if any(v.managed for v in ins[1:]):
-        return False
-    if site.name == "convert_element_type":
-        dst = np.dtype(site.eqn.params["new_dtype"])
-        return is_policy_float(dst) and dst.itemsize <= head.dtype.itemsize
-    if site.name == "broadcast_in_dim":  # one that repeats the param sums its gradient: a reduction, not a move
-        return np.size(head.array) == int(np.prod(site.eqn.params["shape"]))
-    return True
 
 
 def _moved_leaf(site: Site, ins: list[Val]) -> Val:

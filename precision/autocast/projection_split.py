@@ -194,12 +194,14 @@ def applies(split: Split, env: dict, fp8: bool) -> bool:
 
 
 def emit(jaxpr: Any, split: Split, env: dict, as_written: Callable[[Any], list], rewritten: Callable, log: Any,
-         int8: bool = False) -> dict | None:
+         int8: bool = False, bias_in_product: bool = False) -> dict | None:
     """``{var: Val}``, the split's results: on a TPU each part's own product, everywhere else
     ``as_written(log)`` (the pattern's equations rewritten one by one into ``log``, its Vals).
-    ``rewritten(index, ins)``: equation ``index`` of the pattern rewritten on other operands (a
-    Val, its decisions unlogged); ``int8``: its products are int8. None where the two branches do not
-    agree (their dtypes): the caller then runs the equations as written."""
+    ``rewritten(index, ins, bias=None)``: equation ``index`` of the pattern rewritten on other
+    operands, its decisions unlogged: (its Val, whether its product added ``bias`` itself);
+    ``int8``: its products are int8; ``bias_in_product``: the bias is handed to each part's product
+    (an int8 kernel adds it before rounding its result: no pass of its own). None where the two
+    branches do not agree (their dtypes): the caller then runs the equations as written."""
     outs = split.outs
     x, w = env[split.x], env[split.w]
     lead = x.array.ndim - 1
@@ -210,12 +212,14 @@ def emit(jaxpr: Any, split: Split, env: dict, as_written: Callable[[Any], list],
     def per_part(x: Val, columns: tuple[int, int], var: Any) -> Any:
         tail = tuple(var.aval.shape[lead:])  # (heads, head size), or (columns,) for a split as it is
         weight = w.moved(w.array[:, columns[0]:columns[1]].reshape(w.array.shape[0], *tail))
-        part = rewritten(split.dot, [x, weight])
+        bias = None
         if split.add is not None:
             bias = env[split.bias]
             bias = bias.moved(bias.array[..., columns[0]:columns[1]].reshape((1,) * lead + tail))
+        part, added = rewritten(split.dot, [x, weight], bias if bias_in_product else None)
+        if bias is not None and not added:
             ins = [part, bias] if jaxpr.eqns[split.add].invars[0] is not split.bias else [bias, part]
-            part = rewritten(split.add, ins)
+            part, _ = rewritten(split.add, ins)
         made.append(part)
         return part.array
 

@@ -159,13 +159,35 @@ def _recipe_bwd(dims, in_dtypes, backward, lhs, rhs, g):
 _int8_dot.defvjp(_int8_dot_fwd, _int8_dot_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _int8_dot_bias(lhs, rhs, bias, dims, out_dtype, in_dtypes, backward):
+    recipe = functools.partial(int8_product(out_dtype, where=backward.where), dims=dims)
+    return int8_tpu.forward(recipe, lhs, rhs, dims, out_dtype, backward.kernels and not backward.where, bias)
+
+
+def _int8_dot_bias_fwd(lhs, rhs, bias, dims, out_dtype, in_dtypes, backward):
+    return _int8_dot_bias(lhs, rhs, bias, dims, out_dtype, in_dtypes, backward), (lhs, rhs, bias)
+
+
+def _int8_dot_bias_bwd(dims, out_dtype, in_dtypes, backward, residuals, g):
+    lhs, rhs, bias = residuals
+    d_lhs, d_rhs = _int8_dot_bwd(dims, out_dtype, in_dtypes, backward, (lhs, rhs), g)
+    d_bias = g.astype(F32).sum(axis=tuple(i for i, size in enumerate(bias.shape) if size == 1), keepdims=True)
+    return d_lhs, d_rhs, d_bias.reshape(bias.shape).astype(bias.dtype)
+
+
+_int8_dot_bias.defvjp(_int8_dot_bias_fwd, _int8_dot_bias_bwd)
+
+
 def int8_dot(lhs: jax.Array, rhs: jax.Array, dims: Any, out_dtype: Any, backward: Backward = Backward(),
-             grad_dtypes: tuple[Any, Any] | None = None) -> jax.Array:
+             grad_dtypes: tuple[Any, Any] | None = None, bias: jax.Array | None = None) -> jax.Array:
     """``dot_general(lhs, rhs, dims)`` with int8 operands and int32 accumulation, the result
     in ``out_dtype``: each operand scaled along the axes it contracts (a row of the
     activation, a column of the weight). Backward as ``backward`` says (both products in
     int8 by default). ``grad_dtypes``: the dtypes the two gradients' products are made in
     (default: the operands'), each then cast to its operand's dtype (a param's gradient
-    made in ``reduce_dtype`` is what a data-parallel step reduces across devices)."""
-    return _int8_dot(lhs, rhs, _as_dims(dims), np.dtype(out_dtype), operand_dtypes(lhs, rhs, grad_dtypes),
-                     backward)
+    made in ``reduce_dtype`` is what a data-parallel step reduces across devices).
+    ``bias``: shaped as the result but 1 along every axis it is broadcast over, added to it (in
+    ``out_dtype``, as the model's ``add``; on a TPU inside the kernel, in float32)."""
+    args = (_as_dims(dims), np.dtype(out_dtype), operand_dtypes(lhs, rhs, grad_dtypes), backward)
+    return _int8_dot(lhs, rhs, *args) if bias is None else _int8_dot_bias(lhs, rhs, bias, *args)

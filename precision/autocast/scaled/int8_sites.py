@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from typing import Any
 
 import numpy as np
+from jax.extend.core import Literal
 
 from precision.autocast.scaled.int8_conv import conv_int8_problem, int8_conv
 from precision.autocast.scaled.int8_matmul import Backward, int8_dot
@@ -26,7 +28,7 @@ from precision.autocast.values import Kind
 from precision.int8 import Int8Options
 
 __all__ = ["Int8Run", "INT8_MATMUL", "INT8_CONV", "BELOW_MIN_SIZE", "ATTENTION", "NOT_INT8_REGION", "INT8",
-           "skip_reason", "int8_op", "conv_sizes"]
+           "heads_inputs", "bias_epilogues", "skip_reason", "int8_op", "conv_sizes"]
 
 # Reasons logged (the Record's dtype is int8 for an int8 matmul, the fallback otherwise).
 INT8_MATMUL = "int8 matmul (row and column scales)"
@@ -72,6 +74,66 @@ def skip_reason(primitive: str, ins: list, eqn: Any, options: Int8Options) -> st
     return attention_or_size(eqn, ins, options.attention, options.min_size, "int8")
 
 
+def heads_inputs(jaxpr: Any) -> dict[int, Any]:
+    """``{index: var}``: each matmul of ``jaxpr`` whose input is ``var`` reshaped, its last two axes
+    ``(heads, head size)`` merged (``out.reshape(batch, length, features)`` of an attention's output,
+    then a ``Dense``): an int8 product reads ``var`` instead, contracting both axes, the same values,
+    so that on a TPU its kernel reads the attention's output heads-first (:mod:`.int8_tpu`)."""
+    made = {v: e for e in jaxpr.eqns for v in e.outvars}
+    found = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        reshape = made.get(eqn.invars[0]) if eqn.primitive.name == "dot_general" else None
+        if reshape is None or reshape.primitive.name != "reshape" or reshape.params.get("dimensions"):
+            continue
+        (x_contract, w_contract), batch = eqn.params["dimension_numbers"]
+        before, after = reshape.invars[0].aval.shape, reshape.outvars[0].aval.shape
+        if (len(before) == 4 and len(after) == 3 and tuple(before[:2]) == tuple(after[:2])
+                and tuple(x_contract) == (2,) and tuple(w_contract) == (0,) and not any(batch)
+                and eqn.invars[1].aval.ndim == 2 and _attention_like(made.get(reshape.invars[0]))):
+            found[i] = reshape.invars[0]
+    return found
+
+
+def bias_epilogues(jaxpr: Any, taken: set[int]) -> dict[int, int]:
+    """``{add index: matmul index}``: each product to heads (``x . w``, ``w`` of ``(features, heads, head
+    size)``: a ``DenseGeneral`` query, key or value) whose result is read once, by the add of its bias
+    ``(1, 1, heads, head size)``: an int8 product adds it in its kernel (a TPU's writes the result
+    heads-first, where the add after it would be a pass of its own over that layout). None of
+    ``taken`` (other fusions' equations)."""
+    uses = Counter(v for e in jaxpr.eqns for v in e.invars if not isinstance(v, Literal))
+    uses.update(v for v in jaxpr.outvars if not isinstance(v, Literal))
+    reader = {v: j for j, e in enumerate(jaxpr.eqns) for v in e.invars if not isinstance(v, Literal)}
+    found = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        out = eqn.outvars[0]
+        j = reader.get(out) if eqn.primitive.name == "dot_general" and uses[out] == 1 else None
+        if j is None or i in taken or j in taken or jaxpr.eqns[j].primitive.name != "add":
+            continue
+        a, b = jaxpr.eqns[j].invars
+        bias = b if a is out else a
+        (x_contract, w_contract), batch = eqn.params["dimension_numbers"]
+        if (not isinstance(bias, Literal) and out.aval.ndim == 4 and eqn.invars[1].aval.ndim == 3
+                and tuple(x_contract) == (2,) and tuple(w_contract) == (0,) and not any(batch)
+                and tuple(bias.aval.shape) == (1, 1, *out.aval.shape[2:])):
+            found[j] = i
+    return found
+
+
+#: What makes an attention's output as models write it: a call (a remat block, a jitted or custom-derivative
+#: attention function), the transpose after the product of probabilities and values, or that product itself.
+_CALLS = ("pjit", "closed_call", "remat2", "checkpoint", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_jvp_call")
+
+
+def _attention_like(eqn: Any) -> bool:
+    """Whether ``eqn`` may have made an attention's ``(batch, length, heads, head size)`` output (not a
+    reshape or an elementwise op: another model's features, whose layout heads-first reads would move)."""
+    if eqn is None:
+        return False
+    name = eqn.primitive.name
+    return (name in _CALLS or (name == "transpose" and tuple(eqn.params["permutation"]) == (0, 2, 1, 3))
+            or (name == "dot_general" and any(eqn.params["dimension_numbers"][1])))
+
+
 def _operand(v: Any, target: np.dtype) -> Any:
     """An operand as the int8 product reads it (see :func:`int8_op`)."""
     if v.kind is Kind.NEUTRAL or (not v.leaf and np.dtype(v.dtype).itemsize > np.dtype(target).itemsize):
@@ -91,6 +153,9 @@ def int8_op(site: Any, ins: list, run: Int8Run, target: np.dtype, out_dtype: np.
     gradient is made in ``reduce_dtype`` when given, else in ``target``, as
     the fallback's matmul makes it (on the cast param), then reaches the master
     in its own dtype: never written and read back in float32 at twice the bytes.
+    A matmul's ``site.bias`` (a fused projection's part on a TPU, :func:`bias_epilogues`) is added
+    by the product itself; its ``site.heads_input`` (:func:`heads_inputs`) is read in place of its
+    reshaped input.
     """
     lhs, rhs = (_operand(v, target) for v in ins)
     grads = gradient_dtypes(ins, (lhs, rhs), reduce_dtype, param_target=target)
@@ -100,5 +165,10 @@ def int8_op(site: Any, ins: list, run: Int8Run, target: np.dtype, out_dtype: np.
                         "/".join(site.path) if RECORDING.get() is not None else "", options.tpu_kernels)
     if site.name == "conv_general_dilated":
         return int8_conv(lhs, rhs, site.eqn.params, out_dtype, backward, grads), INT8_CONV
-    return int8_dot(lhs, rhs, site.eqn.params["dimension_numbers"], out_dtype, backward, grads), INT8_MATMUL
+    bias = site.bias.pop().array if site.bias else None  # taken: the caller adds it no more
+    dims = site.eqn.params["dimension_numbers"]
+    if site.heads_input is not None:  # the input before its (heads, head size) were merged: the same product
+        lhs = _operand(site.heads_input, target)
+        rhs, dims = rhs.reshape(*lhs.shape[2:], rhs.shape[1]), (((2, 3), (0, 1)), ((), ()))
+    return int8_dot(lhs, rhs, dims, out_dtype, backward, grads, bias), INT8_MATMUL
 

@@ -24,6 +24,12 @@ head's input gradient along its vocabulary (:func:`.int8_pallas.row_tiles_matmul
 close, not the same. With stochastic rounding the backward keeps the recipe (its
 noise is drawn by XLA), and while the doctor records, both passes do (it reads
 the recipe's scales).
+
+An attention's operands are read and written heads-first (:class:`Heads`): a
+product to ``(heads, head size)`` writes its result so, one contracting them
+reads its input so, and their backward reads and writes the gradients the same
+way: the layouts the attention kernel reads and writes, where the kernels' rows
+would take XLA's copies.
 """
 
 from __future__ import annotations
@@ -34,12 +40,12 @@ from typing import Any, Callable, NamedTuple
 import jax
 import numpy as np
 
-from precision.autocast.scaled.int8_pallas import (row_tiles_blocks, row_tiles_matmul, rows_blocks, rows_matmul,
-                                                  tiles_blocks, tiles_matmul)
+from precision.autocast.scaled.int8_pallas import (heads_blocks, row_tiles_blocks, row_tiles_matmul, rows_blocks,
+                                                  rows_matmul, tiles_blocks, tiles_matmul)
 from precision.autocast.scaled.int8_quantize import quantized_along
 from precision.autocast.tpu_flash import on_one_device
 
-__all__ = ["Matmul", "kernel_sizes", "forward", "backward", "choose"]
+__all__ = ["Matmul", "Heads", "kernel_sizes", "heads_of", "forward", "backward", "choose"]
 
 
 class Matmul(NamedTuple):
@@ -68,23 +74,62 @@ def kernel_sizes(lhs: Any, rhs: Any, dims: Any) -> Matmul | None:
     return None
 
 
-def forward(recipe: Callable, lhs: jax.Array, rhs: jax.Array, dims: Any, out_dtype: Any, use_kernel: bool
-            ) -> jax.Array:
+class Heads(NamedTuple):
+    """Which operands of a matmul the kernels read or write heads-first, ``(sequences, heads, length,
+    head size)``, as the attention kernel writes and reads them: the input where its contracted axes
+    are ``(heads, head size)`` (an attention's output into its projection: ``x_heads`` of them), the
+    result where the weight's free axes are (a query, key or value: ``out_heads``); 0: as rows."""
+
+    length: int = 0
+    x_heads: int = 0
+    out_heads: int = 0
+
+    def to_heads(self, a: jax.Array) -> jax.Array:
+        """``(batch, length, heads, head size)`` viewed heads-first (a transpose XLA folds into the
+        attention's own), or back: the transpose is its own inverse."""
+        return a.transpose(0, 2, 1, 3)
+
+
+def heads_of(lhs: Any, rhs: Any, dims: Any, sizes: Matmul) -> Heads:
+    """The :class:`Heads` of a matmul the row kernel takes, where its blocks take them (forward and the
+    input's gradient; the weight's gradient checks its own blocks)."""
+    m, k, n, weight_rows = sizes
+    c, itemsize = len(dims[0][0]), np.dtype(lhs.dtype).itemsize
+    out = (*lhs.shape[:-c], *(rhs.shape[:-c] if weight_rows else rhs.shape[c:]))
+    length = lhs.shape[1] if lhs.ndim >= 2 else 0
+    out_heads = out[2] if lhs.ndim - c == 2 and len(out) == 4 and heads_blocks(m, k, n, length, out[2], itemsize) else 0
+    x_heads = (lhs.shape[2] if lhs.ndim == 4 and c == 2 and not weight_rows and length % 128 == 0
+               and heads_blocks(m, n, k, length, lhs.shape[2], itemsize) else 0)
+    return Heads(length, x_heads, out_heads) if x_heads or out_heads else Heads()
+
+
+def forward(recipe: Callable, lhs: jax.Array, rhs: jax.Array, dims: Any, out_dtype: Any, use_kernel: bool,
+            bias: jax.Array | None = None) -> jax.Array:
     """``recipe(lhs, rhs)`` (the XLA recipe's product), or on one TPU (where ``use_kernel``: not while the
-    doctor records, nor with ``precision.int8.tpu_kernels`` off) the row kernel computing the same."""
+    doctor records, nor with ``precision.int8.tpu_kernels`` off) the row kernel computing the same.
+    ``bias`` (``(1, ..., 1, n)``): added to the product, by the recipe as the model's ``add`` does (in
+    ``out_dtype``), by the kernel in float32 before its result is rounded."""
+    with_bias = (lambda y, b: y + b.astype(y.dtype)) if bias is not None else (lambda y, b: y)  # noqa: E731
     sizes = kernel_sizes(lhs, rhs, dims) if use_kernel else None
     if sizes is None or not rows_blocks(sizes.m, sizes.k, sizes.n, np.dtype(lhs.dtype).itemsize):
-        return recipe(lhs, rhs)
+        return with_bias(recipe(lhs, rhs), bias)
     m, k, n, weight_rows = sizes
     c = len(dims[0][0])  # the axes contracted
     out_shape = (*lhs.shape[:-c], *(rhs.shape[:-c] if weight_rows else rhs.shape[c:]))
+    heads = heads_of(lhs, rhs, dims, sizes)
 
-    def kernel(x, w):  # w as (k, n), or (n, k) read as stored; quantized over the k it contracts
+    def kernel(x, w, *b):  # w as (k, n), or (n, k) read as stored; quantized over the k it contracts
         q_w, s_w = quantized_along(w.reshape((n, k) if weight_rows else (k, n)), (1,) if weight_rows else (0,))
-        y = rows_matmul(x.reshape(m, k), q_w, s_w.reshape(1, n), out_dtype, weight_rows=weight_rows)
-        return [y.reshape(out_shape)]
+        row = b[0].reshape(1, n).astype(np.float32) if b else None
+        y = rows_matmul(heads.to_heads(x) if heads.x_heads else x.reshape(m, k), q_w, s_w.reshape(1, n), out_dtype,
+                        weight_rows=weight_rows, bias=row, heads_in=bool(heads.x_heads),
+                        heads_first=(heads.length, heads.out_heads) if heads.out_heads else None)
+        return [heads.to_heads(y) if heads.out_heads else y.reshape(out_shape)]
 
-    return choose(kernel, lambda x, w: [recipe(x, w)], lhs, rhs)[0]
+    def by_recipe(x, w, *b):
+        return [with_bias(recipe(x, w), b[0] if b else None)]
+
+    return choose(kernel, by_recipe, lhs, rhs, *([] if bias is None else [bias]))[0]
 
 
 def backward(recipe: Callable, lhs: jax.Array, rhs: jax.Array, g: jax.Array, dims: Any, grad_dtypes: Any,
@@ -92,42 +137,50 @@ def backward(recipe: Callable, lhs: jax.Array, rhs: jax.Array, g: jax.Array, dim
     """``recipe(lhs, rhs, g)`` (the recipe's two gradients in the operands' dtypes), or on one TPU the
     kernels: the input's gradient by the row kernel (``g``'s rows and ``w``'s rows quantized), the
     weight's by the tiled one; either by the recipe where its kernel cannot take the shapes (XLA drops
-    the recipe's other product). ``grad_dtypes``: ((operand dtypes), (dtypes the products are made in))."""
+    the recipe's other product). Operands to or from heads as the forward reads and writes them
+    (:class:`Heads`). ``grad_dtypes``: ((operand dtypes), (dtypes the products are made in))."""
     sizes = kernel_sizes(lhs, rhs, dims) if use_kernels else None
     if sizes is None:
         return recipe(lhs, rhs, g)
     m, k, n, weight_rows = sizes
-    rows = rows_blocks(m, n, k, np.dtype(g.dtype).itemsize) or row_tiles_blocks(m, n, k)
     x_size, g_size = np.dtype(lhs.dtype).itemsize, np.dtype(g.dtype).itemsize
+    rows = rows_blocks(m, n, k, g_size) or row_tiles_blocks(m, n, k)
     tiles = tiles_blocks(m, n, k, g_size, x_size) if weight_rows else tiles_blocks(m, k, n, x_size, g_size)
     if not rows and not tiles:
         return recipe(lhs, rhs, g)
     (lhs_dtype, rhs_dtype), (lhs_grad, rhs_grad) = grad_dtypes
+    heads = heads_of(lhs, rhs, dims, sizes) if rows_blocks(m, n, k, g_size) else Heads()
+    tiles_heads = heads if tiles_blocks(m, k, n, x_size, g_size, *heads) else Heads()
 
     def kernels(x, w, dy):
         by_recipe = None if rows and tiles else recipe(x, w, dy)
-        x2, dy2 = x.reshape(m, k), dy.reshape(m, n)
+        as_rows = lambda a, h: heads.to_heads(a) if h else a.reshape(m, a.size // m)  # noqa: E731
         if rows:
             w2 = w.reshape(n, k) if weight_rows else w.reshape(k, n)
-            dx = _input_gradient(dy2, w2, lhs_grad, weight_rows).reshape(x.shape).astype(lhs_dtype)
+            dx = _input_gradient(as_rows(dy, heads.out_heads), w2, lhs_grad, weight_rows, heads)
+            dx = (heads.to_heads(dx) if heads.x_heads else dx.reshape(x.shape)).astype(lhs_dtype)
         if tiles:  # xᵀ . dy, or for a weight held as (n, k) dyᵀ . x
-            dw = tiles_matmul(dy2, x2, rhs_grad) if weight_rows else tiles_matmul(x2, dy2, rhs_grad)
+            dw = (tiles_matmul(dy.reshape(m, n), x.reshape(m, k), rhs_grad) if weight_rows else
+                  tiles_matmul(as_rows(x, tiles_heads.x_heads), as_rows(dy, tiles_heads.out_heads), rhs_grad))
             dw = dw.reshape(w.shape).astype(rhs_dtype)
         return [dx if rows else by_recipe[0], dw if tiles else by_recipe[1]]
 
     return tuple(choose(kernels, lambda *a: list(recipe(*a)), lhs, rhs, g))
 
 
-def _input_gradient(dy: jax.Array, w: jax.Array, out_dtype: Any, weight_rows: bool = False) -> jax.Array:
+def _input_gradient(dy: jax.Array, w: jax.Array, out_dtype: Any, weight_rows: bool = False, heads: Heads = Heads()
+                    ) -> jax.Array:
     """The input's gradient from ``dy (m, n)``: ``dy . wᵀ`` for a weight ``w (k, n)``, ``dy . w`` for one
     held as ``w (n, k)`` (``weight_rows``); ``dy``'s whole rows quantized in the row kernel (the recipe's
-    values), or, where a row is too wide for a block (``n``: a vocabulary), in tiles along ``n``."""
-    m, n = dy.shape
+    values), or, where a row is too wide for a block (``n``: a vocabulary), in tiles along ``n``.
+    ``heads``: ``dy`` given heads-first (``out_heads``), the result written so (``x_heads``)."""
+    m, n = (dy.shape[0] * dy.shape[2], dy.shape[1] * dy.shape[3]) if dy.ndim == 4 else dy.shape
     k = w.shape[1] if weight_rows else w.shape[0]
     q_w, s_w = quantized_along(w, (0,) if weight_rows else (1,))  # quantized over the n it contracts
     s_w = s_w.reshape(1, k)
     if rows_blocks(m, n, k, np.dtype(dy.dtype).itemsize):  # w read as stored: no transposed copy
-        return rows_matmul(dy, q_w, s_w, out_dtype, weight_rows=not weight_rows)
+        return rows_matmul(dy, q_w, s_w, out_dtype, weight_rows=not weight_rows, heads_in=dy.ndim == 4,
+                           heads_first=(heads.length, heads.x_heads) if heads.x_heads else None)
     return row_tiles_matmul(dy, q_w.T if weight_rows else q_w, s_w, out_dtype)
 
 
