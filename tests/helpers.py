@@ -99,6 +99,11 @@ def all_eqns(jaxpr):
                     yield from all_eqns(inner)
 
 
+def pallas_calls(jaxpr, name=""):
+    """The Pallas calls of ``jaxpr`` (sub-programs included) whose kernel's name holds ``name``."""
+    return [e for e in all_eqns(jaxpr) if e.primitive.name == "pallas_call" and name in str(e.params["name"])]
+
+
 def flax_transformers():
     """``transformers`` with its Flax models (versions before 5), or the calling test skipped
     saying why: the Hugging Face tests need ``FlaxGPT2LMHeadModel``."""

@@ -6,6 +6,7 @@ take). That they are in a program compiled for a v5e: tests/test_int8_compile.py
 
 import functools
 import re
+from collections import Counter
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 import precision
+from helpers import pallas_calls
 
 from precision.autocast.scaled import int8_pallas, int8_tpu
 from precision.autocast.scaled.int8_matmul import Backward, int8_dot, int8_product
@@ -286,6 +288,7 @@ def test_an_attention_output_reshaped_into_its_projection_is_read_heads_first(ke
     x = jax.random.normal(jax.random.key(0), (2, 256, 256))
     model = CausalSelfAttention(num_heads=4)
     params = model.init(jax.random.key(1), x)["params"]
+
     def traced():
         fn = precision.autocast(lambda p: model.apply({"params": p}, x), "mixed_int8")
         return jax.value_and_grad(lambda p: jnp.mean(fn(p).astype(jnp.float32) ** 2))
@@ -305,17 +308,7 @@ def test_an_attention_output_reshaped_into_its_projection_is_read_heads_first(ke
 
 def _kernels_reading_heads(jaxpr) -> dict:
     """How many Pallas calls of each kernel read a 4-D (heads-first) first operand, sub-programs included."""
-    from jax.extend.core import jaxprs_in_params
-
-    found: dict = {}
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call" and eqn.invars[0].aval.ndim == 4:
-            name = str(eqn.params["name"])
-            found[name] = found.get(name, 0) + 1
-        for sub in jaxprs_in_params(eqn.params):
-            for name, count in _kernels_reading_heads(sub).items():
-                found[name] = found.get(name, 0) + count
-    return found
+    return dict(Counter(str(e.params["name"]) for e in pallas_calls(jaxpr) if e.invars[0].aval.ndim == 4))
 
 
 def test_a_dense_general_to_heads_adds_its_bias_in_its_kernel(kernels_on_cpu, monkeypatch):
@@ -345,15 +338,6 @@ def test_a_dense_general_to_heads_adds_its_bias_in_its_kernel(kernels_on_cpu, mo
 
 
 def _rows_kernels(jaxpr) -> list:
-    """(result shape, operand count) of each forward row kernel (4-D results: heads-first), sub-programs
-    included."""
-    from jax.extend.core import jaxprs_in_params
-
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call" and "int8_rows_matmul" in str(eqn.params["name"]):
-            if eqn.outvars[0].aval.ndim == 4:
-                found.append((tuple(eqn.outvars[0].aval.shape), len(eqn.invars)))
-        for sub in jaxprs_in_params(eqn.params):
-            found += _rows_kernels(sub)
-    return found
+    """(result shape, operand count) of each row kernel writing a 4-D (heads-first) result."""
+    return [(tuple(e.outvars[0].aval.shape), len(e.invars)) for e in pallas_calls(jaxpr, "int8_rows_matmul")
+            if e.outvars[0].aval.ndim == 4]

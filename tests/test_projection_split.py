@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend.core import jaxprs_in_params
 
 import precision
+from helpers import all_eqns, pallas_calls
 from precision.autocast import projection_split
 from train.models.gpt import CausalSelfAttention
 
@@ -117,12 +117,7 @@ def _program(model, policy, tpu, split=True, mesh=None):
 
 def _products(jaxpr):
     """dot_general equations of a program, sub-programs included."""
-    count = 0
-    for eqn in jaxpr.eqns:
-        count += eqn.primitive.name == "dot_general"
-        for sub in jaxprs_in_params(eqn.params):
-            count += _products(sub)
-    return count
+    return sum(e.primitive.name == "dot_general" for e in all_eqns(jaxpr))
 
 
 def _assert_close(actual, desired, rel):
@@ -210,17 +205,6 @@ def test_turned_off_it_is_one_product_on_a_tpu_too():
     assert precision.op_lists().split_projections and not precision.op_lists(split_projections=False).split_projections
 
 
-def _pallas_calls(jaxpr, name):
-    """The operand counts of the ``name`` Pallas calls of a program, sub-programs included."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call" and name in str(eqn.params.get("name", "")):
-            found.append(len(eqn.invars))
-        for sub in jaxprs_in_params(eqn.params):
-            found += _pallas_calls(sub, name)
-    return found
-
-
 def test_an_int8_part_adds_its_bias_in_its_kernel_with_the_same_values_and_gradients(monkeypatch):
     """On a TPU each int8 part's row kernel adds the part's bias before rounding its result (else XLA
     adds it in a pass of its own, fused into the layout copy to heads-first at vector cost); values
@@ -243,7 +227,7 @@ def test_an_int8_part_adds_its_bias_in_its_kernel_with_the_same_values_and_gradi
     monkeypatch.setattr(int8_tpu, "choose", lambda kernel, fallback, *args: kernel(*args))
     for name in ("rows_matmul", "tiles_matmul"):
         monkeypatch.setattr(int8_tpu, name, functools.partial(getattr(int8_pallas, name), interpret=True))
-    rows = _pallas_calls(jax.make_jaxpr(loss(True))(params).jaxpr, "int8_rows_matmul")
+    rows = [len(e.invars) for e in pallas_calls(jax.make_jaxpr(loss(True))(params).jaxpr, "int8_rows_matmul")]
     # forward: the three parts with their biases, the output projection and the other branch's fused product
     # (traced, unused) without; backward: four input gradients
     assert sorted(rows) == [3] * 6 + [4] * 3

@@ -29,7 +29,6 @@ it adds only the casts it needs, each value cast at most once per dtype.
 from __future__ import annotations
 
 import dataclasses
-
 from typing import Any, Callable, Sequence
 
 import jax.numpy as jnp
@@ -166,9 +165,8 @@ def _split(jaxpr: Any, split: Any, env: dict, demanded: set, ctx: Context) -> No
         with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
             return rewrite_eqn(site, ins, ctx.at(ctx.prefix, None))[0], site.bias == []
 
-    # an int8 product adds the bias in its kernel where the model's add would be a half one
-    add = None if split.add is None else site_of(jaxpr.eqns[split.add], demanded, ctx)
-    bias_in_product = dot.int8 and add is not None and not add.demanded and env[split.bias].kind is Kind.HALF
+    bias_in_product = (dot.int8 and split.add is not None
+                       and _bias_holder(site_of(jaxpr.eqns[split.add], demanded, ctx), env[split.bias]) is not None)
     made = projection_split.emit(jaxpr, split, env, as_written, rewritten, ctx.log, dot.int8, bias_in_product)
     env.update(made if made is not None else dict(zip(split.outs, as_written(ctx.log))))
 
@@ -179,14 +177,19 @@ def _with_bias(jaxpr: Any, dot: int, add: int, env: dict, demanded: set, ctx: Co
     eqn = jaxpr.eqns[add]
     site = site_of(eqn, demanded, ctx)
     bias_var = next(v for v in eqn.invars if v is not jaxpr.eqns[dot].outvars[0])
-    bias = _read(env, bias_var, site.path)
-    holder = [bias] if bias.kind is Kind.HALF and not site.demanded else None
+    holder = _bias_holder(site, _read(env, bias_var, site.path))
     _run(jaxpr.eqns[dot], env, demanded, ctx, heads_input, holder)
     if holder:  # not taken
         _run(eqn, env, demanded, ctx)
         return
     made = env[jaxpr.eqns[dot].outvars[0]]
     env[eqn.outvars[0]] = made.retag(made.kind, site.path)
+
+
+def _bias_holder(add: Site, bias: Val) -> list | None:
+    """``[bias]`` for an int8 product to add itself (emptied where it does), where the model's ``add``
+    of it would be a half one; None where it would be in float32 (the product then leaves it)."""
+    return [bias] if bias.kind is Kind.HALF and not add.demanded else None
 
 
 def _fuse_norm(jaxpr: Any, norm: Any, env: dict, demanded: set, ctx: Context) -> None:

@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from precision.autocast.scaled.int8_quantize import F32, INT8, INT32, QMAX
 
 __all__ = ["SCOPE", "ROWS", "TILES", "ROW_TILES", "module_path", "rows_blocks", "heads_blocks", "tiles_blocks",
-           "row_tiles_blocks", "rows_matmul", "tiles_matmul", "row_tiles_matmul"]
+           "row_tiles_blocks", "rows_matmul", "tiles_matmul", "row_tiles_matmul", "as_matrix"]
 
 #: The scope the kernels are traced in (what the TPU step model reads in their custom calls' op_name).
 SCOPE = "int8_pallas_matmul"
@@ -204,7 +204,7 @@ def _compiler_params(semantics: tuple[str, ...]) -> Any:
 
 def rows_matmul(x: jax.Array, q_w: jax.Array, s_w: jax.Array, out_dtype: Any, interpret: bool = False,
                 weight_rows: bool = False, bias: jax.Array | None = None,
-                heads_first: tuple[int, int] | None = None, heads_in: bool = False) -> jax.Array:
+                heads_first: tuple[int, int] | None = None) -> jax.Array:
     """``x (M, K) . w (K, N)`` into ``out_dtype``: ``x`` (16 or 32 bits) quantized per row in the
     kernel, ``q_w`` the weight in int8 per column and ``s_w`` its ``(1, N)`` float32 scales
     (:func:`.int8_quantize.quantized_along` over ``K``); needs :func:`rows_blocks`.
@@ -216,10 +216,11 @@ def rows_matmul(x: jax.Array, q_w: jax.Array, s_w: jax.Array, out_dtype: Any, in
     ``heads_first``: ``(length, heads)``, the result written as ``(M / length, heads, length, N / heads)``
     (needs :func:`heads_blocks`): a query, key or value as the attention kernel reads it, where the
     rows' layout takes XLA copies to lay it out so (the head size under 128 columns of a tile).
-    ``heads_in``: ``x`` given heads-first, ``(M / length, heads, length, K / heads)`` (an attention's
-    output or a query's gradient as the attention kernel writes it), its heads' columns side by side."""
-    sequences, count, length, width = x.shape if heads_in else (1, 1, x.shape[0], x.shape[1])
-    (m, k), n = (sequences * length, count * width), q_w.shape[0 if weight_rows else 1]
+    A 4-D ``x`` is heads-first, ``(M / length, heads, length, K / heads)`` (an attention's output or a
+    query's gradient as the attention kernel writes it), its heads' columns side by side."""
+    heads_in = x.ndim == 4
+    (m, k), n = as_matrix(x.shape), q_w.shape[0 if weight_rows else 1]
+    length = x.shape[2] if heads_in else m
     bm, bn = rows_blocks(m, k, n, x.dtype.itemsize)
     heads = 0
     if heads_first:
@@ -232,7 +233,7 @@ def rows_matmul(x: jax.Array, q_w: jax.Array, s_w: jax.Array, out_dtype: Any, in
     in_sequence = lambda i: (jax.lax.div(i, per), jax.lax.rem(i, per))  # noqa: E731  (sequence, its row block)
     x_spec = pl.BlockSpec((bm, k), lambda i, j: (i, 0))
     if heads_in:
-        x_spec = pl.BlockSpec((1, count, bm, width), lambda i, j: (in_sequence(i)[0], 0, in_sequence(i)[1], 0))
+        x_spec = pl.BlockSpec((1, x.shape[1], bm, x.shape[3]), lambda i, j: (in_sequence(i)[0], 0, in_sequence(i)[1], 0))
     out_spec, out_shape = pl.BlockSpec((bm, bn), lambda i, j: (i, j)), (m, n)
     if heads_first:
         count_out = heads_first[1]
@@ -282,7 +283,7 @@ def tiles_matmul(x: jax.Array, g: jax.Array, out_dtype: Any, interpret: bool = F
     summed in float32; needs :func:`tiles_blocks`. A 4-D operand is heads-first, ``(M / length, heads,
     length, columns / heads)`` (an attention's output, a query's gradient, as the attention kernel
     writes them), its heads' columns side by side."""
-    (m, k), (_, n) = (_as_matrix(a.shape) for a in (x, g))
+    (m, k), (_, n) = (as_matrix(a.shape) for a in (x, g))
     length = next((a.shape[2] for a in (x, g) if a.ndim == 4), 0)
     heads = [a.shape[1] if a.ndim == 4 else 0 for a in (x, g)]
     bm, bk, bn = tiles_blocks(m, k, n, x.dtype.itemsize, g.dtype.itemsize, length, *heads)
@@ -354,7 +355,7 @@ def _call(kernel: Any, name: str, grid: tuple, in_specs: list, out_spec: Any, ou
         return call(*args)
 
 
-def _as_matrix(shape: tuple) -> tuple[int, int]:
+def as_matrix(shape: tuple) -> tuple[int, int]:
     """(rows, columns) of an operand: as it is, or heads-first ``(sequences, heads, length, head size)``."""
     return (shape[0] * shape[2], shape[1] * shape[3]) if len(shape) == 4 else tuple(shape)
 

@@ -40,8 +40,8 @@ from typing import Any, Callable, NamedTuple
 import jax
 import numpy as np
 
-from precision.autocast.scaled.int8_pallas import (heads_blocks, row_tiles_blocks, row_tiles_matmul, rows_blocks,
-                                                  rows_matmul, tiles_blocks, tiles_matmul)
+from precision.autocast.scaled.int8_pallas import (as_matrix, heads_blocks, row_tiles_blocks, row_tiles_matmul,
+                                                  rows_blocks, rows_matmul, tiles_blocks, tiles_matmul)
 from precision.autocast.scaled.int8_quantize import quantized_along
 from precision.autocast.tpu_flash import on_one_device
 
@@ -122,8 +122,7 @@ def forward(recipe: Callable, lhs: jax.Array, rhs: jax.Array, dims: Any, out_dty
         q_w, s_w = quantized_along(w.reshape((n, k) if weight_rows else (k, n)), (1,) if weight_rows else (0,))
         row = b[0].reshape(1, n).astype(np.float32) if b else None
         y = rows_matmul(heads.to_heads(x) if heads.x_heads else x.reshape(m, k), q_w, s_w.reshape(1, n), out_dtype,
-                        weight_rows=weight_rows, bias=row, heads_in=bool(heads.x_heads),
-                        heads_first=(heads.length, heads.out_heads) if heads.out_heads else None)
+                        weight_rows=weight_rows, bias=row, heads_first=(heads.length, heads.out_heads) if heads.out_heads else None)
         return [heads.to_heads(y) if heads.out_heads else y.reshape(out_shape)]
 
     def by_recipe(x, w, *b):
@@ -174,12 +173,12 @@ def _input_gradient(dy: jax.Array, w: jax.Array, out_dtype: Any, weight_rows: bo
     held as ``w (n, k)`` (``weight_rows``); ``dy``'s whole rows quantized in the row kernel (the recipe's
     values), or, where a row is too wide for a block (``n``: a vocabulary), in tiles along ``n``.
     ``heads``: ``dy`` given heads-first (``out_heads``), the result written so (``x_heads``)."""
-    m, n = (dy.shape[0] * dy.shape[2], dy.shape[1] * dy.shape[3]) if dy.ndim == 4 else dy.shape
+    m, n = as_matrix(dy.shape)
     k = w.shape[1] if weight_rows else w.shape[0]
     q_w, s_w = quantized_along(w, (0,) if weight_rows else (1,))  # quantized over the n it contracts
     s_w = s_w.reshape(1, k)
     if rows_blocks(m, n, k, np.dtype(dy.dtype).itemsize):  # w read as stored: no transposed copy
-        return rows_matmul(dy, q_w, s_w, out_dtype, weight_rows=not weight_rows, heads_in=dy.ndim == 4,
+        return rows_matmul(dy, q_w, s_w, out_dtype, weight_rows=not weight_rows,
                            heads_first=(heads.length, heads.x_heads) if heads.x_heads else None)
     return row_tiles_matmul(dy, q_w.T if weight_rows else q_w, s_w, out_dtype)
 
