@@ -230,8 +230,10 @@ def markdown(result: dict[str, Any]) -> str:
     if gpt2 is not None:
         lines += ["", "Where gpt2-small's int8 step differs most from its bf16 step, op by op (modeled ms; module "
                   "kind / op kind and name, the layers' ops summed): a Pallas kernel is a custom call XLA cannot fuse "
-                  "into, so the elementwise work bf16's matmul fusions carry (a bias, a layout change, the GELU, a "
-                  "LayerNorm and its gradient, the logits' float32 copy) runs as ops of its own, through HBM.", "",
+                  "into, so the elementwise work bf16's matmul fusions carry runs as ops of its own, through HBM, "
+                  "where the kernels do not take it in (they take a bias and its gradient, the activation between "
+                  "two projections, the logits' float32 and a query's scale: docs/int8.md; not a LayerNorm and its "
+                  "gradient).", "",
                   "| op | bf16 | int8 | int8 - bf16 |", "|---|---:|---:|---:|"]
         for name, b, i in gpt2["differences"]:
             lines.append(f"| {name} | {_ms(b)} | {_ms(i)} | {(i - b) * 1e3:+.1f} |")

@@ -163,3 +163,15 @@ def ctrl_c_raises():
     signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, previous)
+
+
+@pytest.fixture
+def kernels_on_cpu(monkeypatch):
+    """The int8 products' TPU branch taken on this CPU, their Pallas kernels interpreted."""
+    import functools
+
+    from precision.autocast.scaled import int8_pallas, int8_tpu
+
+    monkeypatch.setattr(int8_tpu, "choose", lambda kernel, fallback, *args: kernel(*args))
+    monkeypatch.setattr(int8_tpu, "rows_matmul", functools.partial(int8_pallas.rows_matmul, interpret=True))
+    monkeypatch.setattr(int8_tpu, "tiles_matmul", functools.partial(int8_pallas.tiles_matmul, interpret=True))

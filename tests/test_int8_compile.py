@@ -44,11 +44,35 @@ def test_every_projection_mlp_and_head_matmul_is_an_int8_mxu_op_on_v5e_forward_a
     assert "int8 share of matmul FLOPs (fused attention aside): 100.0%" in str(report)
     assert report.modeled.matmul_flops["s8"] == report.int8.int8_flops and report.modeled.xla_cycles > 0
     # a param's int8 gradient made in bf16 (as mixed_bf16 makes it), not written and read in float32
-    assert set(re.findall(r"%int8_tiles_matmul[.\d]* = (\w+)\[", report.hlo_text)) == {"bf16"}
+    assert set(re.findall(r"%int8_tiles_matmul[.\d]* = \(?(\w+)\[", report.hlo_text)) == {"bf16"}
     # the attention's output read heads-first, as the attention kernel writes it, by the projection's forward
     # and weight-gradient kernels; its input gradient written so (no layout copies between them)
     assert len(_kernel_lines(report, "block_0/attn/proj", "bf16[8,4,256,64]")) == 2
     assert len(_kernel_lines(report, "block_0/attn/proj", "bf16[8,4,256,64]", reads=False)) == 1
+
+
+@pytest.mark.tpu_compile
+def test_the_mlps_activation_and_the_projections_biases_ride_in_the_int8_kernels_on_v5e():
+    """The GELU between the MLP's products is applied by the second's kernels (its forward reads the
+    first's result as that kernel wrote it; its input gradient writes the first's result's gradient,
+    which the first's input gradient reads as written); every bias is added in its product's kernel
+    and summed by its weight gradient's (a second result): no pass of XLA's between the kernels."""
+    needs_libtpu()
+    by_module = {}  # (module, kernel) -> [(name, operands, whether it has two results)]
+    for line in _compiled("v5e", "mixed_int8").hlo_text.splitlines():
+        if "tpu_custom_call" in line and f"/{SCOPE}/" in line:
+            name, result = re.match(r"\s*%([\w.-]+) = (.*?) custom-call\(", line).groups()
+            module = re.sub(r"precision\.module=", "", re.search(r'op_name="([^"]*)"', line).group(1)).split("/cond")[0]
+            operands = re.search(r"custom-call\(([^)]*)\)", line).group(1).replace("%", "").split(", ")
+            key = (module.rsplit("/", 1)[-1], name.rsplit(".", 1)[0])
+            by_module.setdefault(key, []).append((name, operands, result.startswith("(")))
+    (dense0, _, _), = [k for k in by_module[("Dense_0", "int8_rows_matmul")] if len(k[1]) == 4]  # x, w, scales, bias
+    dense1_fwd, dense1_bwd = sorted(by_module[("Dense_1", "int8_rows_matmul")], key=lambda k: k[1][0] != dense0)
+    assert dense1_fwd[1][0] == dense0  # the GELU's input, as the first kernel wrote it
+    assert len(dense1_bwd[1]) == 4  # dy, w, scales and the GELU's input (as XLA's memory placement moved it)
+    assert any(k[1][0] == dense1_bwd[0] for k in by_module[("Dense_0", "int8_rows_matmul")])  # h's gradient as written
+    assert all(two for name in ("qkv", "proj", "Dense_0", "Dense_1", "head")
+               for _, _, two in by_module[(name, "int8_tiles_matmul")])  # the weight's gradient and the bias's sums
 
 
 def _kernel_lines(report, module, shape, reads=True):

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import precision
-from helpers import pallas_calls
+from helpers import all_eqns, pallas_calls
 
-from precision.autocast.scaled import int8_pallas, int8_tpu
+from precision.autocast.scaled import int8_blocks, int8_pallas, int8_tpu
 from precision.autocast.scaled.int8_matmul import Backward, int8_dot, int8_product
 from precision.autocast.scaled.int8_quantize import quantized_along
 
@@ -31,18 +31,10 @@ def _operands(m, k, n, seed=0):
     return x, w, g
 
 
-@pytest.fixture
-def kernels_on_cpu(monkeypatch):
-    """The TPU branch taken on this CPU, its kernels interpreted."""
-    monkeypatch.setattr(int8_tpu, "choose", lambda kernel, fallback, *args: kernel(*args))
-    monkeypatch.setattr(int8_tpu, "rows_matmul", functools.partial(int8_pallas.rows_matmul, interpret=True))
-    monkeypatch.setattr(int8_tpu, "tiles_matmul", functools.partial(int8_pallas.tiles_matmul, interpret=True))
-
-
 @pytest.mark.parametrize("small", [False, True])  # the weight one block; or blocks of 512 columns, one partial,
 def test_the_row_kernel_is_the_recipes_product_bit_for_bit(small, monkeypatch):  # rows quantized 128 columns at a time
     if small:
-        monkeypatch.setattr(int8_pallas, "_BLOCK_BYTES", 2**16)
+        monkeypatch.setattr(int8_blocks, "_BLOCK_BYTES", 2**16)
         monkeypatch.setattr(int8_pallas, "_CHUNK", 128)
     x, w, _ = _operands(256, 256, 640)
     assert int8_pallas.rows_blocks(256, 256, 640) == ((256, 512) if small else (256, 640))
@@ -235,6 +227,32 @@ def test_a_bias_added_in_the_kernel_is_the_recipes_sum_and_its_gradient_the_grad
     np.testing.assert_array_equal(np.asarray(y0), np.asarray(y))
     np.testing.assert_array_equal(np.asarray(dx0), np.asarray(dx))
     np.testing.assert_allclose(np.asarray(db0), np.asarray(db), rtol=1e-5)
+
+
+def test_the_weight_gradient_kernel_sums_the_bias_gradient_from_the_blocks_it_reads(kernels_on_cpu):
+    """``g``'s column sums (a bias's gradient) made by the tiled kernel beside ``xᵀ . g``, from rows or
+    heads-first blocks: the float32 sum of ``g``, the weight's gradient unchanged; through ``int8_dot`` the
+    backward has no reduction of its own over ``g``."""
+    x, w, g = _operands(1024, 256, 384)
+    dw = int8_pallas.tiles_matmul(x, g, jnp.float32, interpret=True)
+    dw2, sums = int8_pallas.tiles_matmul(x, g, jnp.float32, interpret=True, g_sums=True)
+    heads = g.reshape(4, 256, 6, 64).transpose(0, 2, 1, 3)  # as the attention's backward writes a query's gradient
+    dw3, sums3 = int8_pallas.tiles_matmul(x, heads, jnp.float32, interpret=True, g_sums=True)
+    exact = np.asarray(g, np.float32).sum(0, keepdims=True)
+    np.testing.assert_array_equal(np.asarray(dw2), np.asarray(dw))
+    np.testing.assert_array_equal(np.asarray(dw3), np.asarray(dw))
+    for got in (sums, sums3):
+        assert got.shape == (1, 384) and got.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got), exact, rtol=1e-5, atol=1e-4)
+    b = jnp.zeros((1, 1, 6, 64), jnp.float32)
+    dims = (((2,), (0,)), ((), ()))
+    pull = jax.vjp(lambda a, c, d: int8_dot(a, c, dims, jnp.bfloat16, bias=d), x.reshape(4, 256, 256),
+                   w.reshape(256, 6, 64), b)[1]
+    jaxpr = jax.make_jaxpr(pull)(g.reshape(4, 256, 6, 64)).jaxpr
+    assert [len(e.outvars) for e in pallas_calls(jaxpr, "int8_tiles_matmul")] == [2]
+    assert not [e for e in all_eqns(jaxpr) if e.primitive.name == "reduce_sum" and e.invars[0].aval.size == g.size]
+    np.testing.assert_allclose(np.asarray(pull(g.reshape(4, 256, 6, 64))[2]).reshape(1, 384), exact, rtol=1e-5,
+                               atol=1e-4)
 
 
 def test_a_product_to_heads_is_written_heads_first_with_the_same_values(kernels_on_cpu):

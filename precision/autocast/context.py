@@ -60,6 +60,8 @@ class Site:
     int8: bool = False  # in an int8 region: its allow-listed matmul or convolution may be int8
     bias: list | None = None  # [a bias Val] its int8 product adds itself, emptied where it does (.int8_sites)
     heads_input: Any = None  # its input before (heads, head size) were merged: what an int8 product reads
+    activation: Any = None  # (Activation, its input's Val): an int8 product reads the input, applies it (.int8_activation)
+    f32_result: bool = False  # its result is the program's float32 output: an int8 product writes it so (.int8_sites)
 
     @property
     def name(self) -> str:

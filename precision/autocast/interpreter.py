@@ -58,8 +58,9 @@ __all__ = ["Context", "Site", "Rule", "evaluate", "bind", "log", "outputs"]
 Rule = Callable[[Site, list[Val], Context], list[Val]]
 
 
-def evaluate(jaxpr: Any, consts: Sequence[Val], args: Sequence[Val], ctx: Context) -> list[Val]:
-    """Evaluates ``jaxpr`` under autocast on the current trace; returns output Vals."""
+def evaluate(jaxpr: Any, consts: Sequence[Val], args: Sequence[Val], ctx: Context, top: bool = False) -> list[Val]:
+    """Evaluates ``jaxpr`` under autocast on the current trace; returns output Vals (``top``: the model's
+    program, whose outputs its caller takes in the dtypes traced)."""
     env: dict[Any, Val] = {}
     for var, val in zip(binders(jaxpr), [*consts, *args], strict=True):
         env[var] = val
@@ -71,8 +72,7 @@ def evaluate(jaxpr: Any, consts: Sequence[Val], args: Sequence[Val], ctx: Contex
     fused |= {i for n in norms.values() for i in n.eqns} | {j for js in later.values() for j in js}
     splits = projection_split.plan(jaxpr, fused, ctx.ops.split_projections)
     fused |= {i for s in splits.values() for i in s.eqns}
-    heads = int8_sites.heads_inputs(jaxpr) if ctx.root_int8 else {}  # read by int8 products alone
-    biased = int8_sites.bias_epilogues(jaxpr, fused) if ctx.root_int8 else {}  # {add: its product}
+    hints, biased = int8_sites.plan(jaxpr, fused, top) if ctx.root_int8 else ({}, {})  # biased: {add: its product}
     fused |= set(biased.values())
     for i, eqn in enumerate(jaxpr.eqns):
         if i in fusions:
@@ -84,9 +84,9 @@ def evaluate(jaxpr: Any, consts: Sequence[Val], args: Sequence[Val], ctx: Contex
         elif i in splits:
             _split(jaxpr, splits[i], env, demanded, ctx)
         elif i in biased:
-            _with_bias(jaxpr, biased[i], i, env, demanded, ctx, heads.get(biased[i]))
+            _with_bias(jaxpr, biased[i], i, env, demanded, ctx, hints.get(biased[i], {}))
         elif i not in fused:
-            _run(eqn, env, demanded, ctx, heads.get(i))
+            _run(eqn, env, demanded, ctx, hints.get(i, {}))
     return [_read(env, v, module_path(ctx.prefix)) for v in jaxpr.outvars]
 
 
@@ -99,15 +99,14 @@ def _read(env: dict, var: Any, consumer: tuple[str, ...]) -> Val:
     return val
 
 
-def _run(eqn: Any, env: dict, demanded: set, ctx: Context, heads_input: Any = None, bias: list | None = None
+def _run(eqn: Any, env: dict, demanded: set, ctx: Context, hints: dict | None = None, bias: list | None = None
          ) -> None:
-    """Rewrites ``eqn`` reading its operands from ``env`` and writing its results there (``heads_input``:
-    :func:`.int8_sites.heads_inputs`; ``bias``: ``[Val]`` an int8 product adds itself, emptied where it does)."""
+    """Rewrites ``eqn`` reading its operands from ``env`` and writing its results there (``hints``: an int8
+    product's, :func:`.int8_sites.plan`; ``bias``: ``[Val]`` it adds itself, emptied where it does)."""
     site = site_of(eqn, demanded, ctx)
     path = site.path
-    if heads_input is not None or bias is not None:
-        site = dataclasses.replace(site, heads_input=None if heads_input is None else _read(env, heads_input, path),
-                                   bias=bias)
+    if hints or bias is not None:
+        site = int8_sites.hinted(site, hints or {}, bias, lambda var: _read(env, var, path))
     ins = [_read(env, v, path) for v in eqn.invars]
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
     with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
@@ -147,8 +146,11 @@ def _fuse(jaxpr: Any, fusion: Any, env: dict, demanded: set, ctx: Context) -> No
 def _split(jaxpr: Any, split: Any, env: dict, demanded: set, ctx: Context) -> None:
     """A fused projection's parts (:mod:`.projection_split`): one product each on a TPU."""
     dot = site_of(jaxpr.eqns[split.dot], demanded, ctx)
-    if not projection_split.applies(split, env, dot.fp8):
-        for i in sorted(split.eqns):
+    if not projection_split.applies(split, env, dot.fp8):  # as written; an int8 product adding its bias itself
+        biased = ctx.root_int8 and split.add is not None
+        if biased:
+            _with_bias(jaxpr, split.dot, split.add, env, demanded, ctx, {})
+        for i in sorted(split.eqns - ({split.dot, split.add} if biased else set())):
             _run(jaxpr.eqns[i], env, demanded, ctx)
         return
 
@@ -171,14 +173,14 @@ def _split(jaxpr: Any, split: Any, env: dict, demanded: set, ctx: Context) -> No
     env.update(made if made is not None else dict(zip(split.outs, as_written(ctx.log))))
 
 
-def _with_bias(jaxpr: Any, dot: int, add: int, env: dict, demanded: set, ctx: Context, heads_input: Any) -> None:
-    """A product to heads and the add of its bias (:func:`.int8_sites.bias_epilogues`): an int8 product
-    adds the bias itself; any other, or an add in float32, runs both equations as written."""
+def _with_bias(jaxpr: Any, dot: int, add: int, env: dict, demanded: set, ctx: Context, hints: dict) -> None:
+    """A projection and the add of its bias (:func:`.int8_sites.bias_epilogues`): an int8 product adds the
+    bias itself; any other, or an add in float32, runs both equations as written."""
     eqn = jaxpr.eqns[add]
     site = site_of(eqn, demanded, ctx)
     bias_var = next(v for v in eqn.invars if v is not jaxpr.eqns[dot].outvars[0])
     holder = _bias_holder(site, _read(env, bias_var, site.path))
-    _run(jaxpr.eqns[dot], env, demanded, ctx, heads_input, holder)
+    _run(jaxpr.eqns[dot], env, demanded, ctx, hints, holder)
     if holder:  # not taken
         _run(eqn, env, demanded, ctx)
         return
@@ -341,10 +343,11 @@ def _allowed(site: Site, ins: list[Val], ctx: Context) -> list[Val]:
     split = wider_sums(site.name, site.scope, target)
     wide = F32 if keep_wide else split.forward or target  # the dtype of its result
     kind = Kind.FULL if wide != target else Kind.HALF
-    result, dtype, why = scaled_product(site, ins, ctx, wide, split.backward)
+    out = F32 if site.f32_result and site.int8 else wide  # an int8 product writes the program's float32 output
+    result, dtype, why = scaled_product(site, ins, ctx, out, split.backward)
     if result is not None:  # FP8 or int8
         log(ctx, site, dtype, why)
-        return outputs(site, result, kind)
+        return outputs(site, result, Kind.FULL if out != target else kind)
     if site.region == F32 and (ctx.root != F32 or ctx.root_fp8 or ctx.root_int8) and not (site.fp8 or site.int8):
         log(ctx, site, F32, REGION)
     else:

@@ -39,7 +39,7 @@ from typing import Any, Callable
 import jax
 from jax.extend.core import Literal
 
-from precision.autocast.values import Val
+from precision.autocast.values import Val, literal_val
 
 __all__ = ["Split", "plan", "applies", "emit", "parts_of"]
 
@@ -63,10 +63,12 @@ class Split:
     columns: tuple[tuple[int, int], ...]
     outs: tuple
     reshapes: tuple[int, ...] = ()
+    scales: tuple = ()  # per part: (the index of the ``mul`` by a scalar its result is read by, the scalar), or None
 
     @property
     def eqns(self) -> set[int]:
-        return {i for i in (self.dot, self.add, self.reshape, self.split, *self.reshapes) if i is not None}
+        scaled = (s[0] for s in self.scales if s is not None)
+        return {i for i in (self.dot, self.add, self.reshape, self.split, *self.reshapes, *scaled) if i is not None}
 
 
 def plan(jaxpr: Any, taken: set[int], enabled: bool = True) -> dict[int, Split]:
@@ -118,11 +120,26 @@ def _match(jaxpr: Any, index: int, made: dict, uses: Counter, read_by: dict) -> 
     if columns is None:
         return None
     if reshape is not None:
-        return Split(dot, add, reshape, index, x, w, bias, columns, tuple(split.outvars))
+        return _scaled(eqns, Split(dot, add, reshape, index, x, w, bias, columns, tuple(split.outvars)), uses, read_by)
     reshapes = _heads_of(eqns, split.outvars, uses, read_by)  # split as it is: each part made (heads, head size)
     if reshapes is None:
         return None
-    return Split(dot, add, None, index, x, w, bias, columns, tuple(eqns[i].outvars[0] for i in reshapes), reshapes)
+    outs = tuple(eqns[i].outvars[0] for i in reshapes)
+    return _scaled(eqns, Split(dot, add, None, index, x, w, bias, columns, outs, reshapes), uses, read_by)
+
+
+def _scaled(eqns: list, split: Split, uses: Counter, read_by: dict) -> Split:
+    """``split`` with each part read once, by a ``mul`` by a scalar literal (a query scaled by ``head size
+    ** -0.5`` before its attention), taking that ``mul`` in: the part then ends in its result."""
+    scales, outs = [], []
+    for var in split.outs:
+        i = read_by.get(var)
+        mul = eqns[i] if i is not None and uses[var] == 1 else None
+        scalar = None if mul is None or mul.primitive.name != "mul" else next(
+            (v for v in mul.invars if isinstance(v, Literal) and v.aval.shape == ()), None)
+        scales.append(None if scalar is None else (i, scalar))
+        outs.append(var if scalar is None else mul.outvars[0])
+    return dataclasses.replace(split, outs=tuple(outs), scales=tuple(scales)) if any(scales) else split
 
 
 def _heads_of(eqns: list, parts: list, uses: Counter, read_by: dict) -> tuple[int, ...] | None:
@@ -209,17 +226,23 @@ def emit(jaxpr: Any, split: Split, env: dict, as_written: Callable[[Any], list],
     made: list = []
     records: list | None = None if log is None else []
 
-    def per_part(x: Val, columns: tuple[int, int], var: Any) -> Any:
+    def per_part(x: Val, columns: tuple[int, int], var: Any, scale: tuple | None) -> Any:
         tail = tuple(var.aval.shape[lead:])  # (heads, head size), or (columns,) for a split as it is
-        weight = w.moved(w.array[:, columns[0]:columns[1]].reshape(w.array.shape[0], *tail))
+        # an int8 product's scalar factor taken into its weight and bias (weight-sized passes): x . (c w) + c b
+        folded = scale is not None and int8
+        c = float(scale[1].val) if folded else 1.0
+        weight = w.moved(w.array[:, columns[0]:columns[1]].reshape(w.array.shape[0], *tail) * c)
         bias = None
         if split.add is not None:
             bias = env[split.bias]
-            bias = bias.moved(bias.array[..., columns[0]:columns[1]].reshape((1,) * lead + tail))
+            bias = bias.moved(bias.array[..., columns[0]:columns[1]].reshape((1,) * lead + tail) * c)
         part, added = rewritten(split.dot, [x, weight], bias if bias_in_product else None)
         if bias is not None and not added:
             ins = [part, bias] if jaxpr.eqns[split.add].invars[0] is not split.bias else [bias, part]
             part, _ = rewritten(split.add, ins)
+        if scale is not None and not folded:  # as written, after the product
+            mul = jaxpr.eqns[scale[0]]
+            part, _ = rewritten(scale[0], [literal_val(v) if isinstance(v, Literal) else part for v in mul.invars])
         made.append(part)
         return part.array
 
@@ -227,7 +250,8 @@ def emit(jaxpr: Any, split: Split, env: dict, as_written: Callable[[Any], list],
         # x cast once for every part; for int8 products once for each (modeled on a v5e, GPT-2 small:
         # bf16 188.0 -> 185.5 ms with one cast, int8 234.4 -> 236.4: XLA then fuses it less well)
         here = None if int8 else x.apart()
-        return [per_part(here or x.apart(), c, v) for c, v in zip(split.columns, outs)]
+        scales = split.scales or (None,) * len(outs)
+        return [per_part(here or x.apart(), c, v, s) for c, v, s in zip(split.columns, outs, scales)]
 
     def default() -> list:
         written[:] = as_written(records)

@@ -113,5 +113,5 @@ def evaluate_call(fn: Callable, args: tuple, kwargs: dict, ctx: Context, top: bo
             closed, shapes = jax.make_jaxpr(traced, return_shape=True)(*map(_widened, flat.arrays))
     finally:
         _PASS.reset(token)
-    vals = evaluate(closed.jaxpr, [const_val(c) for c in closed.consts], [make_val(x) for x in flat.arrays], ctx)
+    vals = evaluate(closed.jaxpr, [const_val(c) for c in closed.consts], [make_val(x) for x in flat.arrays], ctx, top)
     return vals, shapes, flat

@@ -43,7 +43,9 @@ __all__ = ["Backward", "int8_dot", "int8_product", "fallback_product"]
 class Backward(NamedTuple):
     """How an int8 product's backward runs (static): both products in int8 (else in
     ``fallback``), the output gradient rounded stochastically (``salt``: which matmul);
-    ``where``: its module, when the doctor records (:func:`.int8_quantize.record`)."""
+    ``where``: its module, when the doctor records (:func:`.int8_quantize.record`);
+    ``kernels``: a TPU's kernels may run; ``narrow_gradient``: the output gradient is read in
+    ``fallback`` (a float32 result written for the program's output: its gradient as a 16-bit one's)."""
 
     int8: bool = True
     stochastic: bool = False
@@ -51,6 +53,7 @@ class Backward(NamedTuple):
     salt: int = 0
     where: str = ""
     kernels: bool = True
+    narrow_gradient: bool = False  # the output gradient read in ``fallback`` (a result widened for the program)
 
 
 def int8_product(out_dtype: Any, noise_salt: int | None = None, where: str = "", pass_: str = "forward"
@@ -120,25 +123,32 @@ def _as_dims(dims: Any) -> tuple:
     return (tuple(lc), tuple(rc)), (tuple(lb), tuple(rb))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _int8_dot(lhs, rhs, dims, out_dtype, in_dtypes, backward):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _int8_dot(lhs, rhs, dims, out_dtype, in_dtypes, backward, activation):
     recipe = functools.partial(int8_product(out_dtype, where=backward.where), dims=dims)
-    return int8_tpu.forward(recipe, lhs, rhs, dims, out_dtype, use_kernel=backward.kernels and not backward.where)
+    return int8_tpu.forward(recipe, lhs, rhs, dims, out_dtype, backward.kernels and not backward.where,
+                            activation=activation)
 
 
-def _int8_dot_fwd(lhs, rhs, dims, out_dtype, in_dtypes, backward):
-    return _int8_dot(lhs, rhs, dims, out_dtype, in_dtypes, backward), (lhs, rhs)
+def _int8_dot_fwd(lhs, rhs, dims, out_dtype, in_dtypes, backward, activation):
+    return _int8_dot(lhs, rhs, dims, out_dtype, in_dtypes, backward, activation), (lhs, rhs)
 
 
-def _int8_dot_bwd(dims, out_dtype, in_dtypes, backward, residuals, g):
+def _int8_dot_bwd(dims, out_dtype, in_dtypes, backward, activation, residuals, g, bias=None):
     lhs, rhs = residuals
-    recipe = functools.partial(_recipe_bwd, dims, in_dtypes, backward)
+    g = g.astype(backward.fallback) if backward.narrow_gradient else g
+    recipe = functools.partial(_recipe_bwd, dims, in_dtypes, backward, activation)
     use_kernels = backward.kernels and backward.int8 and not backward.stochastic and not backward.where
-    return int8_tpu.backward(recipe, lhs, rhs, g, dims, in_dtypes, use_kernels)
+    return int8_tpu.backward(recipe, lhs, rhs, g, dims, in_dtypes, use_kernels, bias, activation)
 
 
-def _recipe_bwd(dims, in_dtypes, backward, lhs, rhs, g):
-    """The two gradients by the XLA recipe (see the module's docstring)."""
+def _recipe_bwd(dims, in_dtypes, backward, activation, lhs, rhs, g):
+    """The two gradients by the XLA recipe (see the module's docstring); ``lhs``'s through ``activation``
+    (applied to it in float32 by the forward), where there is one."""
+    if activation is not None:
+        h = lhs.astype(F32)
+        d_act, d_rhs = _recipe_bwd(dims, in_dtypes, backward, None, activation(h), rhs, g)
+        return activation.backward(h, d_act.astype(F32)).astype(lhs.dtype), d_rhs
     (lhs_dtype, rhs_dtype), (lhs_grad, rhs_grad) = in_dtypes
     if not backward.int8:
         d_lhs = transpose_lhs(g, rhs, dims, lhs.ndim, product=fallback_product(backward.fallback, lhs_grad))
@@ -159,28 +169,29 @@ def _recipe_bwd(dims, in_dtypes, backward, lhs, rhs, g):
 _int8_dot.defvjp(_int8_dot_fwd, _int8_dot_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _int8_dot_bias(lhs, rhs, bias, dims, out_dtype, in_dtypes, backward):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _int8_dot_bias(lhs, rhs, bias, dims, out_dtype, in_dtypes, backward, activation):
     recipe = functools.partial(int8_product(out_dtype, where=backward.where), dims=dims)
-    return int8_tpu.forward(recipe, lhs, rhs, dims, out_dtype, backward.kernels and not backward.where, bias)
+    return int8_tpu.forward(recipe, lhs, rhs, dims, out_dtype, backward.kernels and not backward.where, bias,
+                            activation)
 
 
-def _int8_dot_bias_fwd(lhs, rhs, bias, dims, out_dtype, in_dtypes, backward):
-    return _int8_dot_bias(lhs, rhs, bias, dims, out_dtype, in_dtypes, backward), (lhs, rhs, bias)
+def _int8_dot_bias_fwd(lhs, rhs, bias, dims, out_dtype, in_dtypes, backward, activation):
+    return _int8_dot_bias(lhs, rhs, bias, dims, out_dtype, in_dtypes, backward, activation), (lhs, rhs, bias)
 
 
-def _int8_dot_bias_bwd(dims, out_dtype, in_dtypes, backward, residuals, g):
+def _int8_dot_bias_bwd(dims, out_dtype, in_dtypes, backward, activation, residuals, g):
     lhs, rhs, bias = residuals
-    d_lhs, d_rhs = _int8_dot_bwd(dims, out_dtype, in_dtypes, backward, (lhs, rhs), g)
-    d_bias = g.astype(F32).sum(axis=tuple(i for i, size in enumerate(bias.shape) if size == 1), keepdims=True)
-    return d_lhs, d_rhs, d_bias.reshape(bias.shape).astype(bias.dtype)
+    d_lhs, d_rhs, d_bias = _int8_dot_bwd(dims, out_dtype, in_dtypes, backward, activation, (lhs, rhs), g, bias)
+    return d_lhs, d_rhs, d_bias.astype(bias.dtype)
 
 
 _int8_dot_bias.defvjp(_int8_dot_bias_fwd, _int8_dot_bias_bwd)
 
 
 def int8_dot(lhs: jax.Array, rhs: jax.Array, dims: Any, out_dtype: Any, backward: Backward = Backward(),
-             grad_dtypes: tuple[Any, Any] | None = None, bias: jax.Array | None = None) -> jax.Array:
+             grad_dtypes: tuple[Any, Any] | None = None, bias: jax.Array | None = None, activation: Any = None
+             ) -> jax.Array:
     """``dot_general(lhs, rhs, dims)`` with int8 operands and int32 accumulation, the result
     in ``out_dtype``: each operand scaled along the axes it contracts (a row of the
     activation, a column of the weight). Backward as ``backward`` says (both products in
@@ -188,6 +199,8 @@ def int8_dot(lhs: jax.Array, rhs: jax.Array, dims: Any, out_dtype: Any, backward
     (default: the operands'), each then cast to its operand's dtype (a param's gradient
     made in ``reduce_dtype`` is what a data-parallel step reduces across devices).
     ``bias``: shaped as the result but 1 along every axis it is broadcast over, added to it (in
-    ``out_dtype``, as the model's ``add``; on a TPU inside the kernel, in float32)."""
-    args = (_as_dims(dims), np.dtype(out_dtype), operand_dtypes(lhs, rhs, grad_dtypes), backward)
+    ``out_dtype``, as the model's ``add``; on a TPU inside the kernel, in float32). ``activation``
+    (:class:`.int8_activation.Activation`): the product is of ``activation(lhs)``, computed in float32 (on a
+    TPU by the kernels, on their blocks), and ``lhs``'s gradient is through it."""
+    args = (_as_dims(dims), np.dtype(out_dtype), operand_dtypes(lhs, rhs, grad_dtypes), backward, activation)
     return _int8_dot(lhs, rhs, *args) if bias is None else _int8_dot_bias(lhs, rhs, bias, *args)

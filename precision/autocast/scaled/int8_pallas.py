@@ -33,7 +33,6 @@ matmuls. ``interpret=True`` runs them on a CPU (Pallas's interpreter: the tests)
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, Callable
 
 import jax
@@ -41,6 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from precision.autocast.scaled.int8_blocks import (_cdiv, _token_block, heads_blocks, row_tiles_blocks, rows_blocks,
+                                                   tiles_blocks)
 from precision.autocast.scaled.int8_quantize import F32, INT8, INT32, QMAX
 
 __all__ = ["SCOPE", "ROWS", "TILES", "ROW_TILES", "module_path", "rows_blocks", "heads_blocks", "tiles_blocks",
@@ -61,86 +62,8 @@ def module_path(path: str) -> str:
 
 #: A v5e core's VMEM is 128 MiB; what a kernel may take of it (its double-buffered blocks and scratch).
 _VMEM_LIMIT = 96 * 2**20
-_BLOCK_BYTES = 4 * 2**20  # at most this much of one 16-bit operand per block
-_ROWS_BYTES = 16 * 2**20  # the row kernel's block of rows (quantized a chunk of columns at a time)
 _CHUNK = 2048
 _REDUCING = ("parallel", "parallel", "arbitrary")  # a grid whose last axis sums into the output block
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _token_block(m: int, largest: int) -> int:
-    """The largest power of two from ``largest`` down to 128 that divides ``m`` (0: none): the
-    blocks a product contracts or quantizes along must divide it exactly."""
-    size = 1 << (max(largest, 1).bit_length() - 1)
-    while size >= 128:
-        if m % size == 0:
-            return size
-        size //= 2
-    return 0
-
-
-def rows_blocks(m: int, k: int, n: int, itemsize: int = 2) -> tuple[int, int] | None:
-    """(bm, bn) of :func:`rows_matmul` for an ``(m, k) x (k, n)`` product, or None where it cannot take
-    it: ``m`` and ``k`` multiples of 128, a block of rows within :data:`_ROWS_BYTES`: at least 512 of
-    them (the weight is read once per row block) unless the whole int8 weight is one block (then read
-    once, kept in VMEM). Row blocks up to 2048; columns in blocks of 512 (the last one partial where 512
-    does not divide ``n``: each output column depends on its own weight column alone)."""
-    if k % 128 or n < 128:
-        return None
-    rows = min(2048, _ROWS_BYTES // (k * itemsize))
-    if k * n <= 2 * _BLOCK_BYTES:  # the whole int8 weight one block
-        bm = _token_block(m, min(rows, 4 * _BLOCK_BYTES // (n * 12)))
-        return (bm, n) if bm else None
-    bm = _token_block(m, rows) if rows >= 512 else 0
-    return (bm, next((b for b in (512, 256) if n % b == 0), 512 if n >= 512 else n // 128 * 128)) if bm else None
-
-
-def heads_blocks(m: int, k: int, n: int, length: int, heads: int, itemsize: int = 2) -> tuple[int, int] | None:
-    """(bm, heads per block) of :func:`rows_matmul` writing its result heads-first: ``m`` rows of
-    sequences of ``length``, ``n`` columns of ``heads`` heads; or None where it cannot: a row block
-    (:func:`rows_blocks`) within one sequence, a column block of whole heads (all of them, or a multiple
-    of 128 columns) no wider than the row kernel's."""
-    blocks = rows_blocks(m, k, n, itemsize)
-    if blocks is None or n % heads or length % 128 or m % length:
-        return None
-    width = n // heads
-    bm = _token_block(length, blocks[0])
-    fits = [h for h in range(heads, 0, -1) if heads % h == 0 and h * width <= blocks[1]
-            and (h == heads or h * width % 128 == 0)]
-    return (bm, fits[0]) if bm and fits else None
-
-
-def row_tiles_blocks(m: int, c: int, n: int) -> tuple[int, int, int] | None:
-    """(bm, bc, bn) of :func:`row_tiles_matmul` for ``(m, c) x (c, n)`` contracting ``c`` in tiles of
-    ``bc`` (the largest multiple of 128 up to 2048 dividing it), or None where none divides it."""
-    bc = next((b for b in range(2048, 127, -128) if c % b == 0), 0)
-    bn = n if n <= 4096 else 512
-    bm = _token_block(m, min(2048, 2 * _BLOCK_BYTES // (bn * 4)))
-    return (bm, bc, bn) if bc and bm and n >= 128 else None
-
-
-def tiles_blocks(m: int, k: int, n: int, x_itemsize: int = 2, g_itemsize: int = 2, length: int = 0, x_heads: int = 0,
-                 g_heads: int = 0) -> tuple[int, int, int] | None:
-    """(bm, bk, bn) of :func:`tiles_matmul` for ``(m, k)ᵀ x (m, n)``, or None where it cannot take it:
-    tiles of 256 tokens (or the largest power of two from 128 dividing ``m``), and the (bk, bn) output
-    block that moves the fewest bytes (``x`` read once per column block, ``g`` once per row block)
-    with its float32 accumulator within 4 x :data:`_BLOCK_BYTES`; ``bk`` divides ``k``, the last
-    column block may be partial. ``x_heads``, ``g_heads``: that many heads of an operand given
-    heads-first in sequences of ``length``: token tiles within one sequence, blocks of whole heads."""
-    bm = _token_block(math.gcd(m, length) if length else m, 256)
-    if not bm or k % 128 or n < 128 or (x_heads and k % x_heads) or (g_heads and n % g_heads):
-        return None
-    ks = [b for b in range(128, k + 1, 128) if k % b == 0 and (not x_heads or b % (k // x_heads) == 0)]
-    ns = [b for b in (*range(128, 4097, 128), n) if b <= n and (not g_heads or b % (n // g_heads) == 0)]
-    fits = [(_cdiv(n, bn) * k * x_itemsize + k // bk * n * g_itemsize, -bn, bk, bn) for bk in ks for bn in ns
-            if bk * bn * 4 <= 4 * _BLOCK_BYTES and (not g_heads or g_heads % (bn // (n // g_heads)) == 0)]
-    if not fits:
-        return None
-    _, _, bk, bn = min(fits)
-    return bm, bk, bn
 
 
 def _scale(amax: jax.Array) -> jax.Array:
@@ -162,22 +85,26 @@ def _scaled(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
     return _quantize(x, scale), scale
 
 
-def _row_pieces(x_ref: Any) -> list[tuple[Callable[[], jax.Array], int, int]]:
+def _row_pieces(x_ref: Any, prologue: Callable | None = None) -> list[tuple[Callable[[], jax.Array], int, int]]:
     """A row block's columns in pieces (each read when called, its first and last column): chunks of a
-    rows' block (float32 copies of a chunk at a time), or each head of a heads-first one."""
+    rows' block (float32 copies of a chunk at a time), or each head of a heads-first one; ``prologue``:
+    applied to each piece read, in float32 (an activation: :mod:`.int8_activation`)."""
     if len(x_ref.shape) == 4:  # (1, heads, rows, head size)
         width = x_ref.shape[3]
         return [(lambda h=h: x_ref[0, h], h * width, (h + 1) * width) for h in range(x_ref.shape[1])]
     k = x_ref.shape[1]
-    return [(lambda a=a, b=b: x_ref[:, a:b], a, b) for a, b in ((c, min(c + _CHUNK, k)) for c in range(0, k, _CHUNK))]
+    read = (lambda a, b: x_ref[:, a:b]) if prologue is None else (lambda a, b: prologue(x_ref[:, a:b].astype(F32)))
+    return [(lambda a=a, b=b: read(a, b), a, b) for a, b in ((c, min(c + _CHUNK, k)) for c in range(0, k, _CHUNK))]
 
 
-def _rows_kernel(x_ref, qw_ref, sw_ref, *refs, weight_rows: bool, bias: bool, heads: int = 0):
-    b_ref, (o_ref, qx_ref, sx_ref) = (refs[0], refs[1:]) if bias else (None, refs)
+def _rows_kernel(x_ref, qw_ref, sw_ref, *refs, weight_rows: bool, bias: bool, heads: int = 0,
+                 prologue: Callable | None = None, epilogue: Callable | None = None):
+    b_ref, refs = (refs[0], refs[1:]) if bias else (None, refs)
+    e_ref, (o_ref, qx_ref, sx_ref) = (refs[0], refs[1:]) if epilogue else (None, refs)  # e: what the activation read
 
     @pl.when(pl.program_id(1) == 0)  # the row block quantized once, reused by every column block
     def _():
-        pieces = _row_pieces(x_ref)
+        pieces = _row_pieces(x_ref, prologue)
         amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(read()), axis=1, keepdims=True) for read, _, _ in pieces])
         scale = _scale(amax)
         for read, a, b in pieces:
@@ -187,7 +114,8 @@ def _rows_kernel(x_ref, qw_ref, sw_ref, *refs, weight_rows: bool, bias: bool, he
     contract = 1 if weight_rows else 0  # the weight block's axis the product contracts
     acc = jax.lax.dot_general(qx_ref[...], qw_ref[...], (((1,), (contract,)), ((), ())), preferred_element_type=INT32)
     y = acc.astype(F32) * (sx_ref[...] * sw_ref[...])
-    y = (y + b_ref[...].astype(F32) if bias else y).astype(o_ref.dtype)
+    y = y + b_ref[...].astype(F32) if bias else y
+    y = (epilogue(e_ref[...].astype(F32), y) if epilogue else y).astype(o_ref.dtype)
     if not heads:
         o_ref[...] = y
         return
@@ -204,7 +132,8 @@ def _compiler_params(semantics: tuple[str, ...]) -> Any:
 
 def rows_matmul(x: jax.Array, q_w: jax.Array, s_w: jax.Array, out_dtype: Any, interpret: bool = False,
                 weight_rows: bool = False, bias: jax.Array | None = None,
-                heads_first: tuple[int, int] | None = None) -> jax.Array:
+                heads_first: tuple[int, int] | None = None, activation: Any = None,
+                activation_of: jax.Array | None = None) -> jax.Array:
     """``x (M, K) . w (K, N)`` into ``out_dtype``: ``x`` (16 or 32 bits) quantized per row in the
     kernel, ``q_w`` the weight in int8 per column and ``s_w`` its ``(1, N)`` float32 scales
     (:func:`.int8_quantize.quantized_along` over ``K``); needs :func:`rows_blocks`.
@@ -217,7 +146,11 @@ def rows_matmul(x: jax.Array, q_w: jax.Array, s_w: jax.Array, out_dtype: Any, in
     (needs :func:`heads_blocks`): a query, key or value as the attention kernel reads it, where the
     rows' layout takes XLA copies to lay it out so (the head size under 128 columns of a tile).
     A 4-D ``x`` is heads-first, ``(M / length, heads, length, K / heads)`` (an attention's output or a
-    query's gradient as the attention kernel writes it), its heads' columns side by side."""
+    query's gradient as the attention kernel writes it), its heads' columns side by side.
+    ``activation`` (:class:`.int8_activation.Activation`, rows' layouts only): applied to ``x``'s blocks
+    in float32 before they are quantized; with ``activation_of`` (``(M, N)``, what the activation was
+    applied to), the result is multiplied by its derivative there instead (the input gradient of a
+    product that applied it: ``h``'s gradient)."""
     heads_in = x.ndim == 4
     (m, k), n = as_matrix(x.shape), q_w.shape[0 if weight_rows else 1]
     length = x.shape[2] if heads_in else m
@@ -241,17 +174,22 @@ def rows_matmul(x: jax.Array, q_w: jax.Array, s_w: jax.Array, out_dtype: Any, in
                                 lambda i, j: (in_sequence(i)[0], j, in_sequence(i)[1], 0))
         out_shape = (m // length, count_out, length, n // count_out)
     out_bytes = np.dtype(out_dtype).itemsize
-    cost = pl.CostEstimate(flops=2 * m * k * n, transcendentals=0,
+    of = [] if activation_of is None else [activation_of]
+    prologue = activation if activation is not None and not of else None
+    cost = pl.CostEstimate(flops=2 * m * k * n, transcendentals=0 if activation is None else
+                           activation.transcendentals * (m * n * 2 if of else m * k * 2),
                            bytes_accessed=m * k * x.dtype.itemsize + (1 if bn == n else m // bm) * (k * n + 4 * n)
-                           + m * n * out_bytes + (0 if bias is None else n * bias.dtype.itemsize))
+                           + m * n * out_bytes + (0 if bias is None else n * bias.dtype.itemsize)
+                           + sum(a.size * a.dtype.itemsize for a in of))
     weight = (pl.BlockSpec((bn, k), lambda i, j: (j, 0)) if weight_rows
               else pl.BlockSpec((k, bn), lambda i, j: (0, j)))
     row = pl.BlockSpec((1, bn), lambda i, j: (0, j))
-    ins = [x_spec, weight, row] + ([] if bias is None else [row])
-    kernel = functools.partial(_rows_kernel, weight_rows=weight_rows, bias=bias is not None, heads=heads)
+    ins = [x_spec, weight, row] + ([] if bias is None else [row]) + [out_spec for _ in of]
+    kernel = functools.partial(_rows_kernel, weight_rows=weight_rows, bias=bias is not None, heads=heads,
+                               prologue=prologue, epilogue=activation.backward if of else None)
     return _call(kernel, ROWS, (m // bm, _cdiv(n, bn)), ins, out_spec,
                  (out_shape, out_dtype), _scratch((bm, k), INT8, (bm, 1), F32, interpret), ("parallel", "arbitrary"),
-                 cost, interpret, x, q_w, s_w, *([] if bias is None else [bias.reshape(1, n)]))
+                 cost, interpret, x, q_w, s_w, *([] if bias is None else [bias.reshape(1, n)]), *of)
 
 
 def _side_by_side(ref: Any) -> jax.Array:
@@ -259,37 +197,49 @@ def _side_by_side(ref: Any) -> jax.Array:
     return ref[...] if len(ref.shape) == 2 else jnp.concatenate([ref[0, h] for h in range(ref.shape[1])], axis=1)
 
 
-def _tiles_kernel(x_ref, g_ref, o_ref, acc_ref, *, steps: int):
+def _tiles_kernel(x_ref, g_ref, o_ref, *refs, steps: int, sums: bool, prologue: Callable | None):
+    sums_ref, acc_ref = refs if sums else (None, refs[0])
     t = pl.program_id(2)
 
     @pl.when(t == 0)
     def _():
         acc_ref[...] = jnp.zeros_like(acc_ref)
+        if sums:
+            sums_ref[...] = jnp.zeros_like(sums_ref)
 
-    x_t = _side_by_side(x_ref).astype(F32).T  # (bk, bm): a column of x is a row here, quantized over its bm tokens
+    x = _side_by_side(x_ref).astype(F32)
+    x_t = (x if prologue is None else prologue(x)).T  # (bk, bm): a column of x a row, quantized over its bm tokens
+    g = _side_by_side(g_ref)
     q_x, s_x = _scaled(x_t, axis=1)
-    q_g, s_g = _scaled(_side_by_side(g_ref), axis=0)  # (bm, bn): per column over the bm tokens
+    q_g, s_g = _scaled(g, axis=0)  # (bm, bn): per column over the bm tokens
     acc = jnp.dot(q_x, q_g, preferred_element_type=INT32)
     acc_ref[...] += acc.astype(F32) * (s_x * s_g)
+    if sums:  # every row block of the result sums g's columns again: the same values, written each time
+        sums_ref[...] += jnp.sum(g.astype(F32), axis=0, keepdims=True)
 
     @pl.when(t == steps - 1)  # the grid's last token block (static: see _row_tiles_kernel)
     def _():
         o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
-def tiles_matmul(x: jax.Array, g: jax.Array, out_dtype: Any, interpret: bool = False) -> jax.Array:
+def tiles_matmul(x: jax.Array, g: jax.Array, out_dtype: Any, interpret: bool = False, g_sums: bool = False,
+                 activation: Any = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """``xᵀ (K, M) . g (M, N)`` into ``out_dtype``, contracting the ``M`` tokens in blocks: each block's
     ``x`` and ``g`` quantized per column over its tokens (1 x bm tiles), the int32 products scaled and
     summed in float32; needs :func:`tiles_blocks`. A 4-D operand is heads-first, ``(M / length, heads,
     length, columns / heads)`` (an attention's output, a query's gradient, as the attention kernel
-    writes them), its heads' columns side by side."""
+    writes them), its heads' columns side by side. ``g_sums``: also ``g``'s column sums, ``(1, N)`` in
+    float32 (a bias's gradient: the blocks of ``g`` the product reads anyway, where XLA would read ``g``
+    again in a reduction of its own, across a heads-first layout's tiles). ``activation``
+    (:class:`.int8_activation.Activation`): applied to ``x``'s blocks in float32 before they are quantized."""
     (m, k), (_, n) = (as_matrix(a.shape) for a in (x, g))
     length = next((a.shape[2] for a in (x, g) if a.ndim == 4), 0)
     heads = [a.shape[1] if a.ndim == 4 else 0 for a in (x, g)]
     bm, bk, bn = tiles_blocks(m, k, n, x.dtype.itemsize, g.dtype.itemsize, length, *heads)
-    cost = pl.CostEstimate(flops=2 * m * k * n, transcendentals=0,
+    cost = pl.CostEstimate(flops=2 * m * k * n,
+                           transcendentals=0 if activation is None else activation.transcendentals * m * k * _cdiv(n, bn),
                            bytes_accessed=_cdiv(n, bn) * m * k * x.dtype.itemsize + (k // bk) * m * n * g.dtype.itemsize
-                           + k * n * np.dtype(out_dtype).itemsize)
+                           + k * n * np.dtype(out_dtype).itemsize + (4 * n if g_sums else 0))
     per = length // bm if length else 0
 
     def spec(a: jax.Array, block: int, column: Callable) -> Any:  # a token block's columns, heads-first or not
@@ -300,9 +250,13 @@ def tiles_matmul(x: jax.Array, g: jax.Array, out_dtype: Any, interpret: bool = F
                             lambda i, j, t: (jax.lax.div(t, per), column(i, j), jax.lax.rem(t, per), 0))
 
     ins = [spec(x, bk, lambda i, j: i), spec(g, bn, lambda i, j: j)]
-    return _call(functools.partial(_tiles_kernel, steps=m // bm), TILES, (k // bk, _cdiv(n, bn), m // bm), ins,
-                 pl.BlockSpec((bk, bn), lambda i, j, t: (i, j)), ((k, n), out_dtype),
-                 _scratch((bk, bn), F32, None, None, interpret), _REDUCING, cost, interpret, x, g)
+    outs = [(pl.BlockSpec((bk, bn), lambda i, j, t: (i, j)), ((k, n), out_dtype))]
+    if g_sums:
+        outs.append((pl.BlockSpec((1, bn), lambda i, j, t: (0, j)), ((1, n), F32)))
+    made = _call(functools.partial(_tiles_kernel, steps=m // bm, sums=g_sums, prologue=activation), TILES, (k // bk, _cdiv(n, bn), m // bm),
+                 ins, [spec for spec, _ in outs], [out for _, out in outs], _scratch((bk, bn), F32, None, None, interpret),
+                 _REDUCING, cost, interpret, x, g)
+    return tuple(made) if g_sums else made[0]
 
 
 def _row_tiles_kernel(x_ref, qw_ref, sw_ref, o_ref, acc_ref, *, steps: int):
@@ -344,11 +298,13 @@ def row_tiles_matmul(x: jax.Array, q_w: jax.Array, s_w: jax.Array, out_dtype: An
                  _scratch((bm, bn), F32, None, None, interpret), _REDUCING, cost, interpret, x, q_w, s_w)
 
 
-def _call(kernel: Any, name: str, grid: tuple, in_specs: list, out_spec: Any, out: tuple, scratch: list,
-          semantics: tuple[str, ...], cost: Any, interpret: bool, *args: jax.Array) -> jax.Array:
-    """``pallas_call`` of ``kernel`` on ``args`` (result: ``out``, its (shape, dtype)) in :data:`SCOPE`."""
+def _call(kernel: Any, name: str, grid: tuple, in_specs: list, out_spec: Any, out: tuple | list, scratch: list,
+          semantics: tuple[str, ...], cost: Any, interpret: bool, *args: jax.Array) -> Any:
+    """``pallas_call`` of ``kernel`` on ``args`` (result: ``out``, its (shape, dtype); a list of them: a
+    list of results, as ``out_spec`` is a list) in :data:`SCOPE`."""
+    shapes = [jax.ShapeDtypeStruct(*o) for o in out] if isinstance(out, list) else jax.ShapeDtypeStruct(*out)
     call = pl.pallas_call(kernel, name=name, grid=grid, in_specs=in_specs, out_specs=out_spec,
-                          out_shape=jax.ShapeDtypeStruct(*out), scratch_shapes=scratch,
+                          out_shape=shapes, scratch_shapes=scratch,
                           compiler_params=None if interpret else _compiler_params(semantics),
                           cost_estimate=cost, interpret=interpret)
     with jax.named_scope(SCOPE):
@@ -364,6 +320,5 @@ def _scratch(shape: tuple, dtype: Any, shape2: tuple | None, dtype2: Any, interp
     """VMEM scratch buffers of these shapes and dtypes (the second: when given)."""
     from jax.experimental.pallas import tpu as pltpu
 
-    shapes = [(shape, dtype)] + ([(shape2, dtype2)] if shape2 is not None else [])
-    return [pltpu.VMEM(s, d) for s, d in shapes]
+    return [pltpu.VMEM(s, d) for s, d in [(shape, dtype), (shape2, dtype2)] if s is not None]
 

@@ -15,11 +15,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from jax.extend.core import Literal
 
+from precision.autocast.scaled.int8_activation import activation_prologues
 from precision.autocast.scaled.int8_conv import conv_int8_problem, int8_conv
 from precision.autocast.scaled.int8_matmul import Backward, int8_dot
 from precision.autocast.scaled.int8_quantize import INT8, RECORDING
@@ -28,7 +29,7 @@ from precision.autocast.values import Kind
 from precision.int8 import Int8Options
 
 __all__ = ["Int8Run", "INT8_MATMUL", "INT8_CONV", "BELOW_MIN_SIZE", "ATTENTION", "NOT_INT8_REGION", "INT8",
-           "heads_inputs", "bias_epilogues", "skip_reason", "int8_op", "conv_sizes"]
+           "heads_inputs", "bias_epilogues", "plan", "hinted", "skip_reason", "int8_op", "conv_sizes"]
 
 # Reasons logged (the Record's dtype is int8 for an int8 matmul, the fallback otherwise).
 INT8_MATMUL = "int8 matmul (row and column scales)"
@@ -95,11 +96,12 @@ def heads_inputs(jaxpr: Any) -> dict[int, Any]:
 
 
 def bias_epilogues(jaxpr: Any, taken: set[int]) -> dict[int, int]:
-    """``{add index: matmul index}``: each product to heads (``x . w``, ``w`` of ``(features, heads, head
-    size)``: a ``DenseGeneral`` query, key or value) whose result is read once, by the add of its bias
-    ``(1, 1, heads, head size)``: an int8 product adds it in its kernel (a TPU's writes the result
-    heads-first, where the add after it would be a pass of its own over that layout). None of
-    ``taken`` (other fusions' equations)."""
+    """``{add index: matmul index}``: each projection (``x . w``, ``x``'s last axis contracted with the
+    weight's first: a ``Dense``, or a ``DenseGeneral`` to ``(heads, head size)``) whose result is read
+    once, by the add of its bias (``(1, ..., 1, *the weight's free axes)``): an int8 product adds it in
+    its kernel, and its kernel for the weight's gradient sums the bias's from the blocks it reads
+    (a TPU's; a product to heads is written heads-first, where the add after it would be a pass of its
+    own over that layout). None of ``taken`` (other fusions' equations)."""
     uses = Counter(v for e in jaxpr.eqns for v in e.invars if not isinstance(v, Literal))
     uses.update(v for v in jaxpr.outvars if not isinstance(v, Literal))
     reader = {v: j for j, e in enumerate(jaxpr.eqns) for v in e.invars if not isinstance(v, Literal)}
@@ -112,11 +114,44 @@ def bias_epilogues(jaxpr: Any, taken: set[int]) -> dict[int, int]:
         a, b = jaxpr.eqns[j].invars
         bias = b if a is out else a
         (x_contract, w_contract), batch = eqn.params["dimension_numbers"]
-        if (not isinstance(bias, Literal) and out.aval.ndim == 4 and eqn.invars[1].aval.ndim == 3
-                and tuple(x_contract) == (2,) and tuple(w_contract) == (0,) and not any(batch)
-                and tuple(bias.aval.shape) == (1, 1, *out.aval.shape[2:])):
+        x, free = eqn.invars[0].aval, eqn.invars[1].aval.ndim - 1  # the weight's free axes, last in the result
+        if (not isinstance(bias, Literal) and free in (1, 2) and x.ndim >= 2 and tuple(x_contract) == (x.ndim - 1,)
+                and tuple(w_contract) == (0,) and not any(batch)
+                and tuple(bias.aval.shape) == (1,) * (out.aval.ndim - free) + tuple(out.aval.shape[-free:])):
             found[j] = i
     return found
+
+
+def plan(jaxpr: Any, taken: set[int], top: bool) -> tuple[dict[int, dict], dict[int, int]]:
+    """What an int8 policy's products of ``jaxpr`` do beyond their equations: ``({matmul index: hints},
+    {add index: matmul index})``, the hints (fields of its :class:`~precision.autocast.context.Site`)
+    ``heads_input`` (:func:`heads_inputs`), ``activation`` (:func:`.int8_activation.activation_prologues`)
+    and ``f32_result`` (its result, or its bias's sum, is an output of the model's program (``top``) in
+    float32: the product writes it so, where a 16-bit result would take a pass to widen it), and the adds
+    of a bias the product makes (:func:`bias_epilogues`; none of ``taken``)."""
+    hints: dict[int, dict] = {}
+    for name, found in (("heads_input", heads_inputs(jaxpr)), ("activation", activation_prologues(jaxpr))):
+        for i, value in found.items():
+            hints.setdefault(i, {})[name] = value
+    biased = bias_epilogues(jaxpr, taken)
+    if top:
+        wide = {v for v in jaxpr.outvars if not isinstance(v, Literal) and v.aval.dtype == np.dtype(np.float32)}
+        dots = {**{i: i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "dot_general"}, **biased}
+        for i, dot in dots.items():
+            if jaxpr.eqns[i].outvars[0] in wide:
+                hints.setdefault(dot, {})["f32_result"] = True
+    return hints, biased
+
+
+def hinted(site: Any, hints: dict, bias: list | None, read: Callable[[Any], Any]) -> Any:
+    """``site`` with its int8 product's ``hints`` (:func:`plan`) as Vals (``read``: a var's) and ``bias`` (a
+    holder, :func:`int8_op`); an activation only where its input is held in half (else the product reads
+    the activation's result, as written)."""
+    heads_input, activation = hints.get("heads_input"), hints.get("activation")
+    root = None if activation is None else read(activation.root)
+    return dataclasses.replace(site, heads_input=None if heads_input is None else read(heads_input), bias=bias,
+                               activation=(activation, root) if root is not None and root.kind is Kind.HALF else None,
+                               f32_result=hints.get("f32_result", False))
 
 
 #: What makes an attention's output as models write it: a call (a remat block, a jitted or custom-derivative
@@ -155,20 +190,24 @@ def int8_op(site: Any, ins: list, run: Int8Run, target: np.dtype, out_dtype: np.
     in its own dtype: never written and read back in float32 at twice the bytes.
     A matmul's ``site.bias`` (a fused projection's part on a TPU, :func:`bias_epilogues`) is added
     by the product itself; its ``site.heads_input`` (:func:`heads_inputs`) is read in place of its
-    reshaped input.
+    reshaped input, its ``site.activation``'s input in place of the activation's result
+    (:mod:`.int8_activation`).
     """
     lhs, rhs = (_operand(v, target) for v in ins)
     grads = gradient_dtypes(ins, (lhs, rhs), reduce_dtype, param_target=target)
     options = run.options
     backward = Backward(options.int8_backward, options.stochastic_rounding, np.dtype(target),
                         run.next_salt() if options.stochastic_rounding else 0,
-                        "/".join(site.path) if RECORDING.get() is not None else "", options.tpu_kernels)
+                        "/".join(site.path) if RECORDING.get() is not None else "", options.tpu_kernels,
+                        narrow_gradient=site.f32_result)
     if site.name == "conv_general_dilated":
         return int8_conv(lhs, rhs, site.eqn.params, out_dtype, backward, grads), INT8_CONV
     bias = site.bias.pop().array if site.bias else None  # taken: the caller adds it no more
-    dims = site.eqn.params["dimension_numbers"]
-    if site.heads_input is not None:  # the input before its (heads, head size) were merged: the same product
+    dims, activation = site.eqn.params["dimension_numbers"], None
+    if site.activation is not None:  # the activation's input, the activation applied by the product
+        activation, lhs = site.activation[0], _operand(site.activation[1], target)
+    elif site.heads_input is not None:  # the input before its (heads, head size) were merged: the same product
         lhs = _operand(site.heads_input, target)
         rhs, dims = rhs.reshape(*lhs.shape[2:], rhs.shape[1]), (((2, 3), (0, 1)), ((), ()))
-    return int8_dot(lhs, rhs, dims, out_dtype, backward, grads, bias), INT8_MATMUL
+    return int8_dot(lhs, rhs, dims, out_dtype, backward, grads, bias, activation), INT8_MATMUL
 

@@ -103,16 +103,23 @@ def heads_of(lhs: Any, rhs: Any, dims: Any, sizes: Matmul) -> Heads:
     return Heads(length, x_heads, out_heads) if x_heads or out_heads else Heads()
 
 
+def applied(activation: Any) -> Callable[[jax.Array], jax.Array]:
+    """``x ↦ activation(x)`` in float32 (:class:`.int8_activation.Activation`), or ``x`` itself without one."""
+    return (lambda x: x) if activation is None else (lambda x: activation(x.astype(np.float32)))
+
+
 def forward(recipe: Callable, lhs: jax.Array, rhs: jax.Array, dims: Any, out_dtype: Any, use_kernel: bool,
-            bias: jax.Array | None = None) -> jax.Array:
+            bias: jax.Array | None = None, activation: Any = None) -> jax.Array:
     """``recipe(lhs, rhs)`` (the XLA recipe's product), or on one TPU (where ``use_kernel``: not while the
     doctor records, nor with ``precision.int8.tpu_kernels`` off) the row kernel computing the same.
     ``bias`` (``(1, ..., 1, n)``): added to the product, by the recipe as the model's ``add`` does (in
-    ``out_dtype``), by the kernel in float32 before its result is rounded."""
+    ``out_dtype``), by the kernel in float32 before its result is rounded. ``activation``: applied to
+    ``lhs`` first, in float32 (by the row kernel to its blocks, where it reads rows)."""
     with_bias = (lambda y, b: y + b.astype(y.dtype)) if bias is not None else (lambda y, b: y)  # noqa: E731
+    act = applied(activation)
     sizes = kernel_sizes(lhs, rhs, dims) if use_kernel else None
     if sizes is None or not rows_blocks(sizes.m, sizes.k, sizes.n, np.dtype(lhs.dtype).itemsize):
-        return with_bias(recipe(lhs, rhs), bias)
+        return with_bias(recipe(act(lhs), rhs), bias)
     m, k, n, weight_rows = sizes
     c = len(dims[0][0])  # the axes contracted
     out_shape = (*lhs.shape[:-c], *(rhs.shape[:-c] if weight_rows else rhs.shape[c:]))
@@ -121,65 +128,94 @@ def forward(recipe: Callable, lhs: jax.Array, rhs: jax.Array, dims: Any, out_dty
     def kernel(x, w, *b):  # w as (k, n), or (n, k) read as stored; quantized over the k it contracts
         q_w, s_w = quantized_along(w.reshape((n, k) if weight_rows else (k, n)), (1,) if weight_rows else (0,))
         row = b[0].reshape(1, n).astype(np.float32) if b else None
-        y = rows_matmul(heads.to_heads(x) if heads.x_heads else x.reshape(m, k), q_w, s_w.reshape(1, n), out_dtype,
-                        weight_rows=weight_rows, bias=row, heads_first=(heads.length, heads.out_heads) if heads.out_heads else None)
+        x = heads.to_heads(act(x)) if heads.x_heads else x.reshape(m, k)
+        y = rows_matmul(x, q_w, s_w.reshape(1, n), out_dtype, weight_rows=weight_rows, bias=row,
+                        heads_first=(heads.length, heads.out_heads) if heads.out_heads else None,
+                        activation=None if heads.x_heads else activation)
         return [heads.to_heads(y) if heads.out_heads else y.reshape(out_shape)]
 
     def by_recipe(x, w, *b):
-        return [with_bias(recipe(x, w), b[0] if b else None)]
+        return [with_bias(recipe(act(x), w), b[0] if b else None)]
 
     return choose(kernel, by_recipe, lhs, rhs, *([] if bias is None else [bias]))[0]
 
 
 def backward(recipe: Callable, lhs: jax.Array, rhs: jax.Array, g: jax.Array, dims: Any, grad_dtypes: Any,
-             use_kernels: bool) -> tuple[jax.Array, jax.Array]:
+             use_kernels: bool, bias: Any = None, activation: Any = None) -> tuple[jax.Array, ...]:
     """``recipe(lhs, rhs, g)`` (the recipe's two gradients in the operands' dtypes), or on one TPU the
     kernels: the input's gradient by the row kernel (``g``'s rows and ``w``'s rows quantized), the
     weight's by the tiled one; either by the recipe where its kernel cannot take the shapes (XLA drops
     the recipe's other product). Operands to or from heads as the forward reads and writes them
-    (:class:`Heads`). ``grad_dtypes``: ((operand dtypes), (dtypes the products are made in))."""
+    (:class:`Heads`). ``grad_dtypes``: ((operand dtypes), (dtypes the products are made in)).
+    ``bias`` (the forward's, ``(1, ..., 1, n)``): a third gradient, ``g`` summed over the rows in
+    float32 (shaped as ``bias``), by the tiled kernel where it runs (the blocks of ``g`` it reads).
+    ``activation``: the forward's, ``lhs``'s gradient through it (``recipe`` applies it too)."""
+    sums = _bias_gradient(bias)
     sizes = kernel_sizes(lhs, rhs, dims) if use_kernels else None
     if sizes is None:
-        return recipe(lhs, rhs, g)
+        return (*recipe(lhs, rhs, g), *sums(g))
     m, k, n, weight_rows = sizes
     x_size, g_size = np.dtype(lhs.dtype).itemsize, np.dtype(g.dtype).itemsize
     rows = rows_blocks(m, n, k, g_size) or row_tiles_blocks(m, n, k)
     tiles = tiles_blocks(m, n, k, g_size, x_size) if weight_rows else tiles_blocks(m, k, n, x_size, g_size)
     if not rows and not tiles:
-        return recipe(lhs, rhs, g)
+        return (*recipe(lhs, rhs, g), *sums(g))
     (lhs_dtype, rhs_dtype), (lhs_grad, rhs_grad) = grad_dtypes
     heads = heads_of(lhs, rhs, dims, sizes) if rows_blocks(m, n, k, g_size) else Heads()
     tiles_heads = heads if tiles_blocks(m, k, n, x_size, g_size, *heads) else Heads()
+    leading = lhs.ndim - len(dims[0][0])  # the result's axes before the weight's: the rows
+    sums_in_kernel = (bool(tiles) and not weight_rows and bias is not None and bias.size == n
+                      and math.prod(bias.shape[:leading]) == 1)
 
     def kernels(x, w, dy):
         by_recipe = None if rows and tiles else recipe(x, w, dy)
         as_rows = lambda a, h: heads.to_heads(a) if h else a.reshape(m, a.size // m)  # noqa: E731
         if rows:
             w2 = w.reshape(n, k) if weight_rows else w.reshape(k, n)
-            dx = _input_gradient(as_rows(dy, heads.out_heads), w2, lhs_grad, weight_rows, heads)
-            dx = (heads.to_heads(dx) if heads.x_heads else dx.reshape(x.shape)).astype(lhs_dtype)
-        if tiles:  # xᵀ . dy, or for a weight held as (n, k) dyᵀ . x
-            dw = (tiles_matmul(dy.reshape(m, n), x.reshape(m, k), rhs_grad) if weight_rows else
-                  tiles_matmul(as_rows(x, tiles_heads.x_heads), as_rows(dy, tiles_heads.out_heads), rhs_grad))
-            dw = dw.reshape(w.shape).astype(rhs_dtype)
-        return [dx if rows else by_recipe[0], dw if tiles else by_recipe[1]]
+            dx = _input_gradient(as_rows(dy, heads.out_heads), w2, lhs_grad, weight_rows, heads,
+                                 (activation, x.reshape(m, k)) if activation is not None and not heads.x_heads else None)
+            dx = heads.to_heads(dx) if heads.x_heads else dx.reshape(x.shape)
+            through = activation is not None and (heads.x_heads or not rows_blocks(m, n, k, g_size))
+            dx = (activation.backward(x.astype(np.float32), dx.astype(np.float32)) if through else dx).astype(lhs_dtype)
+        if tiles and weight_rows:  # dyᵀ . x for a weight held as (n, k)
+            dw = tiles_matmul(dy.reshape(m, n), applied(activation)(x).reshape(m, k), rhs_grad)
+        elif tiles:  # xᵀ . dy, and dy's column sums where they are the bias's gradient
+            x_in = as_rows(x if activation is None or not tiles_heads.x_heads else applied(activation)(x),
+                           tiles_heads.x_heads)
+            dw = tiles_matmul(x_in, as_rows(dy, tiles_heads.out_heads), rhs_grad, g_sums=sums_in_kernel,
+                              activation=None if tiles_heads.x_heads else activation)
+        dw, d_bias = (dw[0], [dw[1].reshape(bias.shape)]) if sums_in_kernel else (dw, sums(dy))
+        dw = dw.reshape(w.shape).astype(rhs_dtype) if tiles else by_recipe[1]
+        return [dx if rows else by_recipe[0], dw, *d_bias]
 
-    return tuple(choose(kernels, lambda *a: list(recipe(*a)), lhs, rhs, g))
+    return tuple(choose(kernels, lambda x, w, dy: [*recipe(x, w, dy), *sums(dy)], lhs, rhs, g))
 
 
-def _input_gradient(dy: jax.Array, w: jax.Array, out_dtype: Any, weight_rows: bool = False, heads: Heads = Heads()
-                    ) -> jax.Array:
+def _bias_gradient(bias: Any) -> Callable[[jax.Array], list]:
+    """``[dy summed in float32 over the axes bias is broadcast along]`` (shaped as ``bias``), or ``[]``
+    without a bias: the recipe's bias gradient, where no kernel makes it."""
+    if bias is None:
+        return lambda dy: []
+    axes = tuple(i for i, size in enumerate(bias.shape) if size == 1)
+    return lambda dy: [dy.astype(np.float32).sum(axis=axes, keepdims=True).reshape(bias.shape)]
+
+
+def _input_gradient(dy: jax.Array, w: jax.Array, out_dtype: Any, weight_rows: bool = False, heads: Heads = Heads(),
+                    through: tuple | None = None) -> jax.Array:
     """The input's gradient from ``dy (m, n)``: ``dy . wᵀ`` for a weight ``w (k, n)``, ``dy . w`` for one
     held as ``w (n, k)`` (``weight_rows``); ``dy``'s whole rows quantized in the row kernel (the recipe's
     values), or, where a row is too wide for a block (``n``: a vocabulary), in tiles along ``n``.
-    ``heads``: ``dy`` given heads-first (``out_heads``), the result written so (``x_heads``)."""
+    ``heads``: ``dy`` given heads-first (``out_heads``), the result written so (``x_heads``).
+    ``through``: ``(activation, h)``, the row kernel's result multiplied by the activation's derivative
+    at ``h`` (``(m, k)``) before its rounding: ``h``'s gradient (the row tiles' result is not)."""
     m, n = as_matrix(dy.shape)
     k = w.shape[1] if weight_rows else w.shape[0]
     q_w, s_w = quantized_along(w, (0,) if weight_rows else (1,))  # quantized over the n it contracts
     s_w = s_w.reshape(1, k)
     if rows_blocks(m, n, k, np.dtype(dy.dtype).itemsize):  # w read as stored: no transposed copy
         return rows_matmul(dy, q_w, s_w, out_dtype, weight_rows=not weight_rows,
-                           heads_first=(heads.length, heads.x_heads) if heads.x_heads else None)
+                           heads_first=(heads.length, heads.x_heads) if heads.x_heads else None,
+                           **({} if through is None else {"activation": through[0], "activation_of": through[1]}))
     return row_tiles_matmul(dy, q_w.T if weight_rows else q_w, s_w, out_dtype)
 
 
