@@ -175,7 +175,7 @@ def backward(recipe: Callable, lhs: jax.Array, rhs: jax.Array, g: jax.Array, dim
             dx = _input_gradient(as_rows(dy, heads.out_heads), w2, lhs_grad, weight_rows, heads,
                                  (activation, x.reshape(m, k)) if activation is not None and not heads.x_heads else None)
             dx = heads.to_heads(dx) if heads.x_heads else dx.reshape(x.shape)
-            through = activation is not None and (heads.x_heads or not rows_blocks(m, n, k, g_size))
+            through = activation is not None and heads.x_heads  # else _input_gradient went through it
             dx = (activation.backward(x.astype(np.float32), dx.astype(np.float32)) if through else dx).astype(lhs_dtype)
         if tiles and weight_rows:  # dyᵀ . x for a weight held as (n, k)
             dw = tiles_matmul(dy.reshape(m, n), applied(activation)(x).reshape(m, k), rhs_grad)
@@ -206,8 +206,8 @@ def _input_gradient(dy: jax.Array, w: jax.Array, out_dtype: Any, weight_rows: bo
     held as ``w (n, k)`` (``weight_rows``); ``dy``'s whole rows quantized in the row kernel (the recipe's
     values), or, where a row is too wide for a block (``n``: a vocabulary), in tiles along ``n``.
     ``heads``: ``dy`` given heads-first (``out_heads``), the result written so (``x_heads``).
-    ``through``: ``(activation, h)``, the row kernel's result multiplied by the activation's derivative
-    at ``h`` (``(m, k)``) before its rounding: ``h``'s gradient (the row tiles' result is not)."""
+    ``through``: ``(activation, h)``, the result multiplied by the activation's derivative at ``h``
+    (``(m, k)``): ``h``'s gradient (by the row kernel before its rounding; after the row tiles, by XLA)."""
     m, n = as_matrix(dy.shape)
     k = w.shape[1] if weight_rows else w.shape[0]
     q_w, s_w = quantized_along(w, (0,) if weight_rows else (1,))  # quantized over the n it contracts
@@ -216,7 +216,8 @@ def _input_gradient(dy: jax.Array, w: jax.Array, out_dtype: Any, weight_rows: bo
         return rows_matmul(dy, q_w, s_w, out_dtype, weight_rows=not weight_rows,
                            heads_first=(heads.length, heads.x_heads) if heads.x_heads else None,
                            **({} if through is None else {"activation": through[0], "activation_of": through[1]}))
-    return row_tiles_matmul(dy, q_w.T if weight_rows else q_w, s_w, out_dtype)
+    d = row_tiles_matmul(dy, q_w.T if weight_rows else q_w, s_w, out_dtype)
+    return d if through is None else through[0].backward(through[1].astype(np.float32), d.astype(np.float32))
 
 
 def _on_one_tpu(kernel: Callable, fallback: Callable, *args: jax.Array) -> list:
