@@ -44,7 +44,7 @@ def test_an_activation_between_two_dense_layers_is_found_and_is_the_models_funct
     h = jax.random.normal(jax.random.key(2), (16, 256)) * 3  # any shape: a kernel's block
     np.testing.assert_allclose(np.asarray(act(h)), np.asarray(fn(h)), rtol=1e-6, atol=1e-6)
     d = jax.random.normal(jax.random.key(3), h.shape)
-    np.testing.assert_allclose(np.asarray(act.backward(h, d)), np.asarray(jax.vjp(fn, h)[1](d)[0]), rtol=1e-5,
+    np.testing.assert_allclose(np.asarray(act.backward(h, d)[0]), np.asarray(jax.vjp(fn, h)[1](d)[0]), rtol=1e-5,
                                atol=1e-6)
 
 

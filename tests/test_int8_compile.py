@@ -58,21 +58,49 @@ def test_the_mlps_activation_and_the_projections_biases_ride_in_the_int8_kernels
     which the first's input gradient reads as written); every bias is added in its product's kernel
     and summed by its weight gradient's (a second result): no pass of XLA's between the kernels."""
     needs_libtpu()
-    by_module = {}  # (module, kernel) -> [(name, operands, whether it has two results)]
-    for line in _compiled("v5e", "mixed_int8").hlo_text.splitlines():
-        if "tpu_custom_call" in line and f"/{SCOPE}/" in line:
-            name, result = re.match(r"\s*%([\w.-]+) = (.*?) custom-call\(", line).groups()
-            module = re.sub(r"precision\.module=", "", re.search(r'op_name="([^"]*)"', line).group(1)).split("/cond")[0]
-            operands = re.search(r"custom-call\(([^)]*)\)", line).group(1).replace("%", "").split(", ")
-            key = (module.rsplit("/", 1)[-1], name.rsplit(".", 1)[0])
-            by_module.setdefault(key, []).append((name, operands, result.startswith("(")))
-    (dense0, _, _), = [k for k in by_module[("Dense_0", "int8_rows_matmul")] if len(k[1]) == 4]  # x, w, scales, bias
+    by_module = _kernels_by_module(_compiled("v5e", "mixed_int8").hlo_text)
+    # x, w, scales, bias, the norm's scale and offset (test_the_norms_ride_in_the_int8_kernels_that_read_them_on_v5e)
+    (dense0, _, _), = [k for k in by_module[("Dense_0", "int8_rows_matmul")] if len(k[1]) == 6 and not k[2]]
     dense1_fwd, dense1_bwd = sorted(by_module[("Dense_1", "int8_rows_matmul")], key=lambda k: k[1][0] != dense0)
     assert dense1_fwd[1][0] == dense0  # the GELU's input, as the first kernel wrote it
     assert len(dense1_bwd[1]) == 4  # dy, w, scales and the GELU's input (as XLA's memory placement moved it)
     assert any(k[1][0] == dense1_bwd[0] for k in by_module[("Dense_0", "int8_rows_matmul")])  # h's gradient as written
     assert all(two for name in ("qkv", "proj", "Dense_0", "Dense_1", "head")
-               for _, _, two in by_module[(name, "int8_tiles_matmul")])  # the weight's gradient and the bias's sums
+               for _, _, two in by_module[(name, "int8_tiles_matmul")])  # the weight's gradient, the bias's sums
+
+
+@pytest.mark.tpu_compile
+def test_the_norms_ride_in_the_int8_kernels_that_read_them_on_v5e():
+    """Each LayerNorm's result is read by an int8 product (the query, key and value's, the MLP's first, the
+    head): its forward kernel reads the norm's input and its scale and offset and normalizes its row blocks;
+    its input gradient writes the norm's input's gradient and the scale's and offset's partial sums (three
+    results); its weight gradient normalizes its token tiles. No pass of XLA's writes a norm's result."""
+    needs_libtpu()
+    report = _compiled("v5e", "mixed_int8")
+    by_module = _kernels_by_module(report.hlo_text)
+    for name in ("qkv", "Dense_0", "head"):
+        rows, (tiles,) = by_module[(name, "int8_rows_matmul")], by_module[(name, "int8_tiles_matmul")]
+        assert sorted(len(k[1]) for k in rows) == [6, 6], name  # forward: x, w, scales, bias, scale, offset
+        forward, backward = sorted(rows, key=lambda k: k[2])
+        assert not forward[2] and backward[2].count("f32[1,1,256]") == 2, name  # dx and the params' partial sums
+        assert len(tiles[1]) == 4, name  # x, g, and the scale and offset: its token tiles normalized
+    # no fusion of XLA's is left in a norm's module: its statistics, result and sums are all the kernels'
+    norm_ops = [line for line in report.hlo_text.splitlines()
+                if " fusion(" in line and re.search(r'op_name="[^"]*(LayerNorm_\d|ln_f)', line)]
+    assert norm_ops == [], norm_ops[:2]
+
+
+def _kernels_by_module(hlo_text):
+    """``{(module, kernel): [(name, operands, result type)]}``: the int8 kernels' custom calls of a program."""
+    by_module = {}
+    for line in hlo_text.splitlines():
+        if "tpu_custom_call" in line and f"/{SCOPE}/" in line:
+            name, result = re.match(r"\s*%([\w.-]+) = (.*?) custom-call\(", line).groups()
+            module = re.sub(r"precision\.module=", "", re.search(r'op_name="([^"]*)"', line).group(1)).split("/cond")[0]
+            operands = re.search(r"custom-call\(([^)]*)\)", line).group(1).replace("%", "").split(", ")
+            key = (module.rsplit("/", 1)[-1], name.rsplit(".", 1)[0])
+            by_module.setdefault(key, []).append((name, operands, result if result.startswith("(") else ""))
+    return by_module
 
 
 def _kernel_lines(report, module, shape, reads=True):

@@ -191,7 +191,7 @@ def test_a_weight_held_as_rows_too_wide_for_a_block_takes_the_row_tiles_for_its_
     monkeypatch.setattr(int8_tpu, "row_tiles_matmul", functools.partial(int8_pallas.row_tiles_matmul, interpret=True))
     monkeypatch.setattr(int8_tpu, "rows_blocks", lambda *a: None)  # as for a vocabulary past a block
     g, w = _operands(256, 2304, 256)[0], _operands(256, 2304, 256, seed=1)[1][:, :256]  # w (vocab, k)
-    got = int8_tpu._input_gradient(g, w, jnp.float32, weight_rows=True)
+    got, _ = int8_tpu._input_gradient(g, w, jnp.float32, weight_rows=True)
     exact = jnp.dot(g.astype(jnp.float32), w)
     recipe = int8_product(jnp.float32)(g, w, (((1,), (0,)), ((), ())))
     err = lambda a: float(jnp.linalg.norm(a - exact) / jnp.linalg.norm(exact))  # noqa: E731
@@ -289,7 +289,7 @@ def test_a_gradient_to_heads_is_read_heads_first_by_both_backward_kernels(kernel
     jaxpr = str(jax.make_jaxpr(pull)(g4))
     # the gradient transposed heads-first (a transpose XLA folds into the attention's), never laid out as rows
     assert "bf16[2,6,256,64] = transpose" in jaxpr and "bf16[512,384]" not in jaxpr
-    rows_dx = int8_tpu._input_gradient(g, w, jnp.bfloat16)
+    rows_dx, _ = int8_tpu._input_gradient(g, w, jnp.bfloat16)
     rows_dw = int8_pallas.tiles_matmul(x, g, jnp.float32, interpret=True)
     np.testing.assert_array_equal(np.asarray(dx), np.asarray(rows_dx.reshape(2, 256, 256)))
     np.testing.assert_array_equal(np.asarray(dw, np.float32), np.asarray(rows_dw.reshape(256, 6, 64), np.float32))

@@ -42,7 +42,7 @@ from precision.autocast.islands import demanded_vars
 from precision.autocast.leaves import keeps_leaf, moves_a_leaf
 from precision.autocast.op_lists import OpClass
 from precision.autocast.program import MATMUL_PRIMITIVES, binders, retyped_update_jaxpr
-from precision.autocast.scaled import int8_sites
+from precision.autocast.scaled import int8_norm, int8_sites
 from precision.autocast.scaled.dispatch import not_scaled, scaled_product
 from precision.autocast import (attention_fusion, frozen_reads, matmul_precision, norm_fusion, projection_split,
                                 reductions)
@@ -211,6 +211,10 @@ def _fuse_norm(jaxpr: Any, norm: Any, env: dict, demanded: set, ctx: Context) ->
     name_stack = source_info_util.current_name_stack() + last.source_info.name_stack
     with source_info_util.user_context(last.source_info.traceback, name_stack=name_stack):
         env.update(norm_fusion.emit(norm, lambda var: env[var], op_by_op))
+    row = int8_norm.row_norm(norm) if ctx.root_int8 else None
+    if row is not None and env[norm.x].kind is Kind.HALF:  # an int8 product reading it may normalize x itself
+        params = tuple(env[v] for v in (norm.scale, norm.offset) if v is not None)
+        env[norm.out].normalized = int8_norm.Normalized(row, env[norm.x], params)
 
 
 def log(ctx: Context, site: Site, dtype: np.dtype, reason: str) -> None:

@@ -50,6 +50,7 @@ class Norm:
     out: Any
     variance: Any = None  # the var of the variance (before eps)
     stats_out: tuple[Any, ...] = ()  # the mean and/or variance vars read outside it (BatchNorm's running averages)
+    eps: float = 0.0  # added to the variance before rsqrt
 
 
 def describe(norm: Norm) -> str:
@@ -93,7 +94,7 @@ def _match_at(graph: Graph, rsqrt: int) -> Norm | str | None:
     """The norm whose ``rsqrt`` is equation ``rsqrt``; why not, where its statistics are
     there but the rest is not a norm to take whole; None where there are no statistics."""
     group: set[int] = {rsqrt}
-    var = _added_eps(graph, graph.jaxpr.eqns[rsqrt].invars[0], group)
+    var, eps = _added_eps(graph, graph.jaxpr.eqns[rsqrt].invars[0], group)
     stats = _variance(graph, var, group) if var is not None else None
     if stats is None:
         return None
@@ -118,7 +119,7 @@ def _match_at(graph: Graph, rsqrt: int) -> Norm | str | None:
         for v in eqn.invars:
             if not (isinstance(v, Literal) or v in inputs or graph.producer.get(v) in group or _concrete(graph, v)):
                 return OTHER_INPUT
-    return Norm(frozenset(group), max(group), x, axes, mean, rstd, scale, offset, out, variance, tuple(stats_out))
+    return Norm(frozenset(group), max(group), x, axes, mean, rstd, scale, offset, out, variance, tuple(stats_out), eps)
 
 
 def _concrete(graph: Graph, var: Any) -> bool:
@@ -155,20 +156,20 @@ def _scalar(graph: Graph, var: Any) -> float | None:
     return _filled(graph, var)[0] if math.prod(getattr(var.aval, "shape", ())) == 1 else None
 
 
-def _added_eps(graph: Graph, var: Any, group: set[int]) -> Any:
-    """The variance in ``var = variance + eps`` (reshapes allowed on either side)."""
+def _added_eps(graph: Graph, var: Any, group: set[int]) -> tuple[Any, float]:
+    """``(variance, eps)`` in ``var = variance + eps`` (reshapes allowed on either side); (None, 0) if not."""
     var = _strip(graph, var, group)
     eqn = graph.eqn(var)
     if prim(eqn) != "add":
-        return None
+        return None, 0.0
     a, b = eqn.invars
     if _scalar(graph, b) is None:
         a, b = b, a
     eps = _scalar(graph, b)
     if eps is None or eps < 0:
-        return None
+        return None, 0.0
     group.add(graph.producer[var])
-    return _strip(graph, a, group)
+    return _strip(graph, a, group), eps
 
 
 def _mean(graph: Graph, var: Any, group: set[int]) -> tuple[Any, tuple[int, ...]] | None:

@@ -83,12 +83,16 @@ class Val:
 
     ``source``: for a weight stored in codes, how its array is made again from
     them (:class:`precision.autocast.frozen_reads.Source`), else None.
+
+    ``normalized``: for a norm's result under an int8 policy, the norm and what
+    it read (:class:`precision.autocast.scaled.int8_norm.Normalized`): an int8
+    product reading it may normalize its input itself. Else None.
     """
 
-    __slots__ = ("kind", "path", "array", "_casts", "leaf", "const", "source")
+    __slots__ = ("kind", "path", "array", "_casts", "leaf", "const", "source", "normalized")
 
     def __init__(self, kind: Kind, array: Any, path: tuple[str, ...] = (), casts: dict | None = None,
-                 leaf: bool = False, const: bool = False, source: Any = None):
+                 leaf: bool = False, const: bool = False, source: Any = None, normalized: Any = None):
         self.kind = kind
         self.array = array
         self.path = path
@@ -96,6 +100,7 @@ class Val:
         self.leaf = leaf
         self.const = const
         self.source = source
+        self.normalized = normalized
 
     @property
     def dtype(self) -> Any:
@@ -117,7 +122,8 @@ class Val:
 
     def apart(self) -> "Val":
         """The same value with casts of its own: a cast made in a branch traced apart stays there."""
-        return Val(self.kind, self.array, self.path, dict(self._casts), self.leaf, self.const, self.source)
+        return Val(self.kind, self.array, self.path, dict(self._casts), self.leaf, self.const, self.source,
+                   self.normalized)
 
     def moved(self, array: Any) -> "Val":
         """A slice or reshape of this value (``array``): a param so moved is still one."""
@@ -126,7 +132,7 @@ class Val:
     def retag(self, kind: Kind, path: tuple[str, ...] | None = None) -> "Val":
         """The same array (and casts) under another kind or path."""
         return Val(kind, self.array, self.path if path is None else path, self._casts, self.leaf, self.const,
-                   self.source)
+                   self.source, self.normalized)
 
 
 def make_val(array: Any, kind: Kind = Kind.HALF, path: tuple[str, ...] = (), const: bool = False) -> Val:

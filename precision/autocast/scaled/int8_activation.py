@@ -51,13 +51,15 @@ class Activation:
     root: Any
     eqns: tuple
     out: Any
+    row_wise = False  # elementwise: any block of its input will do
+    params = 0  # it reads nothing but its input (a norm reads its scale and offset: .int8_norm)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return _apply(self.eqns, {self.root: x})[self.out]
 
-    def backward(self, x: jax.Array, d_out: jax.Array) -> jax.Array:
-        """``d_out`` times the activation's derivative at ``x`` (both float32): the gradient of ``x``."""
-        return jax.vjp(self, x)[1](d_out)[0]
+    def backward(self, x: jax.Array, d_out: jax.Array) -> tuple[jax.Array]:
+        """``(d_out`` times the activation's derivative at ``x``,) (both float32): the gradient of ``x``."""
+        return jax.vjp(self, x)[1](d_out)
 
     @property
     def transcendentals(self) -> int:

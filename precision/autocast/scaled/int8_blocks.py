@@ -73,17 +73,19 @@ def row_tiles_blocks(m: int, c: int, n: int) -> tuple[int, int, int] | None:
 
 
 def tiles_blocks(m: int, k: int, n: int, x_itemsize: int = 2, g_itemsize: int = 2, length: int = 0, x_heads: int = 0,
-                 g_heads: int = 0) -> tuple[int, int, int] | None:
+                 g_heads: int = 0, whole_rows: bool = False) -> tuple[int, int, int] | None:
     """(bm, bk, bn) of :func:`.int8_pallas.tiles_matmul` for ``(m, k)ᵀ x (m, n)``, or None where it cannot take it:
     tiles of 256 tokens (or the largest power of two from 128 dividing ``m``), and the (bk, bn) output
     block that moves the fewest bytes (``x`` read once per column block, ``g`` once per row block)
     with its float32 accumulator within 4 x :data:`_BLOCK_BYTES`; ``bk`` divides ``k``, the last
     column block may be partial. ``x_heads``, ``g_heads``: that many heads of an operand given
-    heads-first in sequences of ``length``: token tiles within one sequence, blocks of whole heads."""
+    heads-first in sequences of ``length``: token tiles within one sequence, blocks of whole heads.
+    ``whole_rows``: ``bk`` is ``k`` (a norm applied to ``x``'s tiles needs their whole rows)."""
     bm = _token_block(math.gcd(m, length) if length else m, 256)
     if not bm or k % 128 or n < 128 or (x_heads and k % x_heads) or (g_heads and n % g_heads):
         return None
-    ks = [b for b in range(128, k + 1, 128) if k % b == 0 and (not x_heads or b % (k // x_heads) == 0)]
+    ks = [b for b in range(128, k + 1, 128) if k % b == 0 and (not x_heads or b % (k // x_heads) == 0)
+          and (b == k or not whole_rows)]
     ns = [b for b in (*range(128, 4097, 128), n) if b <= n and (not g_heads or b % (n // g_heads) == 0)]
     fits = [(_cdiv(n, bn) * k * x_itemsize + k // bk * n * g_itemsize, -bn, bk, bn) for bk in ks for bn in ns
             if bk * bn * 4 <= 4 * _BLOCK_BYTES and (not g_heads or g_heads % (bn // (n // g_heads)) == 0)]

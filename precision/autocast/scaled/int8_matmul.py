@@ -123,32 +123,37 @@ def _as_dims(dims: Any) -> tuple:
     return (tuple(lc), tuple(rc)), (tuple(lb), tuple(rb))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
-def _int8_dot(lhs, rhs, dims, out_dtype, in_dtypes, backward, activation):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _int8_dot(lhs, rhs, bias, params, dims, out_dtype, in_dtypes, backward, activation):
     recipe = functools.partial(int8_product(out_dtype, where=backward.where), dims=dims)
-    return int8_tpu.forward(recipe, lhs, rhs, dims, out_dtype, backward.kernels and not backward.where,
-                            activation=activation)
+    return int8_tpu.forward(recipe, lhs, rhs, dims, out_dtype, backward.kernels and not backward.where, bias,
+                            activation, params)
 
 
-def _int8_dot_fwd(lhs, rhs, dims, out_dtype, in_dtypes, backward, activation):
-    return _int8_dot(lhs, rhs, dims, out_dtype, in_dtypes, backward, activation), (lhs, rhs)
+def _int8_dot_fwd(lhs, rhs, bias, params, dims, out_dtype, in_dtypes, backward, activation):
+    made = _int8_dot(lhs, rhs, bias, params, dims, out_dtype, in_dtypes, backward, activation)
+    return made, (lhs, rhs, bias, params)
 
 
-def _int8_dot_bwd(dims, out_dtype, in_dtypes, backward, activation, residuals, g, bias=None):
-    lhs, rhs = residuals
+def _int8_dot_bwd(dims, out_dtype, in_dtypes, backward, activation, residuals, g):
+    lhs, rhs, bias, params = residuals
     g = g.astype(backward.fallback) if backward.narrow_gradient else g
     recipe = functools.partial(_recipe_bwd, dims, in_dtypes, backward, activation)
     use_kernels = backward.kernels and backward.int8 and not backward.stochastic and not backward.where
-    return int8_tpu.backward(recipe, lhs, rhs, g, dims, in_dtypes, use_kernels, bias, activation)
+    d_lhs, d_rhs, *rest = int8_tpu.backward(recipe, lhs, rhs, g, dims, in_dtypes, use_kernels, bias, activation,
+                                            params)
+    d_bias = None if bias is None else rest.pop(0).astype(bias.dtype)
+    return d_lhs, d_rhs, d_bias, tuple(d.astype(p.dtype) for d, p in zip(rest, params))
 
 
-def _recipe_bwd(dims, in_dtypes, backward, activation, lhs, rhs, g):
+def _recipe_bwd(dims, in_dtypes, backward, activation, lhs, rhs, g, *params):
     """The two gradients by the XLA recipe (see the module's docstring); ``lhs``'s through ``activation``
-    (applied to it in float32 by the forward), where there is one."""
+    (applied to it in float32 by the forward, with its ``params``), where there is one, then its params'."""
     if activation is not None:
-        h = lhs.astype(F32)
-        d_act, d_rhs = _recipe_bwd(dims, in_dtypes, backward, None, activation(h), rhs, g)
-        return activation.backward(h, d_act.astype(F32)).astype(lhs.dtype), d_rhs
+        h, ps = lhs.astype(F32), [p.astype(F32) for p in params]
+        d_act, d_rhs = _recipe_bwd(dims, in_dtypes, backward, None, activation(h, *ps), rhs, g)
+        d_lhs, *d_params = activation.backward(h, d_act.astype(F32), *ps)
+        return (d_lhs.astype(lhs.dtype), d_rhs, *(d.astype(p.dtype) for d, p in zip(d_params, params)))
     (lhs_dtype, rhs_dtype), (lhs_grad, rhs_grad) = in_dtypes
     if not backward.int8:
         d_lhs = transpose_lhs(g, rhs, dims, lhs.ndim, product=fallback_product(backward.fallback, lhs_grad))
@@ -169,29 +174,9 @@ def _recipe_bwd(dims, in_dtypes, backward, activation, lhs, rhs, g):
 _int8_dot.defvjp(_int8_dot_fwd, _int8_dot_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _int8_dot_bias(lhs, rhs, bias, dims, out_dtype, in_dtypes, backward, activation):
-    recipe = functools.partial(int8_product(out_dtype, where=backward.where), dims=dims)
-    return int8_tpu.forward(recipe, lhs, rhs, dims, out_dtype, backward.kernels and not backward.where, bias,
-                            activation)
-
-
-def _int8_dot_bias_fwd(lhs, rhs, bias, dims, out_dtype, in_dtypes, backward, activation):
-    return _int8_dot_bias(lhs, rhs, bias, dims, out_dtype, in_dtypes, backward, activation), (lhs, rhs, bias)
-
-
-def _int8_dot_bias_bwd(dims, out_dtype, in_dtypes, backward, activation, residuals, g):
-    lhs, rhs, bias = residuals
-    d_lhs, d_rhs, d_bias = _int8_dot_bwd(dims, out_dtype, in_dtypes, backward, activation, (lhs, rhs), g, bias)
-    return d_lhs, d_rhs, d_bias.astype(bias.dtype)
-
-
-_int8_dot_bias.defvjp(_int8_dot_bias_fwd, _int8_dot_bias_bwd)
-
-
 def int8_dot(lhs: jax.Array, rhs: jax.Array, dims: Any, out_dtype: Any, backward: Backward = Backward(),
-             grad_dtypes: tuple[Any, Any] | None = None, bias: jax.Array | None = None, activation: Any = None
-             ) -> jax.Array:
+             grad_dtypes: tuple[Any, Any] | None = None, bias: jax.Array | None = None, activation: Any = None,
+             params: tuple = ()) -> jax.Array:
     """``dot_general(lhs, rhs, dims)`` with int8 operands and int32 accumulation, the result
     in ``out_dtype``: each operand scaled along the axes it contracts (a row of the
     activation, a column of the weight). Backward as ``backward`` says (both products in
@@ -201,6 +186,7 @@ def int8_dot(lhs: jax.Array, rhs: jax.Array, dims: Any, out_dtype: Any, backward
     ``bias``: shaped as the result but 1 along every axis it is broadcast over, added to it (in
     ``out_dtype``, as the model's ``add``; on a TPU inside the kernel, in float32). ``activation``
     (:class:`.int8_activation.Activation`): the product is of ``activation(lhs)``, computed in float32 (on a
-    TPU by the kernels, on their blocks), and ``lhs``'s gradient is through it."""
+    TPU by the kernels, on their blocks), and ``lhs``'s gradient is through it; a norm
+    (:class:`.int8_norm.RowNorm`) reads its ``params`` too (its scale and offset), and gives them gradients."""
     args = (_as_dims(dims), np.dtype(out_dtype), operand_dtypes(lhs, rhs, grad_dtypes), backward, activation)
-    return _int8_dot(lhs, rhs, *args) if bias is None else _int8_dot_bias(lhs, rhs, bias, *args)
+    return _int8_dot(lhs, rhs, bias, tuple(params), *args)

@@ -45,7 +45,7 @@ from precision.autocast.scaled.int8_blocks import (_cdiv, _token_block, heads_bl
 from precision.autocast.scaled.int8_quantize import F32, INT8, INT32, QMAX
 
 __all__ = ["SCOPE", "ROWS", "TILES", "ROW_TILES", "module_path", "rows_blocks", "heads_blocks", "tiles_blocks",
-           "row_tiles_blocks", "rows_matmul", "tiles_matmul", "row_tiles_matmul", "as_matrix"]
+           "row_tiles_blocks", "rows_matmul", "tiles_matmul", "row_tiles_matmul", "as_matrix", "prologue_rows"]
 
 #: The scope the kernels are traced in (what the TPU step model reads in their custom calls' op_name).
 SCOPE = "int8_pallas_matmul"
@@ -85,37 +85,58 @@ def _scaled(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
     return _quantize(x, scale), scale
 
 
-def _row_pieces(x_ref: Any, prologue: Callable | None = None) -> list[tuple[Callable[[], jax.Array], int, int]]:
+def _row_pieces(x_ref: Any, prologue: Callable | None = None, whole: bool = False
+                ) -> list[tuple[Callable[[], jax.Array], int, int]]:
     """A row block's columns in pieces (each read when called, its first and last column): chunks of a
-    rows' block (float32 copies of a chunk at a time), or each head of a heads-first one; ``prologue``:
-    applied to each piece read, in float32 (an activation: :mod:`.int8_activation`)."""
+    rows' block (float32 copies of a chunk at a time; ``whole``: one, the whole rows), or each head of a
+    heads-first one; ``prologue``: applied to each piece read, in float32 (an activation:
+    :mod:`.int8_activation`; a norm, on whole rows: :mod:`.int8_norm`)."""
     if len(x_ref.shape) == 4:  # (1, heads, rows, head size)
         width = x_ref.shape[3]
         return [(lambda h=h: x_ref[0, h], h * width, (h + 1) * width) for h in range(x_ref.shape[1])]
     k = x_ref.shape[1]
     read = (lambda a, b: x_ref[:, a:b]) if prologue is None else (lambda a, b: prologue(x_ref[:, a:b].astype(F32)))
-    return [(lambda a=a, b=b: read(a, b), a, b) for a, b in ((c, min(c + _CHUNK, k)) for c in range(0, k, _CHUNK))]
+    chunk = k if whole else _CHUNK
+    return [(lambda a=a, b=b: read(a, b), a, b) for a, b in ((c, min(c + chunk, k)) for c in range(0, k, chunk))]
 
 
-def _rows_kernel(x_ref, qw_ref, sw_ref, *refs, weight_rows: bool, bias: bool, heads: int = 0,
-                 prologue: Callable | None = None, epilogue: Callable | None = None):
-    b_ref, refs = (refs[0], refs[1:]) if bias else (None, refs)
-    e_ref, (o_ref, qx_ref, sx_ref) = (refs[0], refs[1:]) if epilogue else (None, refs)  # e: what the activation read
-
-    @pl.when(pl.program_id(1) == 0)  # the row block quantized once, reused by every column block
-    def _():
-        pieces = _row_pieces(x_ref, prologue)
+def _quantized_rows(pieces: list, qx_ref: Any, sx_ref: Any) -> None:
+    """The row block's pieces quantized per row into ``qx_ref``, their scales into ``sx_ref``: each piece
+    read twice (its absmax, then its values), or, one piece, once."""
+    if len(pieces) == 1:
+        x = pieces[0][0]()
+        scale = _scale(jnp.max(jnp.abs(x), axis=1, keepdims=True))
+        qx_ref[...] = _quantize(x, scale)
+    else:
         amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(read()), axis=1, keepdims=True) for read, _, _ in pieces])
         scale = _scale(amax)
         for read, a, b in pieces:
             qx_ref[:, a:b] = _quantize(read(), scale)
-        sx_ref[...] = scale
+    sx_ref[...] = scale
+
+
+def _rows_kernel(x_ref, qw_ref, sw_ref, *refs, weight_rows: bool, bias: bool, heads: int = 0,
+                 prologue: Any = None, epilogue: Any = None, params: int = 0):
+    b_ref, refs = (refs[0], refs[1:]) if bias else (None, refs)
+    e_ref, refs = (refs[0], refs[1:]) if epilogue else (None, refs)  # e: what the activation read
+    p_refs, (o_ref, *refs) = refs[:params], refs[params:]  # p: the activation's params, (1, columns) each
+    d_refs, (qx_ref, sx_ref) = (refs[:params], refs[params:]) if epilogue else ((), refs)  # d: their gradients
+    read_params = lambda: [p[...].astype(F32) for p in p_refs]  # noqa: E731
+
+    @pl.when(pl.program_id(1) == 0)  # the row block quantized once, reused by every column block
+    def _():
+        act = None if prologue is None else (lambda x: prologue(x, *read_params()))
+        _quantized_rows(_row_pieces(x_ref, act, prologue is not None and prologue.row_wise), qx_ref, sx_ref)
 
     contract = 1 if weight_rows else 0  # the weight block's axis the product contracts
     acc = jax.lax.dot_general(qx_ref[...], qw_ref[...], (((1,), (contract,)), ((), ())), preferred_element_type=INT32)
     y = acc.astype(F32) * (sx_ref[...] * sw_ref[...])
     y = y + b_ref[...].astype(F32) if bias else y
-    y = (epilogue(e_ref[...].astype(F32), y) if epilogue else y).astype(o_ref.dtype)
+    if epilogue:  # through the activation: x's gradient, and its params' summed over this block's rows
+        y, *d_params = epilogue.backward(e_ref[...].astype(F32), y, *read_params())
+        for d_ref, d in zip(d_refs, d_params):
+            d_ref[...] = d.reshape(d_ref.shape)
+    y = y.astype(o_ref.dtype)
     if not heads:
         o_ref[...] = y
         return
@@ -133,7 +154,7 @@ def _compiler_params(semantics: tuple[str, ...]) -> Any:
 def rows_matmul(x: jax.Array, q_w: jax.Array, s_w: jax.Array, out_dtype: Any, interpret: bool = False,
                 weight_rows: bool = False, bias: jax.Array | None = None,
                 heads_first: tuple[int, int] | None = None, activation: Any = None,
-                activation_of: jax.Array | None = None) -> jax.Array:
+                activation_of: jax.Array | None = None, params: tuple = ()) -> Any:
     """``x (M, K) . w (K, N)`` into ``out_dtype``: ``x`` (16 or 32 bits) quantized per row in the
     kernel, ``q_w`` the weight in int8 per column and ``s_w`` its ``(1, N)`` float32 scales
     (:func:`.int8_quantize.quantized_along` over ``K``); needs :func:`rows_blocks`.
@@ -150,11 +171,14 @@ def rows_matmul(x: jax.Array, q_w: jax.Array, s_w: jax.Array, out_dtype: Any, in
     ``activation`` (:class:`.int8_activation.Activation`, rows' layouts only): applied to ``x``'s blocks
     in float32 before they are quantized; with ``activation_of`` (``(M, N)``, what the activation was
     applied to), the result is multiplied by its derivative there instead (the input gradient of a
-    product that applied it: ``h``'s gradient)."""
+    product that applied it: ``h``'s gradient). A row-wise activation (a norm: :mod:`.int8_norm`) reads
+    its ``params`` (``(1, K)``, or ``(1, N)`` for the derivative, which then needs the whole row in one
+    column block, :func:`prologue_rows`) and is applied to whole rows; through its derivative the
+    result is ``(h's gradient, (M / bm, 1, N) float32 partial sums of each param's)``."""
     heads_in = x.ndim == 4
     (m, k), n = as_matrix(x.shape), q_w.shape[0 if weight_rows else 1]
     length = x.shape[2] if heads_in else m
-    bm, bn = rows_blocks(m, k, n, x.dtype.itemsize)
+    bm, bn = rows_blocks(m, k, n, prologue_rows(x.dtype.itemsize, activation if activation_of is None else None))
     heads = 0
     if heads_first:
         length = heads_first[0]
@@ -176,6 +200,10 @@ def rows_matmul(x: jax.Array, q_w: jax.Array, s_w: jax.Array, out_dtype: Any, in
     out_bytes = np.dtype(out_dtype).itemsize
     of = [] if activation_of is None else [activation_of]
     prologue = activation if activation is not None and not of else None
+    through = activation is not None and bool(of) and bool(params)  # the params' gradients made too
+    if params and of and bn != n:
+        raise ValueError(f"rows_matmul: a row-wise activation's derivative needs whole rows of {n} in a block, "
+                         f"not {bn}")
     cost = pl.CostEstimate(flops=2 * m * k * n, transcendentals=0 if activation is None else
                            activation.transcendentals * (m * n * 2 if of else m * k * 2),
                            bytes_accessed=m * k * x.dtype.itemsize + (1 if bn == n else m // bm) * (k * n + 4 * n)
@@ -184,12 +212,24 @@ def rows_matmul(x: jax.Array, q_w: jax.Array, s_w: jax.Array, out_dtype: Any, in
     weight = (pl.BlockSpec((bn, k), lambda i, j: (j, 0)) if weight_rows
               else pl.BlockSpec((k, bn), lambda i, j: (0, j)))
     row = pl.BlockSpec((1, bn), lambda i, j: (0, j))
-    ins = [x_spec, weight, row] + ([] if bias is None else [row]) + [out_spec for _ in of]
+    whole = pl.BlockSpec((1, n if of else k), lambda i, j: (0, 0))  # a param, all its columns
+    params = [p.reshape(1, p.size) for p in params]
+    ins = [x_spec, weight, row] + ([] if bias is None else [row]) + [out_spec for _ in of] + [whole for _ in params]
+    partial = (pl.BlockSpec((1, 1, n), lambda i, j: (i, 0, 0)), ((m // bm, 1, n), F32))  # a param's, per row block
+    outs = [(out_spec, (out_shape, out_dtype))] + [partial for _ in params if through]
     kernel = functools.partial(_rows_kernel, weight_rows=weight_rows, bias=bias is not None, heads=heads,
-                               prologue=prologue, epilogue=activation.backward if of else None)
-    return _call(kernel, ROWS, (m // bm, _cdiv(n, bn)), ins, out_spec,
-                 (out_shape, out_dtype), _scratch((bm, k), INT8, (bm, 1), F32, interpret), ("parallel", "arbitrary"),
-                 cost, interpret, x, q_w, s_w, *([] if bias is None else [bias.reshape(1, n)]), *of)
+                               prologue=prologue, epilogue=activation if of else None, params=len(params))
+    made = _call(kernel, ROWS, (m // bm, _cdiv(n, bn)), ins, [spec for spec, _ in outs], [out for _, out in outs],
+                 _scratch((bm, k), INT8, (bm, 1), F32, interpret), ("parallel", "arbitrary"),
+                 cost, interpret, x, q_w, s_w, *([] if bias is None else [bias.reshape(1, n)]), *of, *params)
+    return (made[0], tuple(made[1:])) if through else made[0]
+
+
+def prologue_rows(itemsize: int, activation: Any = None) -> int:
+    """The bytes an element of the row kernel's input takes in its block (what :func:`rows_blocks` sizes
+    the block of rows by): its own, or, for a row-wise activation applied to whole rows in float32, room
+    for its float32 values and their temporaries."""
+    return 8 if activation is not None and activation.row_wise else itemsize
 
 
 def _side_by_side(ref: Any) -> jax.Array:
@@ -197,7 +237,8 @@ def _side_by_side(ref: Any) -> jax.Array:
     return ref[...] if len(ref.shape) == 2 else jnp.concatenate([ref[0, h] for h in range(ref.shape[1])], axis=1)
 
 
-def _tiles_kernel(x_ref, g_ref, o_ref, *refs, steps: int, sums: bool, prologue: Callable | None):
+def _tiles_kernel(x_ref, g_ref, *refs, steps: int, sums: bool, prologue: Any, params: int):
+    p_refs, (o_ref, *refs) = refs[:params], refs[params:]  # p: the activation's params, (1, bk) each
     sums_ref, acc_ref = refs if sums else (None, refs[0])
     t = pl.program_id(2)
 
@@ -208,7 +249,8 @@ def _tiles_kernel(x_ref, g_ref, o_ref, *refs, steps: int, sums: bool, prologue: 
             sums_ref[...] = jnp.zeros_like(sums_ref)
 
     x = _side_by_side(x_ref).astype(F32)
-    x_t = (x if prologue is None else prologue(x)).T  # (bk, bm): a column of x a row, quantized over its bm tokens
+    x = x if prologue is None else prologue(x, *[p[...].astype(F32) for p in p_refs])
+    x_t = x.T  # (bk, bm): a column of x a row, quantized over its bm tokens
     g = _side_by_side(g_ref)
     q_x, s_x = _scaled(x_t, axis=1)
     q_g, s_g = _scaled(g, axis=0)  # (bm, bn): per column over the bm tokens
@@ -223,7 +265,7 @@ def _tiles_kernel(x_ref, g_ref, o_ref, *refs, steps: int, sums: bool, prologue: 
 
 
 def tiles_matmul(x: jax.Array, g: jax.Array, out_dtype: Any, interpret: bool = False, g_sums: bool = False,
-                 activation: Any = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                 activation: Any = None, params: tuple = ()) -> jax.Array | tuple[jax.Array, jax.Array]:
     """``xᵀ (K, M) . g (M, N)`` into ``out_dtype``, contracting the ``M`` tokens in blocks: each block's
     ``x`` and ``g`` quantized per column over its tokens (1 x bm tiles), the int32 products scaled and
     summed in float32; needs :func:`tiles_blocks`. A 4-D operand is heads-first, ``(M / length, heads,
@@ -231,11 +273,13 @@ def tiles_matmul(x: jax.Array, g: jax.Array, out_dtype: Any, interpret: bool = F
     writes them), its heads' columns side by side. ``g_sums``: also ``g``'s column sums, ``(1, N)`` in
     float32 (a bias's gradient: the blocks of ``g`` the product reads anyway, where XLA would read ``g``
     again in a reduction of its own, across a heads-first layout's tiles). ``activation``
-    (:class:`.int8_activation.Activation`): applied to ``x``'s blocks in float32 before they are quantized."""
+    (:class:`.int8_activation.Activation`): applied to ``x``'s blocks in float32 before they are quantized;
+    a row-wise one (a norm, reading its ``(1, K)`` ``params``) to tiles of whole rows (``whole_rows``)."""
     (m, k), (_, n) = (as_matrix(a.shape) for a in (x, g))
     length = next((a.shape[2] for a in (x, g) if a.ndim == 4), 0)
     heads = [a.shape[1] if a.ndim == 4 else 0 for a in (x, g)]
-    bm, bk, bn = tiles_blocks(m, k, n, x.dtype.itemsize, g.dtype.itemsize, length, *heads)
+    whole_rows = activation is not None and activation.row_wise
+    bm, bk, bn = tiles_blocks(m, k, n, x.dtype.itemsize, g.dtype.itemsize, length, *heads, whole_rows=whole_rows)
     cost = pl.CostEstimate(flops=2 * m * k * n,
                            transcendentals=0 if activation is None else activation.transcendentals * m * k * _cdiv(n, bn),
                            bytes_accessed=_cdiv(n, bn) * m * k * x.dtype.itemsize + (k // bk) * m * n * g.dtype.itemsize
@@ -249,13 +293,16 @@ def tiles_matmul(x: jax.Array, g: jax.Array, out_dtype: Any, interpret: bool = F
         return pl.BlockSpec((1, block // width, bm, width),
                             lambda i, j, t: (jax.lax.div(t, per), column(i, j), jax.lax.rem(t, per), 0))
 
-    ins = [spec(x, bk, lambda i, j: i), spec(g, bn, lambda i, j: j)]
+    params = [p.reshape(1, p.size) for p in params]
+    ins = [spec(x, bk, lambda i, j: i), spec(g, bn, lambda i, j: j)] + [
+        pl.BlockSpec((1, bk), lambda i, j, t: (0, i)) for _ in params]
     outs = [(pl.BlockSpec((bk, bn), lambda i, j, t: (i, j)), ((k, n), out_dtype))]
     if g_sums:
         outs.append((pl.BlockSpec((1, bn), lambda i, j, t: (0, j)), ((1, n), F32)))
-    made = _call(functools.partial(_tiles_kernel, steps=m // bm, sums=g_sums, prologue=activation), TILES, (k // bk, _cdiv(n, bn), m // bm),
+    kernel = functools.partial(_tiles_kernel, steps=m // bm, sums=g_sums, prologue=activation, params=len(params))
+    made = _call(kernel, TILES, (k // bk, _cdiv(n, bn), m // bm),
                  ins, [spec for spec, _ in outs], [out for _, out in outs], _scratch((bk, bn), F32, None, None, interpret),
-                 _REDUCING, cost, interpret, x, g)
+                 _REDUCING, cost, interpret, x, g, *params)
     return tuple(made) if g_sums else made[0]
 
 

@@ -191,7 +191,8 @@ def int8_op(site: Any, ins: list, run: Int8Run, target: np.dtype, out_dtype: np.
     A matmul's ``site.bias`` (a fused projection's part on a TPU, :func:`bias_epilogues`) is added
     by the product itself; its ``site.heads_input`` (:func:`heads_inputs`) is read in place of its
     reshaped input, its ``site.activation``'s input in place of the activation's result
-    (:mod:`.int8_activation`).
+    (:mod:`.int8_activation`), a norm's input in place of the norm's result (:mod:`.int8_norm`: a
+    layer or RMS norm's result read by the product, as ``Val.normalized`` says).
     """
     lhs, rhs = (_operand(v, target) for v in ins)
     grads = gradient_dtypes(ins, (lhs, rhs), reduce_dtype, param_target=target)
@@ -203,11 +204,25 @@ def int8_op(site: Any, ins: list, run: Int8Run, target: np.dtype, out_dtype: np.
     if site.name == "conv_general_dilated":
         return int8_conv(lhs, rhs, site.eqn.params, out_dtype, backward, grads), INT8_CONV
     bias = site.bias.pop().array if site.bias else None  # taken: the caller adds it no more
-    dims, activation = site.eqn.params["dimension_numbers"], None
+    dims, activation, params = site.eqn.params["dimension_numbers"], None, ()
+    normalized = _normalized(ins[0], dims)
     if site.activation is not None:  # the activation's input, the activation applied by the product
         activation, lhs = site.activation[0], _operand(site.activation[1], target)
     elif site.heads_input is not None:  # the input before its (heads, head size) were merged: the same product
         lhs = _operand(site.heads_input, target)
         rhs, dims = rhs.reshape(*lhs.shape[2:], rhs.shape[1]), (((2, 3), (0, 1)), ((), ()))
-    return int8_dot(lhs, rhs, dims, out_dtype, backward, grads, bias, activation), INT8_MATMUL
+    elif normalized is not None:  # the norm's input, normalized by the product (its params' gradients too)
+        activation, lhs = normalized.norm, _operand(normalized.x, target)
+        params = tuple(p.array for p in normalized.params)
+    return int8_dot(lhs, rhs, dims, out_dtype, backward, grads, bias, activation, params), INT8_MATMUL
+
+
+def _normalized(lhs: Any, dims: Any) -> Any:
+    """``lhs``'s :class:`.int8_norm.Normalized` where the product may apply its norm itself: its last axis,
+    the one normalized, the only one it contracts (no batch axes); else None."""
+    normalized = getattr(lhs, "normalized", None)
+    (lhs_contract, _), (lhs_batch, _) = dims
+    if normalized is None or lhs_batch or tuple(lhs_contract) != (lhs.array.ndim - 1,):
+        return None
+    return normalized
 

@@ -40,8 +40,9 @@ from typing import Any, Callable, NamedTuple
 import jax
 import numpy as np
 
-from precision.autocast.scaled.int8_pallas import (as_matrix, heads_blocks, row_tiles_blocks, row_tiles_matmul,
-                                                  rows_blocks, rows_matmul, tiles_blocks, tiles_matmul)
+from precision.autocast.scaled.int8_pallas import (as_matrix, heads_blocks, prologue_rows, row_tiles_blocks,
+                                                  row_tiles_matmul, rows_blocks, rows_matmul, tiles_blocks,
+                                                  tiles_matmul)
 from precision.autocast.scaled.int8_quantize import quantized_along
 from precision.autocast.tpu_flash import on_one_device
 
@@ -103,92 +104,111 @@ def heads_of(lhs: Any, rhs: Any, dims: Any, sizes: Matmul) -> Heads:
     return Heads(length, x_heads, out_heads) if x_heads or out_heads else Heads()
 
 
-def applied(activation: Any) -> Callable[[jax.Array], jax.Array]:
-    """``x ↦ activation(x)`` in float32 (:class:`.int8_activation.Activation`), or ``x`` itself without one."""
-    return (lambda x: x) if activation is None else (lambda x: activation(x.astype(np.float32)))
+def applied(activation: Any, params: tuple = ()) -> Callable[[jax.Array], jax.Array]:
+    """``x ↦ activation(x, *params)`` in float32 (:class:`.int8_activation.Activation`, :class:`.int8_norm.RowNorm`),
+    or ``x`` itself without one."""
+    if activation is None:
+        return lambda x: x
+    return lambda x: activation(x.astype(np.float32), *[p.astype(np.float32) for p in params])
 
 
 def forward(recipe: Callable, lhs: jax.Array, rhs: jax.Array, dims: Any, out_dtype: Any, use_kernel: bool,
-            bias: jax.Array | None = None, activation: Any = None) -> jax.Array:
+            bias: jax.Array | None = None, activation: Any = None, params: tuple = ()) -> jax.Array:
     """``recipe(lhs, rhs)`` (the XLA recipe's product), or on one TPU (where ``use_kernel``: not while the
     doctor records, nor with ``precision.int8.tpu_kernels`` off) the row kernel computing the same.
     ``bias`` (``(1, ..., 1, n)``): added to the product, by the recipe as the model's ``add`` does (in
     ``out_dtype``), by the kernel in float32 before its result is rounded. ``activation``: applied to
-    ``lhs`` first, in float32 (by the row kernel to its blocks, where it reads rows)."""
+    ``lhs`` first (with its ``params``), in float32 (by the row kernel to its blocks, where it reads rows)."""
     with_bias = (lambda y, b: y + b.astype(y.dtype)) if bias is not None else (lambda y, b: y)  # noqa: E731
-    act = applied(activation)
     sizes = kernel_sizes(lhs, rhs, dims) if use_kernel else None
-    if sizes is None or not rows_blocks(sizes.m, sizes.k, sizes.n, np.dtype(lhs.dtype).itemsize):
-        return with_bias(recipe(act(lhs), rhs), bias)
+    itemsize = prologue_rows(np.dtype(lhs.dtype).itemsize, activation)
+    if sizes is None or not rows_blocks(sizes.m, sizes.k, sizes.n, itemsize):
+        return with_bias(recipe(applied(activation, params)(lhs), rhs), bias)
     m, k, n, weight_rows = sizes
     c = len(dims[0][0])  # the axes contracted
     out_shape = (*lhs.shape[:-c], *(rhs.shape[:-c] if weight_rows else rhs.shape[c:]))
     heads = heads_of(lhs, rhs, dims, sizes)
 
-    def kernel(x, w, *b):  # w as (k, n), or (n, k) read as stored; quantized over the k it contracts
+    given = 0 if bias is None else 1
+
+    def kernel(x, w, *rest):  # w as (k, n), or (n, k) read as stored; quantized over the k it contracts
         q_w, s_w = quantized_along(w.reshape((n, k) if weight_rows else (k, n)), (1,) if weight_rows else (0,))
-        row = b[0].reshape(1, n).astype(np.float32) if b else None
-        x = heads.to_heads(act(x)) if heads.x_heads else x.reshape(m, k)
+        row = rest[0].reshape(1, n).astype(np.float32) if given else None
+        x = heads.to_heads(applied(activation, rest[given:])(x)) if heads.x_heads else x.reshape(m, k)
         y = rows_matmul(x, q_w, s_w.reshape(1, n), out_dtype, weight_rows=weight_rows, bias=row,
                         heads_first=(heads.length, heads.out_heads) if heads.out_heads else None,
-                        activation=None if heads.x_heads else activation)
+                        activation=None if heads.x_heads else activation, params=rest[given:])
         return [heads.to_heads(y) if heads.out_heads else y.reshape(out_shape)]
 
-    def by_recipe(x, w, *b):
-        return [with_bias(recipe(act(x), w), b[0] if b else None)]
+    def by_recipe(x, w, *rest):
+        return [with_bias(recipe(applied(activation, rest[given:])(x), w), rest[0] if given else None)]
 
-    return choose(kernel, by_recipe, lhs, rhs, *([] if bias is None else [bias]))[0]
+    return choose(kernel, by_recipe, lhs, rhs, *([] if bias is None else [bias]), *params)[0]
 
 
 def backward(recipe: Callable, lhs: jax.Array, rhs: jax.Array, g: jax.Array, dims: Any, grad_dtypes: Any,
-             use_kernels: bool, bias: Any = None, activation: Any = None) -> tuple[jax.Array, ...]:
-    """``recipe(lhs, rhs, g)`` (the recipe's two gradients in the operands' dtypes), or on one TPU the
-    kernels: the input's gradient by the row kernel (``g``'s rows and ``w``'s rows quantized), the
-    weight's by the tiled one; either by the recipe where its kernel cannot take the shapes (XLA drops
-    the recipe's other product). Operands to or from heads as the forward reads and writes them
-    (:class:`Heads`). ``grad_dtypes``: ((operand dtypes), (dtypes the products are made in)).
-    ``bias`` (the forward's, ``(1, ..., 1, n)``): a third gradient, ``g`` summed over the rows in
-    float32 (shaped as ``bias``), by the tiled kernel where it runs (the blocks of ``g`` it reads).
-    ``activation``: the forward's, ``lhs``'s gradient through it (``recipe`` applies it too)."""
+             use_kernels: bool, bias: Any = None, activation: Any = None, params: tuple = ()) -> tuple[jax.Array, ...]:
+    """``recipe(lhs, rhs, g)`` (the recipe's gradients: the operands' in their dtypes, then the activation's
+    params'), or on one TPU the kernels: the input's gradient by the row kernel (``g``'s rows and ``w``'s
+    rows quantized), the weight's by the tiled one; either by the recipe where its kernel cannot take the
+    shapes (XLA drops the recipe's other product). Operands to or from heads as the forward reads and
+    writes them (:class:`Heads`). ``grad_dtypes``: ((operand dtypes), (dtypes the products are made in)).
+    ``bias`` (the forward's, ``(1, ..., 1, n)``): its gradient, ``g`` summed over the rows in float32
+    (shaped as ``bias``), by the tiled kernel where it runs (the blocks of ``g`` it reads).
+    ``activation``: the forward's (with its ``params``), ``lhs``'s gradient through it, and its params'
+    (``recipe`` applies it too). Gradients in order: ``lhs``, ``rhs``, the bias, the params."""
     sums = _bias_gradient(bias)
     sizes = kernel_sizes(lhs, rhs, dims) if use_kernels else None
     if sizes is None:
-        return (*recipe(lhs, rhs, g), *sums(g))
+        return _ordered(recipe(lhs, rhs, g, *params), sums(g))
     m, k, n, weight_rows = sizes
     x_size, g_size = np.dtype(lhs.dtype).itemsize, np.dtype(g.dtype).itemsize
     rows = rows_blocks(m, n, k, g_size) or row_tiles_blocks(m, n, k)
+    whole = activation is not None and activation.row_wise  # tiles must hold whole rows to apply it
     tiles = tiles_blocks(m, n, k, g_size, x_size) if weight_rows else tiles_blocks(m, k, n, x_size, g_size)
     if not rows and not tiles:
-        return (*recipe(lhs, rhs, g), *sums(g))
+        return _ordered(recipe(lhs, rhs, g, *params), sums(g))
     (lhs_dtype, rhs_dtype), (lhs_grad, rhs_grad) = grad_dtypes
     heads = heads_of(lhs, rhs, dims, sizes) if rows_blocks(m, n, k, g_size) else Heads()
     tiles_heads = heads if tiles_blocks(m, k, n, x_size, g_size, *heads) else Heads()
+    in_tiles = activation is not None and not tiles_heads.x_heads and (
+        not whole or tiles_blocks(m, k, n, x_size, g_size, *tiles_heads, whole_rows=True) is not None)
     leading = lhs.ndim - len(dims[0][0])  # the result's axes before the weight's: the rows
     sums_in_kernel = (bool(tiles) and not weight_rows and bias is not None and bias.size == n
                       and math.prod(bias.shape[:leading]) == 1)
 
-    def kernels(x, w, dy):
-        by_recipe = None if rows and tiles else recipe(x, w, dy)
+    def kernels(x, w, dy, *ps):
+        by_recipe = None if rows and tiles else recipe(x, w, dy, *ps)
         as_rows = lambda a, h: heads.to_heads(a) if h else a.reshape(m, a.size // m)  # noqa: E731
+        d_params = by_recipe[2:] if by_recipe is not None and not rows else ()
         if rows:
             w2 = w.reshape(n, k) if weight_rows else w.reshape(k, n)
-            dx = _input_gradient(as_rows(dy, heads.out_heads), w2, lhs_grad, weight_rows, heads,
-                                 (activation, x.reshape(m, k)) if activation is not None and not heads.x_heads else None)
+            through = (activation, x.reshape(m, k), ps) if activation is not None and not heads.x_heads else None
+            dx, d_params = _input_gradient(as_rows(dy, heads.out_heads), w2, lhs_grad, weight_rows, heads, through)
             dx = heads.to_heads(dx) if heads.x_heads else dx.reshape(x.shape)
-            through = activation is not None and heads.x_heads  # else _input_gradient went through it
-            dx = (activation.backward(x.astype(np.float32), dx.astype(np.float32)) if through else dx).astype(lhs_dtype)
+            if activation is not None and heads.x_heads:  # else _input_gradient went through it
+                dx, *d_params = activation.backward(x.astype(np.float32), dx.astype(np.float32))
+            dx = dx.astype(lhs_dtype)
         if tiles and weight_rows:  # dyᵀ . x for a weight held as (n, k)
-            dw = tiles_matmul(dy.reshape(m, n), applied(activation)(x).reshape(m, k), rhs_grad)
+            dw = tiles_matmul(dy.reshape(m, n), applied(activation, ps)(x).astype(x.dtype).reshape(m, k), rhs_grad)
         elif tiles:  # xᵀ . dy, and dy's column sums where they are the bias's gradient
-            x_in = as_rows(x if activation is None or not tiles_heads.x_heads else applied(activation)(x),
-                           tiles_heads.x_heads)
+            x_in = x if in_tiles or activation is None else applied(activation, ps)(x).astype(x.dtype)  # in its dtype
+            x_in = as_rows(x_in, tiles_heads.x_heads)
             dw = tiles_matmul(x_in, as_rows(dy, tiles_heads.out_heads), rhs_grad, g_sums=sums_in_kernel,
-                              activation=None if tiles_heads.x_heads else activation)
+                              activation=activation if in_tiles else None, params=ps if in_tiles else ())
         dw, d_bias = (dw[0], [dw[1].reshape(bias.shape)]) if sums_in_kernel else (dw, sums(dy))
         dw = dw.reshape(w.shape).astype(rhs_dtype) if tiles else by_recipe[1]
-        return [dx if rows else by_recipe[0], dw, *d_bias]
+        d_params = [d.reshape(p.shape).astype(p.dtype) for d, p in zip(d_params, ps)]
+        return [dx if rows else by_recipe[0], dw, *d_bias, *d_params]
 
-    return tuple(choose(kernels, lambda x, w, dy: [*recipe(x, w, dy), *sums(dy)], lhs, rhs, g))
+    return tuple(choose(kernels, lambda x, w, dy, *ps: _ordered(recipe(x, w, dy, *ps), sums(dy)), lhs, rhs, g,
+                        *params))
+
+
+def _ordered(made: Any, d_bias: list) -> list:
+    """The recipe's gradients (``lhs``, ``rhs``, the params') with the bias's in their place, after ``rhs``'s."""
+    made = list(made)
+    return [*made[:2], *d_bias, *made[2:]]
 
 
 def _bias_gradient(bias: Any) -> Callable[[jax.Array], list]:
@@ -201,23 +221,37 @@ def _bias_gradient(bias: Any) -> Callable[[jax.Array], list]:
 
 
 def _input_gradient(dy: jax.Array, w: jax.Array, out_dtype: Any, weight_rows: bool = False, heads: Heads = Heads(),
-                    through: tuple | None = None) -> jax.Array:
-    """The input's gradient from ``dy (m, n)``: ``dy . wᵀ`` for a weight ``w (k, n)``, ``dy . w`` for one
-    held as ``w (n, k)`` (``weight_rows``); ``dy``'s whole rows quantized in the row kernel (the recipe's
-    values), or, where a row is too wide for a block (``n``: a vocabulary), in tiles along ``n``.
-    ``heads``: ``dy`` given heads-first (``out_heads``), the result written so (``x_heads``).
-    ``through``: ``(activation, h)``, the result multiplied by the activation's derivative at ``h``
-    (``(m, k)``): ``h``'s gradient (by the row kernel before its rounding; after the row tiles, by XLA)."""
+                    through: tuple | None = None) -> tuple[jax.Array, tuple]:
+    """``(the input's gradient, the activation's params' gradients)`` from ``dy (m, n)``: ``dy . wᵀ`` for a
+    weight ``w (k, n)``, ``dy . w`` for one held as ``w (n, k)`` (``weight_rows``); ``dy``'s whole rows
+    quantized in the row kernel (the recipe's values), or, where a row is too wide for a block (``n``: a
+    vocabulary), in tiles along ``n``. ``heads``: ``dy`` given heads-first (``out_heads``), the result
+    written so (``x_heads``). ``through``: ``(activation, h, params)``, the result taken through the
+    activation's derivative at ``h`` (``(m, k)``): ``h``'s gradient, and its params' (by the row kernel
+    before its rounding, a norm's where its block holds whole rows; else by XLA, after it)."""
     m, n = as_matrix(dy.shape)
     k = w.shape[1] if weight_rows else w.shape[0]
     q_w, s_w = quantized_along(w, (0,) if weight_rows else (1,))  # quantized over the n it contracts
     s_w = s_w.reshape(1, k)
-    if rows_blocks(m, n, k, np.dtype(dy.dtype).itemsize):  # w read as stored: no transposed copy
-        return rows_matmul(dy, q_w, s_w, out_dtype, weight_rows=not weight_rows,
-                           heads_first=(heads.length, heads.x_heads) if heads.x_heads else None,
-                           **({} if through is None else {"activation": through[0], "activation_of": through[1]}))
-    d = row_tiles_matmul(dy, q_w.T if weight_rows else q_w, s_w, out_dtype)
-    return d if through is None else through[0].backward(through[1].astype(np.float32), d.astype(np.float32))
+    blocks = rows_blocks(m, n, k, np.dtype(dy.dtype).itemsize)
+    by_xla = through is not None and (blocks is None or (through[0].row_wise and blocks[1] != k))
+    if blocks:  # w read as stored: no transposed copy
+        d = rows_matmul(dy, q_w, s_w, out_dtype, weight_rows=not weight_rows,
+                        heads_first=(heads.length, heads.x_heads) if heads.x_heads else None,
+                        **({} if through is None or by_xla else
+                           {"activation": through[0], "activation_of": through[1], "params": through[2]}))
+    else:
+        d = row_tiles_matmul(dy, q_w.T if weight_rows else q_w, s_w, out_dtype)
+    if through is None:
+        return d, ()
+    if by_xla:
+        d, *d_params = through[0].backward(through[1].astype(np.float32), d.astype(np.float32),
+                                           *[p.reshape(1, p.size).astype(np.float32) for p in through[2]])
+        return d.astype(out_dtype), tuple(d_params)
+    if through[2]:  # the params' partial sums, one per row block
+        d, partial = d
+        return d, tuple(p.sum(axis=(0, 1)) for p in partial)
+    return d, ()
 
 
 def _on_one_tpu(kernel: Callable, fallback: Callable, *args: jax.Array) -> list:
