@@ -4,6 +4,7 @@ through the kernels (interpreted on this CPU) or the recipe the loss and gradien
 written, the norm's scale and offset included, within a rounding."""
 
 import flax.linen as nn
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -125,3 +126,50 @@ def test_only_an_int8_policy_marks_a_norms_result(monkeypatch):
         jax.make_jaxpr(loss)(params)
         asked.append(policy)
     assert asked[0] == "mixed_bf16" and isinstance(asked[1], RowNorm) and asked[-1] == "mixed_int8"
+
+
+class PinnedPreNorm(nn.Module):
+    """The same, written with every dtype pinned to float32 (as many codebases do)."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(256, dtype=jnp.float32, param_dtype=jnp.float32)(x)
+        h = nn.LayerNorm(dtype=jnp.float32, param_dtype=jnp.float32)(h)
+        return nn.Dense(512, dtype=jnp.float32, param_dtype=jnp.float32)(h)
+
+
+class NNXPreNorm(nnx.Module):
+    """An NNX pre-norm projection, dtypes pinned."""
+
+    def __init__(self, rngs):
+        self.inp = nnx.Linear(128, 256, dtype=jnp.float32, rngs=rngs)
+        self.norm = nnx.LayerNorm(256, dtype=jnp.float32, rngs=rngs)
+        self.out = nnx.Linear(256, 512, dtype=jnp.float32, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.norm(self.inp(x)))
+
+
+def test_models_with_pinned_dtypes_linen_and_nnx_have_the_norm_applied_by_the_product_and_train_as_float32(
+        monkeypatch):
+    """A pinned float32 Linen model and an NNX one: the norm is marked for the int8 product, the products
+    are int8, and the norm's params get gradients as close to float32's as the int8 products allow."""
+    asked = []
+    monkeypatch.setattr(int8_norm, "row_norm", lambda norm, found=row_norm: asked.append(found(norm)) or asked[-1])
+    x = jax.random.normal(jax.random.key(0), (2, 128, 128))
+    params, loss = _traced(PinnedPreNorm(), x)
+    _, grads = loss(params)
+    exact = jax.grad(lambda p: jnp.mean(jnp.sin(PinnedPreNorm().apply({"params": p}, x))))(params)
+    assert asked and isinstance(asked[-1], RowNorm)
+    rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))  # noqa: E731
+    for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(exact)):
+        assert rel(a, b) < 0.05
+    asked.clear()
+    model = precision.with_policy(NNXPreNorm(nnx.Rngs(0)), "mixed_int8")
+    assert precision.explain(model, x).int8_share == 1.0 and isinstance(asked[-1], RowNorm)
+    reference = NNXPreNorm(nnx.Rngs(0))
+    d = nnx.grad(lambda m: jnp.mean(jnp.sin(m(x).astype(jnp.float32))))(model)
+    e = nnx.grad(lambda m: jnp.mean(jnp.sin(m(x))))(reference)
+    leaves = [jax.tree_util.tree_leaves(nnx.state(g, nnx.Param)) for g in (d, e)]
+    for a, b in zip(*leaves):
+        assert a.dtype == jnp.float32 and rel(a, b) < 0.05

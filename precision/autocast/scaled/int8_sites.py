@@ -220,7 +220,7 @@ def int8_op(site: Any, ins: list, run: Int8Run, target: np.dtype, out_dtype: np.
 def _normalized(lhs: Any, dims: Any) -> Any:
     """``lhs``'s :class:`.int8_norm.Normalized` where the product may apply its norm itself: its last axis,
     the one normalized, the only one it contracts (no batch axes); else None."""
-    normalized = getattr(lhs, "normalized", None)
+    normalized = lhs.normalized
     (lhs_contract, _), (lhs_batch, _) = dims
     if normalized is None or lhs_batch or tuple(lhs_contract) != (lhs.array.ndim - 1,):
         return None
