@@ -54,6 +54,8 @@ ROWS = {"shakespeare": [("f32", "f32"), ("bf16", "bf16"), ("f16", "f16"), ("int8
         "shakespeare_qlora": [("f32", "f32"), ("bf16", "bf16"), ("int8", "bf16"), ("nf4", "bf16")],
         "gpt2_small": [("f32", "f32"), ("bf16", "bf16"), ("f16", "f16"), ("int8", "bf16"), ("nf4", "bf16")],
         "llama3_8b": [("bf16", "bf16"), ("int8", "bf16"), ("nf4", "bf16")]}
+#: The decode kernels of each llama3_8b row (``--decode-kernels``): the model's own modules, and the fused kernels.
+LLAMA3_8B_KERNELS = {"xla": ("bf16", "int8", "nf4"), "fused": ("bf16", "int8")}
 #: Llama-3-8B's shape (its config.json) and depth (the decode step is compiled smaller: see the docstring).
 LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
              "vocab_size": 128256, "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
@@ -171,25 +173,33 @@ def measure_decode_only(target: str) -> list[dict[str, Any]]:
     points = {"base": (1, vocab // 4), "deeper": (2, vocab // 4), "wider": (1, vocab // 2)}
     for name, (layers, size) in points.items():
         source = with_nf4_base(llama_source(layers, size))
-        for dtype, kv in ROWS["llama3_8b"]:
-            step = compile_decode_step(Generator(source, dtype, kv), target)
-            steps[(dtype, kv, name)] = _decode_row(step) | {"layer_kernels": layer_kernels(step) if layers > 1 else []}
+        for dtype, kv, kernels in _llama_rows():
+            step = compile_decode_step(Generator(source, dtype, kv, decode_kernels=kernels), target)
+            steps[(dtype, kv, kernels, name)] = _decode_row(step) | {
+                "layer_kernels": layer_kernels(step) if layers > 1 else []}
         del source
     linear = ("bytes_per_token", "cache_bytes", "h100_modeled_us", "h100_limit_us", "h100_launches",
               "h100_hlo_bytes", "streaming_us", "launch_us", "compute_us")
     per_layer, per_token = LLAMA3_8B_LAYERS - 1, (vocab - vocab // 4) / (vocab // 2 - vocab // 4)
-    for dtype, kv in ROWS["llama3_8b"]:
-        base, deeper, wider = (steps[(dtype, kv, name)] for name in points)
+    for dtype, kv, kernels in _llama_rows():
+        base, deeper, wider = (steps[(dtype, kv, kernels, name)] for name in points)
         row = {k: base[k] + per_layer * (deeper[k] - base[k]) + per_token * (wider[k] - base[k]) for k in linear}
         row["h100_ratio"] = row["h100_modeled_us"] / row["h100_limit_us"]
-        row |= {"model": "llama3_8b", "weights": dtype, "cache": kv, "perplexity": None, "length": base["length"],
-                "compiled": {f"{layers} layers, vocabulary {size}": steps[(dtype, kv, name)]
+        row |= {"model": "llama3_8b", "weights": dtype, "cache": kv, "kernels": kernels, "perplexity": None,
+                "length": base["length"],
+                "compiled": {f"{layers} layers, vocabulary {size}": steps[(dtype, kv, kernels, name)]
                              for name, (layers, size) in points.items()},
                 "same_kernels_at_both_vocabularies": base["h100_launches"] == wider["h100_launches"],
                 "layer_kernels": deeper["layer_kernels"]}
         rows.append(row)
         print(_row_line(row), flush=True)
     return rows
+
+
+def _llama_rows() -> list[tuple[str, str, str]]:
+    """(weights, cache, decode kernels) of the llama3_8b rows."""
+    return [(dtype, kv, kernels) for kernels, dtypes in LLAMA3_8B_KERNELS.items()
+            for dtype, kv in ROWS["llama3_8b"] if dtype in dtypes]
 
 
 def _windows(model: str, source: Source, batches: int) -> list[np.ndarray]:
@@ -254,8 +264,12 @@ def _row_line(r: dict[str, Any]) -> str:
     speed = f"{r['tokens_per_second']:.1f}" if "tokens_per_second" in r else "-"
     parts = (f"{r['streaming_us']:.1f} + {r['launch_us']:.1f} + {max(0.0, r['compute_us']):.1f}" if "streaming_us" in r
              else "-")
-    return (f"| {r['model']} | {r['weights']} | {r['cache']} | {ppl} | {agree} | {speed} | "
+    return (f"| {r['model']} | {_weights(r)} | {r['cache']} | {ppl} | {agree} | {speed} | "
             f"{r.get('bytes_per_token', 0) / 1e6:.3f} | {h100} | {parts} |")
+
+
+def _weights(r: dict[str, Any]) -> str:
+    return r["weights"] + (" (fused kernels)" if r.get("kernels") == "fused" else "")
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -269,7 +283,8 @@ def markdown(result: dict[str, Any]) -> str:
              f"streamed at {CALIBRATION.bandwidth_efficiency:.3f} of the bandwidth, each launch's "
              f"{1e6 * CALIBRATION.min_kernel_seconds:.2f} us latency and {1e6 * CALIBRATION.gap_seconds:.2f} us gap, "
              "compute-bound time past them). llama3_8b: random weights, the decode step alone, compiled at 1-2 layers "
-             "and a quarter and half of its vocabulary, taken to 32 layers and 128,256 tokens (module docstring).", "",
+             "and a quarter and half of its vocabulary, taken to 32 layers and 128,256 tokens (module docstring); "
+             "its rows with fused kernels: `--decode-kernels fused` (`train.serving.decode_kernels`).", "",
              "| model | weights | cache | perplexity | greedy = f32 | tokens/s (CPU) | MB per token | H100 modeled / "
              "bandwidth limit | MB the H100 step moves | its kernels | modeled us: streaming + launches + compute |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -278,7 +293,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines += [f"- {line}" for line in result["verdicts"]]
     for r in result["rows"]:
         if r.get("layer_kernels"):
-            lines += ["", f"The kernels one layer of {r['model']}'s decode step launches, {r['weights']} weights "
+            lines += ["", f"The kernels one layer of {r['model']}'s decode step launches, {_weights(r)} weights "
                       f"({len(r['layer_kernels'])}; the second layer of the 2-layer program, in program order; "
                       "modeled on an H100):", "", "| kind | kernel | module | MB | modeled us |", "|---|---|---|---:|---:|"]
             lines += [f"| {k['kind']} | {k['name']} | {k['module']} | {k['mb']:.3f} | {k['us']:.1f} |"
@@ -307,7 +322,7 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         if r["cache"] == "bf16" and r["weights"] in ("bf16", "int8", "nf4") and "h100_ratio" in r:
             moved = r["h100_hlo_bytes"] / r["bytes_per_token"]
-            out.append(f"{r['model']} {r['weights']}: the modeled H100 decode step at batch 1 is {r['h100_ratio']:.2f}x "
+            out.append(f"{r['model']} {_weights(r)}: the modeled H100 decode step at batch 1 is {r['h100_ratio']:.2f}x "
                        f"its bandwidth limit (goal <= 1.5x): {'met' if r['h100_ratio'] <= 1.5 else 'NOT met'}; it moves "
                        f"{moved:.2f}x the bytes a token needs ({r['streaming_us']:.1f} us streamed at the model's "
                        f"{CALIBRATION.bandwidth_efficiency:.3f} of the bandwidth: {1 / CALIBRATION.bandwidth_efficiency:.2f}x "

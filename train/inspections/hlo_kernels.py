@@ -93,6 +93,9 @@ class _Comp(NamedTuple):
     root: list[str]  # the ROOT instruction's name (a list, filled while parsing)
 
 
+_ALIASED = re.compile(r"output_to_operand_aliasing=\{((?:\{[^{}]*\}: \(\d+, \{[^{}]*\}\)(?:, )?)*)\}")
+
+
 def _bytes(type_text: str, drop_workspace: bool = False) -> float:
     """Bytes in device memory of an HLO type (an array or a tuple of them): an array whose layout
     puts it in another memory space (a TPU's VMEM, ``S(1)``) is no device-memory traffic;
@@ -101,6 +104,15 @@ def _bytes(type_text: str, drop_workspace: bool = False) -> float:
     if drop_workspace and len(arrays) > 1 and arrays[-1][0] in ("u8", "s8"):
         arrays = arrays[:-1]
     return sum(_array_bytes(t, dims) for t, dims, layout in arrays if not _ON_CHIP.search(layout))
+
+
+def _aliased_result_bytes(instr: "_Instr") -> float:
+    """Bytes of a custom call's results that alias its operands (``output_to_operand_aliasing``: a
+    kernel updating a buffer in place, such as a cache): counted once, as the operand it reads."""
+    aliased, results = _ALIASED.search(instr.rest), _ARRAY.findall(instr.type)
+    indices = ({int(i) for i in re.findall(r"\{(\d+)\}:", aliased.group(1))} if len(results) > 1 else {0}) \
+        if aliased else set()
+    return sum(_array_bytes(t, d) for i, (t, d, layout) in enumerate(results) if i in indices and not _ON_CHIP.search(layout))
 
 
 def _array_bytes(dtype: str, dims: str) -> float:
@@ -216,6 +228,7 @@ def _kernel(instr: _Instr, comp: _Comp, comps: dict[str, _Comp], launches: int, 
     moved = sum(_bytes(t) for t in operand_types) + _bytes(instr.type, drop_workspace=True)
     base = dict(name=instr.name, launches=launches, module=module)
     if instr.op == "custom-call":
+        moved -= _aliased_result_bytes(instr)
         target = attribute(instr.rest, "custom_call_target")
         if target in _GEMM_TARGETS:
             precision = _precision("cublas", operand_types, instr.rest, '"HIGHEST"' in instr.rest)

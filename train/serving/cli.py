@@ -15,7 +15,7 @@ __all__ = ["USAGE", "main"]
 
 USAGE = ("python -m train sample RUN [--prompt TEXT | --prompt-file F] [--tokens N] [--temperature T] [--top-k K] "
          "[--top-p P] [--seed S] [--batch B] [--dtype bf16|f16|f32|int8|nf4] [--kv-dtype bf16|f16|int8|fp8] "
-         "[--diagnose]")
+         "[--decode-kernels xla|fused] [--diagnose]")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,6 +49,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="decode without a KV cache (the whole prefix each token), to compare")
     parser.add_argument("--no-window", action="store_true",
                         help="refuse --tokens past the model's context instead of sliding the window")
+    parser.add_argument("--decode-kernels", default="xla", choices=("xla", "fused"),
+                        help="each new token through the model's own modules compiled by XLA (default), or, for a "
+                             "Llama-family Hugging Face model on a GPU, through five fused kernels a layer "
+                             "(docs/serving.md)")
     parser.add_argument("--diagnose", action="store_true",
                         help="also run the numerics doctor on the prefill and a decode step in DTYPE / KV_DTYPE: "
                              "what overflows only there, with the verified rule")
@@ -64,7 +68,8 @@ def main(argv: list[str]) -> int:
 
     try:
         text = _prompt(args)
-        generator = Generator(args.run, args.dtype, args.kv_dtype, cache=not args.no_cache)
+        generator = Generator(args.run, args.dtype, args.kv_dtype, cache=not args.no_cache,
+                              decode_kernels=args.decode_kernels)
         text = generator.source.tokenizer.default_prompt if text is None else text
         sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
         out = generator.generate(text, args.tokens, sampling, args.batch, window=not args.no_window)

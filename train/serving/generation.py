@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from train.serving.cache import Decoder, decoder_for
+from train.serving.fused_decode import DECODE_KERNELS, fused_decoder, fused_refusal
 from train.serving.kv_store import kv_dtype
 from train.serving.sampling import Sampling, next_tokens
 from train.serving.source import Source, load_source, sample_inputs
@@ -70,10 +71,11 @@ class Generation(NamedTuple):
 
 class Generator:
     """A model served for generation: ``source`` (a path or :class:`Source`) in ``dtype``, its
-    cache in ``kv_dtype`` (None: the compute dtype), ``cache=False`` for decoding without one."""
+    cache in ``kv_dtype`` (None: the compute dtype), ``cache=False`` for decoding without one;
+    ``decode_kernels``: ``xla`` (the model's modules) or ``fused`` (:mod:`train.serving.fused_decode`)."""
 
     def __init__(self, source: "Source | str", dtype: str = "bf16", kv_dtype_name: str | None = None,
-                 cache: bool = True):
+                 cache: bool = True, decode_kernels: str = "xla"):
         self.source = source if isinstance(source, Source) else load_source(source)
         inputs = sample_inputs(self.source)
         key = serving_dtype(dtype)
@@ -90,6 +92,14 @@ class Generator:
         if kv_dtype_name is not None and cache and not self.decoder.cached:
             raise SampleError(f"--kv-dtype {kv_dtype_name}: {type(self.source.model).__name__} keeps no KV cache "
                               f"(it samples the whole prefix each token, without one); leave --kv-dtype out")
+        if decode_kernels not in DECODE_KERNELS:
+            raise SampleError(f"--decode-kernels {decode_kernels}: give one of {', '.join(DECODE_KERNELS)}")
+        if decode_kernels == "fused":
+            refusal = fused_refusal(self.model, self.served.params) if self.decoder.cached else "no KV cache"
+            if refusal:
+                raise SampleError(f"--decode-kernels fused: {refusal}; leave it out (xla: the model's own modules)")
+            self.decoder = fused_decoder(self.decoder, self.model)
+        self.decode_kernels = decode_kernels
         self.params = jax.device_put(self.served.params)
         self._programs: dict[tuple, Any] = {}
         self.compile_seconds = 0.0
@@ -181,7 +191,15 @@ class Generator:
         texts = [self.source.tokenizer.decode(np.concatenate([ids, row])) for row in new]
         rate = batch * (tokens - 1) / (end - first) if tokens > 1 else 0.0
         return Generation(texts, new, ids, first - start, end - first, rate, self.compile_seconds,
-                          tree_bytes(self.params), cache_bytes, self.decoder.describe(), self.served.dtype, slides)
+                          tree_bytes(self.params), cache_bytes, self.decoder.describe() + self._kernels(batch),
+                          self.served.dtype, slides)
+
+    def _kernels(self, batch: int) -> str:
+        """What the end line says of ``--decode-kernels fused``: taken, or why not at ``batch``."""
+        if self.decode_kernels != "fused":
+            return ""
+        refusal = fused_refusal(self.model, self.served.params, batch)
+        return f", each token not fused ({refusal})" if refusal else ", each token in fused kernels"
 
     def logits(self, tokens: Any) -> np.ndarray:
         """The float32 logits ``(batch, length, vocab)`` of ``tokens`` ``(batch, length)`` read
@@ -214,16 +232,17 @@ class Generator:
 
 def generate(source: "Source | str", prompt: str | Sequence[int], *, tokens: int = 100, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, seed: int = 0, batch: int = 1,
-             dtype: str = "bf16", kv_dtype: str | None = None, cache: bool = True, window: bool = True
-             ) -> Generation:
+             dtype: str = "bf16", kv_dtype: str | None = None, cache: bool = True, window: bool = True,
+             decode_kernels: str = "xla") -> Generation:
     """Generates ``tokens`` new tokens after ``prompt`` from the model ``source`` holds (a run, an
     export or a Hugging Face directory; or a :class:`Source`), ``batch`` rows, weights in
     ``dtype`` (``bf16``, ``f16``, ``f32``, ``int8``; ``nf4``: a QLoRA run as stored), the KV
     cache in ``kv_dtype`` (``bf16``, ``f16``, ``int8``, ``fp8``; None: the compute dtype),
     sampled in float32 at ``temperature`` (0: greedy) from the ``top_k`` / ``top_p`` tokens,
-    keyed by ``seed``. The prompt goes in one compiled pass, each token in one compiled step.
+    keyed by ``seed``. The prompt goes in one compiled pass, each token in one compiled step
+    (``decode_kernels="fused"``: a Llama's in five kernels a layer, :mod:`train.serving.fused_decode`).
     Raises :class:`SampleError` (one line)."""
-    generator = Generator(source, dtype, kv_dtype, cache)
+    generator = Generator(source, dtype, kv_dtype, cache, decode_kernels)
     return generator.generate(prompt, tokens, Sampling(temperature, top_k, top_p, seed), batch, window)
 
 
