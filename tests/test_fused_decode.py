@@ -13,7 +13,7 @@ from benchmarks.serving import llama_source
 from train.serving import Generator, SampleError, Sampling
 from train.serving.fused_decode import fused_decoder, fused_refusal
 
-SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8, "num_key_value_heads": 2,
+SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
          "vocab_size": 512, "max_position_embeddings": 128, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
          "tie_word_embeddings": False}
 PROMPT = [1, 5, 9, 33, 2, 7, 100, 64, 3]
@@ -59,6 +59,8 @@ def test_generation_with_fused_kernels_gives_the_models_greedy_tokens_and_says_s
     got = fused.generate(PROMPT, 18, greedy)
     np.testing.assert_array_equal(got.tokens, want.tokens)
     assert "each token in fused kernels" in got.end_line()
+    two = fused.generate(PROMPT, 3, greedy, batch=2)  # rows of their own in the attention's grid
+    np.testing.assert_array_equal(two.tokens, np.repeat(want.tokens[:, :3], 2, axis=0))
     odd = fused.generate(PROMPT, 2, greedy, batch=3)  # not a power of two: the model's own step
     np.testing.assert_array_equal(odd.tokens[0], want.tokens[0, :2])
     assert "each token not fused (" in odd.end_line() and "batch 3" in odd.end_line()

@@ -34,8 +34,11 @@ from precision.channel_weights import is_channel_int8
 __all__ = ["fits", "norm_qkv", "attend", "gemv_add", "norm_swiglu", "norm_gemv", "BLOCK_K", "BLOCK_N",
            "BLOCK_POSITIONS"]
 
-#: Tile of a weight one loop iteration streams: ``BLOCK_K`` rows by ``BLOCK_N`` columns.
-BLOCK_K, BLOCK_N = 128, 128
+#: A weight's rows (outputs) a program owns, at most, and its contracted columns a loop iteration
+#: streams, at least: fewer rows where that leaves fewer than :data:`PROGRAMS` programs (an H100 has
+#: 132 SMs: a GEMV with 32 programs would stream on a quarter of them), longer tiles for fewer rows
+#: (up to :data:`TILE` elements an iteration).
+BLOCK_N, BLOCK_K, PROGRAMS, TILE = 128, 128, 256, 8192
 #: Cache positions one iteration of the attention reads.
 BLOCK_POSITIONS = 64
 _F32 = jnp.float32
@@ -112,13 +115,18 @@ class _WeightRefs:
         return w.astype(self.dtype).astype(_F32)
 
 
-def _normalized(x_ref, norm_ref, rstd, dtype):
-    """``x(i)``: the ``i``-th ``BLOCK_K`` columns of the normed rows, rounded to ``dtype``
-    as the model's norm hands them to its projection."""
-    bk = _block(x_ref.shape[1], BLOCK_K)
+def _columns(n: int) -> int:
+    """The rows of an ``(n, k)`` weight one program owns (:data:`BLOCK_N`, :data:`PROGRAMS`)."""
+    bn = BLOCK_N
+    while bn > 16 and n // bn < PROGRAMS:
+        bn //= 2
+    return _block(n, bn)
 
-    def chunk(i):
-        cols = pl.ds(i * bk, bk)
+
+def _normalized(x_ref, norm_ref, rstd, dtype):
+    """``x(cols)``: those columns of the normed rows, rounded to ``dtype`` as the model's norm
+    hands them to its projection."""
+    def chunk(cols):
         x = x_ref[:, cols].astype(_F32) * rstd
         return (x.astype(dtype).astype(_F32) * norm_ref[cols].astype(_F32)[None, :]).astype(dtype).astype(_F32)
 
@@ -126,22 +134,22 @@ def _normalized(x_ref, norm_ref, rstd, dtype):
 
 
 def _plain(x_ref, dtype):
-    """``x(i)``: the ``i``-th ``BLOCK_K`` columns of the rows, rounded to ``dtype``."""
-    bk = _block(x_ref.shape[1], BLOCK_K)
-    return lambda i: x_ref[:, pl.ds(i * bk, bk)].astype(dtype).astype(_F32)
+    """``x(cols)``: those columns of the rows, rounded to ``dtype``."""
+    return lambda cols: x_ref[:, cols].astype(dtype).astype(_F32)
 
 
 def _gemv(rows, w, first, width):
-    """``rows @ w[first:first + width].T`` in float32 (``w`` a :class:`_WeightRefs`), ``rows(i)``
-    giving the ``i``-th block of the contracted axis."""
+    """``rows @ w[first:first + width].T`` in float32 (``w`` a :class:`_WeightRefs`), ``rows(cols)``
+    giving those columns of the contracted axis."""
     k = w.codes.shape[1]
-    bk = _block(k, BLOCK_K)
+    bk = _block(k, max(BLOCK_K, TILE // width))
 
     def body(i, acc):
-        tile = w.tile(pl.ds(first, width), pl.ds(i * bk, bk))  # (width, bk)
-        return acc + jnp.sum(rows(i)[:, None, :] * tile[None, :, :], axis=2)
+        cols = pl.ds(i * bk, bk)
+        tile = w.tile(pl.ds(first, width), cols)  # (width, bk)
+        return acc + jnp.sum(rows(cols)[:, None, :] * tile[None, :, :], axis=2)
 
-    return jax.lax.fori_loop(0, k // bk, body, jnp.zeros((rows(0).shape[0], width), _F32))
+    return jax.lax.fori_loop(0, k // bk, body, jnp.zeros((rows(pl.ds(0, bk)).shape[0], width), _F32))
 
 
 def _specs(*arrays):
@@ -151,7 +159,7 @@ def _specs(*arrays):
 def norm_gemv(x, norm, w, eps: float):
     """``rms_norm(x) @ w.T`` in float32: ``x`` ``(B, d)``, ``w`` ``(n, d)`` (the head)."""
     w = _Weight(w)
-    b, bn = x.shape[0], _block(w.n, BLOCK_N)
+    b, bn = x.shape[0], _columns(w.n)
 
     def kernel(x_ref, norm_ref, *refs):
         refs = list(refs)
@@ -168,7 +176,7 @@ def gemv_add(a, w, residual):
     """``residual + a @ w.T`` in float32: ``a`` ``(B, k)`` (rounded to the weight's dtype as it
     is read), ``w`` ``(d, k)``, ``residual`` ``(B, d)``."""
     w = _Weight(w)
-    b, bn = residual.shape[0], _block(w.n, BLOCK_N)
+    b, bn = residual.shape[0], _columns(w.n)
 
     def kernel(a_ref, r_ref, *refs):
         refs = list(refs)
@@ -185,7 +193,7 @@ def norm_swiglu(x, norm, gate, up, eps: float):
     """``silu(rms_norm(x) @ gate.T) * (rms_norm(x) @ up.T)``, ``(B, hidden)``, rounded to the
     weights' dtype as the model's MLP computes it."""
     gate, up = _Weight(gate), _Weight(up)
-    b, bn = x.shape[0], _block(gate.n, BLOCK_N)
+    b, bn = x.shape[0], _columns(gate.n)
 
     def kernel(x_ref, norm_ref, *refs):
         refs = list(refs)
@@ -204,25 +212,28 @@ def norm_swiglu(x, norm, gate, up, eps: float):
 def norm_qkv(x, norm, wq, wk, wv, sincos, eps: float):
     """``(B, (Hq + 2 Hkv) * hd)`` float32: the normed rows' queries and keys, rotated (the
     rotary embedding at one position, ``sincos`` ``(hd,)``: its sines then its cosines, a half
-    each; ``[x1, x2]`` becomes
-    ``[x1 cos - x2 sin, x2 cos + x1 sin]``), then the values; one program a head. The
-    weights are ``(heads * hd, d)``."""
+    each; ``[x1, x2]`` becomes ``[x1 cos - x2 sin, x2 cos + x1 sin]``), then the values. The
+    weights are ``(heads * hd, d)``. A program owns a part of a head: ``w`` columns of each of
+    its halves (the pairs the rotation mixes), at least 16, up to 4 parts a head."""
     wq, wk, wv = _Weight(wq), _Weight(wk), _Weight(wv)
     b, hd = x.shape[0], sincos.shape[0]
     hq, hkv, half = wq.n // hd, wk.n // hd, hd // 2
+    parts = max(1, min(4, half // 16))
+    w = half // parts
 
     def kernel(x_ref, norm_ref, sincos_ref, *refs):
         refs = list(refs)
         q_w, k_w, v_w, o_ref = wq.take(refs), wk.take(refs), wv.take(refs), refs[0]
         rows = _normalized(x_ref, norm_ref, _rstd(x_ref, eps), wq.dtype)
-        head = pl.program_id(0)
+        head, part = pl.program_id(0), pl.program_id(1)
+        first = part * w
 
-        def rotated(w, h):
-            lo, hi = _gemv(rows, w, h * hd, half), _gemv(rows, w, h * hd + half, half)
-            lo, hi = lo.astype(w.dtype).astype(_F32), hi.astype(w.dtype).astype(_F32)
-            s, c = sincos_ref[pl.ds(0, half)][None, :], sincos_ref[pl.ds(half, half)][None, :]
-            o_ref[:, pl.ds(0, half)] = lo * c - hi * s
-            o_ref[:, pl.ds(half, half)] = hi * c + lo * s
+        def rotated(weight, h):
+            lo = _gemv(rows, weight, h * hd + first, w).astype(weight.dtype).astype(_F32)
+            hi = _gemv(rows, weight, h * hd + half + first, w).astype(weight.dtype).astype(_F32)
+            s, c = sincos_ref[pl.ds(first, w)][None, :], sincos_ref[pl.ds(half + first, w)][None, :]
+            o_ref[:, pl.ds(first, w)] = lo * c - hi * s
+            o_ref[:, pl.ds(half + first, w)] = hi * c + lo * s
 
         @pl.when(head < hq)
         def _():
@@ -234,11 +245,12 @@ def norm_qkv(x, norm, wq, wk, wv, sincos, eps: float):
 
         @pl.when(head >= hq + hkv)
         def _():
-            o_ref[...] = _gemv(rows, v_w, (head - hq - hkv) * hd, hd).astype(wv.dtype).astype(_F32)
+            value = _gemv(rows, v_w, (head - hq - hkv) * hd + 2 * first, 2 * w)
+            o_ref[:, pl.ds(2 * first, 2 * w)] = value.astype(wv.dtype).astype(_F32)
 
     args = (x, norm, sincos, *wq.operands, *wk.operands, *wv.operands)
-    return _call(kernel, jax.ShapeDtypeStruct((b, (hq + 2 * hkv) * hd), _F32), (hq + 2 * hkv,), _specs(*args),
-                 pl.BlockSpec((b, hd), lambda h: (0, h)), args)
+    return _call(kernel, jax.ShapeDtypeStruct((b, (hq + 2 * hkv) * hd), _F32), (hq + 2 * hkv, parts),
+                 _specs(*args), pl.BlockSpec((b, hd), lambda h, p: (0, h)), args)
 
 
 def attend(qkv, cached_key, cached_value, index, heads: int):

@@ -104,7 +104,8 @@ def _nk(params: Any) -> Any:
 
 
 def _step(config: Any, table: np.ndarray, params: dict, cache: dict, tokens: jax.Array, index: jax.Array):
-    """Logits ``(B, 1, vocab)`` of one token a row at ``index``, and the cache with it."""
+    """Logits ``(B, 1, vocab)`` of one token a row at ``index``, and the cache with it. Each
+    kernel is named for the modules it does (``model/layers/N/...``: profiles and ``--compile-for``)."""
     eps, heads = config.rms_norm_eps, config.num_attention_heads
     model = params["model"]
     x = jnp.take(model["embed_tokens"]["embedding"], tokens, axis=0).astype(jnp.float32)
@@ -112,16 +113,20 @@ def _step(config: Any, table: np.ndarray, params: dict, cache: dict, tokens: jax
     layers, after = dict(cache["model"]["layers"]), (index + 1).astype(jnp.int32)  # every layer's cache_index
     for name in sorted(model["layers"], key=int):
         p, c = model["layers"][name], layers[name]["self_attn"]
-        attn = p["self_attn"]
-        qkv = kernels.norm_qkv(x, p["input_layernorm"]["weight"], attn["q_proj"]["kernel"],
-                               attn["k_proj"]["kernel"], attn["v_proj"]["kernel"], sincos, eps)
-        out, keys, values = kernels.attend(qkv, c["cached_key"], c["cached_value"], index, heads)
-        x = kernels.gemv_add(out, attn["o_proj"]["kernel"], x)
-        mlp = p["mlp"]
-        act = kernels.norm_swiglu(x, p["post_attention_layernorm"]["weight"], mlp["gate_proj"]["kernel"],
-                                  mlp["up_proj"]["kernel"], eps)
-        x = kernels.gemv_add(act, mlp["down_proj"]["kernel"], x)
-        layers[name] = {"self_attn": {"cached_key": keys, "cached_value": values,
-                                      "cache_index": after}}
-    logits = kernels.norm_gemv(x, model["norm"]["weight"], params["lm_head"]["kernel"], eps)
+        attn, mlp = p["self_attn"], p["mlp"]
+        with jax.named_scope(f"model/layers/{name}/input_layernorm+self_attn/qkv+rotary_emb"):
+            qkv = kernels.norm_qkv(x, p["input_layernorm"]["weight"], attn["q_proj"]["kernel"],
+                                   attn["k_proj"]["kernel"], attn["v_proj"]["kernel"], sincos, eps)
+        with jax.named_scope(f"model/layers/{name}/self_attn"):
+            out, keys, values = kernels.attend(qkv, c["cached_key"], c["cached_value"], index, heads)
+        with jax.named_scope(f"model/layers/{name}/self_attn/o_proj+residual"):
+            x = kernels.gemv_add(out, attn["o_proj"]["kernel"], x)
+        with jax.named_scope(f"model/layers/{name}/post_attention_layernorm+mlp/gate_proj+up_proj"):
+            act = kernels.norm_swiglu(x, p["post_attention_layernorm"]["weight"], mlp["gate_proj"]["kernel"],
+                                      mlp["up_proj"]["kernel"], eps)
+        with jax.named_scope(f"model/layers/{name}/mlp/down_proj+residual"):
+            x = kernels.gemv_add(act, mlp["down_proj"]["kernel"], x)
+        layers[name] = {"self_attn": {"cached_key": keys, "cached_value": values, "cache_index": after}}
+    with jax.named_scope("model/norm+lm_head"):
+        logits = kernels.norm_gemv(x, model["norm"]["weight"], params["lm_head"]["kernel"], eps)
     return logits[:, None, :], {"model": {"layers": layers}}
