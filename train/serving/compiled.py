@@ -75,7 +75,10 @@ def compile_decode_step(generator: Any, target: str = "h100", batch: int = 1, le
     scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=placed)  # noqa: E731
     args = (abstract(generator.params), abstract(cache), jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=placed),
             scalar(jnp.int32), scalar(jnp.uint32))
-    compiled = jax.jit(generator.run(Sampling(temperature=0)), donate_argnums=(1,)).lower(*args).compile()
+    # Pallas' Triton lowering (the fused kernels) asks the default device which GPU it is for (jax 0.11)
+    device = placed.device_set.pop() if getattr(generator, "decode_kernels", "xla") == "fused" else None
+    with jax.default_device(device):
+        compiled = jax.jit(generator.run(Sampling(temperature=0)), donate_argnums=(1,)).lower(*args).compile()
     text = compiled.as_text()
     gemms: dict[str, int] = {}
     for kernel in read_kernels(text):
