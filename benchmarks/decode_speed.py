@@ -13,12 +13,15 @@ kind (device busy against wall: how much of a token is launches and gaps).
 
 Shapes: ``gpt2_small`` (12 x 768, vocabulary 50,304, 1,024 positions), ``wide_2`` and ``wide_4``
 (2 and 4 layers 4,096 wide, MLP 16,384, vocabulary 128,256, 4,096 positions: a 7B model's layers
-and head; serving casts weights on the host, too slow for 32 such layers in a short lease). From
-the two depths, what one wide layer adds (time and bytes: the bandwidth its GEMVs reach) and the
-32-layer model taken linearly. ``tiny`` for a check of this script.
+and head; serving casts weights on the host, too slow for 32 such layers in a short lease);
+``llama_2`` and ``llama_4``, a Hugging Face Flax Llama with Llama-3-8B's layers and head (8,192
+positions), whose rows ``--kernels xla,fused`` gives for the model's own modules and for the fused
+decode kernels (``--decode-kernels fused``). From the two depths, what one wide layer adds (time
+and bytes: the bandwidth its GEMVs reach) and the 32-layer model taken linearly. ``tiny`` and
+``llama_tiny`` for a check of this script.
 
     python -m benchmarks.decode_speed [--shapes gpt2_small,wide_2,wide_4] [--dtypes bf16,int8]
-        [--prompt 128] [--tokens 128] [--out DIR]
+        [--kernels xla,fused] [--prompt 128] [--tokens 128] [--out DIR]
 
 On a CPU it runs (``--shapes tiny``); its times are the CPU's. Writes
 ``decode-speed-<device>.{json,md}``.
@@ -47,12 +50,29 @@ from train.serving.weights import tree_bytes
 SHAPES = {"tiny": (2, 2, 64, 256, 256, False), "tiny_4": (4, 2, 64, 256, 256, False),
           "gpt2_small": (12, 12, 768, 50304, 1024, False),
           "wide_2": (2, 32, 4096, 128256, 4096, False), "wide_4": (4, 32, 4096, 128256, 4096, False)}
+#: Hugging Face Flax Llamas (random weights, :func:`benchmarks.serving.llama_source`): name -> (layers, shape);
+#: ``llama_2``/``llama_4``: Llama-3-8B's layers and head (``--kernels xla,fused`` times the fused decode kernels)
+LLAMAS = {"llama_2": (2, None), "llama_4": (4, None),
+          "llama_tiny": (2, {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+                             "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 512,
+                             "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}),
+          "llama_tiny_4": (4, "llama_tiny")}
 #: (shallow, deep, depth to take them to) for the per-layer figures
-DEPTHS = {"wide": ("wide_2", "wide_4", 32), "tiny": ("tiny", "tiny_4", 32)}
+DEPTHS = {"wide": ("wide_2", "wide_4", 32), "tiny": ("tiny", "tiny_4", 32), "llama": ("llama_2", "llama_4", 32),
+          "llama_tiny": ("llama_tiny", "llama_tiny_4", 32)}
+
+
+def _layers(name: str) -> int:
+    return LLAMAS[name][0] if name in LLAMAS else SHAPES[name][0]
 
 
 def source(name: str) -> Source:
-    """The GPT of shape ``name`` with random float32 weights (normal 0.02), ready to serve."""
+    """The GPT (or Llama) of shape ``name`` with random weights (normal 0.02), ready to serve."""
+    if name in LLAMAS:
+        from benchmarks.serving import LLAMA3_8B, llama_source
+        layers, shape = LLAMAS[name]
+        shape = LLAMAS[shape][1] if isinstance(shape, str) else shape
+        return llama_source(layers, (shape or LLAMA3_8B)["vocab_size"], shape)
     layers, heads, width, vocab, positions, scanned = SHAPES[name]
     model = GPT(vocab_size=vocab, block_size=positions, num_layers=layers, num_heads=heads, d_model=width,
                 scan_layers=scanned)
@@ -90,17 +110,18 @@ def _traced(generator: Generator, step: Any, length: int, start: int, steps: int
             "by_kind": t["by_kind"]}
 
 
-def measure(name: str, src: Source, dtype: str, prompt: int, tokens: int) -> dict[str, Any]:
-    """One row: ``name``'s GPT (``src``) served in ``dtype``, decoded at batch 1."""
-    generator = Generator(src, dtype)
-    ids = np.random.default_rng(0).integers(0, SHAPES[name][3], prompt).astype(np.int32)
+def measure(name: str, src: Source, dtype: str, prompt: int, tokens: int, kernels: str = "xla") -> dict[str, Any]:
+    """One row: ``name``'s model (``src``) served in ``dtype``, each token through ``kernels``
+    (``--decode-kernels``), decoded at batch 1."""
+    generator = Generator(src, dtype, decode_kernels=kernels)
+    ids = np.random.default_rng(0).integers(0, src.tokenizer.size, prompt).astype(np.int32)
     generator.generate(ids, tokens=4, sampling=Sampling(temperature=0))  # compiles both programs
     out = generator.generate(ids, tokens=tokens, sampling=Sampling(temperature=0))
     length = generator.cache_length(prompt, tokens)
     per_token = 1.0 / out.tokens_per_second
     cache_bytes = tree_bytes(jax.eval_shape(lambda: generator.decoder.init(1, length)))
     token_bytes = generator.served.token_bytes + cache_bytes
-    row = {"shape": name, "dtype": dtype, "params": int(sum(x.size for x in jax.tree_util.tree_leaves(src.params))),
+    row = {"shape": name, "dtype": dtype if kernels == "xla" else f"{dtype} {kernels}", "params": int(sum(x.size for x in jax.tree_util.tree_leaves(src.params))),
            "prompt": prompt, "tokens": tokens, "cache_length": length, "seconds_per_token": per_token,
            "tokens_per_second": out.tokens_per_second, "time_to_first_token": out.first_token_seconds,
            "weight_bytes": generator.served.token_bytes, "cache_bytes": cache_bytes, "token_bytes": token_bytes,
@@ -123,7 +144,7 @@ def per_layer(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     by = {(r["shape"], r["dtype"]): r for r in rows}
     out = []
     for family, (shallow, deep, depth) in DEPTHS.items():
-        layers = SHAPES[deep][0] - SHAPES[shallow][0]
+        layers = _layers(deep) - _layers(shallow)
         for dtype in sorted({r["dtype"] for r in rows}):
             a, b = by.get((shallow, dtype)), by.get((deep, dtype))
             if a is None or b is None:
@@ -132,8 +153,8 @@ def per_layer(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             nbytes = (b["token_bytes"] - a["token_bytes"]) / layers
             row = {"family": family, "dtype": dtype, "layer_seconds": seconds, "layer_bytes": nbytes,
                    "layer_bandwidth": nbytes / seconds if seconds > 0 else None, "depth": depth,
-                   "deep_seconds": a["seconds_per_token"] + (depth - SHAPES[shallow][0]) * seconds,
-                   "deep_bytes": a["token_bytes"] + (depth - SHAPES[shallow][0]) * nbytes}
+                   "deep_seconds": a["seconds_per_token"] + (depth - _layers(shallow)) * seconds,
+                   "deep_bytes": a["token_bytes"] + (depth - _layers(shallow)) * nbytes}
             if "modeled_seconds" in a and "modeled_seconds" in b:
                 row["layer_modeled_seconds"] = (b["modeled_seconds"] - a["modeled_seconds"]) / layers
                 row["deep_limit_ratio"] = row["deep_seconds"] * a["datasheet_bandwidth"] / row["deep_bytes"]
@@ -144,7 +165,7 @@ def per_layer(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def markdown(result: dict[str, Any]) -> str:
     env = result["environment"]
     lines = [f"# Decoding at batch 1 on {result['device']}", "",
-             f"`{result['command']}` ({env['date']}, jax {env['jax']}). This project's GPT with its KV cache, random "
+             f"`{result['command']}` ({env['date']}, jax {env['jax']}). This project's GPT (or a Hugging Face Llama: `llama_*`) with its KV cache, random "
              "weights, served through `train.serving.Generator` (greedy); the prompt in one pass, then each token "
              "back to back. *Bytes a token*: every weight once (a table's row), the cache at its length. *x limit*: "
              "the time a token over its bytes at the datasheet's bandwidth. *Modeled*: `train.inspections.gpu_time` "
@@ -176,21 +197,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m benchmarks.decode_speed", description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="gpt2_small,wide_2,wide_4")
     p.add_argument("--dtypes", default="bf16,int8")
+    p.add_argument("--kernels", default="xla", help="decode kernels, comma-separated: xla, fused (Llamas only)")
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
-    unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
+    unknown = [s for s in args.shapes.split(",") if s not in SHAPES and s not in LLAMAS]
     if unknown:
-        p.error(f"unknown shape {', '.join(unknown)}; give some of {', '.join(SHAPES)}")
+        p.error(f"unknown shape {', '.join(unknown)}; give some of {', '.join([*SHAPES, *LLAMAS])}")
     env = environment()
     rows = []
     for name in args.shapes.split(","):
         src = source(name)
-        for dtype in args.dtypes.split(","):
-            rows.append(measure(name, src, dtype, args.prompt, args.tokens))
+        for dtype, kernels in [(d, k) for k in args.kernels.split(",") for d in args.dtypes.split(",")]:
+            if kernels != "xla" and name not in LLAMAS:
+                continue
+            rows.append(measure(name, src, dtype, args.prompt, args.tokens, kernels))
             r = rows[-1]
-            print(f"{name} {dtype}: {r['seconds_per_token'] * 1e3:.3f} ms a token, {r['bandwidth'] / 1e9:.0f} GB/s"
+            print(f"{name} {r['dtype']}: {r['seconds_per_token'] * 1e3:.3f} ms a token, {r['bandwidth'] / 1e9:.0f} GB/s"
                   + (f", modeled {r['modeled_seconds'] * 1e3:.3f} ms ({r['model_vs_measured']:.2f}x)"
                      if "modeled_seconds" in r else ""), flush=True)
     result = {"environment": env, "device": jax.devices()[0].device_kind, "rows": rows, "per_layer": per_layer(rows),
