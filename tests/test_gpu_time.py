@@ -232,3 +232,25 @@ def test_backend_configs_read_the_same_compact_or_spaced():
     for text in (compact, spaced):
         assert {k.name: k for k in read_hlo_kernels(text)} == _by_name()
     assert _by_name()["fmha.1"].causal and _by_name()["loop_tanh_fusion"].launches == 3
+
+
+def test_a_custom_calls_results_aliased_to_its_operands_are_moved_once():
+    """A kernel updating buffers in place (the fused decode's attention writes its cache) reads them;
+    its aliased results are the same memory, not bytes moved again (issue 70)."""
+    text = """HloModule jit_step, is_scheduled=true
+
+ENTRY %main (q: f32[1,64], k: bf16[1,512,2,16], v: bf16[1,512,2,16]) -> (f32[1,64], bf16[1,512,2,16], bf16[1,512,2,16]) {
+  %q = f32[1,64]{1,0} parameter(0)
+  %k = bf16[1,512,2,16]{3,2,1,0} parameter(1)
+  %v = bf16[1,512,2,16]{3,2,1,0} parameter(2)
+  ROOT %pallas_call.1 = (f32[1,64]{1,0}, bf16[1,512,2,16]{3,2,1,0}, bf16[1,512,2,16]{3,2,1,0}) custom-call(%q, %k, %v), custom_call_target="__gpu$xla.gpu.triton", output_to_operand_aliasing={{1}: (1, {}), {2}: (2, {})}, api_version=API_VERSION_TYPED_FFI
+}
+"""
+    (kernel,) = read_hlo_kernels(text)
+    cache = 512 * 2 * 16 * 2
+    assert kernel.bytes == 64 * 4 + 2 * cache + 64 * 4  # q and the caches read, the output written
+    single = text.replace("(f32[1,64], bf16[1,512,2,16], bf16[1,512,2,16]) {", "bf16[1,512,2,16] {").replace(
+        "(f32[1,64]{1,0}, bf16[1,512,2,16]{3,2,1,0}, bf16[1,512,2,16]{3,2,1,0}) custom-call",
+        "bf16[1,512,2,16]{3,2,1,0} custom-call").replace("{{1}: (1, {}), {2}: (2, {})}", "{{}: (1, {})}")
+    (kernel,) = read_hlo_kernels(single)
+    assert kernel.bytes == 64 * 4 + 2 * cache  # one result, the cache it updates

@@ -158,6 +158,9 @@ def test_a_hugging_face_gpt2_samples_through_the_command_with_its_cache(hf_dir, 
     np.testing.assert_array_equal(_greedy(source, tokens=6, prompt="ROMEO : the king"), uncached)
     assert main(["sample", str(hf_dir), "--prompt", "ROMEO : Tybalt"]) == 2
     assert "cannot encode" in capsys.readouterr().err
+    assert main(["sample", str(hf_dir), "--decode-kernels", "fused"]) == 2  # a GPT-2: Llama's kernels only
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--decode-kernels fused: the fused decode kernels are written for Llama" in err
 
 
 def test_an_exported_lora_fine_tune_of_it_samples_through_the_command(hf_dir, tmp_path, capsys):
