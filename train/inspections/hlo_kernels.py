@@ -93,6 +93,7 @@ class _Comp(NamedTuple):
     root: list[str]  # the ROOT instruction's name (a list, filled while parsing)
 
 
+_TRITON = "__gpu$xla.gpu.triton"
 _ALIASED = re.compile(r"output_to_operand_aliasing=\{((?:\{[^{}]*\}: \(\d+, \{[^{}]*\}\)(?:, )?)*)\}")
 
 
@@ -107,8 +108,8 @@ def _bytes(type_text: str, drop_workspace: bool = False) -> float:
 
 
 def _aliased_result_bytes(instr: "_Instr") -> float:
-    """Bytes of a custom call's results that alias its operands (``output_to_operand_aliasing``: a
-    kernel updating a buffer in place, such as a cache): counted once, as the operand it reads."""
+    """Bytes of a Pallas (Triton) kernel's results aliasing its operands (a buffer updated in place, the
+    fused decode's cache): counted once, as read. A library call's (a GEMM into its output) is written whole."""
     aliased, results = _ALIASED.search(instr.rest), _ARRAY.findall(instr.type)
     indices = ({int(i) for i in re.findall(r"\{(\d+)\}:", aliased.group(1))} if len(results) > 1 else {0}) \
         if aliased else set()
@@ -228,8 +229,8 @@ def _kernel(instr: _Instr, comp: _Comp, comps: dict[str, _Comp], launches: int, 
     moved = sum(_bytes(t) for t in operand_types) + _bytes(instr.type, drop_workspace=True)
     base = dict(name=instr.name, launches=launches, module=module)
     if instr.op == "custom-call":
-        moved -= _aliased_result_bytes(instr)
         target = attribute(instr.rest, "custom_call_target")
+        moved -= _aliased_result_bytes(instr) if target == _TRITON else 0.0
         if target in _GEMM_TARGETS:
             precision = _precision("cublas", operand_types, instr.rest, '"HIGHEST"' in instr.rest)
             return HloKernel(kind="gemm", bytes=moved, flops=_gemm_flops(instr.type, operand_types, instr.rest),

@@ -76,7 +76,7 @@ def compile_decode_step(generator: Any, target: str = "h100", batch: int = 1, le
     args = (abstract(generator.params), abstract(cache), jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=placed),
             scalar(jnp.int32), scalar(jnp.uint32))
     # Pallas' Triton lowering (the fused kernels) asks the default device which GPU it is for (jax 0.11)
-    device = placed.device_set.pop() if getattr(generator, "decode_kernels", "xla") == "fused" else None
+    device = target_devices(gpu)[0] if getattr(generator, "decode_kernels", "xla") == "fused" else None
     with jax.default_device(device):
         compiled = jax.jit(generator.run(Sampling(temperature=0)), donate_argnums=(1,)).lower(*args).compile()
     text = compiled.as_text()

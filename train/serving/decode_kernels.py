@@ -14,7 +14,7 @@ those launches cost more than half of what the bytes do on an H100
 - :func:`norm_swiglu`: the RMS norm, the gate and up projections, ``silu(gate) * up``;
 - and :func:`norm_gemv` for the head.
 
-Each is a matrix-vector product streaming its weight in ``(block_k, block_n)`` tiles,
+Each is a matrix-vector product streaming its weight in tiles of rows (outputs) by columns,
 accumulating in float32; the norm is recomputed by every program from the ``(B, d)`` row
 (a few KB) rather than launched on its own. On a GPU they are Triton kernels (Pallas'
 Triton backend); elsewhere the same kernels run interpreted, which is how the tests check
