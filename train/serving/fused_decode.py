@@ -54,18 +54,24 @@ def fused_refusal(module: Any, params: Any, batch: int = 1) -> str | None:
         if path[-1] == "kernel" and not _stored_nk(w):
             return (f"the fused decode kernels read weights stored (out, in), as float arrays or int8 with a "
                     f"scale a row; {'/'.join(path)} is {type(w).__name__}")
+    return _shape_refusal(config, batch)
+
+
+def _shape_refusal(config: Any, batch: int) -> str | None:
+    """Why the kernels' blocks do not fit ``config``'s widths at ``batch`` rows, or None."""
     hd = config.hidden_size // config.num_attention_heads
     widths = (config.num_attention_heads * hd, config.num_key_value_heads * hd, config.intermediate_size,
               config.vocab_size)
-    if not kernels.fits(batch, config.hidden_size, hd, *widths):
-        return (f"the fused decode kernels need powers of two or multiples of {kernels.BLOCK_N}: batch {batch}, "
-                f"widths {config.hidden_size}, {hd} (a head), {widths}")
-    return None
+    if kernels.fits(batch, config.hidden_size, hd, *widths):
+        return None
+    return (f"the fused decode kernels need the batch and the head width powers of two (a head at least 16) and "
+            f"every width a multiple of 16: batch {batch}, head {hd}, widths {config.hidden_size}, {widths}")
 
 
 def fused_decoder(decoder: Any, module: Any) -> Any:
     """``decoder`` (a Hugging Face Llama's, :class:`train.serving.cache.Decoder`) with its
-    one-token steps on the fused kernels; batches :func:`fused_refusal` refuses, and prompts,
+    one-token steps on the fused kernels (the model checked by :func:`fused_refusal` beforehand);
+    batches the kernels' blocks do not fit, and prompts,
     go through the model's modules."""
     config = module.config
     inner = decoder.forward
@@ -73,11 +79,11 @@ def fused_decoder(decoder: Any, module: Any) -> Any:
     table = _rotary_table(config.max_position_embeddings, hd)
 
     def forward(params, cache, tokens, index):
-        if tokens.shape[1] != 1 or fused_refusal(module, params, tokens.shape[0]):
+        if tokens.shape[1] != 1 or _shape_refusal(config, tokens.shape[0]):  # the model: refused at init
             return inner(params, cache, tokens, index)
         return _step(config, table, _nk(params), cache, tokens[:, 0], index)
 
-    return decoder._replace(forward=forward, kind=decoder.kind)
+    return decoder._replace(forward=forward)
 
 
 def _stored_nk(w: Any) -> bool:
