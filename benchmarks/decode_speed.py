@@ -15,10 +15,10 @@ Shapes: ``gpt2_small`` (12 x 768, vocabulary 50,304, 1,024 positions), ``wide_2`
 (2 and 4 layers 4,096 wide, MLP 16,384, vocabulary 128,256, 4,096 positions: a 7B model's layers
 and head; serving casts weights on the host, too slow for 32 such layers in a short lease);
 ``llama_2`` and ``llama_4``, a Hugging Face Flax Llama with Llama-3-8B's layers and head (8,192
-positions), whose rows ``--kernels xla,fused`` gives for the model's own modules and for the fused
-decode kernels (``--decode-kernels fused``). From the two depths, what one wide layer adds (time
-and bytes: the bandwidth its GEMVs reach) and the 32-layer model taken linearly. ``tiny`` and
-``llama_tiny`` for a check of this script.
+positions), and ``hf_gpt2_small``, a Hugging Face Flax GPT-2 small, whose rows ``--kernels xla,fused``
+gives for the model's own modules and for the fused decode kernels (``--decode-kernels fused``). From the two depths, what one wide layer adds (time
+and bytes: the bandwidth its GEMVs reach) and the 32-layer model taken linearly. ``tiny``,
+``llama_tiny`` and ``hf_gpt2_tiny`` for a check of this script.
 
     python -m benchmarks.decode_speed [--shapes gpt2_small,wide_2,wide_4] [--dtypes bf16,int8]
         [--kernels xla,fused] [--prompt 128] [--tokens 128] [--out DIR]
@@ -57,17 +57,26 @@ LLAMAS = {"llama_2": (2, None), "llama_4": (4, None),
                              "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 512,
                              "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}),
           "llama_tiny_4": (4, "llama_tiny")}
+#: Hugging Face Flax GPT-2s (random weights, :func:`benchmarks.serving.gpt2_source`): name -> ``GPT2Config`` fields
+#: (``hf_gpt2_small``: GPT-2 small, 50,257 tokens; ``--kernels xla,fused`` times the fused decode kernels)
+GPT2S = {"hf_gpt2_small": {}, "hf_gpt2_tiny": {"n_embd": 128, "n_layer": 2, "n_head": 2, "vocab_size": 512,
+                                                "n_positions": 512}}
 #: (shallow, deep, depth to take them to) for the per-layer figures
 DEPTHS = {"wide": ("wide_2", "wide_4", 32), "tiny": ("tiny", "tiny_4", 32), "llama": ("llama_2", "llama_4", 32),
           "llama_tiny": ("llama_tiny", "llama_tiny_4", 32)}
 
 
 def _layers(name: str) -> int:
+    if name in GPT2S:
+        return GPT2S[name].get("n_layer", 12)
     return LLAMAS[name][0] if name in LLAMAS else SHAPES[name][0]
 
 
 def source(name: str) -> Source:
-    """The GPT (or Llama) of shape ``name`` with random weights (normal 0.02), ready to serve."""
+    """The GPT (or Hugging Face Llama or GPT-2) of shape ``name`` with random weights, ready to serve."""
+    if name in GPT2S:
+        from benchmarks.serving import gpt2_source
+        return gpt2_source(GPT2S[name])
     if name in LLAMAS:
         from benchmarks.serving import LLAMA3_8B, llama_source
         layers, shape = LLAMAS[name]
@@ -165,7 +174,7 @@ def per_layer(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def markdown(result: dict[str, Any]) -> str:
     env = result["environment"]
     lines = [f"# Decoding at batch 1 on {result['device']}", "",
-             f"`{result['command']}` ({env['date']}, jax {env['jax']}). This project's GPT (or a Hugging Face Llama: `llama_*`) with its KV cache, random "
+             f"`{result['command']}` ({env['date']}, jax {env['jax']}). This project's GPT (or a Hugging Face Llama or GPT-2: `llama_*`, `hf_gpt2_*`) with its KV cache, random "
              "weights, served through `train.serving.Generator` (greedy); the prompt in one pass, then each token "
              "back to back. *Bytes a token*: every weight once (a table's row), the cache at its length. *x limit*: "
              "the time a token over its bytes at the datasheet's bandwidth. *Modeled*: `train.inspections.gpu_time` "
@@ -197,20 +206,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m benchmarks.decode_speed", description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="gpt2_small,wide_2,wide_4")
     p.add_argument("--dtypes", default="bf16,int8")
-    p.add_argument("--kernels", default="xla", help="decode kernels, comma-separated: xla, fused (Llamas only)")
+    p.add_argument("--kernels", default="xla",
+                   help="decode kernels, comma-separated: xla, fused (the Hugging Face shapes only)")
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
-    unknown = [s for s in args.shapes.split(",") if s not in SHAPES and s not in LLAMAS]
+    unknown = [s for s in args.shapes.split(",") if s not in {**SHAPES, **LLAMAS, **GPT2S}]
     if unknown:
-        p.error(f"unknown shape {', '.join(unknown)}; give some of {', '.join([*SHAPES, *LLAMAS])}")
+        p.error(f"unknown shape {', '.join(unknown)}; give some of {', '.join([*SHAPES, *LLAMAS, *GPT2S])}")
     env = environment()
     rows = []
     for name in args.shapes.split(","):
         src = source(name)
         for dtype, kernels in [(d, k) for k in args.kernels.split(",") for d in args.dtypes.split(",")]:
-            if kernels != "xla" and name not in LLAMAS:
+            if kernels != "xla" and name not in LLAMAS and name not in GPT2S:
                 continue
             rows.append(measure(name, src, dtype, args.prompt, args.tokens, kernels))
             r = rows[-1]

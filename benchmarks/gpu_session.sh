@@ -15,7 +15,7 @@
 #   4. decoding at batch 1, bf16 and int8 weights, 16 tokens a dispatch, timed beside the model of
 #      the program it ran (benchmarks.decode_speed: 2 and 4 layers 4,096 wide, what one layer adds);
 #      then a Hugging Face Llama's (Llama-3-8B's layers) through its own modules and through the
-#      fused decode kernels (--decode-kernels fused: issue 70's modeled 1.46x, never timed);
+#      fused decode kernels (--decode-kernels fused: a Llama-3-8B shape's modeled 1.46x, GPT-2 small's; never timed);
 #   5. the top kernels of our mixed_bf16 step and of the hand-written one (benchmarks.profile_step);
 #   6. closed-form norms and the loss in blocks, each switched off in turn: time, memory plan,
 #      the largest batch each allows, run (benchmarks.norms_and_loss);
@@ -88,8 +88,9 @@ phase "fp8 at 8B" 130 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 -m benchma
     --steps 5 --rounds 3 --profile --out "$RES/fp8" $FP8_ARGS
 phase "decode" 100 python3 -m benchmarks.decode_speed --shapes $([ "$SIZE" = quick ] && echo tiny,tiny_4 || echo wide_2,wide_4) \
     --out "$RES/decode"
-phase "fused decode" 90 python3 -m benchmarks.decode_speed --shapes $([ "$SIZE" = quick ] && echo llama_tiny,llama_tiny_4 || \
-    echo llama_2,llama_4) --dtypes bf16 --kernels xla,fused --out "$RES/decode-fused"
+phase "fused decode" 110 python3 -m benchmarks.decode_speed --shapes $([ "$SIZE" = quick ] && \
+    echo llama_tiny,llama_tiny_4,hf_gpt2_tiny || echo llama_2,llama_4,hf_gpt2_small) --dtypes bf16 --kernels xla,fused \
+    --out "$RES/decode-fused"
 phase "profile, ours" 45 python3 -m benchmarks.profile_step --model ${MODELS%% *} --size "$SIZE" --out "$RES/profile"
 phase "profile, hand-written" 45 python3 -m benchmarks.profile_step --model ${MODELS%% *} --size "$SIZE" --hand-written \
     --out "$RES/profile"

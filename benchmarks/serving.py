@@ -29,7 +29,9 @@ logit is float32's. Writes ``benchmarks/results/serving.{json,md}`` (``serving-M
 from __future__ import annotations
 
 import argparse
+import atexit
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -54,8 +56,9 @@ ROWS = {"shakespeare": [("f32", "f32"), ("bf16", "bf16"), ("f16", "f16"), ("int8
         "shakespeare_qlora": [("f32", "f32"), ("bf16", "bf16"), ("int8", "bf16"), ("nf4", "bf16")],
         "gpt2_small": [("f32", "f32"), ("bf16", "bf16"), ("f16", "f16"), ("int8", "bf16"), ("nf4", "bf16")],
         "llama3_8b": [("bf16", "bf16"), ("int8", "bf16"), ("nf4", "bf16")]}
-#: The decode kernels of each llama3_8b row (``--decode-kernels``): the model's own modules, and the fused kernels.
-LLAMA3_8B_KERNELS = {"xla": ("bf16", "int8", "nf4"), "fused": ("bf16", "int8")}
+#: The weights each model's decode step is also compiled with the fused kernels in (``--decode-kernels fused``;
+#: its other rows: the model's own modules).
+FUSED_ROWS = {"gpt2_small": ("bf16", "int8"), "llama3_8b": ("bf16", "int8")}
 #: Llama-3-8B's shape (its config.json) and depth (the decode step is compiled smaller: see the docstring).
 LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
              "vocab_size": 128256, "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
@@ -74,14 +77,23 @@ class Ids:
         return " ".join(str(int(i)) for i in np.ravel(ids))
 
 
-def _gpt2_small() -> Source:
+def _scratch_directory(prefix: str) -> str:
+    """A temporary directory for a made-up model's config, removed when the process exits."""
+    directory = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, directory, True)
+    return directory
+
+
+def gpt2_source(shape: dict | None = None) -> Source:
+    """A Hugging Face Flax GPT-2 of ``shape`` (``GPT2Config`` fields; default GPT-2 small's shape,
+    transformers' defaults), random weights (the model's own initialization, seed 0)."""
     import transformers
 
     from train.inspections.export import export_rules
     from train.weights import huggingface
 
-    directory = tempfile.mkdtemp(prefix="gpt2-small-")
-    config = transformers.GPT2Config(architectures=["GPT2LMHeadModel"])  # GPT-2 small's shape
+    directory = _scratch_directory("gpt2-")
+    config = transformers.GPT2Config(architectures=["GPT2LMHeadModel"], **(shape or {}))
     config.save_pretrained(directory)
     params = jax.device_get(transformers.FlaxGPT2LMHeadModel(config, seed=0).params)
     rules = type("Section", (), {"policy": "mixed_bf16", "rules": None})
@@ -98,7 +110,7 @@ def llama_source(layers: int, vocab: int, shape: dict | None = None) -> Source:
     from train.inspections.export import export_rules
     from train.weights import huggingface
 
-    directory = tempfile.mkdtemp(prefix="llama3-8b-")
+    directory = _scratch_directory("llama3-8b-")
     config = transformers.LlamaConfig(architectures=["LlamaForCausalLM"], num_hidden_layers=layers,
                                       **((shape or LLAMA3_8B) | {"vocab_size": vocab}))
     config.save_pretrained(directory)
@@ -154,13 +166,13 @@ def _decode_row(step: Any) -> dict[str, Any]:
 def layer_kernels(step: Any, layer: int = 1) -> list[dict[str, Any]]:
     """The kernels one layer of a compiled decode step launches, in program order: from the first to the
     last kernel whose module path names ``layers/<layer>`` (a GEMM XLA names no module for, between them,
-    is the layer's too), each with its kind, module, MB and modeled microseconds."""
+    is the layer's too; ``h/<layer>`` in a GPT-2), each with its kind, module, MB and modeled microseconds."""
     kernels = list(step.modeled.kernels)
-    inside = [i for i, m in enumerate(kernels) if re.search(rf"layers/{layer}(/|$)", m.kernel.module)]
+    inside = [i for i, m in enumerate(kernels) if re.search(rf"(layers|h)/{layer}(/|$)", m.kernel.module)]
     if not inside:
         return []
     return [{"kind": m.kernel.kind, "name": m.kernel.name,
-             "module": (re.sub(rf"^.*layers/{layer}/?", "", m.kernel.module) or "(the layer)") if m.kernel.module
+             "module": (re.sub(rf"^.*(layers|h)/{layer}/?", "", m.kernel.module) or "(the layer)") if m.kernel.module
              else "-",
              "mb": m.kernel.bytes * m.kernel.launches / 1e6, "us": m.seconds * 1e6}
             for m in kernels[inside[0]:inside[-1] + 1]]
@@ -198,8 +210,8 @@ def measure_decode_only(target: str) -> list[dict[str, Any]]:
 
 def _llama_rows() -> list[tuple[str, str, str]]:
     """(weights, cache, decode kernels) of the llama3_8b rows."""
-    return [(dtype, kv, kernels) for kernels, dtypes in LLAMA3_8B_KERNELS.items()
-            for dtype, kv in ROWS["llama3_8b"] if dtype in dtypes]
+    return [(dtype, kv, "xla") for dtype, kv in ROWS["llama3_8b"]] + [
+        (dtype, kv, "fused") for dtype, kv in ROWS["llama3_8b"] if dtype in FUSED_ROWS["llama3_8b"]]
 
 
 def _windows(model: str, source: Source, batches: int) -> list[np.ndarray]:
@@ -247,13 +259,32 @@ def measure(model: str, source: Source, batches: int, tokens: int, target: str, 
             row |= {"perplexity": perplexity, "greedy_agreement": float(np.mean(greedy == reference)),
                     **_speed(generator, prompt, tokens)}
         try:
-            row |= _decode_row(compile_decode_step(generator, target))
+            step = compile_decode_step(generator, target)
+            row |= _decode_row(step)
+            if dtype in FUSED_ROWS.get(model, ()) and kv == "bf16":  # beside the fused kernels' layer
+                row["layer_kernels"] = layer_kernels(step)
         except TargetError as e:
             row |= {"h100_error": str(e)}
         row["seconds"] = time.perf_counter() - start
         rows.append(row)
         print(_row_line(row), flush=True)
-    return rows
+    return rows + _fused_rows(model, source, target)
+
+
+def _fused_rows(model: str, source: Source, target: str) -> list[dict[str, Any]]:
+    """The decode step compiled with the fused kernels (:data:`FUSED_ROWS`), bf16 cache (they run
+    interpreted on a CPU: no speed or scores of theirs here)."""
+    fused = []
+    for dtype in FUSED_ROWS.get(model, ()):
+        start = time.perf_counter()
+        generator = Generator(source, dtype, "bf16", decode_kernels="fused")
+        step = compile_decode_step(generator, target)
+        row = {"model": model, "weights": dtype, "cache": "bf16", "kernels": "fused", "perplexity": None,
+               "weight_bytes": generator.served.bytes, **_decode_row(step), "layer_kernels": layer_kernels(step),
+               "seconds": time.perf_counter() - start}
+        fused.append(row)
+        print(_row_line(row), flush=True)
+    return fused
 
 
 def _row_line(r: dict[str, Any]) -> str:
@@ -284,7 +315,7 @@ def markdown(result: dict[str, Any]) -> str:
              f"{1e6 * CALIBRATION.min_kernel_seconds:.2f} us latency and {1e6 * CALIBRATION.gap_seconds:.2f} us gap, "
              "compute-bound time past them). llama3_8b: random weights, the decode step alone, compiled at 1-2 layers "
              "and a quarter and half of its vocabulary, taken to 32 layers and 128,256 tokens (module docstring); "
-             "its rows with fused kernels: `--decode-kernels fused` (`train.serving.decode_kernels`).", "",
+             "rows with fused kernels: `--decode-kernels fused` (`train.serving.fused_decode`), the decode step alone.", "",
              "| model | weights | cache | perplexity | greedy = f32 | tokens/s (CPU) | MB per token | H100 modeled / "
              "bandwidth limit | MB the H100 step moves | its kernels | modeled us: streaming + launches + compute |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -294,7 +325,7 @@ def markdown(result: dict[str, Any]) -> str:
     for r in result["rows"]:
         if r.get("layer_kernels"):
             lines += ["", f"The kernels one layer of {r['model']}'s decode step launches, {_weights(r)} weights "
-                      f"({len(r['layer_kernels'])}; the second layer of the 2-layer program, in program order; "
+                      f"({len(r['layer_kernels'])}; its second layer, in program order; "
                       "modeled on an H100):", "", "| kind | kernel | module | MB | modeled us |", "|---|---|---|---:|---:|"]
             lines += [f"| {k['kind']} | {k['name']} | {k['module']} | {k['mb']:.3f} | {k['us']:.1f} |"
                       for k in r["layer_kernels"]]
@@ -350,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
             rows += measure_decode_only(args.target)
             continue
         source = (load_source(args.run) if model == "shakespeare" else load_source(args.qlora_run)
-                  if model == "shakespeare_qlora" else with_nf4_base(_gpt2_small()))
+                  if model == "shakespeare_qlora" else with_nf4_base(gpt2_source()))
         rows += measure(model, source, 2 if model == "gpt2_small" else args.batches, args.tokens, args.target,
                         args.decode_only)
     result = {"command": command("benchmarks.serving", argv), "environment": environment(), "tokens": args.tokens,

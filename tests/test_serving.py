@@ -15,7 +15,7 @@ from flax import traverse_util
 import train
 from serving_models import VOCAB, decoding_source, gpt_source, huggingface_gpt2
 from train.cli import main
-from train.serving import Generator, Sampling, load_source
+from train.serving import Generator, SampleError, Sampling, load_source
 from train.serving.kv_store import QuantizedKV
 from train.serving.layout import is_stored_weight, read_weight
 from train.serving.sampling import next_tokens
@@ -126,8 +126,6 @@ def test_sampling_keeps_the_top_k_and_the_nucleus_in_float32():
 
 
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
-    from train.serving import SampleError
-
     with pytest.raises(SampleError, match=r"outside the model's vocabulary \('Z'; the first at position 3\)"):
         _served("bf16").generate("ROMZEO", 4)
     with pytest.raises(SampleError, match="pass the model's context of 32 positions .* give --tokens 26 or fewer"):
@@ -158,9 +156,14 @@ def test_a_hugging_face_gpt2_samples_through_the_command_with_its_cache(hf_dir, 
     np.testing.assert_array_equal(_greedy(source, tokens=6, prompt="ROMEO : the king"), uncached)
     assert main(["sample", str(hf_dir), "--prompt", "ROMEO : Tybalt"]) == 2
     assert "cannot encode" in capsys.readouterr().err
-    assert main(["sample", str(hf_dir), "--decode-kernels", "fused"]) == 2  # a GPT-2: Llama's kernels only
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--decode-kernels fused: the fused decode kernels are written for Llama" in err
+    fused = ["sample", str(hf_dir), "--prompt", "ROMEO : the king", "--tokens", "6", "--temperature", "0",
+             "--decode-kernels", "fused"]
+    assert main(fused) == 0  # the same tokens through the fused kernels (interpreted here)
+    fused_text, fused_end = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert fused_text == text and "each token in fused kernels" in fused_end
+    with pytest.raises(SampleError, match="--decode-kernels fused: the fused decode kernels are written for Hugging "
+                                          "Face gpt2, llama, mistral models; GPT is not one"):
+        Generator(SOURCE, "bf16", decode_kernels="fused")
 
 
 def test_an_exported_lora_fine_tune_of_it_samples_through_the_command(hf_dir, tmp_path, capsys):

@@ -51,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="refuse --tokens past the model's context instead of sliding the window")
     parser.add_argument("--decode-kernels", default="xla", choices=("xla", "fused"),
                         help="each new token through the model's own modules compiled by XLA (default), or, for a "
-                             "Llama-family Hugging Face model on a GPU, through five fused kernels a layer "
+                             "Hugging Face Llama-family or GPT-2 model on a GPU, through five fused kernels a layer "
                              "(docs/serving.md)")
     parser.add_argument("--diagnose", action="store_true",
                         help="also run the numerics doctor on the prefill and a decode step in DTYPE / KV_DTYPE: "

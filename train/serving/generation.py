@@ -240,7 +240,7 @@ def generate(source: "Source | str", prompt: str | Sequence[int], *, tokens: int
     cache in ``kv_dtype`` (``bf16``, ``f16``, ``int8``, ``fp8``; None: the compute dtype),
     sampled in float32 at ``temperature`` (0: greedy) from the ``top_k`` / ``top_p`` tokens,
     keyed by ``seed``. The prompt goes in one compiled pass, each token in one compiled step
-    (``decode_kernels="fused"``: a Llama's in five kernels a layer, :mod:`train.serving.fused_decode`).
+    (``decode_kernels="fused"``: a Llama's or GPT-2's in five kernels a layer, :mod:`train.serving.fused_decode`).
     Raises :class:`SampleError` (one line)."""
     generator = Generator(source, dtype, kv_dtype, cache, decode_kernels)
     return generator.generate(prompt, tokens, Sampling(temperature, top_k, top_p, seed), batch, window)
