@@ -3,8 +3,6 @@ configs, and model/data mismatches caught before any compute."""
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -141,14 +139,16 @@ def test_any_overrides_are_valid_or_a_config_error(pairs):
     (["data.name=fashion_mnist", "data.path=/nonexistent/dir"], "/nonexistent/dir"),
     (["data.name=shakespeare", "data.path=/nonexistent/plays.txt"], "/nonexistent/plays.txt"),
 ])
-def test_bad_sizes_data_and_model_data_mismatches_fail_before_any_compute(tmp_path, overrides, message):
+def test_bad_sizes_data_and_model_data_mismatches_fail_before_any_compute(tmp_path, capsys, overrides, message):
+    from train.cli import main
+
     workdir = tmp_path / "run"
     base = tmp_path / "base.yaml"
     base.write_text("progress: false\n")
-    args = [sys.executable, "-m", "train", str(base), f"workdir={workdir}", *overrides]
-    result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    text = " ".join(result.stderr.split())
-    assert result.returncode == 2, result.stderr[-2000:]
+    code = main([str(base), f"workdir={workdir}", *overrides])  # the CLI, in process (test_train_config: as a program)
+    stderr = capsys.readouterr().err
+    text = " ".join(stderr.split())
+    assert code == 2, stderr[-2000:]
     assert message in text and "Traceback" not in text
     assert not workdir.exists()  # nothing was computed or written
 

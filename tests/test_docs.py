@@ -40,6 +40,9 @@ RUN_BY_TESTS = {
         "tests/test_compile_for.py::test_an_fsdp_step_on_8_h100s_gathers_params_in_bf16_and_its_gemms_stay_half",
     "python -m train configs/gpu/gpt2_small_mixed_bf16.yaml --compile-for h100 precision.policy=mixed_fp8":
         "tests/test_compile_for.py::test_mixed_fp8_with_min_size_0_gives_an_fp8_gemm_for_every_fp8_matmul",
+    # the suite at its quick size, in process: each way of timing, ours against hand-written
+    "python -m benchmarks --quick":
+        "tests/test_benchmarks.py::test_the_suite_times_ours_against_hand_written_three_ways_and_saves_the_programs",
     # the same pick path, on the default experiment with its candidates (the docs command's run took 13 s more)
     "python -m train configs/default.yaml --pick-policy":
         "tests/test_policy_pick.py::test_the_default_experiment_is_picked_by_measurement_and_the_fragment_loads",

@@ -101,14 +101,6 @@ def test_what_the_fused_kernels_cannot_take_is_refused_in_one_line(llama):
     assert "batch 3" in fused_refusal(generator.model, generator.served.params, 3)
 
 
-def test_a_gpt2_generates_the_models_greedy_tokens_in_fused_kernels(gpt2):
-    greedy = Sampling(temperature=0)
-    want = Generator(gpt2, "bf16").generate(PROMPT, 6, greedy)
-    got = Generator(gpt2, "bf16", decode_kernels="fused").generate(PROMPT, 6, greedy)
-    np.testing.assert_array_equal(got.tokens, want.tokens)
-    assert "each token in fused kernels" in got.end_line()
-
-
 def test_models_of_other_families_and_layers_the_kernels_do_not_do_are_refused_by_name():
     class Config:
         model_type, activation_function = "gptj", "gelu_new"

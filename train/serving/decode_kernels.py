@@ -3,7 +3,7 @@
 At batch 1 a decode step reads every weight once for two FLOPs a weight: its time is the
 weights' bytes over the memory bandwidth, plus a launch per kernel. XLA launches about
 twenty kernels a Llama layer (the norm, its cast, each projection, the rotary embedding,
-the cache's two writes and its index, the mask's cast, the residual adds) and a dozen a
+the cache's two writes and its index, the mask's cast, the residual adds) and sixteen a
 GPT-2 layer, and those launches cost more than the bytes do on an H100
 (``benchmarks/results/serving-*.md``). With these Pallas kernels and the attention's
 (:mod:`train.serving.decode_attention`) a layer is five launches:
@@ -194,13 +194,13 @@ def _specs(*arrays):
     return [whole(a.shape) for a in arrays]
 
 
-def norm_gemv(x, norm: Norm, w, bias=None, activation: str | None = None, rounded: bool = False):
+def norm_gemv(x, norm: Norm, w, bias=None, activation: str | None = None):
     """``activation(norm(x) @ w.T + bias)`` ``(B, n)`` in float32: ``x`` ``(B, d)``, ``w`` ``(n, d)``.
-    ``rounded`` (implied by a bias or an activation): the projection's result in the weight's dtype,
-    as the model's layer gives it (a Llama's head: float32 sums, not rounded)."""
+    With a bias or an activation (a layer inside the model) the projection's result is rounded to the
+    weight's dtype as the model's layer gives it; without (a Llama's head), its float32 sums."""
     w = _Weight(w)
     b, bn = x.shape[0], _columns(w.n)
-    rounded = rounded or bias is not None or activation is not None
+    rounded = bias is not None or activation is not None
 
     def kernel(x_ref, *refs):
         refs = list(refs)
