@@ -1,13 +1,13 @@
 """A decode step in five kernels a layer (``--decode-kernels fused``), for the models written for it.
 
 Hugging Face's Flax Llama (and its family: Mistral) and GPT-2 decode through their own
-modules: XLA makes twelve to twenty kernels of each layer. :func:`fused_decoder` wraps the
-model's decoder (:mod:`train.serving.cache`) so that a step of one token runs the layers on
-:mod:`train.serving.decode_kernels` and :mod:`train.serving.decode_attention` instead (each
-family's step: :mod:`train.serving.fused_llama`, :mod:`train.serving.fused_gpt2`), on the same
-weights and the same cache (the model's ``cached_key``, ``cached_value`` and ``cache_index``
-per layer): the prompt still goes through the model's own modules, and a cache either wrote
-the other reads.
+modules: XLA makes sixteen (GPT-2) to twenty (Llama) kernels of each layer.
+:func:`fused_decoder` wraps the model's decoder (:mod:`train.serving.cache`) so that a step of
+one token runs the layers on :mod:`train.serving.decode_kernels` and
+:mod:`train.serving.decode_attention` instead (each family's step:
+:mod:`train.serving.fused_llama`, :mod:`train.serving.fused_gpt2`), on the same weights and the
+same cache (the model's ``cached_key``, ``cached_value`` and ``cache_index`` per layer): the
+prompt still goes through the model's own modules, and a cache either wrote the other reads.
 
 Its numerics are the model's in the served dtype: weights, normed activations and each
 projection's result rounded to it, sums in float32, the residual stream and the softmax in
